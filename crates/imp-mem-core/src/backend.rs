@@ -1,0 +1,737 @@
+//! L1 — the backend contract (seed A3.1, A3.2).
+//!
+//! A [`Backend`] is the only thing in imp-mem that acquires memory. It is split
+//! in two so that each rule exists once:
+//!
+//! * a [`MemorySource`] does the physical work for one kind of memory (host
+//!   memory for the fake, `cuMemAlloc`, VMM reserve/map, pinned host pages). It
+//!   knows nothing about phases, budgets or tags.
+//! * [`Backend`] wraps any source with the rules that hold for all of them: the
+//!   phase guard, the budget cap, per-tag accounting and the journal.
+//!
+//! Acquisition returns a [`Region`]: move-only, the only type that holds an
+//! address obtained from a source, and released exactly once — when it is
+//! dropped, or explicitly with [`Backend::release`]. Growable regions reserve
+//! address space for their maximum and commit physical memory in granules; their
+//! base never moves (V9).
+//!
+//! Thread safety: a `Backend` is a cheap, clonable handle (`Arc`) and is `Send +
+//! Sync`. Its bookkeeping sits behind one mutex, held across the source call so
+//! that the budget check and the acquisition it admits are one atomic step.
+//! Notices (warnings, re-entry logs) are delivered after the lock is dropped.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
+use crate::error::{MemError, OomReport};
+use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
+use crate::tag::Tag;
+use crate::units::{human_bytes, round_up};
+
+/// The largest single request accepted at all (1 PiB). Anything larger is a
+/// unit mistake, not a memory request.
+pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
+/// The largest alignment accepted (1 GiB).
+pub const MAX_ALIGNMENT: u64 = 1 << 30;
+/// The alignment used when a caller has no opinion (what `cudaMalloc` gives).
+pub const DEFAULT_ALIGNMENT: usize = 256;
+
+/// Where a source's memory lives, which decides how it is exported (DLPack).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Ordinary host memory (the fake backend). DLPack `kDLCPU`.
+    Host,
+    /// Device memory. DLPack `kDLCUDA`.
+    Device,
+    /// Page-locked host memory. DLPack `kDLCUDAHost`.
+    PinnedHost,
+}
+
+impl MemoryKind {
+    /// The DLPack device type code.
+    pub const fn dlpack_device_type(self) -> i32 {
+        match self {
+            MemoryKind::Host => 1,
+            MemoryKind::Device => 2,
+            MemoryKind::PinnedHost => 3,
+        }
+    }
+}
+
+/// What a source is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceInfo {
+    /// Short name: `fake`, `cuda`, `vmm`, `pinned`.
+    pub name: String,
+    /// Where its memory lives.
+    pub kind: MemoryKind,
+    /// Device ordinal (0 for host memory).
+    pub device: i32,
+    /// Physical bytes the device has.
+    pub capacity: u64,
+    /// Growable regions commit in multiples of this (1 where not growable).
+    pub granularity: usize,
+    /// Whether [`MemorySource::reserve`] is supported.
+    pub growable: bool,
+}
+
+/// A physical failure, before the backend adds its context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceError {
+    /// The device has no memory for it.
+    OutOfMemory,
+    /// The source cannot reserve growable regions.
+    NotGrowable,
+    /// The driver refused for another reason.
+    Driver(String),
+    /// A source-level check failed (a base that moved, a range outside a
+    /// reservation). Always a bug.
+    Invariant(String),
+}
+
+/// The physical side of a backend: one kind of memory on one device.
+///
+/// # Safety
+///
+/// An implementation promises, and [`Backend`] relies on it:
+///
+/// 1. `allocate(bytes, align)` returns an address `a` with `a % align == 0`
+///    such that `[a, a + bytes)` overlaps no other live allocation or
+///    reservation of this source, and stays valid until `free(a, bytes, align)`.
+/// 2. `reserve(max, align)` returns a base `b` with `b % align == 0` whose
+///    `[b, b + max)` overlaps nothing else live; `commit(b, from, to)` makes
+///    `[b + from, b + to)` usable without moving `b`; `decommit(b, from, to)`
+///    returns that range's physical memory; `unreserve` frees all of it.
+/// 3. No method panics or aborts: failures are returned as [`SourceError`].
+///
+/// The backend promises in turn that every `free`, `decommit` and `unreserve`
+/// names an address and sizes that this source returned and that are live.
+pub unsafe trait MemorySource: Send + Sync + 'static {
+    /// What this source is.
+    fn info(&self) -> SourceInfo;
+
+    /// Acquires `bytes` (> 0) aligned to `align` (a power of two).
+    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError>;
+
+    /// Frees what `allocate` returned.
+    ///
+    /// # Safety
+    /// `addr`, `bytes` and `align` are exactly those of a live allocation of
+    /// this source, and nothing uses the memory afterwards.
+    unsafe fn free(&self, addr: usize, bytes: usize, align: usize);
+
+    /// Reserves `max_bytes` of address space for a growable region, with no
+    /// physical memory behind it yet.
+    fn reserve(&self, max_bytes: usize, align: usize) -> Result<usize, SourceError> {
+        let _ = (max_bytes, align);
+        Err(SourceError::NotGrowable)
+    }
+
+    /// Commits `[base + from, base + to)` of a reservation (`from < to`,
+    /// both multiples of the granularity, `to` within the reservation).
+    fn commit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        let _ = (base, from, to);
+        Err(SourceError::NotGrowable)
+    }
+
+    /// Returns the physical memory of `[base + from, base + to)`.
+    ///
+    /// # Safety
+    /// The range is committed, and nothing (no kernel in flight either) uses
+    /// it afterwards.
+    unsafe fn decommit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        let _ = (base, from, to);
+        Err(SourceError::NotGrowable)
+    }
+
+    /// Frees a reservation and whatever of it is still committed. Infallible:
+    /// it runs when a region is dropped.
+    ///
+    /// # Safety
+    /// `base` is a live reservation of `max_bytes` with `committed` bytes
+    /// committed, and nothing uses it afterwards.
+    unsafe fn unreserve(&self, base: usize, max_bytes: usize, committed: usize) {
+        let _ = (base, max_bytes, committed);
+    }
+}
+
+/// How serious a notice is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoticeLevel {
+    /// Worth recording (a re-entry to planning).
+    Info,
+    /// Something an operator should fix (an acquisition while serving).
+    Warning,
+}
+
+/// Where a backend sends its notices. The Python binding routes warnings to
+/// `warnings.warn` and infos to `logging`.
+pub type Notifier = Arc<dyn Fn(NoticeLevel, &str) + Send + Sync>;
+
+static NEXT_BACKEND_ID: AtomicU64 = AtomicU64::new(1);
+
+struct State {
+    guard: PhaseGuard,
+    ledger: Ledger,
+    budget: u64,
+    journal: Option<Vec<JournalEntry>>,
+}
+
+impl State {
+    fn record(&mut self, tag: Tag, bytes: u64, op: JournalOp) {
+        let phase = self.guard.phase();
+        if let Some(journal) = self.journal.as_mut() {
+            let seq = journal.len() as u64;
+            journal.push(JournalEntry { seq, phase, tag, bytes, op });
+        }
+    }
+
+    fn oom(&self, asked: u64, tag: Tag, capacity: u64, device_refused: bool) -> MemError {
+        MemError::OutOfMemory(OomReport {
+            asked,
+            live: self.ledger.live(),
+            budget: self.budget,
+            capacity,
+            tag,
+            device_refused,
+        })
+    }
+
+    /// The budget check every acquisition and commit passes.
+    fn check_budget(&self, asked: u64, tag: Tag, capacity: u64) -> Result<(), MemError> {
+        if self.ledger.committed().saturating_add(asked) > self.budget {
+            return Err(self.oom(asked, tag, capacity, false));
+        }
+        Ok(())
+    }
+}
+
+struct Shared {
+    id: u64,
+    source: Arc<dyn MemorySource>,
+    info: SourceInfo,
+    state: Mutex<State>,
+    notifier: RwLock<Option<Notifier>>,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock means a panic elsewhere; the counters are still the
+        // best record there is, so keep serving them.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn notify(&self, level: NoticeLevel, message: &str) {
+        let notifier = self.notifier.read().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(notifier) = notifier {
+            notifier(level, message);
+        }
+    }
+
+    fn map_source_error(&self, state: &State, err: SourceError, asked: u64, tag: Tag) -> MemError {
+        match err {
+            SourceError::OutOfMemory => state.oom(asked, tag, self.info.capacity, true),
+            SourceError::NotGrowable => MemError::invalid(format!(
+                "the {} backend has no growable regions; use acquire() for a fixed size, or a \
+                 VMM backend for a region that grows",
+                self.info.name
+            )),
+            SourceError::Driver(msg) => MemError::Driver(msg),
+            SourceError::Invariant(msg) => MemError::Invariant(msg),
+        }
+    }
+
+    fn release(&self, region: &Region) {
+        let mut state = self.state();
+        if region.growable {
+            // SAFETY: the region is the unique owner of this reservation (Region
+            // is move-only and released once, from its Drop), and its sizes are
+            // the ones the source was given.
+            unsafe { self.source.unreserve(region.base, region.reserved, region.committed) };
+        } else {
+            // SAFETY: as above, for a plain allocation made with these sizes.
+            unsafe { self.source.free(region.base, region.reserved, region.align) };
+        }
+        state.ledger.on_release(region.tag, region.reserved as u64, region.committed as u64);
+        state.record(region.tag, region.committed as u64, JournalOp::Release);
+    }
+}
+
+/// The backend: a memory source plus the phase guard, the budget and the
+/// accounting. Cloning gives another handle to the same backend.
+#[derive(Clone)]
+pub struct Backend {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backend")
+            .field("id", &self.shared.id)
+            .field("source", &self.shared.info.name)
+            .finish()
+    }
+}
+
+fn check_size(what: &str, bytes: u64) -> Result<usize, MemError> {
+    if bytes == 0 {
+        return Err(MemError::invalid(format!("{what} must be positive, got 0")));
+    }
+    if bytes > MAX_REQUEST_BYTES {
+        return Err(MemError::invalid(format!(
+            "{what} of {bytes} B is larger than any device (over 1 PiB); check the units"
+        )));
+    }
+    usize::try_from(bytes).map_err(|_| MemError::invalid(format!("{what} does not fit this host")))
+}
+
+fn check_alignment(align: u64) -> Result<usize, MemError> {
+    if align == 0 || !align.is_power_of_two() {
+        return Err(MemError::invalid(format!(
+            "alignment must be a power of two, got {align}; use e.g. 256"
+        )));
+    }
+    if align > MAX_ALIGNMENT {
+        return Err(MemError::invalid(format!(
+            "alignment {align} is larger than 1 GiB; use a smaller power of two"
+        )));
+    }
+    Ok(align as usize)
+}
+
+impl Backend {
+    /// A backend over `source`, in `LOADING`, with `budget` (default: the
+    /// source's capacity). The journal is off; see [`Backend::enable_journal`].
+    pub fn new(
+        source: Arc<dyn MemorySource>,
+        mode: PhaseMode,
+        budget: Option<u64>,
+    ) -> Result<Self, MemError> {
+        let info = source.info();
+        let budget = budget.unwrap_or(info.capacity);
+        if budget > info.capacity {
+            return Err(MemError::invalid(format!(
+                "budget {} is larger than the device's capacity {}; use at most {} B",
+                human_bytes(budget),
+                human_bytes(info.capacity),
+                info.capacity
+            )));
+        }
+        let state = State { guard: PhaseGuard::new(mode), ledger: Ledger::default(), budget, journal: None };
+        Ok(Self {
+            shared: Arc::new(Shared {
+                id: NEXT_BACKEND_ID.fetch_add(1, Ordering::Relaxed),
+                source,
+                info,
+                state: Mutex::new(state),
+                notifier: RwLock::new(None),
+            }),
+        })
+    }
+
+    /// A process-unique id, for identity checks (a region or block from one
+    /// backend is never accepted by another).
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// What the source is.
+    pub fn info(&self) -> &SourceInfo {
+        &self.shared.info
+    }
+
+    /// Starts recording every acquire / release / commit / decommit.
+    pub fn enable_journal(&self) {
+        let mut state = self.shared.state();
+        if state.journal.is_none() {
+            state.journal = Some(Vec::new());
+        }
+    }
+
+    /// The journal so far, if it is enabled.
+    pub fn journal(&self) -> Option<Vec<JournalEntry>> {
+        self.shared.state().journal.clone()
+    }
+
+    /// Routes notices (steady-state warnings, re-entry logs) to `notifier`.
+    pub fn set_notifier(&self, notifier: Option<Notifier>) {
+        *self.shared.notifier.write().unwrap_or_else(|p| p.into_inner()) = notifier;
+    }
+
+    /// The phase now.
+    pub fn phase(&self) -> Phase {
+        self.shared.state().guard.phase()
+    }
+
+    /// Moves one phase forward (`LOADING → PLANNING → SERVING`).
+    pub fn advance(&self, to: Phase) -> Result<(), MemError> {
+        self.shared.state().guard.advance(to)
+    }
+
+    /// `LOADING → PLANNING`.
+    pub fn begin_planning(&self) -> Result<(), MemError> {
+        self.advance(Phase::Planning)
+    }
+
+    /// `PLANNING → SERVING`.
+    pub fn begin_serving(&self) -> Result<(), MemError> {
+        self.advance(Phase::Serving)
+    }
+
+    /// Opens the bracketed re-entry to planning (a model swap). The phase
+    /// reads `PLANNING` until the returned guard is dropped, then `SERVING`.
+    /// Both edges are logged.
+    pub fn replanning(&self, reason: &str) -> Result<ReplanGuard, MemError> {
+        self.shared.state().guard.enter_replanning()?;
+        self.shared.notify(
+            NoticeLevel::Info,
+            &format!("re-entering PLANNING while serving ({reason}); acquisitions are allowed until it closes"),
+        );
+        Ok(ReplanGuard { backend: self.clone(), reason: reason.to_string() })
+    }
+
+    /// The budget cap.
+    pub fn budget(&self) -> u64 {
+        self.shared.state().budget
+    }
+
+    /// Changes the budget cap. Refused if it is below what is committed now
+    /// or above the device's capacity.
+    pub fn set_budget(&self, budget: u64) -> Result<(), MemError> {
+        let mut state = self.shared.state();
+        let committed = state.ledger.committed();
+        if budget < committed {
+            return Err(MemError::invalid(format!(
+                "budget {} is below the {} already committed; release regions first or choose \
+                 at least {committed} B",
+                human_bytes(budget),
+                human_bytes(committed)
+            )));
+        }
+        if budget > self.shared.info.capacity {
+            return Err(MemError::invalid(format!(
+                "budget {} is larger than the device's capacity {}",
+                human_bytes(budget),
+                human_bytes(self.shared.info.capacity)
+            )));
+        }
+        state.budget = budget;
+        Ok(())
+    }
+
+    /// Acquires `bytes` aligned to `align` for `tag`.
+    pub fn acquire(&self, bytes: u64, align: u64, tag: Tag) -> Result<Region, MemError> {
+        let size = check_size("size", bytes)?;
+        let align = check_alignment(align)?;
+        let (region, admission) = {
+            let mut state = self.shared.state();
+            state.check_budget(bytes, tag, self.shared.info.capacity)?;
+            let admission = state.guard.admit(tag, bytes)?;
+            let base = self
+                .shared
+                .source
+                .allocate(size, align)
+                .map_err(|e| self.shared.map_source_error(&state, e, bytes, tag))?;
+            state.ledger.on_acquire(tag, bytes, bytes);
+            state.record(tag, bytes, JournalOp::Acquire);
+            let region = Region {
+                base,
+                reserved: size,
+                committed: size,
+                align,
+                tag,
+                growable: false,
+                backend: self.clone(),
+            };
+            (region, admission)
+        };
+        self.warn_if_first(admission, tag, bytes);
+        Ok(region)
+    }
+
+    /// Acquires a growable region: `reserve` bytes of address space, of which
+    /// `initial` (rounded up to the granularity) are committed now.
+    pub fn acquire_growable(&self, reserve: u64, initial: u64, tag: Tag) -> Result<Region, MemError> {
+        let granule = self.shared.info.granularity.max(1);
+        let reserved = check_size("reservation", reserve)?;
+        let reserved = round_up(reserved, granule)
+            .ok_or_else(|| MemError::invalid("reservation overflows when rounded to the granularity"))?;
+        if initial > reserve {
+            return Err(MemError::invalid(format!(
+                "initial commit {initial} B is larger than the reservation {reserve} B"
+            )));
+        }
+        let initial = round_up(initial as usize, granule)
+            .ok_or_else(|| MemError::invalid("initial commit overflows"))?
+            .min(reserved);
+        let align = granule.max(DEFAULT_ALIGNMENT).next_power_of_two();
+        let (region, admission) = {
+            let mut state = self.shared.state();
+            state.check_budget(initial as u64, tag, self.shared.info.capacity)?;
+            let admission = state.guard.admit(tag, initial as u64)?;
+            let base = self
+                .shared
+                .source
+                .reserve(reserved, align)
+                .map_err(|e| self.shared.map_source_error(&state, e, initial as u64, tag))?;
+            if initial > 0 {
+                if let Err(e) = self.shared.source.commit(base, 0, initial) {
+                    // SAFETY: `base` was reserved just above with these sizes and
+                    // nothing else has seen it.
+                    unsafe { self.shared.source.unreserve(base, reserved, 0) };
+                    return Err(self.shared.map_source_error(&state, e, initial as u64, tag));
+                }
+            }
+            state.ledger.on_acquire(tag, reserved as u64, initial as u64);
+            state.record(tag, initial as u64, JournalOp::Acquire);
+            let region = Region {
+                base,
+                reserved,
+                committed: initial,
+                align,
+                tag,
+                growable: true,
+                backend: self.clone(),
+            };
+            (region, admission)
+        };
+        self.warn_if_first(admission, tag, initial as u64);
+        Ok(region)
+    }
+
+    fn warn_if_first(&self, admission: Admission, tag: Tag, bytes: u64) {
+        if admission == (Admission::Counted { first: true }) {
+            self.shared.notify(
+                NoticeLevel::Warning,
+                &format!(
+                    "steady-state acquisition of {bytes} B for tag '{tag}' while SERVING; it is \
+                     counted in steady_state_allocations_total and reported once per tag — \
+                     plan this memory before serving"
+                ),
+            );
+        }
+    }
+
+    /// Releases a region now. A region from another backend is refused (and
+    /// still released, to its own backend).
+    pub fn release(&self, region: Region) -> Result<(), MemError> {
+        if region.backend.id() != self.id() {
+            let owner = region.backend.id();
+            drop(region);
+            return Err(MemError::invalid(format!(
+                "region belongs to backend #{owner}, not #{}; release it through its own backend",
+                self.id()
+            )));
+        }
+        drop(region);
+        Ok(())
+    }
+
+    /// A snapshot of the accounting.
+    pub fn stats(&self) -> BackendStats {
+        let state = self.shared.state();
+        let guard = &state.guard;
+        state.ledger.snapshot(
+            guard.phase(),
+            guard.mode(),
+            state.budget,
+            self.shared.info.capacity,
+            |tag| guard.steady_state_allocations(tag),
+        )
+    }
+
+    /// Bytes live now.
+    pub fn live(&self) -> u64 {
+        self.shared.state().ledger.live()
+    }
+
+    /// Checks the accounting's own invariants: V1 against the journal when it
+    /// is on, per-tag sums, and the budget.
+    pub fn check_invariants(&self) -> Result<(), MemError> {
+        let state = self.shared.state();
+        let live = state.ledger.live();
+        if let Some(journal) = &state.journal {
+            let replayed: i128 = journal.iter().map(|e| e.op.sign() as i128 * e.bytes as i128).sum();
+            if replayed != live as i128 {
+                return Err(MemError::Invariant(format!(
+                    "V1: journal replays to {replayed} B live, ledger says {live} B"
+                )));
+            }
+        }
+        let tag_live: u64 = Tag::ALL.iter().map(|&t| state.ledger.tag(t).live).sum();
+        if tag_live != live {
+            return Err(MemError::Invariant(format!(
+                "per-tag live sums to {tag_live} B, total is {live} B"
+            )));
+        }
+        if state.ledger.committed() > state.budget {
+            return Err(MemError::Invariant(format!(
+                "{} B committed over a budget of {} B",
+                state.ledger.committed(),
+                state.budget
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The open re-entry to planning; dropping it returns the backend to
+/// `SERVING`.
+#[must_use = "the re-entry closes when this guard is dropped"]
+pub struct ReplanGuard {
+    backend: Backend,
+    reason: String,
+}
+
+impl Drop for ReplanGuard {
+    fn drop(&mut self) {
+        let closed = self.backend.shared.state().guard.exit_replanning();
+        if closed.is_ok() {
+            self.backend.shared.notify(
+                NoticeLevel::Info,
+                &format!("re-entry to PLANNING closed ({}); back to SERVING", self.reason),
+            );
+        }
+    }
+}
+
+/// Memory acquired from a backend. Move-only; released exactly once, when
+/// dropped.
+pub struct Region {
+    base: usize,
+    reserved: usize,
+    committed: usize,
+    align: usize,
+    tag: Tag,
+    growable: bool,
+    backend: Backend,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("committed", &self.committed)
+            .field("reserved", &self.reserved)
+            .field("tag", &self.tag)
+            .field("growable", &self.growable)
+            .finish()
+    }
+}
+
+impl Region {
+    /// The first address. Never changes, growable or not (V9).
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
+    /// Bytes usable now (committed).
+    pub fn len(&self) -> usize {
+        self.committed
+    }
+
+    /// True when nothing is committed (a growable region before its first
+    /// commit).
+    pub fn is_empty(&self) -> bool {
+        self.committed == 0
+    }
+
+    /// Address space held: the maximum a growable region can commit.
+    pub fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// The alignment of `base`.
+    pub fn align(&self) -> usize {
+        self.align
+    }
+
+    /// What the region is for.
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    /// Whether it can commit and decommit.
+    pub fn is_growable(&self) -> bool {
+        self.growable
+    }
+
+    /// The backend it came from.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    fn check_growable(&self, what: &str) -> Result<usize, MemError> {
+        if !self.growable {
+            return Err(MemError::invalid(format!(
+                "cannot {what} a fixed region; acquire it with acquire_growable() to grow it"
+            )));
+        }
+        Ok(self.backend.shared.info.granularity.max(1))
+    }
+
+    /// Grows the committed part to at least `new_len` bytes (rounded up to the
+    /// granularity). A no-op if it is already that large. The base does not
+    /// move.
+    pub fn commit(&mut self, new_len: u64) -> Result<(), MemError> {
+        let granule = self.check_growable("commit")?;
+        if new_len > self.reserved as u64 {
+            return Err(MemError::invalid(format!(
+                "commit to {new_len} B is past the reservation of {} B; reserve more when \
+                 acquiring",
+                self.reserved
+            )));
+        }
+        let target = round_up(new_len as usize, granule)
+            .ok_or_else(|| MemError::invalid("commit size overflows"))?
+            .min(self.reserved);
+        if target <= self.committed {
+            return Ok(());
+        }
+        let delta = (target - self.committed) as u64;
+        let shared = &self.backend.shared;
+        let mut state = shared.state();
+        state.check_budget(delta, self.tag, shared.info.capacity)?;
+        shared
+            .source
+            .commit(self.base, self.committed, target)
+            .map_err(|e| shared.map_source_error(&state, e, delta, self.tag))?;
+        state.ledger.on_commit(self.tag, delta);
+        state.record(self.tag, delta, JournalOp::Commit);
+        self.committed = target;
+        Ok(())
+    }
+
+    /// Shrinks the committed part to `new_len` bytes (rounded up to the
+    /// granularity), returning the rest of the physical memory. A no-op if it
+    /// is already that small. The caller guarantees nothing in flight still
+    /// uses the decommitted tail (on a GPU: the fence has completed).
+    pub fn decommit(&mut self, new_len: u64) -> Result<(), MemError> {
+        let granule = self.check_growable("decommit")?;
+        let target = round_up(new_len.min(self.reserved as u64) as usize, granule)
+            .ok_or_else(|| MemError::invalid("decommit size overflows"))?
+            .min(self.reserved);
+        if target >= self.committed {
+            return Ok(());
+        }
+        let delta = (self.committed - target) as u64;
+        let shared = &self.backend.shared;
+        let mut state = shared.state();
+        // SAFETY: `[target, committed)` is committed in this region's live
+        // reservation, and `&mut self` means no span of this crate borrows it.
+        unsafe { shared.source.decommit(self.base, target, self.committed) }
+            .map_err(|e| shared.map_source_error(&state, e, delta, self.tag))?;
+        state.ledger.on_decommit(self.tag, delta);
+        state.record(self.tag, delta, JournalOp::Decommit);
+        self.committed = target;
+        Ok(())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        let shared = Arc::clone(&self.backend.shared);
+        shared.release(self);
+    }
+}

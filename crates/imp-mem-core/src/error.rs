@@ -1,0 +1,122 @@
+//! Errors are values: every failure the core can report, with the numbers
+//! that explain it and what to change.
+//!
+//! The Python binding maps each variant, once, to the exception hierarchy
+//! under `imp_mem.ImpMemError`.
+
+use crate::phase::Phase;
+use crate::tag::Tag;
+use crate::units::human_bytes;
+
+/// The arithmetic of a refused acquisition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OomReport {
+    /// Bytes asked for.
+    pub asked: u64,
+    /// Bytes live on the backend when it was asked.
+    pub live: u64,
+    /// The backend's budget.
+    pub budget: u64,
+    /// The device's capacity.
+    pub capacity: u64,
+    /// What the bytes were for.
+    pub tag: Tag,
+    /// True when the device itself refused (its memory is used by something
+    /// outside this backend), false when the budget cap refused.
+    pub device_refused: bool,
+}
+
+impl std::fmt::Display for OomReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self { asked, live, budget, capacity, tag, device_refused } = *self;
+        if device_refused {
+            write!(
+                f,
+                "out of memory: the device refused {} for tag '{tag}' with {} live on this backend \
+                 (budget {}, capacity {}); memory outside this backend is in use — lower the \
+                 budget to what the device can really give, or free memory elsewhere",
+                human_bytes(asked),
+                human_bytes(live),
+                human_bytes(budget),
+                human_bytes(capacity)
+            )
+        } else {
+            let over = live.saturating_add(asked).saturating_sub(budget);
+            write!(
+                f,
+                "out of memory: asked {} for tag '{tag}' with {} live; that exceeds the budget of {} \
+                 by {} (capacity {}); release regions, raise the budget, or plan a smaller \
+                 configuration",
+                human_bytes(asked),
+                human_bytes(live),
+                human_bytes(budget),
+                human_bytes(over),
+                human_bytes(capacity)
+            )
+        }
+    }
+}
+
+/// Every failure of the core.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemError {
+    /// The budget or the device refused an acquisition.
+    #[error("{0}")]
+    OutOfMemory(OomReport),
+    /// An acquisition while serving, in strict mode, or a phase transition
+    /// that is not allowed.
+    #[error("{message}")]
+    PhaseViolation {
+        /// The phase the backend was in.
+        phase: Phase,
+        /// What was refused and what to do instead.
+        message: String,
+    },
+    /// A caller passed something unusable; the message says what to change.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A span or handle used after the memory behind it was reset or released.
+    #[error("{0}")]
+    StaleSpan(String),
+    /// A capacity check refused: the pool cannot hold what was asked.
+    #[error("{0}")]
+    Capacity(String),
+    /// The device backend cannot be used on this machine.
+    #[error("{0}")]
+    BackendUnavailable(String),
+    /// The driver reported an error.
+    #[error("driver error: {0}")]
+    Driver(String),
+    /// An internal invariant was found broken. Always a bug in imp-mem.
+    #[error("internal invariant broken (a bug in imp-mem, please report it): {0}")]
+    Invariant(String),
+}
+
+impl MemError {
+    /// Shorthand for an [`MemError::InvalidArgument`].
+    pub fn invalid(message: impl Into<String>) -> Self {
+        MemError::InvalidArgument(message.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_message_has_the_arithmetic_and_a_remedy() {
+        let report = OomReport {
+            asked: 3 << 30,
+            live: 6 << 30,
+            budget: 8 << 30,
+            capacity: 80 << 30,
+            tag: Tag::KvCache,
+            device_refused: false,
+        };
+        let text = MemError::OutOfMemory(report).to_string();
+        assert!(text.contains("3.00 GiB"), "{text}");
+        assert!(text.contains("by 1.00 GiB"), "{text}");
+        assert!(text.contains("kv_cache"), "{text}");
+        assert!(text.contains("raise the budget"), "{text}");
+    }
+}
