@@ -8,18 +8,34 @@
 //!   [`FakeBackend`], device memory in `imp-mem-cuda`) with the rules that are
 //!   the same for every device: the phase guard ([`phase`]), per-tag
 //!   accounting ([`accounting`]), the budget cap and the journal.
-//! * **L2/L3 — tiers and handles**, the planner and the KV manager build on
-//!   the backend and live in their own modules.
+//! * **L2 — tier allocators**, one per lifetime tier ([`tier`]): [`Arena`]
+//!   (T1, T2), [`BlockPool`] (T3), [`ScratchStack`] (T4), [`PinnedHost`]
+//!   (T5b).
+//! * **L3 — handles** ([`span`]): [`StableSpan`] (minted only by the tier
+//!   allocators), [`DeviceSpan`], [`BlockRef`] (move-only; `share()` is the
+//!   only alias), [`PinnedBuffer`], [`HostRegistration`].
+//!
+//! Each allocator has a borrowed API, where the borrow checker enforces the
+//! lifetimes (a span cannot outlive its arena or survive its reset), and a
+//! `Shared*` API over the same core that enforces the same rules at run time
+//! (generations, allocator identity) for callers that cannot borrow — the
+//! Python binding.
 //!
 //! Nothing reachable from a caller panics: failures are [`MemError`] values.
 #![deny(missing_docs)]
 
 pub mod accounting;
+pub mod arena;
 pub mod backend;
+pub mod block_pool;
 pub mod error;
 pub mod fake;
 pub mod phase;
+pub mod pinned;
+pub mod scratch;
+pub mod span;
 pub mod tag;
+pub mod tier;
 pub mod units;
 
 pub use accounting::{BackendStats, JournalEntry, JournalOp, TagStats};
@@ -28,3 +44,15 @@ pub use error::{MemError, OomReport};
 pub use fake::{FakeBackend, FakeConfig};
 pub use phase::{Phase, PhaseMode};
 pub use tag::Tag;
+
+pub use arena::{Arena, ArenaSpan, ArenaStats, SharedArena};
+pub use block_pool::{
+    BlockId, BlockPool, BlockRef, PoolConfig, PoolStats, SharedBlockPool, SharedBlockRef,
+    SharedBlockRefs,
+};
+pub use pinned::{
+    FakePinnedHost, HostRegistration, PinnedBuffer, PinnedHost, PinnedHostOps, PinnedStats,
+};
+pub use scratch::{Mark, ScratchSpan, ScratchStack, ScratchStats, SharedMark, SharedScratchStack};
+pub use span::{DeviceSpan, Placement, StableSpan};
+pub use tier::Tier;

@@ -1,0 +1,510 @@
+//! T1 / T2 — the bump arena (seed A2, A3.3).
+//!
+//! Algorithm: one backend [`Region`]; a take rounds the bump offset up to the
+//! requested alignment (of the absolute address) and advances it. Nothing is
+//! freed individually, so nothing can leak individually: [`Arena::reset`]
+//! frees everything at once and bumps a generation counter. Takes are O(1).
+//! Over a growable region the arena commits more of it when a take runs past
+//! the committed part; the base never moves, so earlier spans stay valid.
+//! The high-water mark (the largest offset ever reached) is what the planner
+//! sizes the next arena from.
+//!
+//! T1 (model-resident) and T2 (engine-persistent) are separate arenas so a
+//! model swap can reset T1 while T2 survives (A2).
+//!
+//! Two façades over one [`ArenaCore`], so each rule exists once:
+//!
+//! * [`Arena`] — the borrowed API. `take(&self)` returns a
+//!   [`StableSpan<'_>`](StableSpan) that borrows the arena, and
+//!   `reset(&mut self)` cannot be called while any span is alive: staleness
+//!   is a compile error. Single-threaded (`!Sync`), like `bumpalo`.
+//! * [`SharedArena`] — the run-time-checked API for callers that cannot
+//!   borrow (the Python binding, structures without lifetimes). A take returns
+//!   an [`ArenaSpan`] ticket carrying the arena's id and generation; every use
+//!   goes through [`SharedArena::span`], which refuses a ticket from another
+//!   arena (`InvalidArgument`) or from an older generation (`StaleSpan`).
+//!   `Send + Sync`; the state sits behind one mutex.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT, MAX_ALIGNMENT};
+use crate::error::MemError;
+use crate::span::{MintKey, Placement, StableSpan};
+use crate::tag::Tag;
+use crate::tier::{next_tier_id, Tier};
+use crate::units::{align_up, human_bytes};
+
+/// Checks a take's size and alignment, the same way for every tier.
+pub(crate) fn check_take(bytes: usize, align: usize) -> Result<(), MemError> {
+    if bytes == 0 {
+        return Err(MemError::invalid(
+            "size must be positive, got 0; ask for at least 1 byte",
+        ));
+    }
+    if align == 0 || !align.is_power_of_two() {
+        return Err(MemError::invalid(format!(
+            "alignment must be a power of two, got {align}; use e.g. {DEFAULT_ALIGNMENT}"
+        )));
+    }
+    if align as u64 > MAX_ALIGNMENT {
+        return Err(MemError::invalid(format!(
+            "alignment {align} is larger than 1 GiB; use a smaller power of two"
+        )));
+    }
+    Ok(())
+}
+
+/// Where a region's memory lives.
+pub(crate) fn placement_of(region: &Region) -> Placement {
+    let info = region.backend().info();
+    Placement {
+        kind: info.kind,
+        device: info.device,
+    }
+}
+
+/// Statistics of one arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaStats {
+    /// Bytes handed out since the last reset (including alignment padding).
+    pub used: usize,
+    /// Bytes the arena can hand out in all (its reservation).
+    pub capacity: usize,
+    /// Bytes committed now (equal to `capacity` unless the region grows).
+    pub committed: usize,
+    /// The largest `used` ever reached.
+    pub high_water: usize,
+    /// Resets so far.
+    pub generation: u64,
+    /// Takes since the last reset.
+    pub takes: u64,
+}
+
+/// The state and the rules of one arena, shared by both façades.
+#[derive(Debug)]
+pub struct ArenaCore {
+    id: u64,
+    tier: Tier,
+    region: Region,
+    placement: Placement,
+    offset: usize,
+    high_water: usize,
+    generation: u64,
+    takes: u64,
+}
+
+impl ArenaCore {
+    fn new(tier: Tier, region: Region) -> Result<Self, MemError> {
+        if !matches!(tier, Tier::ModelResident | Tier::EnginePersistent) {
+            return Err(MemError::invalid(format!(
+                "an arena serves T1 (MODEL_RESIDENT) or T2 (ENGINE_PERSISTENT), not {tier}; use \
+                 BlockPool for POOLED and ScratchStack for SCRATCH"
+            )));
+        }
+        let placement = placement_of(&region);
+        Ok(Self {
+            id: next_tier_id(),
+            tier,
+            region,
+            placement,
+            offset: 0,
+            high_water: 0,
+            generation: 0,
+            takes: 0,
+        })
+    }
+
+    /// Bumps: returns the address of `bytes` aligned to `align`.
+    fn take(&mut self, bytes: usize, align: usize) -> Result<usize, MemError> {
+        check_take(bytes, align)?;
+        let base = self.region.base();
+        let capacity = self.region.reserved();
+        let start = align_up(base + self.offset, align).map(|a| a - base);
+        let end = start.and_then(|s| s.checked_add(bytes));
+        let (start, end) = match (start, end) {
+            (Some(s), Some(e)) if e <= capacity => (s, e),
+            _ => {
+                return Err(MemError::Capacity(format!(
+                    "arena {} ({}) has {} of {} free; asked {} aligned to {align}; plan a larger \
+                     arena (its high-water mark is {}) or reset it",
+                    self.tier.label(),
+                    self.region.tag(),
+                    human_bytes((capacity - self.offset) as u64),
+                    human_bytes(capacity as u64),
+                    human_bytes(bytes as u64),
+                    human_bytes(self.high_water as u64),
+                )))
+            }
+        };
+        if end > self.region.len() {
+            self.region.commit(end as u64)?;
+        }
+        self.offset = end;
+        self.high_water = self.high_water.max(end);
+        self.takes += 1;
+        Ok(base + start)
+    }
+
+    fn reset(&mut self) {
+        // SAFETY: every span of the old generation is refused from now on (the
+        // borrowed API cannot even hold one across `reset(&mut self)`), so no
+        // live handle refers to `[0, offset)`.
+        unsafe { self.region.scrub(0, self.offset) };
+        self.offset = 0;
+        self.takes = 0;
+        self.generation += 1;
+    }
+
+    fn stats(&self) -> ArenaStats {
+        ArenaStats {
+            used: self.offset,
+            capacity: self.region.reserved(),
+            committed: self.region.len(),
+            high_water: self.high_water,
+            generation: self.generation,
+            takes: self.takes,
+        }
+    }
+
+    /// Checks a ticket against this arena: identity, then generation.
+    fn check(&self, span: &ArenaSpan) -> Result<(), MemError> {
+        if span.arena_id != self.id {
+            return Err(MemError::invalid(format!(
+                "this span belongs to arena #{}, not #{}; use it with the arena that took it",
+                span.arena_id, self.id
+            )));
+        }
+        if span.generation != self.generation {
+            return Err(MemError::StaleSpan(format!(
+                "span of {} B from arena {} generation {} used after reset (the arena is at \
+                 generation {}); its memory now belongs to newer takes — take a new span after \
+                 each reset",
+                span.len,
+                self.tier.label(),
+                span.generation,
+                self.generation
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Opens the region for an arena.
+fn acquire(
+    backend: &Backend,
+    tier: Tier,
+    bytes: u64,
+    tag: Option<Tag>,
+) -> Result<Region, MemError> {
+    backend.acquire(
+        bytes,
+        DEFAULT_ALIGNMENT as u64,
+        tag.unwrap_or(tier.default_tag()),
+    )
+}
+
+/// A bump arena with the borrowed API: spans borrow the arena.
+#[derive(Debug)]
+pub struct Arena {
+    core: RefCell<ArenaCore>,
+}
+
+impl Arena {
+    /// An arena of `bytes` acquired from `backend` for `tier` (T1 or T2),
+    /// charged to `tag` (default: the tier's).
+    pub fn new(
+        backend: &Backend,
+        tier: Tier,
+        bytes: u64,
+        tag: Option<Tag>,
+    ) -> Result<Self, MemError> {
+        let core = ArenaCore::new(tier, acquire(backend, tier, bytes, tag)?)?;
+        Ok(Self {
+            core: RefCell::new(core),
+        })
+    }
+
+    /// An arena over a region already acquired (a growable one grows on
+    /// demand).
+    pub fn from_region(tier: Tier, region: Region) -> Result<Self, MemError> {
+        Ok(Self {
+            core: RefCell::new(ArenaCore::new(tier, region)?),
+        })
+    }
+
+    /// Takes `bytes` aligned to `align`. The span borrows the arena, so it
+    /// cannot outlive it or survive a reset.
+    pub fn take(&self, bytes: usize, align: usize) -> Result<StableSpan<'_>, MemError> {
+        let mut core = self.core.try_borrow_mut().map_err(|_| reentered())?;
+        let addr = core.take(bytes, align)?;
+        Ok(StableSpan::new(MintKey::new(), addr, bytes, core.placement))
+    }
+
+    /// Frees everything at once and bumps the generation. Needs `&mut self`,
+    /// so no span can be alive across it.
+    pub fn reset(&mut self) {
+        self.core.get_mut().reset();
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> ArenaStats {
+        self.core.borrow().stats()
+    }
+
+    /// Resets so far.
+    pub fn generation(&self) -> u64 {
+        self.core.borrow().generation
+    }
+
+    /// The tier it serves.
+    pub fn tier(&self) -> Tier {
+        self.core.borrow().tier
+    }
+
+    /// Gives the region back (to drop it, or to open it as a [`SharedArena`]).
+    pub fn into_region(self) -> Region {
+        self.core.into_inner().region
+    }
+}
+
+fn reentered() -> MemError {
+    MemError::Invariant("tier allocator re-entered while it was updating its state".into())
+}
+
+/// A ticket for memory taken from a [`SharedArena`]: plain data (address,
+/// length, the arena's id and generation), checked on every use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaSpan {
+    arena_id: u64,
+    generation: u64,
+    addr: usize,
+    len: usize,
+}
+
+impl ArenaSpan {
+    /// The generation it was taken in.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Its length in bytes (always known, valid or not).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: takes are at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[derive(Debug)]
+struct SharedArenaInner {
+    tier: Tier,
+    tag: Tag,
+    placement: Placement,
+    core: Mutex<ArenaCore>,
+}
+
+/// A bump arena with the run-time-checked API: clonable (`Arc`), `Send +
+/// Sync`, handing out [`ArenaSpan`] tickets.
+#[derive(Debug, Clone)]
+pub struct SharedArena {
+    inner: Arc<SharedArenaInner>,
+}
+
+impl SharedArena {
+    /// An arena of `bytes` acquired from `backend` for `tier` (T1 or T2).
+    pub fn new(
+        backend: &Backend,
+        tier: Tier,
+        bytes: u64,
+        tag: Option<Tag>,
+    ) -> Result<Self, MemError> {
+        Self::from_region(tier, acquire(backend, tier, bytes, tag)?)
+    }
+
+    /// An arena over a region already acquired.
+    pub fn from_region(tier: Tier, region: Region) -> Result<Self, MemError> {
+        let core = ArenaCore::new(tier, region)?;
+        Ok(Self {
+            inner: Arc::new(SharedArenaInner {
+                tier,
+                tag: core.region.tag(),
+                placement: core.placement,
+                core: Mutex::new(core),
+            }),
+        })
+    }
+
+    fn core(&self) -> MutexGuard<'_, ArenaCore> {
+        self.inner.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes `bytes` aligned to `align`.
+    pub fn take(&self, bytes: usize, align: usize) -> Result<ArenaSpan, MemError> {
+        let mut core = self.core();
+        let addr = core.take(bytes, align)?;
+        Ok(ArenaSpan {
+            arena_id: core.id,
+            generation: core.generation,
+            addr,
+            len: bytes,
+        })
+    }
+
+    /// The span a ticket stands for, if it is from this arena and this
+    /// generation. The span borrows this handle, which keeps the region alive.
+    pub fn span(&self, ticket: &ArenaSpan) -> Result<StableSpan<'_>, MemError> {
+        self.core().check(ticket)?;
+        Ok(StableSpan::new(
+            MintKey::new(),
+            ticket.addr,
+            ticket.len,
+            self.inner.placement,
+        ))
+    }
+
+    /// Whether a ticket is still valid here.
+    pub fn is_valid(&self, ticket: &ArenaSpan) -> bool {
+        self.core().check(ticket).is_ok()
+    }
+
+    /// Frees everything at once and bumps the generation; older tickets are
+    /// refused from now on.
+    pub fn reset(&self) {
+        self.core().reset();
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> ArenaStats {
+        self.core().stats()
+    }
+
+    /// The tier it serves.
+    pub fn tier(&self) -> Tier {
+        self.inner.tier
+    }
+
+    /// The tag its region is charged to.
+    pub fn tag(&self) -> Tag {
+        self.inner.tag
+    }
+
+    /// Where its memory lives.
+    pub fn placement(&self) -> Placement {
+        self.inner.placement
+    }
+
+    /// The process-unique id its tickets carry.
+    pub fn id(&self) -> u64 {
+        self.core().id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::{FakeBackend, FakeConfig};
+
+    fn fake() -> FakeBackend {
+        FakeBackend::new(FakeConfig::default()).unwrap()
+    }
+
+    #[test]
+    fn takes_are_aligned_disjoint_and_counted() {
+        let fb = fake();
+        let arena = Arena::new(&fb, Tier::ModelResident, 4096, None).unwrap();
+        let a = arena.take(10, 1).unwrap();
+        let b = arena.take(100, 64).unwrap();
+        assert_eq!(b.addr() % 64, 0);
+        assert!(b.addr() >= a.addr() + 10);
+        let stats = arena.stats();
+        assert_eq!(stats.used, b.addr() + 100 - a.addr());
+        assert_eq!(stats.takes, 2);
+        assert_eq!(
+            fb.stats().tags.get(&Tag::Weights).map(|t| t.live),
+            Some(4096)
+        );
+    }
+
+    #[test]
+    fn exhaustion_is_a_capacity_error_that_changes_nothing() {
+        let fb = fake();
+        let arena = Arena::new(&fb, Tier::EnginePersistent, 1024, None).unwrap();
+        arena.take(1000, 8).unwrap();
+        let before = arena.stats();
+        let err = arena.take(100, 8).unwrap_err();
+        assert!(matches!(err, MemError::Capacity(_)), "{err}");
+        assert!(err.to_string().contains("plan a larger arena"), "{err}");
+        assert_eq!(arena.stats(), before);
+    }
+
+    #[test]
+    fn reset_frees_wholesale_poisons_and_bumps_generation() {
+        let fb = fake();
+        let mut arena = Arena::new(&fb, Tier::ModelResident, 4096, None).unwrap();
+        let addr = {
+            let s = arena.take(64, 16).unwrap();
+            fb.write(s.addr(), &[7u8; 64]).unwrap();
+            s.addr()
+        };
+        arena.reset();
+        assert!(fb.is_poisoned(addr, 64).unwrap());
+        let stats = arena.stats();
+        assert_eq!((stats.used, stats.generation, stats.high_water), (0, 1, 64));
+        assert_eq!(arena.take(64, 16).unwrap().addr(), addr);
+    }
+
+    #[test]
+    fn shared_tickets_are_refused_after_reset_and_by_other_arenas() {
+        let fb = fake();
+        let one = SharedArena::new(&fb, Tier::ModelResident, 4096, None).unwrap();
+        let two = SharedArena::new(&fb, Tier::EnginePersistent, 4096, None).unwrap();
+        let t = one.take(32, 8).unwrap();
+        assert_eq!(one.span(&t).unwrap().len(), 32);
+        assert!(matches!(two.span(&t), Err(MemError::InvalidArgument(_))));
+        one.reset();
+        assert!(matches!(one.span(&t), Err(MemError::StaleSpan(_))));
+        assert!(!one.is_valid(&t));
+    }
+
+    #[test]
+    fn growable_region_commits_on_demand_without_moving() {
+        let fb = fake();
+        let region = fb.acquire_growable(1 << 20, 4096, Tag::Workspace).unwrap();
+        let base = region.base();
+        let arena = Arena::from_region(Tier::EnginePersistent, region).unwrap();
+        let a = arena.take(4096, 256).unwrap();
+        let b = arena.take(100_000, 256).unwrap();
+        assert_eq!(a.addr(), base);
+        assert!(arena.stats().committed >= b.addr() + 100_000 - base);
+    }
+
+    #[test]
+    fn wrong_tier_and_bad_arguments_are_refused() {
+        let fb = fake();
+        assert!(matches!(
+            Arena::new(&fb, Tier::Scratch, 4096, None),
+            Err(MemError::InvalidArgument(_))
+        ));
+        let arena = Arena::new(&fb, Tier::ModelResident, 4096, None).unwrap();
+        assert!(matches!(
+            arena.take(0, 8),
+            Err(MemError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            arena.take(8, 3),
+            Err(MemError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            arena.take(8, 1 << 31),
+            Err(MemError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            arena.take(usize::MAX, 1),
+            Err(MemError::Capacity(_))
+        ));
+    }
+}

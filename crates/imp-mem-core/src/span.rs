@@ -1,0 +1,216 @@
+//! L3 — spans: non-owning views of tier memory (seed A3.4, D5).
+//!
+//! * [`DeviceSpan`] may point at anything: an address, a length and where the
+//!   memory lives. Anyone can make one (unsafely, from raw parts).
+//! * [`StableSpan`] additionally promises that its address stays valid and
+//!   unmoved for as long as the span exists. Only the tier allocators can make
+//!   that promise, so only they can mint one: the constructor takes a
+//!   [`MintKey`], a passkey that only this crate can construct (D5: one
+//!   greppable grant instead of a friend list).
+//!
+//! A `StableSpan` widens to a `DeviceSpan` (`From`); there is deliberately no
+//! conversion back, no public constructor from an address, and no
+//! `as_stable()` escape hatch. Both carry a lifetime: a span borrowed from an
+//! arena cannot outlive the arena or survive its `reset(&mut self)`, and a
+//! widened span keeps the borrow.
+//!
+//! Spans never dereference the memory (it is usually device memory); they
+//! are what kernel launches, DLPack exports and tests read addresses from.
+
+use std::marker::PhantomData;
+
+use crate::backend::MemoryKind;
+use crate::error::MemError;
+
+/// The passkey that lets a tier allocator mint a [`StableSpan`]. Only this
+/// crate can construct one; granting another type the right to promise
+/// stability is a call to [`MintKey::new`] inside the crate.
+#[derive(Debug, Clone, Copy)]
+pub struct MintKey {
+    _private: (),
+}
+
+impl MintKey {
+    /// The key. Crate-private on purpose.
+    pub(crate) const fn new() -> Self {
+        Self { _private: () }
+    }
+}
+
+/// Where a span's memory lives: what DLPack and `__cuda_array_interface__`
+/// need besides the address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Placement {
+    /// Host, device or pinned host.
+    pub kind: MemoryKind,
+    /// Device ordinal (0 for host memory).
+    pub device: i32,
+}
+
+impl Placement {
+    /// Ordinary host memory on "device" 0.
+    pub const HOST: Placement = Placement {
+        kind: MemoryKind::Host,
+        device: 0,
+    };
+
+    /// The DLPack `(device_type, device_id)` pair.
+    pub const fn dlpack_device(self) -> (i32, i32) {
+        (self.kind.dlpack_device_type(), self.device)
+    }
+}
+
+/// A non-owning view of memory whose address is stable for `'a`. Minted only
+/// by the tier allocators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StableSpan<'a> {
+    addr: usize,
+    len: usize,
+    placement: Placement,
+    _borrow: PhantomData<&'a ()>,
+}
+
+impl<'a> StableSpan<'a> {
+    /// Mints a span. Only a holder of a [`MintKey`] (a tier allocator) can
+    /// call this; it promises that `[addr, addr + len)` stays valid and
+    /// unmoved for `'a`.
+    pub fn new(_key: MintKey, addr: usize, len: usize, placement: Placement) -> Self {
+        Self {
+            addr,
+            len,
+            placement,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// The first address.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Bytes in the span.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length span.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where the memory lives.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// A sub-range, which is as stable as the span it comes from.
+    pub fn subspan(&self, offset: usize, len: usize) -> Result<StableSpan<'a>, MemError> {
+        check_subrange(self.len, offset, len)?;
+        Ok(Self {
+            addr: self.addr + offset,
+            len,
+            placement: self.placement,
+            _borrow: PhantomData,
+        })
+    }
+
+    /// Widens to a [`DeviceSpan`] with the same borrow.
+    pub fn as_device(&self) -> DeviceSpan<'a> {
+        DeviceSpan {
+            addr: self.addr,
+            len: self.len,
+            placement: self.placement,
+            _borrow: PhantomData,
+        }
+    }
+}
+
+impl<'a> From<StableSpan<'a>> for DeviceSpan<'a> {
+    fn from(span: StableSpan<'a>) -> Self {
+        span.as_device()
+    }
+}
+
+/// A non-owning view of memory that promises nothing about stability: what a
+/// relocatable buffer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceSpan<'a> {
+    addr: usize,
+    len: usize,
+    placement: Placement,
+    _borrow: PhantomData<&'a ()>,
+}
+
+impl<'a> DeviceSpan<'a> {
+    /// A span over raw parts.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is memory of `placement` that stays allocated for
+    /// `'a` (whoever consumes the span may hand it to a kernel).
+    pub unsafe fn from_raw_parts(addr: usize, len: usize, placement: Placement) -> Self {
+        Self {
+            addr,
+            len,
+            placement,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// The first address.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Bytes in the span.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length span.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where the memory lives.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// A sub-range.
+    pub fn subspan(&self, offset: usize, len: usize) -> Result<DeviceSpan<'a>, MemError> {
+        check_subrange(self.len, offset, len)?;
+        Ok(Self {
+            addr: self.addr + offset,
+            len,
+            placement: self.placement,
+            _borrow: PhantomData,
+        })
+    }
+}
+
+fn check_subrange(total: usize, offset: usize, len: usize) -> Result<(), MemError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= total => Ok(()),
+        _ => Err(MemError::invalid(format!(
+            "sub-range [{offset}, {offset} + {len}) is outside a span of {total} B; keep offset + \
+             len <= {total}"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stable_widens_and_subspans_stay_inside() {
+        let s = StableSpan::new(MintKey::new(), 0x1000, 256, Placement::HOST);
+        let d: DeviceSpan<'_> = s.into();
+        assert_eq!((d.addr(), d.len()), (0x1000, 256));
+        let sub = s.subspan(16, 32).unwrap();
+        assert_eq!((sub.addr(), sub.len()), (0x1010, 32));
+        assert!(s.subspan(250, 7).is_err());
+        assert!(s.subspan(usize::MAX, 2).is_err());
+        assert_eq!(s.placement().dlpack_device(), (1, 0));
+    }
+}
