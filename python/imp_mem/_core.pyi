@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import enum
 from types import TracebackType
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, TypeAlias
 
 __version__: str
 
-ByteCount = Union[int, str]
+ByteCount: TypeAlias = int | str
 """An int, or text such as ``"80GiB"``, ``"80 GB"``, ``"4096"``."""
 
 TagName = Literal[
@@ -63,9 +63,9 @@ class Region:
     def __enter__(self) -> Region: ...
     def __exit__(
         self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> bool: ...
 
 class Replanning:
@@ -78,11 +78,11 @@ class Backend:
     """Methods every backend has (FakeBackend, CudaBackend, VmmBackend)."""
 
     def acquire(
-        self, nbytes: ByteCount, *, align: Optional[int] = None, tag: TagName = "other"
+        self, nbytes: ByteCount, *, align: int | None = None, tag: TagName = "other"
     ) -> Region:
         """Acquire ``nbytes`` aligned to ``align`` (default 256) for ``tag``."""
     def acquire_growable(
-        self, reserve: ByteCount, initial: Optional[ByteCount] = None, *, tag: TagName = "other"
+        self, reserve: ByteCount, initial: ByteCount | None = None, *, tag: TagName = "other"
     ) -> Region:
         """Reserve address space for ``reserve`` bytes and commit ``initial`` of them."""
     def release(self, region: Region) -> None: ...
@@ -107,7 +107,7 @@ class Backend:
     def kind(self) -> str: ...
     @property
     def live(self) -> int: ...
-    def journal(self) -> Optional[list[JournalRow]]: ...
+    def journal(self) -> list[JournalRow] | None: ...
     def check_invariants(self) -> None: ...
 
 class FakeBackend(Backend):
@@ -115,19 +115,19 @@ class FakeBackend(Backend):
 
     def __init__(
         self,
-        capacity: Optional[ByteCount] = None,
+        capacity: ByteCount | None = None,
         *,
-        budget: Optional[ByteCount] = None,
-        granularity: Optional[ByteCount] = None,
+        budget: ByteCount | None = None,
+        granularity: ByteCount | None = None,
         backed: bool = True,
         strict: bool = True,
     ) -> None: ...
-    def fail_nth(self, n: Optional[int]) -> None: ...
+    def fail_nth(self, n: int | None) -> None: ...
     def fail_commits(self, n: int = 1) -> None: ...
     def fail_decommits(self, n: int = 1) -> None: ...
     def set_external_usage(self, nbytes: ByteCount) -> None: ...
     def read(self, address: int, nbytes: int) -> bytes: ...
-    def write(self, address: int, data: Union[bytes, bytearray, memoryview]) -> None: ...
+    def write(self, address: int, data: bytes | bytearray | memoryview) -> None: ...
     def is_poisoned(self, address: int, nbytes: int) -> bool: ...
     def quarantine(self) -> list[int]: ...
     @property

@@ -35,8 +35,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
     def line(row: list[str]) -> str:
         parts = [
-            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i])
-            for i in range(len(row))
+            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i]) for i in range(len(row))
         ]
         return "  ".join(parts).rstrip()
 

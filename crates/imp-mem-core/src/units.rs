@@ -74,7 +74,9 @@ pub fn parse_bytes(text: &str) -> Result<u64, crate::error::MemError> {
         ))
     };
     let s = text.trim();
-    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_')).unwrap_or(s.len());
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
     let number = number.replace('_', "");
     if number.is_empty() {
@@ -115,7 +117,14 @@ mod parse_tests {
         assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 * GIB / 2);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
         assert_eq!(parse_bytes("512k").unwrap(), 512 * 1024);
-        for bad in ["", "GiB", "80 parsecs", "-1GiB", "1e999", "99999999999999999999TiB"] {
+        for bad in [
+            "",
+            "GiB",
+            "80 parsecs",
+            "-1GiB",
+            "1e999",
+            "99999999999999999999TiB",
+        ] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
     }

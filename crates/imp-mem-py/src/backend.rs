@@ -67,7 +67,10 @@ impl Notices {
     fn install(&self, backend: &Backend) {
         let queue = self.0.clone();
         backend.set_notifier(Some(Arc::new(move |level, message: &str| {
-            queue.lock().unwrap_or_else(|p| p.into_inner()).push((level, message.to_string()));
+            queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((level, message.to_string()));
         })));
     }
 
@@ -84,7 +87,9 @@ impl Notices {
                     PyErr::warn(py, &category, &std::ffi::CString::new(message)?, 2)?;
                 }
                 NoticeLevel::Info => {
-                    let logger = py.import("logging")?.call_method1("getLogger", ("imp_mem",))?;
+                    let logger = py
+                        .import("logging")?
+                        .call_method1("getLogger", ("imp_mem",))?;
                     logger.call_method1("info", (message,))?;
                 }
             }
@@ -127,7 +132,14 @@ fn tag_stats<'py>(py: Python<'py>, t: &TagStats) -> PyResult<Bound<'py, PyDict>>
 pub fn stats_dict<'py>(py: Python<'py>, s: &BackendStats) -> PyResult<Bound<'py, PyDict>> {
     let d = tag_stats(py, &s.total)?;
     d.set_item("phase", s.phase.name())?;
-    d.set_item("mode", if s.mode == PhaseMode::Strict { "strict" } else { "production" })?;
+    d.set_item(
+        "mode",
+        if s.mode == PhaseMode::Strict {
+            "strict"
+        } else {
+            "production"
+        },
+    )?;
     d.set_item("budget", s.budget)?;
     d.set_item("capacity", s.capacity)?;
     d.set_item("acquired_bytes_total", s.acquired_bytes_total)?;
@@ -216,7 +228,9 @@ impl PyBackend {
     /// Moves to `phase`, one step forward only.
     fn advance(&self, phase: &Bound<'_, PyAny>) -> PyResult<()> {
         let phase: PyPhase = phase.extract().map_err(|_| {
-            invalid(format!("advance() takes a Phase (Phase.PLANNING, Phase.SERVING), got {phase}"))
+            invalid(format!(
+                "advance() takes a Phase (Phase.PLANNING, Phase.SERVING), got {phase}"
+            ))
         })?;
         self.inner.advance(phase.into()).py()
     }
@@ -241,7 +255,9 @@ impl PyBackend {
 
     /// Changes the budget cap (an int or text like `"40GiB"`).
     fn set_budget(&self, budget: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.set_budget(convert::bytes(budget, "budget")?).py()
+        self.inner
+            .set_budget(convert::bytes(budget, "budget")?)
+            .py()
     }
 
     /// The device's capacity in bytes.
@@ -277,17 +293,22 @@ impl PyBackend {
     /// The journal as a list of `(seq, phase, tag, bytes, op)` tuples, or
     /// None when the backend does not keep one.
     fn journal<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
-        let Some(entries) = self.inner.journal() else { return Ok(None) };
+        let Some(entries) = self.inner.journal() else {
+            return Ok(None);
+        };
         let rows = entries
             .iter()
             .map(|e| {
-                PyTuple::new(py, [
-                    e.seq.into_pyobject(py)?.into_any(),
-                    e.phase.name().into_pyobject(py)?.into_any(),
-                    e.tag.name().into_pyobject(py)?.into_any(),
-                    e.bytes.into_pyobject(py)?.into_any(),
-                    e.op.name().into_pyobject(py)?.into_any(),
-                ])
+                PyTuple::new(
+                    py,
+                    [
+                        e.seq.into_pyobject(py)?.into_any(),
+                        e.phase.name().into_pyobject(py)?.into_any(),
+                        e.tag.name().into_pyobject(py)?.into_any(),
+                        e.bytes.into_pyobject(py)?.into_any(),
+                        e.op.name().into_pyobject(py)?.into_any(),
+                    ],
+                )
             })
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Some(PyList::new(py, rows)?))
@@ -368,9 +389,9 @@ impl PyRegion {
 
     /// Takes the region out; a second take is an error.
     pub fn take(&self) -> PyResult<Region> {
-        self.lock().take().ok_or_else(|| {
-            invalid("region already released; keep one owner and release it once")
-        })
+        self.lock()
+            .take()
+            .ok_or_else(|| invalid("region already released; keep one owner and release it once"))
     }
 
     fn with_live<T>(&self, f: impl FnOnce(&mut Region) -> PyResult<T>) -> PyResult<T> {
@@ -492,7 +513,11 @@ impl PyFakeBackend {
             granularity: usize::try_from(granularity)
                 .map_err(|_| invalid("granularity does not fit this host"))?,
             backed,
-            mode: if strict { PhaseMode::Strict } else { PhaseMode::Production },
+            mode: if strict {
+                PhaseMode::Strict
+            } else {
+                PhaseMode::Production
+            },
         };
         let fake = FakeBackend::new(config).py()?;
         let base = PyBackend::wrap(fake.backend().clone());
@@ -502,7 +527,10 @@ impl PyFakeBackend {
     /// Makes the `n`-th acquisition from now fail (1 = the next); None clears.
     #[pyo3(signature = (n))]
     fn fail_nth(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let n = n.filter(|v| !v.is_none()).map(|v| convert::index(v, "n")).transpose()?;
+        let n = n
+            .filter(|v| !v.is_none())
+            .map(|v| convert::index(v, "n"))
+            .transpose()?;
         self.fake.fail_nth(n).py()
     }
 
@@ -520,7 +548,8 @@ impl PyFakeBackend {
 
     /// Simulates device memory used outside this backend.
     fn set_external_usage(&self, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.fake.set_external_usage(convert::bytes(nbytes, "nbytes")?);
+        self.fake
+            .set_external_usage(convert::bytes(nbytes, "nbytes")?);
         Ok(())
     }
 
@@ -538,8 +567,20 @@ impl PyFakeBackend {
     }
 
     /// Writes a bytes-like object at `address` inside a live region.
-    fn write(&self, py: Python<'_>, address: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write(
+        &self,
+        py: Python<'_>,
+        address: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let addr = convert::index(address, "address")? as usize;
+        if data.is_instance_of::<pyo3::types::PyInt>()
+            || data.is_instance_of::<pyo3::types::PyString>()
+        {
+            return Err(invalid(
+                "data must be bytes-like (bytes, bytearray, memoryview)",
+            ));
+        }
         let as_bytes = py
             .import("builtins")?
             .getattr("bytes")?

@@ -20,7 +20,9 @@ fn count(value: &Bound<'_, PyAny>, what: &str, allow_text: bool) -> PyResult<u64
         if allow_text {
             return parse_bytes(&text.to_cow()?).py();
         }
-        return Err(invalid(format!("{what} must be an integer, got the string {text}")));
+        return Err(invalid(format!(
+            "{what} must be an integer, got the string {text}"
+        )));
     }
     match value.extract::<i64>() {
         Ok(n) if n < 0 => Err(invalid(format!("{what} must be non-negative, got {n}"))),
@@ -30,12 +32,18 @@ fn count(value: &Bound<'_, PyAny>, what: &str, allow_text: bool) -> PyResult<u64
             if negative {
                 Err(invalid(format!("{what} must be non-negative, got {value}")))
             } else {
-                Err(invalid(format!("{what} of {value} is absurdly large; check the units")))
+                Err(invalid(format!(
+                    "{what} of {value} is absurdly large; check the units"
+                )))
             }
         }
         Err(_) => Err(invalid(format!(
             "{what} must be an integer, got {} {value}",
-            value.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            value
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
         ))),
     }
 }
@@ -52,7 +60,10 @@ pub fn index(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
 
 /// An optional byte count.
 pub fn opt_bytes(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
-    value.filter(|v| !v.is_none()).map(|v| bytes(v, what)).transpose()
+    value
+        .filter(|v| !v.is_none())
+        .map(|v| bytes(v, what))
+        .transpose()
 }
 
 /// A tag name.
