@@ -5,11 +5,13 @@
 //! `Op(seed)` resolved to `live[seed % live.len()]` (sharded-slab's shape),
 //! so every generated sequence is valid and shrinks well.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use imp_mem_core::{
-    Arena, ArenaSpan, BlockPool, BlockRef, FakeBackend, FakeConfig, MemError, PoolConfig, SharedArena,
-    SharedMark, SharedScratchStack, Tier,
+    Arena, ArenaSpan, BlockPool, BlockRef, FakeBackend, FakeConfig, MemError, PoolConfig,
+    SharedArena, SharedMark, SharedScratchStack, Tier,
 };
 use proptest::prelude::*;
 
@@ -125,7 +127,8 @@ fn check_pool(pool: &BlockPool, live: &[BlockRef<'_>]) -> Result<(), TestCaseErr
         let held = live.iter().filter(|o| o.id() == r.id()).count() as u32;
         prop_assert_eq!(r.refcount(), held);
     }
-    pool.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
+    pool.check_invariants()
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
     Ok(())
 }
 
