@@ -811,6 +811,25 @@ impl SharedBlockRefs {
         })
     }
 
+    /// One more ref to the `i`-th block, as a handle of its own.
+    pub fn share_at(&self, i: usize) -> Result<SharedBlockRef, MemError> {
+        let id = self.id_at(i)?;
+        self.pool.core().share(id)?;
+        Ok(SharedBlockRef {
+            pool: self.pool.clone(),
+            id,
+        })
+    }
+
+    fn id_at(&self, i: usize) -> Result<BlockId, MemError> {
+        self.ids.get(i).copied().ok_or_else(|| {
+            MemError::invalid(format!(
+                "index {i} is outside a batch of {} blocks",
+                self.ids.len()
+            ))
+        })
+    }
+
     /// Splits the batch into one ref per block (no count changes).
     pub fn into_refs(mut self) -> Vec<SharedBlockRef> {
         let ids = std::mem::take(&mut self.ids);
@@ -824,13 +843,7 @@ impl SharedBlockRefs {
 
     /// The bytes of the `i`-th block, valid while the batch is alive.
     pub fn span(&self, i: usize) -> Result<StableSpan<'_>, MemError> {
-        let id = *self.ids.get(i).ok_or_else(|| {
-            MemError::invalid(format!(
-                "index {i} is outside a batch of {} blocks",
-                self.ids.len()
-            ))
-        })?;
-        self.pool.span_of(id)
+        self.pool.span_of(self.id_at(i)?)
     }
 
     /// The pool it belongs to.

@@ -8,7 +8,9 @@ use pyo3::prelude::*;
 
 pub mod backend;
 pub mod convert;
+pub mod dlpack;
 pub mod errors;
+pub mod tiers;
 
 /// True when a CUDA driver and at least one device are present.
 #[pyfunction]
@@ -21,5 +23,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
+    tiers::register(m)?;
     Ok(())
 }
