@@ -292,8 +292,6 @@ impl PoolCore {
                 self.head = next;
                 self.free -= 1;
                 self.refs += 1;
-                let live = self.capacity() - self.free;
-                self.high_water = self.high_water.max(live);
                 Ok(id)
             }
             _ => Err(MemError::Invariant(format!(
@@ -303,9 +301,15 @@ impl PoolCore {
         }
     }
 
+    fn note_high_water(&mut self) {
+        self.high_water = self.high_water.max(self.capacity() - self.free);
+    }
+
     fn allocate(&mut self) -> Result<BlockId, MemError> {
         self.ensure_free(1)?;
-        self.pop()
+        let id = self.pop()?;
+        self.note_high_water();
+        Ok(id)
     }
 
     fn allocate_many(&mut self, n: u32, out: &mut Vec<BlockId>) -> Result<(), MemError> {
@@ -317,6 +321,7 @@ impl PoolCore {
         for _ in 0..n {
             out.push(self.pop()?);
         }
+        self.note_high_water();
         Ok(())
     }
 

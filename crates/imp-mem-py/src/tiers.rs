@@ -16,7 +16,7 @@ use imp_mem_core::{
     Tier,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
 
 use crate::backend::PyBackend;
 use crate::convert;
@@ -85,7 +85,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A plain `int` (not a bool, not text) that fits, read without the general
+/// conversion: the hot paths take one per call.
+fn fast_int<T: for<'py> FromPyObject<'py>>(value: &Bound<'_, PyAny>) -> Option<T> {
+    value.downcast_exact::<PyInt>().ok().and_then(|i| i.extract::<T>().ok())
+}
+
 fn size(value: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    if let Some(n) = fast_int::<usize>(value).filter(|&n| n > 0) {
+        return Ok(n);
+    }
     let n = convert::bytes(value, what)?;
     usize::try_from(n).map_err(|_| invalid(format!("{what} of {n} B does not fit this host")))
 }
@@ -688,6 +697,9 @@ pub struct PyBlockPool {
 }
 
 fn count32(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    if let Some(n) = fast_int::<u32>(value) {
+        return Ok(n);
+    }
     let n = convert::index(value, what)?;
     u32::try_from(n).map_err(|_| {
         invalid(format!(
