@@ -88,7 +88,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A plain `int` (not a bool, not text) that fits, read without the general
 /// conversion: the hot paths take one per call.
 fn fast_int<T: for<'py> FromPyObject<'py>>(value: &Bound<'_, PyAny>) -> Option<T> {
-    value.downcast_exact::<PyInt>().ok().and_then(|i| i.extract::<T>().ok())
+    value
+        .downcast_exact::<PyInt>()
+        .ok()
+        .and_then(|i| i.extract::<T>().ok())
 }
 
 fn size(value: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
