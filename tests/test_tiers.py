@@ -341,3 +341,26 @@ def test_scratch_export_after_the_mark_closes_is_refused(fake):
     assert (array == POISON).all()
     with pytest.raises(StaleSpan, match="mark"):
         np.from_dlpack(span)
+
+
+def test_a_mark_collected_out_of_order_is_a_v6_violation(fake):
+    stack = ScratchStack(fake, 4096)
+    outer = stack.mark()
+    inner = stack.mark()
+    inner.take(64)
+    del outer  # dropped while `inner` is open: the drop is the out-of-order rewind
+    gc.collect()
+    assert stack.stats()["violations"] == 1
+    with pytest.raises(InvalidArgument, match="LIFO"):
+        stack.mark()
+    del inner
+    gc.collect()
+    assert stack.used == 0, "the early-closed mark rewinds once the inner one closes"
+
+
+def test_device_spans_and_views_export_too(fake):
+    span = Arena(fake, 4096).take(32)
+    fake.write(span.address, b"\x02" * 32)
+    assert (np.from_dlpack(span.as_device()) == 2).all()
+    assert np.from_dlpack(span.as_device().view("int16")).shape == (16,)
+    assert np.from_dlpack(span.view("uint8", 8)).shape == (8,)
