@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from imp_mem._core import (
     Backend,
+    CudaBackend,
     FakeBackend,
+    Fence,
     Phase,
     Region,
     Replanning,
+    VmmBackend,
     __version__,
     cuda_available,
+    cuda_device_count,
+    cuda_driver_version,
+    cuda_mem_get_info,
 )
 from imp_mem.errors import (
     BackendUnavailable,
@@ -35,8 +41,10 @@ __all__ = [
     "Backend",
     "BackendUnavailable",
     "CapacityError",
+    "CudaBackend",
     "DriverError",
     "FakeBackend",
+    "Fence",
     "ImpMemError",
     "ImpMemWarning",
     "InvalidArgument",
@@ -47,6 +55,10 @@ __all__ = [
     "Region",
     "Replanning",
     "StaleSpan",
+    "VmmBackend",
     "__version__",
     "cuda_available",
+    "cuda_device_count",
+    "cuda_driver_version",
+    "cuda_mem_get_info",
 ]

@@ -132,3 +132,84 @@ class FakeBackend(Backend):
     def quarantine(self) -> list[int]: ...
     @property
     def device_used(self) -> int: ...
+
+class CudaBackend(Backend):
+    """Device memory through ``cuMemAlloc``. Raises ``BackendUnavailable`` where
+    there is no CUDA driver or device."""
+
+    def __init__(
+        self, device: int = 0, *, budget: ByteCount | None = None, strict: bool = False
+    ) -> None: ...
+    @property
+    def device_name(self) -> str: ...
+    def mem_get_info(self) -> tuple[int, int]:
+        """Device ``(free, total)`` bytes now."""
+    def read(self, region: Region, offset: int = 0, nbytes: int | None = None) -> bytes:
+        """Copy bytes of a live region of this backend to the host."""
+    def write(
+        self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0
+    ) -> None:
+        """Copy host bytes into a live region of this backend."""
+
+class VmmBackend(Backend):
+    """Growable device regions over the CUDA VMM API: address space reserved for
+    the maximum, physical memory committed in chunks, the base never moves."""
+
+    def __init__(
+        self,
+        device: int = 0,
+        *,
+        budget: ByteCount | None = None,
+        strict: bool = False,
+        chunk_bytes: ByteCount | None = None,
+        cache_chunks: int | None = None,
+    ) -> None: ...
+    @property
+    def device_name(self) -> str: ...
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per physical handle; growable regions commit in these."""
+    @property
+    def device_granularity(self) -> int: ...
+    @property
+    def cache_chunks(self) -> int: ...
+    @property
+    def cached_bytes(self) -> int:
+        """Physical bytes kept in the handle cache (held by no region)."""
+    @property
+    def mapped_bytes(self) -> int: ...
+    def trim_cache(self) -> None:
+        """Release every cached handle to the device now."""
+    def counters(self) -> dict[str, int]: ...
+    def record_fence(self, stream: int = 0) -> Fence:
+        """Record a fence on a raw ``CUstream`` (0: the legacy default stream)."""
+    def mem_get_info(self) -> tuple[int, int]: ...
+    def read(self, region: Region, offset: int = 0, nbytes: int | None = None) -> bytes: ...
+    def write(
+        self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0
+    ) -> None: ...
+
+class Fence:
+    """A CUDA event recorded on a stream; decommit only after it completed."""
+
+    def __init__(self, device: int = 0, stream: int = 0) -> None: ...
+    def is_complete(self) -> bool: ...
+    def wait(self) -> None: ...
+    @property
+    def device(self) -> int: ...
+
+def cuda_driver_version() -> int: ...
+def cuda_device_count() -> int: ...
+def cuda_mem_get_info(device: int = 0) -> tuple[int, int]: ...
+def reserve_fingerprint_key(fingerprint: dict[str, Any]) -> str: ...
+def reserve_cache_lookup(path: str, fingerprint: dict[str, Any]) -> dict[str, Any] | None: ...
+def reserve_cache_store(
+    path: str, fingerprint: dict[str, Any], measured: dict[str, int], samples: int = 1
+) -> None: ...
+def reserve_from_readings(readings: dict[str, int]) -> dict[str, int]: ...
+def reserve_self_check(
+    expected: dict[str, int],
+    observed: dict[str, int],
+    tolerance: float = 0.1,
+    fingerprint: dict[str, Any] | None = None,
+) -> dict[str, Any]: ...

@@ -421,11 +421,10 @@ fn candidates() -> Vec<String> {
     if cfg!(target_os = "linux") {
         names.push("libcuda.so.1".to_string());
     }
-    for lib in ["cuda", "nvcuda"] {
-        for name in cudarc::get_lib_name_candidates(lib) {
-            if !names.contains(&name) {
-                names.push(name);
-            }
+    let lib = if cfg!(windows) { "nvcuda" } else { "cuda" };
+    for name in cudarc::get_lib_name_candidates(lib) {
+        if !names.contains(&name) {
+            names.push(name);
         }
     }
     names
@@ -444,10 +443,11 @@ fn load() -> Result<Driver, String> {
         }
     }
     let Some(lib) = lib else {
+        let first = tried.first().map(String::as_str).unwrap_or("libcuda");
         return Err(format!(
-            "no CUDA driver library on this machine (tried {}); install the NVIDIA driver, or \
-             use FakeBackend for tests without a GPU",
-            tried.join(", ")
+            "no CUDA driver library on this machine ({first} and {} other names tried); install \
+             the NVIDIA driver, or use FakeBackend for tests without a GPU",
+            tried.len().saturating_sub(1)
         ));
     };
     let api = Api::resolve(&lib).map_err(|missing| {

@@ -32,7 +32,7 @@ pub use device::{cuda_backend, CudaSource};
 pub use driver::{cuda_available, device_count, DeviceContext, DeviceProps};
 pub use fence::Fence;
 pub use imp_mem_core::MemError;
-pub use pinned::{pinned_backend, HostRegistration, PinnedHostSource};
+pub use pinned::{pinned_backend, CudaPinnedHost, PinnedHostSource};
 pub use reserve::{Fingerprint, ReserveCache, ReserveMeasurement, SelfCheck};
 pub use vmm::{vmm_backend, VmmBackend, VmmConfig, VmmCore, VmmSource};
 

@@ -10,17 +10,20 @@
 //! host. With unified addressing (checked when the device opens) the device
 //! sees the buffer at its host address. Pinning is slow (0.48 ms for 1 MiB,
 //! 21.8 ms for 64 MiB on the H200 host) so it belongs to load time, like every
-//! acquisition. [`HostRegistration`] pins memory the caller already owns
-//! (`cuMemHostRegister_v2`, `PORTABLE | DEVICEMAP`) and unpins it when
-//! dropped.
+//! acquisition.
+//!
+//! [`CudaPinnedHost`] carries the four physical operations the tier layer's
+//! `PinnedHostOps` trait names (allocate, free, register, unregister —
+//! `cuMemHostRegister_v2` with `PORTABLE | DEVICEMAP`), so that implementing
+//! that trait is a one-to-one forwarding; the move-only owners
+//! (`PinnedBuffer`, `HostRegistration`) live in the core.
 //!
 //! Capacity: pinned memory comes out of host RAM; the source reports
 //! `MemTotal` from `/proc/meminfo` (or the budget the caller gives where it
 //! cannot be read), and the budget is what really bounds it.
 //!
 //! Thread safety: the driver calls are thread-safe; each binds the device's
-//! primary context for its duration. `HostRegistration` is `Send + Sync`: it
-//! only remembers an address.
+//! primary context for its duration. Both types are `Send + Sync`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -165,72 +168,87 @@ pub fn pinned_backend(
     Backend::new(Arc::new(source), mode, budget)
 }
 
-/// Memory the caller owns, page-locked for the device until this drops.
-pub struct HostRegistration {
+/// The pinned-host operations on one device: what the core's
+/// `PinnedHostOps` needs, with the driver behind it.
+#[derive(Clone)]
+pub struct CudaPinnedHost {
     device: Arc<DeviceContext>,
-    addr: usize,
-    len: usize,
 }
 
-impl std::fmt::Debug for HostRegistration {
+impl std::fmt::Debug for CudaPinnedHost {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostRegistration")
-            .field("addr", &format_args!("{:#x}", self.addr))
-            .field("len", &self.len)
+        f.debug_struct("CudaPinnedHost")
+            .field("device", &self.device.ordinal())
             .finish()
     }
 }
 
-impl HostRegistration {
-    /// Pins `[addr, addr + len)` for device `device`.
+impl CudaPinnedHost {
+    /// Pinned-host operations for device `device`.
+    pub fn new(device: i32) -> Result<Self, MemError> {
+        Ok(Self {
+            device: DeviceContext::open(device)?,
+        })
+    }
+
+    /// The device ordinal (DLPack `kDLCUDAHost` memory names one).
+    pub fn device(&self) -> i32 {
+        self.device.ordinal()
+    }
+
+    /// Where the memory is: pinned host.
+    pub fn kind(&self) -> MemoryKind {
+        MemoryKind::PinnedHost
+    }
+
+    /// `cuMemHostAlloc(bytes, PORTABLE)`.
+    pub fn allocate(&self, bytes: usize) -> Result<usize, SourceError> {
+        pinned_alloc(&self.device, bytes).map(|p| p as usize)
+    }
+
+    /// `cuMemFreeHost`.
     ///
     /// # Safety
-    /// The range is host memory the caller owns, and it stays allocated until
-    /// the registration is dropped.
-    pub unsafe fn register(device: i32, addr: usize, len: usize) -> Result<Self, MemError> {
-        if addr == 0 || len == 0 {
-            return Err(MemError::invalid(
-                "a host registration needs a non-null address and a positive length",
+    /// `addr` came from [`CudaPinnedHost::allocate`], is freed once, and
+    /// nothing uses it afterwards.
+    pub unsafe fn free(&self, addr: usize, _bytes: usize) {
+        // SAFETY: the caller's contract.
+        unsafe { pinned_free(&self.device, addr as *mut c_void) };
+    }
+
+    /// `cuMemHostRegister_v2(addr, bytes, PORTABLE | DEVICEMAP)`: pins memory
+    /// the caller owns. Already-registered memory is refused.
+    pub fn register(&self, addr: usize, bytes: usize) -> Result<(), SourceError> {
+        if addr == 0 || bytes == 0 {
+            return Err(SourceError::Driver(
+                "a host registration needs a non-null address and a positive length".into(),
             ));
         }
-        let device = DeviceContext::open(device)?;
-        let scope = device.bind()?;
-        // SAFETY: the caller vouches for the range; a context is current.
-        let rc =
-            unsafe { (device.api().mem_host_register)(addr as *mut c_void, len, REGISTER_FLAGS) };
+        let _scope = self.device.bind()?;
+        // SAFETY: the driver only pins the pages of `[addr, addr + bytes)`; it
+        // fails (does not fault) on an unmapped range. The caller keeps the
+        // memory allocated until `unregister`.
+        let rc = unsafe {
+            (self.device.api().mem_host_register)(addr as *mut c_void, bytes, REGISTER_FLAGS)
+        };
         if rc == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
-            return Err(MemError::invalid(format!(
-                "[{addr:#x}, +{len}) is already registered (pinned) with CUDA; register each range \
-                 once"
+            return Err(SourceError::Driver(format!(
+                "[{addr:#x}, +{bytes}) is already registered (pinned) with CUDA; register each \
+                 range once"
             )));
         }
         check("cuMemHostRegister_v2", rc)?;
-        drop(scope);
-        Ok(Self { device, addr, len })
+        Ok(())
     }
 
-    /// The registered address (also the device address, under unified
-    /// addressing).
-    pub fn addr(&self) -> usize {
-        self.addr
-    }
-
-    /// Bytes registered.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Never true: registrations have a positive length.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl Drop for HostRegistration {
-    fn drop(&mut self) {
+    /// `cuMemHostUnregister`.
+    ///
+    /// # Safety
+    /// `addr` is a live registration made by [`CudaPinnedHost::register`].
+    pub unsafe fn unregister(&self, addr: usize, _bytes: usize) {
         if let Ok(_scope) = self.device.bind() {
-            // SAFETY: registered in `register` and unregistered once here.
-            let _ = unsafe { (self.device.api().mem_host_unregister)(self.addr as *mut c_void) };
+            // SAFETY: the caller's contract; a failure at exit is ignored.
+            let _ = unsafe { (self.device.api().mem_host_unregister)(addr as *mut c_void) };
         }
     }
 }
@@ -261,9 +279,9 @@ mod tests {
             pinned_backend(0, PhaseMode::Strict, None, None),
             Err(MemError::BackendUnavailable(_))
         ));
-        let mut buf = vec![0u8; 4096];
-        // SAFETY: `buf` outlives the (failed) registration.
-        let r = unsafe { HostRegistration::register(0, buf.as_mut_ptr() as usize, buf.len()) };
-        assert!(matches!(r, Err(MemError::BackendUnavailable(_))));
+        assert!(matches!(
+            CudaPinnedHost::new(0),
+            Err(MemError::BackendUnavailable(_))
+        ));
     }
 }
