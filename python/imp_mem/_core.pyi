@@ -146,9 +146,7 @@ class CudaBackend(Backend):
         """Device ``(free, total)`` bytes now."""
     def read(self, region: Region, offset: int = 0, nbytes: int | None = None) -> bytes:
         """Copy bytes of a live region of this backend to the host."""
-    def write(
-        self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0
-    ) -> None:
+    def write(self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0) -> None:
         """Copy host bytes into a live region of this backend."""
 
 class VmmBackend(Backend):
