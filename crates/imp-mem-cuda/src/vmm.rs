@@ -367,6 +367,25 @@ pub fn chunk_size(requested: Option<usize>, unit: usize) -> Result<usize, MemErr
     Ok(rounded.max(unit))
 }
 
+/// Refuses a chunk larger than the device, or a handle cache that could
+/// hold half of it (the budget's capacity is the device less the cache).
+/// Pure.
+pub fn check_sizes(chunk: usize, cache_chunks: usize, total: u64) -> Result<(), MemError> {
+    if chunk as u64 > total {
+        return Err(MemError::invalid(format!(
+            "chunk_bytes {chunk} is larger than the device ({total} B); use tens of MiB"
+        )));
+    }
+    let cache = (cache_chunks as u64).saturating_mul(chunk as u64);
+    if cache > total / 2 {
+        return Err(MemError::invalid(format!(
+            "a cache of {cache_chunks} chunks of {chunk} B would hold over half the device; keep \
+             a few chunks (the default is {DEFAULT_CACHE_CHUNKS})"
+        )));
+    }
+    Ok(())
+}
+
 /// The granule that satisfies both the minimum and the recommended
 /// granularity. Pure.
 pub fn combined_granularity(min: usize, recommended: usize) -> usize {
@@ -394,6 +413,7 @@ impl<D: VmmDriver> VmmCore<D> {
         }
         let unit = combined_granularity(min, recommended);
         let chunk = chunk_size(config.chunk_bytes, unit)?;
+        check_sizes(chunk, config.cache_chunks, driver.total_memory())?;
         Ok(Self {
             driver,
             granule: min,
@@ -610,11 +630,14 @@ impl<D: VmmDriver> VmmCore<D> {
         size: usize,
         align: usize,
     ) -> Result<usize, SourceError> {
-        let align = if align > self.granule { align } else { 0 };
+        // Always explicit: at least the granularity (cuMemMap needs granule-
+        // aligned addresses), never the driver's unspecified default.
+        let align = align
+            .max(self.granule)
+            .checked_next_power_of_two()
+            .ok_or(SourceError::OutOfMemory)?;
         let base = self.driver.address_reserve(size, align)?;
-        let usable = usize::try_from(base)
-            .ok()
-            .filter(|b| align == 0 || b % align == 0);
+        let usable = usize::try_from(base).ok().filter(|b| b % align == 0);
         let Some(base) = usable else {
             // SAFETY: reserved just above with this size, nothing mapped.
             let _ = unsafe { self.driver.address_free(base, size) };
@@ -689,8 +712,7 @@ impl<D: VmmDriver> Drop for VmmCore<D> {
 // SAFETY: (1) every address is inside a reservation from
 // `cuMemAddressReserve`, which never overlaps another live one; a reservation
 // is freed only by `free`/`unreserve` of its own base. A reservation is
-// aligned to `align` (a request past the granularity is passed to the driver,
-// and the result checked). (2) commits map only past the committed prefix
+// aligned to `max(align, granularity)`, asked of the driver and checked. (2) commits map only past the committed prefix
 // inside the reservation, so the base is fixed; decommit unmaps only the
 // named tail. (3) nothing panics: every arithmetic step is checked or bounded
 // by sizes the backend validated, and driver failures are returned.

@@ -67,6 +67,24 @@ fn chunk_rounding_is_pure_and_positive() {
     assert_eq!(combined_granularity(2 * MIB, 2 * MIB), 2 * MIB);
     assert_eq!(combined_granularity(2 * MIB, 32 * MIB), 32 * MIB);
     assert_eq!(combined_granularity(4096, 0), 4096);
+    assert!(check_sizes(CHUNK, 2, 1 << 30).is_ok());
+    assert!(matches!(
+        check_sizes(2 << 30, 0, 1 << 30),
+        Err(MemError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        check_sizes(CHUNK, 1 << 20, 1 << 30),
+        Err(MemError::InvalidArgument(_))
+    ));
+    let sim = SimDriver::new(GRANULE, 64 * MIB as u64);
+    let refused = VmmCore::with_driver(
+        sim,
+        VmmConfig {
+            chunk_bytes: Some(CHUNK),
+            cache_chunks: 100,
+        },
+    );
+    assert!(refused.is_err());
 }
 
 #[test]
