@@ -44,6 +44,7 @@ class _View:
         self.__cuda_array_interface__ = {
             "shape": (nbytes // itemsize,),
             "typestr": typestr,
+            "strides": None,
             "data": (address, False),
             "version": 3,
             "stream": None,
