@@ -16,6 +16,7 @@
 
 pub mod accounting;
 pub mod backend;
+pub mod decommit;
 pub mod error;
 pub mod fake;
 pub mod phase;

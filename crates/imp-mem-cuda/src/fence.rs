@@ -12,7 +12,7 @@
 //! Why: VMM unmap does not synchronise the device (SPEC, H200 facts), so
 //! unmapping a chunk that a queued kernel still reads would fault. A pool
 //! records a fence after the last work that may touch a chunk and decommits
-//! only once it has completed ([`crate::decommit::DeferredDecommit`]).
+//! only once it has completed (`imp_mem_core::decommit::DeferredDecommit`).
 //!
 //! Thread safety: `Fence` is `Send + Sync`; event query/synchronise are
 //! thread-safe driver calls, and each binds the device's primary context for
@@ -23,11 +23,11 @@ use std::sync::Arc;
 
 use imp_mem_core::MemError;
 
-use crate::decommit::FenceLike;
 use crate::driver::{
     check, CuEvent, CuStream, DeviceContext, CUDA_ERROR_NOT_READY, CUDA_SUCCESS,
     CU_EVENT_DISABLE_TIMING,
 };
+use imp_mem_core::decommit::FenceLike;
 
 /// A recorded CUDA event.
 pub struct Fence {

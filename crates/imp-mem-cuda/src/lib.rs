@@ -12,14 +12,14 @@
 //!   `cuMemCreate` / `cuMemMap` / `cuMemSetAccess`, in chunks, with a handle
 //!   cache.
 //! * [`fence`] — [`Fence`]: a CUDA event a decommit waits for.
-//! * [`decommit`] — the hysteretic decommit policy and the fenced, deferred
-//!   decommit (pure, CPU-tested).
+//! * the hysteretic decommit policy and the fenced, deferred decommit are
+//!   pure and live in the core (`imp_mem_core::decommit`, re-exported here);
+//!   [`Fence`] implements their [`FenceLike`].
 //! * [`pinned`] — pinned host buffers and host registration.
 //! * [`reserve`] — the measured context cost and library reserve, cached by
 //!   fingerprint, with the 10 % self-check (pure, CPU-tested).
 #![deny(missing_docs)]
 
-pub mod decommit;
 pub mod device;
 pub mod driver;
 pub mod fence;
@@ -27,10 +27,12 @@ pub mod pinned;
 pub mod reserve;
 pub mod vmm;
 
-pub use decommit::{Decision, DecommitPolicy, DecommitTracker, DeferredDecommit, FenceLike};
 pub use device::{cuda_backend, CudaSource};
 pub use driver::{cuda_available, device_count, DeviceContext, DeviceProps};
 pub use fence::Fence;
+pub use imp_mem_core::decommit::{
+    Decision, DecommitPolicy, DecommitTracker, DeferredDecommit, FenceLike,
+};
 pub use imp_mem_core::MemError;
 pub use pinned::{pinned_backend, CudaPinnedHost, PinnedHostSource};
 pub use reserve::{Fingerprint, ReserveCache, ReserveMeasurement, SelfCheck};

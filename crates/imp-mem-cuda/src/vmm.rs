@@ -27,8 +27,8 @@
 //!
 //! None of these calls synchronises the device. A commit can overlap queued
 //! work; a decommit must not happen while a kernel may still touch the tail:
-//! the caller waits for a [`crate::Fence`] first ([`crate::decommit`] has the
-//! policy and the deferred queue).
+//! the caller waits for a [`crate::Fence`] first (`imp_mem_core::decommit` has
+//! the policy and the deferred queue).
 //!
 //! Accounting: the backend's ledger sees committed bytes. Cached handles are
 //! physical memory that no region holds; the source reports them

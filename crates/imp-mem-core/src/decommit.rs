@@ -14,10 +14,14 @@
 //!   `keep_chunks` — never below the need now. Any step that is not idle, or
 //!   any growth, restarts the count. The decision is pure and deterministic.
 //! * [`DeferredDecommit`] carries a decision out safely: the caller records a
-//!   fence (a CUDA event, [`crate::Fence`]) after the last work that may touch
+//!   fence (a CUDA event: `imp_mem_cuda::Fence`) after the last work that may touch
 //!   the tail, schedules the decommit with it, and polls; the tail is
 //!   unmapped only once the fence has completed. Growing again before that
 //!   cancels it.
+//!
+//! It lives in the core (no CUDA here) so that a growable `BlockPool` can use
+//! it on any backend; `imp-mem-cuda` implements [`FenceLike`] for its CUDA
+//! event fence, and tests use a stand-in.
 //!
 //! Contract for the caller (a growable `BlockPool`): between `schedule` and
 //! the decommit, no block in the tail past the target is handed out; if one
@@ -26,7 +30,8 @@
 //! Thread safety: both types are plain values with `&mut self` methods; the
 //! pool that owns them serialises access.
 
-use imp_mem_core::{MemError, Region};
+use crate::backend::Region;
+use crate::error::MemError;
 
 /// How eagerly a growable pool returns memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,7 +209,7 @@ impl<F: FenceLike> DeferredDecommit<F> {
 mod tests {
     use std::cell::Cell;
 
-    use imp_mem_core::{FakeBackend, FakeConfig, Tag};
+    use crate::{FakeBackend, FakeConfig, Tag};
 
     use super::*;
 
