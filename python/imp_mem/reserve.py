@@ -54,7 +54,8 @@ __all__ = [
 _CHILD = r"""
 import json, sys
 import torch
-n = int(sys.argv[1])
+n, device = int(sys.argv[1]), int(sys.argv[2])
+torch.cuda.set_device(device)
 torch.cuda.mem_get_info()  # opens the primary context; allocates nothing
 print("context", flush=True)
 sys.stdin.readline()
@@ -135,13 +136,11 @@ def _sample(device: int, n: int) -> dict[str, int]:
 
     torch.cuda.synchronize(device)
     free_before, _ = torch.cuda.mem_get_info(device)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", str(device)))
     child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(n)],
+        [sys.executable, "-c", _CHILD, str(n), str(device)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=env,
     )
     try:
         assert child.stdin is not None and child.stdout is not None
