@@ -140,7 +140,7 @@ class CudaBackend(Backend):
     there is no CUDA driver or device."""
 
     def __init__(
-        self, device: int = 0, *, budget: ByteCount | None = None, strict: bool = False
+        self, device: int = 0, budget: ByteCount | None = None, strict: bool = False
     ) -> None: ...
     @property
     def device_name(self) -> str: ...
@@ -158,7 +158,6 @@ class VmmBackend(Backend):
     def __init__(
         self,
         device: int = 0,
-        *,
         budget: ByteCount | None = None,
         strict: bool = False,
         chunk_bytes: ByteCount | None = None,

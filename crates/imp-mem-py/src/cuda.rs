@@ -138,7 +138,7 @@ pub struct PyCudaBackend {
 #[pymethods]
 impl PyCudaBackend {
     #[new]
-    #[pyo3(signature = (device = 0, *, budget = None, strict = false))]
+    #[pyo3(signature = (device = 0, budget = None, strict = false))]
     fn new(
         device: i32,
         budget: Option<&Bound<'_, PyAny>>,
@@ -203,13 +203,13 @@ pub struct PyVmmBackend {
 #[pymethods]
 impl PyVmmBackend {
     #[new]
-    #[pyo3(signature = (device = 0, *, budget = None, strict = false, chunk_bytes = None, cache_chunks = None))]
+    #[pyo3(signature = (device = 0, budget = None, strict = false, chunk_bytes = None, cache_chunks = None))]
     fn new(
         device: i32,
         budget: Option<&Bound<'_, PyAny>>,
         strict: bool,
         chunk_bytes: Option<&Bound<'_, PyAny>>,
-        cache_chunks: Option<usize>,
+        cache_chunks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(Self, PyBackend)> {
         let budget = convert::opt_bytes(budget, "budget")?;
         let chunk_bytes = convert::opt_bytes(chunk_bytes, "chunk_bytes")?
@@ -217,7 +217,11 @@ impl PyVmmBackend {
             .transpose()?;
         let config = VmmConfig {
             chunk_bytes,
-            cache_chunks: cache_chunks.unwrap_or(imp_mem_cuda::vmm::DEFAULT_CACHE_CHUNKS),
+            cache_chunks: match cache_chunks.filter(|c| !c.is_none()) {
+                Some(c) => usize::try_from(convert::index(c, "cache_chunks")?)
+                    .map_err(|_| invalid("cache_chunks does not fit this host"))?,
+                None => imp_mem_cuda::vmm::DEFAULT_CACHE_CHUNKS,
+            },
         };
         let driver = imp_mem_cuda::vmm::CudaVmm::new(device).py()?;
         let context = driver.context().clone();
