@@ -415,3 +415,33 @@ proptest! {
         prop_assert_eq!(sim.lock().reservations(), 0);
     }
 }
+
+#[test]
+fn concurrent_regions_stay_consistent() {
+    let (sim, source, backend) = setup(2, 1 << 30);
+    std::thread::scope(|s| {
+        for t in 0..4usize {
+            let backend = backend.clone();
+            s.spawn(move || {
+                let mut region = backend
+                    .acquire_growable(16 * CHUNK as u64, 0, Tag::KvCache)
+                    .unwrap();
+                let base = region.base();
+                for i in 0..50usize {
+                    let chunks = (i * 7 + t) % 9;
+                    if chunks * CHUNK >= region.len() {
+                        region.commit((chunks * CHUNK) as u64).unwrap();
+                    } else {
+                        region.decommit((chunks * CHUNK) as u64).unwrap();
+                    }
+                    assert_eq!(region.base(), base);
+                    assert_eq!(region.len(), chunks * CHUNK);
+                }
+            });
+        }
+    });
+    assert_consistent(&sim, &source, &backend);
+    source.trim_cache();
+    assert_eq!(sim.lock().physical(), 0);
+    assert_eq!(sim.lock().reservations(), 0);
+}
