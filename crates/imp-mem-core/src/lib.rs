@@ -19,6 +19,7 @@ pub mod backend;
 pub mod error;
 pub mod fake;
 pub mod phase;
+pub mod planner;
 pub mod tag;
 pub mod units;
 
