@@ -227,6 +227,9 @@ mod tests {
         assert_eq!(s.total.peak, 140);
         assert_eq!(s.tags[&Tag::KvCache].peak, 40);
         assert_eq!(s.tags[&Tag::KvCache].reserved, 1000);
-        assert_eq!(s.acquired_bytes_total - s.released_bytes_total, s.total.live);
+        assert_eq!(
+            s.acquired_bytes_total - s.released_bytes_total,
+            s.total.live
+        );
     }
 }

@@ -183,7 +183,13 @@ impl State {
         let phase = self.guard.phase();
         if let Some(journal) = self.journal.as_mut() {
             let seq = journal.len() as u64;
-            journal.push(JournalEntry { seq, phase, tag, bytes, op });
+            journal.push(JournalEntry {
+                seq,
+                phase,
+                tag,
+                bytes,
+                op,
+            });
         }
     }
 
@@ -219,11 +225,17 @@ impl Shared {
     fn state(&self) -> MutexGuard<'_, State> {
         // A poisoned lock means a panic elsewhere; the counters are still the
         // best record there is, so keep serving them.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn notify(&self, level: NoticeLevel, message: &str) {
-        let notifier = self.notifier.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let notifier = self
+            .notifier
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         if let Some(notifier) = notifier {
             notifier(level, message);
         }
@@ -248,12 +260,17 @@ impl Shared {
             // SAFETY: the region is the unique owner of this reservation (Region
             // is move-only and released once, from its Drop), and its sizes are
             // the ones the source was given.
-            unsafe { self.source.unreserve(region.base, region.reserved, region.committed) };
+            unsafe {
+                self.source
+                    .unreserve(region.base, region.reserved, region.committed)
+            };
         } else {
             // SAFETY: as above, for a plain allocation made with these sizes.
             unsafe { self.source.free(region.base, region.reserved, region.align) };
         }
-        state.ledger.on_release(region.tag, region.reserved as u64, region.committed as u64);
+        state
+            .ledger
+            .on_release(region.tag, region.reserved as u64, region.committed as u64);
         state.record(region.tag, region.committed as u64, JournalOp::Release);
     }
 }
@@ -318,7 +335,12 @@ impl Backend {
                 info.capacity
             )));
         }
-        let state = State { guard: PhaseGuard::new(mode), ledger: Ledger::default(), budget, journal: None };
+        let state = State {
+            guard: PhaseGuard::new(mode),
+            ledger: Ledger::default(),
+            budget,
+            journal: None,
+        };
         Ok(Self {
             shared: Arc::new(Shared {
                 id: NEXT_BACKEND_ID.fetch_add(1, Ordering::Relaxed),
@@ -356,7 +378,11 @@ impl Backend {
 
     /// Routes notices (steady-state warnings, re-entry logs) to `notifier`.
     pub fn set_notifier(&self, notifier: Option<Notifier>) {
-        *self.shared.notifier.write().unwrap_or_else(|p| p.into_inner()) = notifier;
+        *self
+            .shared
+            .notifier
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = notifier;
     }
 
     /// The phase now.
@@ -388,7 +414,10 @@ impl Backend {
             NoticeLevel::Info,
             &format!("re-entering PLANNING while serving ({reason}); acquisitions are allowed until it closes"),
         );
-        Ok(ReplanGuard { backend: self.clone(), reason: reason.to_string() })
+        Ok(ReplanGuard {
+            backend: self.clone(),
+            reason: reason.to_string(),
+        })
     }
 
     /// The budget cap.
@@ -452,11 +481,17 @@ impl Backend {
 
     /// Acquires a growable region: `reserve` bytes of address space, of which
     /// `initial` (rounded up to the granularity) are committed now.
-    pub fn acquire_growable(&self, reserve: u64, initial: u64, tag: Tag) -> Result<Region, MemError> {
+    pub fn acquire_growable(
+        &self,
+        reserve: u64,
+        initial: u64,
+        tag: Tag,
+    ) -> Result<Region, MemError> {
         let granule = self.shared.info.granularity.max(1);
         let reserved = check_size("reservation", reserve)?;
-        let reserved = round_up(reserved, granule)
-            .ok_or_else(|| MemError::invalid("reservation overflows when rounded to the granularity"))?;
+        let reserved = round_up(reserved, granule).ok_or_else(|| {
+            MemError::invalid("reservation overflows when rounded to the granularity")
+        })?;
         if initial > reserve {
             return Err(MemError::invalid(format!(
                 "initial commit {initial} B is larger than the reservation {reserve} B"
@@ -483,7 +518,9 @@ impl Backend {
                     return Err(self.shared.map_source_error(&state, e, initial as u64, tag));
                 }
             }
-            state.ledger.on_acquire(tag, reserved as u64, initial as u64);
+            state
+                .ledger
+                .on_acquire(tag, reserved as u64, initial as u64);
             state.record(tag, initial as u64, JournalOp::Acquire);
             let region = Region {
                 base,
@@ -552,7 +589,10 @@ impl Backend {
         let state = self.shared.state();
         let live = state.ledger.live();
         if let Some(journal) = &state.journal {
-            let replayed: i128 = journal.iter().map(|e| e.op.sign() as i128 * e.bytes as i128).sum();
+            let replayed: i128 = journal
+                .iter()
+                .map(|e| e.op.sign() as i128 * e.bytes as i128)
+                .sum();
             if replayed != live as i128 {
                 return Err(MemError::Invariant(format!(
                     "V1: journal replays to {replayed} B live, ledger says {live} B"
@@ -590,7 +630,10 @@ impl Drop for ReplanGuard {
         if closed.is_ok() {
             self.backend.shared.notify(
                 NoticeLevel::Info,
-                &format!("re-entry to PLANNING closed ({}); back to SERVING", self.reason),
+                &format!(
+                    "re-entry to PLANNING closed ({}); back to SERVING",
+                    self.reason
+                ),
             );
         }
     }

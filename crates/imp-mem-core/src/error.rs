@@ -28,7 +28,14 @@ pub struct OomReport {
 
 impl std::fmt::Display for OomReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let Self { asked, live, budget, capacity, tag, device_refused } = *self;
+        let Self {
+            asked,
+            live,
+            budget,
+            capacity,
+            tag,
+            device_refused,
+        } = *self;
         if device_refused {
             write!(
                 f,

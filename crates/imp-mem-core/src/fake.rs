@@ -112,7 +112,10 @@ impl FakeSource {
             capacity: config.capacity,
             granularity: config.granularity.max(1),
             backed: config.backed,
-            state: Mutex::new(FakeState { next_synthetic: SYNTHETIC_BASE, ..FakeState::default() }),
+            state: Mutex::new(FakeState {
+                next_synthetic: SYNTHETIC_BASE,
+                ..FakeState::default()
+            }),
         }
     }
 
@@ -144,7 +147,12 @@ impl FakeSource {
         Ok(())
     }
 
-    fn new_block(&self, state: &mut FakeState, len: usize, align: usize) -> Result<usize, SourceError> {
+    fn new_block(
+        &self,
+        state: &mut FakeState,
+        len: usize,
+        align: usize,
+    ) -> Result<usize, SourceError> {
         if self.backed {
             let layout = layout(len, align)?;
             // SAFETY: `len > 0` (the backend refuses zero sizes) so the layout
@@ -175,13 +183,17 @@ impl FakeSource {
     /// Poisons a released allocation and moves it to the quarantine, freeing
     /// the oldest one past the quarantine's length.
     fn retire(&self, state: &mut FakeState, addr: usize) {
-        let Some(a) = state.allocs.get_mut(&addr) else { return };
+        let Some(a) = state.allocs.get_mut(&addr) else {
+            return;
+        };
         let (len, align) = (a.len, a.align);
         a.state = AllocState::Quarantined;
         self.poison(addr, 0, len);
         state.quarantine.push_back(addr);
         while state.quarantine.len() > QUARANTINE_LEN {
-            let Some(old) = state.quarantine.pop_front() else { break };
+            let Some(old) = state.quarantine.pop_front() else {
+                break;
+            };
             if let Some(a) = state.allocs.remove(&old) {
                 if self.backed {
                     if let Ok(layout) = layout(a.len, a.align) {
@@ -197,8 +209,15 @@ impl FakeSource {
     }
 
     /// Finds the allocation holding `[addr, addr + len)`.
-    fn locate(&self, state: &FakeState, addr: usize, len: usize) -> Result<(usize, AllocState), MemError> {
-        let end = addr.checked_add(len).ok_or_else(|| MemError::invalid("address range overflows"))?;
+    fn locate(
+        &self,
+        state: &FakeState,
+        addr: usize,
+        len: usize,
+    ) -> Result<(usize, AllocState), MemError> {
+        let end = addr
+            .checked_add(len)
+            .ok_or_else(|| MemError::invalid("address range overflows"))?;
         let found = state.allocs.range(..=addr).next_back();
         match found {
             Some((&start, a)) if end <= start + a.len => Ok((start, a.state)),
@@ -247,7 +266,13 @@ unsafe impl MemorySource for FakeSource {
             Ok(addr) => {
                 state.allocs.insert(
                     addr,
-                    Alloc { len: bytes, align, state: AllocState::Live, committed: bytes, reservation: false },
+                    Alloc {
+                        len: bytes,
+                        align,
+                        state: AllocState::Live,
+                        committed: bytes,
+                        reservation: false,
+                    },
                 );
                 Ok(addr)
             }
@@ -272,7 +297,13 @@ unsafe impl MemorySource for FakeSource {
         let addr = self.new_block(&mut state, max_bytes, align)?;
         state.allocs.insert(
             addr,
-            Alloc { len: max_bytes, align, state: AllocState::Live, committed: 0, reservation: true },
+            Alloc {
+                len: max_bytes,
+                align,
+                state: AllocState::Live,
+                committed: 0,
+                reservation: true,
+            },
         );
         Ok(addr)
     }
@@ -286,7 +317,9 @@ unsafe impl MemorySource for FakeSource {
             )));
         };
         if !a.reservation || a.state != AllocState::Live {
-            return Err(SourceError::Invariant(format!("commit at {base:#x}, not a live reservation")));
+            return Err(SourceError::Invariant(format!(
+                "commit at {base:#x}, not a live reservation"
+            )));
         }
         if from != a.committed || to > a.len || from % granularity != 0 || to % granularity != 0 {
             return Err(SourceError::Invariant(format!(
@@ -320,7 +353,9 @@ unsafe impl MemorySource for FakeSource {
         }
         if state.fail_decommits > 0 {
             state.fail_decommits -= 1;
-            return Err(SourceError::Driver("decommit failed on command (FakeBackend)".into()));
+            return Err(SourceError::Driver(
+                "decommit failed on command (FakeBackend)".into(),
+            ));
         }
         self.poison(base, from, to);
         state.used -= (to - from) as u64;
@@ -388,7 +423,9 @@ impl FakeBackend {
     /// memory; `None` clears it.
     pub fn fail_nth(&self, n: Option<u64>) -> Result<(), MemError> {
         if n == Some(0) {
-            return Err(MemError::invalid("fail_nth counts from 1 (the next acquisition); got 0"));
+            return Err(MemError::invalid(
+                "fail_nth counts from 1 (the next acquisition); got 0",
+            ));
         }
         self.source.state().fail_countdown = n;
         Ok(())

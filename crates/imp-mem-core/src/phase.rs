@@ -77,7 +77,12 @@ pub struct PhaseGuard {
 impl PhaseGuard {
     /// A guard in `LOADING`.
     pub fn new(mode: PhaseMode) -> Self {
-        Self { phase: Phase::Loading, mode, replanning: 0, steady_state: [0; Tag::ALL.len()] }
+        Self {
+            phase: Phase::Loading,
+            mode,
+            replanning: 0,
+            steady_state: [0; Tag::ALL.len()],
+        }
     }
 
     /// The current phase.
@@ -156,7 +161,9 @@ impl PhaseGuard {
     /// Closes one re-entry; the last one returns the phase to `SERVING`.
     pub fn exit_replanning(&mut self) -> Result<(), MemError> {
         if self.replanning == 0 {
-            return Err(MemError::Invariant("replanning closed more often than opened".into()));
+            return Err(MemError::Invariant(
+                "replanning closed more often than opened".into(),
+            ));
         }
         self.replanning -= 1;
         if self.replanning == 0 {
@@ -200,7 +207,10 @@ mod tests {
     #[test]
     fn forward_one_step_only() {
         let mut g = PhaseGuard::new(PhaseMode::Strict);
-        assert!(matches!(g.advance(Phase::Serving), Err(MemError::PhaseViolation { .. })));
+        assert!(matches!(
+            g.advance(Phase::Serving),
+            Err(MemError::PhaseViolation { .. })
+        ));
         g.advance(Phase::Planning).unwrap();
         g.advance(Phase::Serving).unwrap();
         let err = g.advance(Phase::Planning).unwrap_err();
@@ -219,9 +229,18 @@ mod tests {
         let mut prod = PhaseGuard::new(PhaseMode::Production);
         prod.advance(Phase::Planning).unwrap();
         prod.advance(Phase::Serving).unwrap();
-        assert_eq!(prod.admit(Tag::Scratch, 8), Ok(Admission::Counted { first: true }));
-        assert_eq!(prod.admit(Tag::Scratch, 8), Ok(Admission::Counted { first: false }));
-        assert_eq!(prod.admit(Tag::Other, 8), Ok(Admission::Counted { first: true }));
+        assert_eq!(
+            prod.admit(Tag::Scratch, 8),
+            Ok(Admission::Counted { first: true })
+        );
+        assert_eq!(
+            prod.admit(Tag::Scratch, 8),
+            Ok(Admission::Counted { first: false })
+        );
+        assert_eq!(
+            prod.admit(Tag::Other, 8),
+            Ok(Admission::Counted { first: true })
+        );
         assert_eq!(prod.steady_state_allocations(Tag::Scratch), 2);
     }
 

@@ -10,5 +10,7 @@ pub fn cuda_available() -> bool {
         return false;
     }
     cudarc::driver::result::init().is_ok()
-        && cudarc::driver::result::device::get_count().map(|n| n > 0).unwrap_or(false)
+        && cudarc::driver::result::device::get_count()
+            .map(|n| n > 0)
+            .unwrap_or(false)
 }

@@ -242,8 +242,17 @@ mod tests {
         assert_eq!(WeightFormat::Mxfp4.bytes_for(256), 136);
         assert_eq!(WeightFormat::Bf16.bytes_for(1000), 2000);
         assert_eq!(WeightFormat::Q8_0.bytes_for(32), 34);
-        assert_eq!(WeightFormat::parse("Q4_K_M", "w").unwrap(), WeightFormat::Q4K);
-        assert_eq!(WeightFormat::parse("bfloat16", "w").unwrap(), WeightFormat::Bf16);
-        assert!(WeightFormat::parse("int3", "weight_format").unwrap_err().to_string().contains("weight_format"));
+        assert_eq!(
+            WeightFormat::parse("Q4_K_M", "w").unwrap(),
+            WeightFormat::Q4K
+        );
+        assert_eq!(
+            WeightFormat::parse("bfloat16", "w").unwrap(),
+            WeightFormat::Bf16
+        );
+        assert!(WeightFormat::parse("int3", "weight_format")
+            .unwrap_err()
+            .to_string()
+            .contains("weight_format"));
     }
 }

@@ -75,9 +75,15 @@ impl PlanFailure {
         let budget = mib_text(self.budget);
         match self.kind {
             FailureKind::OverBudget => {
-                let _ = writeln!(out, "Cannot fit this configuration in the {budget} MiB budget.");
+                let _ = writeln!(
+                    out,
+                    "Cannot fit this configuration in the {budget} MiB budget."
+                );
             }
-            FailureKind::BelowAdmissionFloor { kv_tokens, sequence_tokens } => {
+            FailureKind::BelowAdmissionFloor {
+                kv_tokens,
+                sequence_tokens,
+            } => {
                 let _ = writeln!(
                     out,
                     "Cannot serve this configuration in the {budget} MiB budget: the KV pool left \
@@ -85,7 +91,14 @@ impl PlanFailure {
                 );
             }
         }
-        let width = self.charges.iter().map(|c| c.label.chars().count()).max().unwrap_or(0).max(28) + 4;
+        let width = self
+            .charges
+            .iter()
+            .map(|c| c.label.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(28)
+            + 4;
         let _ = writeln!(out);
         let _ = writeln!(out, "  {:<w$}{:>8}", "requested", "MiB", w = width + 2);
         for charge in &self.charges {
@@ -101,17 +114,31 @@ impl PlanFailure {
         );
         let _ = writeln!(out);
         if self.levers.is_empty() {
-            let _ = writeln!(out, "  no single setting frees memory here: raise the budget");
+            let _ = writeln!(
+                out,
+                "  no single setting frees memory here: raise the budget"
+            );
         } else {
             let heading = match self.levers.len() {
                 1 => "the largest lever".to_string(),
-                n => format!("the {} largest levers", ["", "", "two", "three"].get(n).copied().unwrap_or("")),
+                n => format!(
+                    "the {} largest levers",
+                    ["", "", "two", "three"].get(n).copied().unwrap_or("")
+                ),
             };
             let _ = writeln!(out, "  {heading}");
             for lever in &self.levers {
                 let change = format!("{} {} -> {}", lever.setting, lever.from, lever.to);
-                let enough = if lever.sufficient { "  (enough alone)" } else { "" };
-                let _ = writeln!(out, "    {change:<40}frees {} MiB{enough}", lever.frees / MIB);
+                let enough = if lever.sufficient {
+                    "  (enough alone)"
+                } else {
+                    ""
+                };
+                let _ = writeln!(
+                    out,
+                    "    {change:<40}frees {} MiB{enough}",
+                    lever.frees / MIB
+                );
             }
         }
         out

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::dtype::Dtype;
-use super::shape::ModelShape;
+use super::shape::{Attention, ModelShape};
 use crate::error::MemError;
 
 /// How the KV pool is sized from the residual.
@@ -27,7 +27,9 @@ impl KvPolicy {
         match text.trim().to_ascii_lowercase().as_str() {
             "full" => Ok(KvPolicy::Full),
             "fit" => Ok(KvPolicy::Fit),
-            other => Err(MemError::invalid(format!("kv_policy: unknown policy '{other}'; expected full or fit"))),
+            other => Err(MemError::invalid(format!(
+                "kv_policy: unknown policy '{other}'; expected full or fit"
+            ))),
         }
     }
 }
@@ -121,6 +123,7 @@ impl PlanInput {
     pub fn validate(&self) -> Result<(), MemError> {
         let l = &self.limits;
         positive("max_batch", u64::from(l.max_batch))?;
+        at_most("max_batch", u64::from(l.max_batch), 1 << 24)?;
         positive("max_seq_len", l.max_seq_len)?;
         positive("block_size", u64::from(l.block_size))?;
         at_most("block_size", u64::from(l.block_size), 1 << 16)?;
@@ -139,11 +142,17 @@ impl PlanInput {
         at_most("spec_depth", u64::from(f.spec_depth), 1 << 16)?;
         at_most("draft_weights_bytes", f.draft_weights_bytes, MAX_BYTES)?;
         at_most("vision_tower_bytes", f.vision_tower_bytes, MAX_BYTES)?;
+        at_most("lora_slots", u64::from(f.lora_slots), 1 << 16)?;
+        at_most("lora_rank", u64::from(f.lora_rank), 1 << 16)?;
         if f.lora_slots > 0 {
             positive("lora_rank", u64::from(f.lora_rank))?;
         }
         at_most("scratch_bytes", f.scratch_bytes.unwrap_or(0), MAX_BYTES)?;
-        at_most("engine_persistent_bytes", f.engine_persistent_bytes.unwrap_or(0), MAX_BYTES)?;
+        at_most(
+            "engine_persistent_bytes",
+            f.engine_persistent_bytes.unwrap_or(0),
+            MAX_BYTES,
+        )?;
         let m = &self.model;
         positive("model.num_layers", u64::from(m.num_layers))?;
         positive("model.hidden_size", m.hidden_size)?;
@@ -158,10 +167,59 @@ impl PlanInput {
         ] {
             at_most(name, value, 1 << 32)?;
         }
+        let geometry: [(&str, u64); 3] = match m.attention {
+            Attention::Gqa {
+                num_kv_heads,
+                head_dim,
+                v_head_dim,
+            } => [
+                ("model.num_kv_heads", num_kv_heads),
+                ("model.head_dim", head_dim),
+                ("model.v_head_dim", v_head_dim),
+            ],
+            Attention::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                qk_nope_head_dim,
+                ..
+            } => [
+                ("model.kv_lora_rank", kv_lora_rank),
+                ("model.qk_rope_head_dim", qk_rope_head_dim),
+                ("model.qk_nope_head_dim", qk_nope_head_dim),
+            ],
+        };
+        for (name, value) in geometry {
+            at_most(name, value, 1 << 32)?;
+        }
+        if let Some(moe) = &m.moe {
+            at_most(
+                "model.moe.experts_per_token",
+                moe.experts_per_token,
+                1 << 32,
+            )?;
+            at_most(
+                "model.moe.expert_intermediate_size",
+                moe.expert_intermediate_size,
+                1 << 32,
+            )?;
+            at_most(
+                "model.moe.shared_intermediate_size",
+                moe.shared_intermediate_size,
+                1 << 32,
+            )?;
+        }
         at_most("model.weights", m.weights_bytes(), MAX_BYTES)?;
         let attention_layers = u64::from(m.full_attention_layers) + u64::from(m.sliding_layers);
-        at_most("model.full_attention_layers + sliding_layers", attention_layers, u64::from(m.num_layers))?;
-        at_most("model.state_layers", u64::from(m.state_layers), u64::from(m.num_layers))?;
+        at_most(
+            "model.full_attention_layers + sliding_layers",
+            attention_layers,
+            u64::from(m.num_layers),
+        )?;
+        at_most(
+            "model.state_layers",
+            u64::from(m.state_layers),
+            u64::from(m.num_layers),
+        )?;
         if m.sliding_layers > 0 {
             positive("model.sliding_window", m.sliding_window.unwrap_or(0))?;
         }
@@ -176,14 +234,18 @@ impl PlanInput {
 
 fn positive(field: &str, value: u64) -> Result<(), MemError> {
     if value == 0 {
-        return Err(MemError::invalid(format!("{field}: must be at least 1, got 0")));
+        return Err(MemError::invalid(format!(
+            "{field}: must be at least 1, got 0"
+        )));
     }
     Ok(())
 }
 
 fn at_most(field: &str, value: u64, max: u64) -> Result<(), MemError> {
     if value > max {
-        return Err(MemError::invalid(format!("{field}: {value} is larger than the supported {max}")));
+        return Err(MemError::invalid(format!(
+            "{field}: {value} is larger than the supported {max}"
+        )));
     }
     Ok(())
 }
@@ -231,10 +293,14 @@ pub fn parse_bytes(text: &str, field: &str) -> Result<u64, MemError> {
         n.checked_mul(multiplier).ok_or_else(bad)?
     };
     if value == 0 {
-        return Err(MemError::invalid(format!("{field}: '{text}' is zero; a size must be positive")));
+        return Err(MemError::invalid(format!(
+            "{field}: '{text}' is zero; a size must be positive"
+        )));
     }
     if value > MAX_BYTES {
-        return Err(MemError::invalid(format!("{field}: '{text}' is larger than the supported 256 PiB")));
+        return Err(MemError::invalid(format!(
+            "{field}: '{text}' is larger than the supported 256 PiB"
+        )));
     }
     Ok(value)
 }
@@ -251,7 +317,16 @@ mod tests {
         assert_eq!(parse_bytes("1.5 GiB", "budget").unwrap(), 3 << 29);
         assert_eq!(parse_bytes("4096", "budget").unwrap(), 4096);
         assert_eq!(parse_bytes(" 2g ", "budget").unwrap(), 2 << 30);
-        for bad in ["", "GiB", "80 GiBs", "eighty", "-80GiB", "0", "1e3", "99999999999999TiB"] {
+        for bad in [
+            "",
+            "GiB",
+            "80 GiBs",
+            "eighty",
+            "-80GiB",
+            "0",
+            "1e3",
+            "99999999999999TiB",
+        ] {
             let err = parse_bytes(bad, "budget").unwrap_err().to_string();
             assert!(err.starts_with("budget:"), "{bad:?} -> {err}");
         }

@@ -118,7 +118,14 @@ impl MemoryPlan {
     /// The plan as a table, one charge a line, in MiB.
     pub fn table(&self) -> String {
         use std::fmt::Write as _;
-        let width = self.charges.iter().map(|c| c.label.chars().count()).max().unwrap_or(0).max(28) + 4;
+        let width = self
+            .charges
+            .iter()
+            .map(|c| c.label.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(28)
+            + 4;
         let mut out = String::new();
         let _ = writeln!(out, "  {:<w$}{:>8}", "charge", "MiB", w = width + 2);
         for c in &self.charges {
@@ -169,11 +176,13 @@ struct Demand {
 
 impl Demand {
     fn kv_block_bytes(&self, block_size: u32) -> u64 {
-        self.kv_bytes_per_token.saturating_mul(u64::from(block_size))
+        self.kv_bytes_per_token
+            .saturating_mul(u64::from(block_size))
     }
 
     fn swa_block_bytes(&self, block_size: u32) -> u64 {
-        self.swa_bytes_per_token.saturating_mul(u64::from(block_size))
+        self.swa_bytes_per_token
+            .saturating_mul(u64::from(block_size))
     }
 
     /// Everything except the two KV pools.
@@ -213,26 +222,40 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
     let kv_blocks_per_seq = seq_tokens.div_ceil(bs);
     let per_token = m.kv_bytes_per_token(kv_dtype, input.tp);
     let (swa_bytes_per_token, swa_blocks_per_seq) = match m.sliding_window {
-        Some(window) if m.sliding_layers > 0 => {
-            (per_token.sliding, kv_blocks_per_seq.min(window.div_ceil(bs).saturating_add(1)))
-        }
+        Some(window) if m.sliding_layers > 0 => (
+            per_token.sliding,
+            kv_blocks_per_seq.min(window.div_ceil(bs).saturating_add(1)),
+        ),
         _ => (0, 0),
     };
 
     let decode_tokens = batch.saturating_mul(1 + u64::from(f.spec_depth));
-    let chunk = l.max_batch_tokens.unwrap_or_else(|| DEFAULT_MAX_BATCH_TOKENS.min(batch.saturating_mul(l.max_seq_len)));
+    let chunk = l
+        .max_batch_tokens
+        .unwrap_or_else(|| DEFAULT_MAX_BATCH_TOKENS.min(batch.saturating_mul(l.max_seq_len)));
     let forward_tokens = chunk.max(decode_tokens);
     let q_dim = m.q_dim().div_ceil(tp);
     let kv_dim = match m.attention {
-        Attention::Gqa { num_kv_heads, head_dim, v_head_dim } => {
-            num_kv_heads.div_ceil(tp).saturating_mul(head_dim.saturating_add(v_head_dim))
-        }
-        Attention::Mla { kv_lora_rank, qk_rope_head_dim, .. } => kv_lora_rank + qk_rope_head_dim,
+        Attention::Gqa {
+            num_kv_heads,
+            head_dim,
+            v_head_dim,
+        } => num_kv_heads
+            .div_ceil(tp)
+            .saturating_mul(head_dim.saturating_add(v_head_dim)),
+        Attention::Mla {
+            kv_lora_rank,
+            qk_rope_head_dim,
+            ..
+        } => kv_lora_rank.saturating_add(qk_rope_head_dim),
     };
     let ffn = match &m.moe {
         Some(moe) => m
             .intermediate_size
-            .max(moe.experts_per_token.saturating_mul(moe.expert_intermediate_size))
+            .max(
+                moe.experts_per_token
+                    .saturating_mul(moe.expert_intermediate_size),
+            )
             .max(moe.shared_intermediate_size),
         None => m.intermediate_size,
     }
@@ -242,7 +265,8 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
     let scratch = match f.scratch_bytes {
         Some(bytes) => bytes,
         None => {
-            let per_token = 2 * hidden + u128::from((2 * q_dim + kv_dim).max(2 * ffn));
+            let attn = q_dim.saturating_mul(2).saturating_add(kv_dim);
+            let per_token = 2 * hidden + u128::from(attn.max(ffn.saturating_mul(2)));
             w(u128::from(forward_tokens) * per_token * u128::from(act))
         }
     };
@@ -261,12 +285,18 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
         let kv = u128::from(kv_dim) * tp as u128 / 2;
         let inter = u128::from(m.intermediate_size);
         let per_layer = (h + q) * 2 + (h + kv) * 2 + (h + inter) * 3;
-        let per_slot = per_layer * u128::from(f.lora_rank) * u128::from(m.num_layers) * u128::from(act);
-        w((per_slot * u128::from(f.lora_slots)).div_ceil(u128::from(tp)))
+        let per_slot = per_layer
+            .saturating_mul(u128::from(f.lora_rank))
+            .saturating_mul(u128::from(m.num_layers))
+            .saturating_mul(u128::from(act));
+        w(per_slot
+            .saturating_mul(u128::from(f.lora_slots))
+            .div_ceil(u128::from(tp)))
     } else {
         0
     };
-    let state_per_slot = w(u128::from(m.state_layers) * u128::from(m.state_bytes_per_layer.div_ceil(tp)));
+    let state_per_slot =
+        w(u128::from(m.state_layers) * u128::from(m.state_bytes_per_layer.div_ceil(tp)));
     let state = w(u128::from(state_per_slot) * u128::from(batch));
 
     let d = Demand {
@@ -280,7 +310,11 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
         state: mib(state),
         kv_bytes_per_token: per_token.full,
         kv_blocks_per_seq,
-        kv_target: if per_token.full > 0 { batch.saturating_mul(kv_blocks_per_seq) } else { 0 },
+        kv_target: if per_token.full > 0 {
+            batch.saturating_mul(kv_blocks_per_seq)
+        } else {
+            0
+        },
         swa_bytes_per_token,
         swa_blocks_per_seq,
         swa_target: batch.saturating_mul(swa_blocks_per_seq),
@@ -316,7 +350,11 @@ fn kv_label(input: &PlanInput, blocks: u64, target: u64, bs: u32) -> String {
             input.kv_dtype()
         )
     } else {
-        format!("KV pool ({} tok, {})", blocks.saturating_mul(u64::from(bs)), input.kv_dtype())
+        format!(
+            "KV pool ({} tok, {})",
+            blocks.saturating_mul(u64::from(bs)),
+            input.kv_dtype()
+        )
     }
 }
 
@@ -325,13 +363,21 @@ fn charges(input: &PlanInput, d: &Demand, kv_blocks: u64) -> Vec<Charge> {
     let mut out = Vec::with_capacity(12);
     let mut push = |key: &str, label: String, bytes: u64| {
         if bytes > 0 || matches!(key, "weights" | "kv_pool" | "context" | "library_reserve") {
-            out.push(Charge { key: key.to_string(), label, bytes });
+            out.push(Charge {
+                key: key.to_string(),
+                label,
+                bytes,
+            });
         }
     };
     push("weights", "model weights".to_string(), d.weights);
     push("vision_tower", "vision tower".to_string(), d.vision);
     push("draft_weights", "draft model".to_string(), d.draft);
-    push("kv_pool", kv_label(input, kv_blocks, d.kv_target, bs), mib(d.kv_block_bytes(bs) * kv_blocks));
+    push(
+        "kv_pool",
+        kv_label(input, kv_blocks, d.kv_target, bs),
+        mib(d.kv_block_bytes(bs) * kv_blocks),
+    );
     if let Some(window) = input.model.sliding_window.filter(|_| d.swa_target > 0) {
         push(
             "swa_pool",
@@ -344,16 +390,34 @@ fn charges(input: &PlanInput, d: &Demand, kv_blocks: u64) -> Vec<Charge> {
         format!("linear/SSM state ({} seqs)", input.limits.max_batch),
         d.state,
     );
-    push("scratch", "executor scratch (high-water)".to_string(), d.scratch);
-    push("engine_persistent", "engine-persistent".to_string(), d.workspaces);
-    push("lora", format!("LoRA slots ({})", input.features.lora_slots), d.lora);
+    push(
+        "scratch",
+        "executor scratch (high-water)".to_string(),
+        d.scratch,
+    );
+    push(
+        "engine_persistent",
+        "engine-persistent".to_string(),
+        d.workspaces,
+    );
+    push(
+        "lora",
+        format!("LoRA slots ({})", input.features.lora_slots),
+        d.lora,
+    );
     push("context", "CUDA context + driver".to_string(), d.context);
-    push("library_reserve", "library reserve (measured)".to_string(), d.library);
+    push(
+        "library_reserve",
+        "library reserve (measured)".to_string(),
+        d.library,
+    );
     out
 }
 
 fn sum(charges: &[Charge]) -> u64 {
-    charges.iter().fold(0u64, |acc, c| acc.saturating_add(c.bytes))
+    charges
+        .iter()
+        .fold(0u64, |acc, c| acc.saturating_add(c.bytes))
 }
 
 /// The requested total: every charge, the KV pools at their full target.
@@ -368,7 +432,11 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
     let bs = input.limits.block_size;
     let budget = input.budget;
     let kv_block_bytes = d.kv_block_bytes(bs);
-    let swa_bytes = if d.swa_target > 0 { mib(d.swa_block_bytes(bs) * d.swa_target) } else { 0 };
+    let swa_bytes = if d.swa_target > 0 {
+        mib(d.swa_block_bytes(bs) * d.swa_target)
+    } else {
+        0
+    };
     let requested = charges(input, &d, d.kv_target);
     let requested_total = sum(&requested);
 
@@ -498,7 +566,13 @@ fn levers(input: &PlanInput, total: u64) -> Vec<Lever> {
             let frees = total.saturating_sub(new_total);
             if frees > 0 {
                 let sufficient = try_plan(&changed).is_ok();
-                out.push(Lever { setting: setting.to_string(), from, to, frees, sufficient });
+                out.push(Lever {
+                    setting: setting.to_string(),
+                    from,
+                    to,
+                    frees,
+                    sufficient,
+                });
             }
         }
     };
@@ -507,7 +581,12 @@ fn levers(input: &PlanInput, total: u64) -> Vec<Lever> {
     if seq >= 2 {
         let mut changed = input.clone();
         changed.limits.max_seq_len = seq / 2;
-        consider("max_seq_len", seq.to_string(), (seq / 2).to_string(), changed);
+        consider(
+            "max_seq_len",
+            seq.to_string(),
+            (seq / 2).to_string(),
+            changed,
+        );
     }
     let kv = input.kv_dtype();
     if kv.bytes() > Dtype::Fp8.bytes() {
@@ -539,7 +618,12 @@ fn levers(input: &PlanInput, total: u64) -> Vec<Lever> {
         } else {
             1
         };
-        consider("max_batch", batch.to_string(), best.to_string(), with_batch(best));
+        consider(
+            "max_batch",
+            batch.to_string(),
+            best.to_string(),
+            with_batch(best),
+        );
     }
     if let Some(tp2) = input.tp.checked_mul(2) {
         let mut changed = input.clone();
@@ -547,7 +631,7 @@ fn levers(input: &PlanInput, total: u64) -> Vec<Lever> {
         consider("tp", input.tp.to_string(), tp2.to_string(), changed);
     }
     // Largest first; equal savings keep the order above (stable sort).
-    out.sort_by(|a, b| b.frees.cmp(&a.frees));
+    out.sort_by_key(|lever| std::cmp::Reverse(lever.frees));
     out.truncate(3);
     out
 }

@@ -89,7 +89,9 @@ pub struct WeightSpec {
 impl WeightSpec {
     /// Parameters counted from the shape.
     pub fn params(&self) -> u64 {
-        self.embedding_params.saturating_add(self.dense_params).saturating_add(self.expert_params)
+        self.embedding_params
+            .saturating_add(self.dense_params)
+            .saturating_add(self.expert_params)
     }
 
     /// Bytes of the whole model (all ranks): measured if known, else estimated.
@@ -164,12 +166,18 @@ impl ModelShape {
     /// replicated on every rank.
     pub fn kv_bytes_per_token_per_layer(&self, kv_dtype: Dtype, tp: u32) -> u64 {
         let elems = match self.attention {
-            Attention::Gqa { num_kv_heads, head_dim, v_head_dim } => num_kv_heads
+            Attention::Gqa {
+                num_kv_heads,
+                head_dim,
+                v_head_dim,
+            } => num_kv_heads
                 .div_ceil(u64::from(tp.max(1)))
                 .saturating_mul(head_dim.saturating_add(v_head_dim)),
-            Attention::Mla { kv_lora_rank, qk_rope_head_dim, .. } => {
-                kv_lora_rank.saturating_add(qk_rope_head_dim)
-            }
+            Attention::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                ..
+            } => kv_lora_rank.saturating_add(qk_rope_head_dim),
         };
         elems.saturating_mul(kv_dtype.bytes())
     }
@@ -192,9 +200,11 @@ impl ModelShape {
     pub fn q_dim(&self) -> u64 {
         let per_head = match self.attention {
             Attention::Gqa { head_dim, .. } => head_dim,
-            Attention::Mla { qk_rope_head_dim, qk_nope_head_dim, .. } => {
-                qk_rope_head_dim.saturating_add(qk_nope_head_dim)
-            }
+            Attention::Mla {
+                qk_rope_head_dim,
+                qk_nope_head_dim,
+                ..
+            } => qk_rope_head_dim.saturating_add(qk_nope_head_dim),
         };
         self.num_attention_heads.saturating_mul(per_head)
     }
@@ -211,8 +221,14 @@ impl ModelShape {
             MemError::invalid("config.json: expected a JSON object at the top level")
         })?;
         let cfg = match top.get("text_config") {
-            Some(Value::Object(text)) => Cfg { primary: text, fallback: Some(top) },
-            _ => Cfg { primary: top, fallback: None },
+            Some(Value::Object(text)) => Cfg {
+                primary: text,
+                fallback: Some(top),
+            },
+            _ => Cfg {
+                primary: top,
+                fallback: None,
+            },
         };
         parse(&cfg)
     }
@@ -223,13 +239,22 @@ impl ModelShape {
         let (config_path, dir) = if path.is_dir() {
             (path.join("config.json"), path.to_path_buf())
         } else {
-            (path.to_path_buf(), path.parent().map(Path::to_path_buf).unwrap_or_default())
+            (
+                path.to_path_buf(),
+                path.parent().map(Path::to_path_buf).unwrap_or_default(),
+            )
         };
         let text = std::fs::read_to_string(&config_path).map_err(|err| {
-            MemError::invalid(format!("config: cannot read {}: {err}", config_path.display()))
+            MemError::invalid(format!(
+                "config: cannot read {}: {err}",
+                config_path.display()
+            ))
         })?;
         let value: Value = serde_json::from_str(&text).map_err(|err| {
-            MemError::invalid(format!("config: {} is not valid JSON: {err}", config_path.display()))
+            MemError::invalid(format!(
+                "config: {} is not valid JSON: {err}",
+                config_path.display()
+            ))
         })?;
         let shape = ModelShape::from_hf_config(&value)?;
         Ok(match safetensors_bytes_in_dir(&dir)? {
@@ -246,10 +271,16 @@ pub fn safetensors_bytes_in_dir(dir: &Path) -> Result<Option<u64>, MemError> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let text = std::fs::read_to_string(&index).map_err(|err| {
-            MemError::invalid(format!("safetensors index: cannot read {}: {err}", index.display()))
+            MemError::invalid(format!(
+                "safetensors index: cannot read {}: {err}",
+                index.display()
+            ))
         })?;
         let value: Value = serde_json::from_str(&text).map_err(|err| {
-            MemError::invalid(format!("safetensors index: {} is not JSON: {err}", index.display()))
+            MemError::invalid(format!(
+                "safetensors index: {} is not JSON: {err}",
+                index.display()
+            ))
         })?;
         return weights_bytes_from_safetensors_index(&value).map(Some);
     }
@@ -283,7 +314,9 @@ pub fn safetensors_file_bytes(path: &Path) -> Result<u64, MemError> {
         .map_err(|err| MemError::invalid(format!("{field}: too short: {err}")))?;
     let header_len = u64::from_le_bytes(len);
     if header_len > 100 << 20 {
-        return Err(MemError::invalid(format!("{field}: header of {header_len} bytes is not plausible")));
+        return Err(MemError::invalid(format!(
+            "{field}: header of {header_len} bytes is not plausible"
+        )));
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header)
@@ -304,7 +337,9 @@ pub fn weights_bytes_from_safetensors_header(bytes: &[u8]) -> Result<u64, MemErr
         .map_err(|_| MemError::invalid(format!("{field}: length does not fit in memory")))?;
     let header = bytes
         .get(8..8usize.saturating_add(header_len))
-        .ok_or_else(|| MemError::invalid(format!("{field}: truncated (declares {header_len} bytes)")))?;
+        .ok_or_else(|| {
+            MemError::invalid(format!("{field}: truncated (declares {header_len} bytes)"))
+        })?;
     weights_bytes_from_safetensors_header_json(header, field)
 }
 
@@ -324,10 +359,14 @@ fn weights_bytes_from_safetensors_header_json(header: &[u8], field: &str) -> Res
             offsets.and_then(|o| o.first()).and_then(Value::as_u64),
             offsets.and_then(|o| o.get(1)).and_then(Value::as_u64),
         ) else {
-            return Err(MemError::invalid(format!("{field}: tensor '{name}' has no data_offsets")));
+            return Err(MemError::invalid(format!(
+                "{field}: tensor '{name}' has no data_offsets"
+            )));
         };
         if end < begin {
-            return Err(MemError::invalid(format!("{field}: tensor '{name}' ends before it begins")));
+            return Err(MemError::invalid(format!(
+                "{field}: tensor '{name}' ends before it begins"
+            )));
         }
         total = total.saturating_add(end - begin);
     }
@@ -339,10 +378,11 @@ pub fn weights_bytes_from_safetensors_index(index: &Value) -> Result<u64, MemErr
     index
         .get("metadata")
         .and_then(|m| m.get("total_size"))
-        .and_then(|v| v.as_u64().or_else(|| v.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64)))
-        .ok_or_else(|| {
-            MemError::invalid("safetensors index: missing field 'metadata.total_size'")
+        .and_then(|v| {
+            v.as_u64()
+                .or_else(|| v.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
         })
+        .ok_or_else(|| MemError::invalid("safetensors index: missing field 'metadata.total_size'"))
 }
 
 /// A config with an optional fallback level (`text_config` over the top).
@@ -354,7 +394,11 @@ struct Cfg<'a> {
 impl<'a> Cfg<'a> {
     fn raw(&self, key: &str) -> Option<&'a Value> {
         let found = self.primary.get(key).filter(|v| !v.is_null());
-        found.or_else(|| self.fallback.and_then(|f| f.get(key)).filter(|v| !v.is_null()))
+        found.or_else(|| {
+            self.fallback
+                .and_then(|f| f.get(key))
+                .filter(|v| !v.is_null())
+        })
     }
 
     /// The first of `keys` present, as a non-negative integer.
@@ -370,7 +414,10 @@ impl<'a> Cfg<'a> {
     fn u64_req(&self, keys: &[&str]) -> Result<u64, MemError> {
         let value = self.u64_opt(keys)?.ok_or_else(|| missing(keys))?;
         if value == 0 {
-            return Err(MemError::invalid(format!("config.json: field '{}' must be positive", keys[0])));
+            return Err(MemError::invalid(format!(
+                "config.json: field '{}' must be positive",
+                keys[0]
+            )));
         }
         Ok(value)
     }
@@ -378,7 +425,10 @@ impl<'a> Cfg<'a> {
     /// Like `u64_req` but with a default when absent; zero is still refused.
     fn u64_or(&self, keys: &[&str], default: u64) -> Result<u64, MemError> {
         match self.u64_opt(keys)? {
-            Some(0) => Err(MemError::invalid(format!("config.json: field '{}' must be positive", keys[0]))),
+            Some(0) => Err(MemError::invalid(format!(
+                "config.json: field '{}' must be positive",
+                keys[0]
+            ))),
             Some(v) => Ok(v),
             None => Ok(default),
         }
@@ -409,9 +459,24 @@ impl<'a> Cfg<'a> {
     }
 }
 
+fn prod(factors: &[u64]) -> u64 {
+    factors.iter().fold(1u64, |acc, x| acc.saturating_mul(*x))
+}
+
+fn sum(terms: &[u64]) -> u64 {
+    terms.iter().fold(0u64, |acc, x| acc.saturating_add(*x))
+}
+
 fn missing(keys: &[&str]) -> MemError {
     let also = if keys.len() > 1 {
-        format!(" (also looked for {})", keys[1..].iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", "))
+        format!(
+            " (also looked for {})",
+            keys[1..]
+                .iter()
+                .map(|k| format!("'{k}'"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
     } else {
         String::new()
     };
@@ -433,8 +498,9 @@ fn as_u64(value: &Value, key: &str) -> Result<u64, MemError> {
 }
 
 fn to_u32(value: u64, key: &str) -> Result<u32, MemError> {
-    u32::try_from(value)
-        .map_err(|_| MemError::invalid(format!("config.json: field '{key}' = {value} is too large")))
+    u32::try_from(value).map_err(|_| {
+        MemError::invalid(format!("config.json: field '{key}' = {value} is too large"))
+    })
 }
 
 /// What a layer holds, for counting.
@@ -457,12 +523,16 @@ struct StateGeometry {
 
 fn parse(cfg: &Cfg<'_>) -> Result<ModelShape, MemError> {
     let model_type = cfg.str_opt("model_type")?.unwrap_or("model").to_string();
-    let num_layers_u64 = cfg.u64_req(&["num_hidden_layers", "n_layer", "num_layers", "n_layers"])?;
+    let num_layers_u64 =
+        cfg.u64_req(&["num_hidden_layers", "n_layer", "num_layers", "n_layers"])?;
     let num_layers = to_u32(num_layers_u64, "num_hidden_layers")?;
     let hidden = cfg.u64_req(&["hidden_size", "d_model", "n_embd", "dim"])?;
     let heads = cfg.u64_req(&["num_attention_heads", "n_head", "n_heads"])?;
     let vocab = cfg.u64_req(&["vocab_size", "padded_vocab_size"])?;
-    let intermediate = cfg.u64_or(&["intermediate_size", "ffn_hidden_size", "n_inner"], 4 * hidden)?;
+    let intermediate = cfg.u64_or(
+        &["intermediate_size", "ffn_hidden_size", "n_inner"],
+        4 * hidden,
+    )?;
     let dtype = match cfg.str_opt("torch_dtype")?.or(cfg.str_opt("dtype")?) {
         Some(text) => Dtype::parse(text, "config.json: field 'torch_dtype'")?,
         None => Dtype::Bf16,
@@ -480,14 +550,27 @@ fn parse(cfg: &Cfg<'_>) -> Result<ModelShape, MemError> {
         let qk_nope_head_dim = cfg.u64_or(&["qk_nope_head_dim"], default_head_dim)?;
         let v_head_dim = cfg.u64_or(&["v_head_dim"], qk_nope_head_dim)?;
         let q_lora_rank = cfg.u64_opt(&["q_lora_rank"])?.filter(|r| *r > 0);
-        Attention::Mla { kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, q_lora_rank }
+        Attention::Mla {
+            kv_lora_rank,
+            qk_rope_head_dim,
+            qk_nope_head_dim,
+            v_head_dim,
+            q_lora_rank,
+        }
     } else {
         let multi_query = cfg.bool_opt("multi_query")?.unwrap_or(false);
         let kv_default = if multi_query { 1 } else { heads };
-        let num_kv_heads = cfg.u64_or(&["num_key_value_heads", "num_kv_heads", "n_head_kv"], kv_default)?;
+        let num_kv_heads = cfg.u64_or(
+            &["num_key_value_heads", "num_kv_heads", "n_head_kv"],
+            kv_default,
+        )?;
         let head_dim = cfg.u64_or(&["head_dim", "attention_head_dim"], default_head_dim)?;
         let v_head_dim = cfg.u64_or(&["v_head_dim"], head_dim)?;
-        Attention::Gqa { num_kv_heads, head_dim, v_head_dim }
+        Attention::Gqa {
+            num_kv_heads,
+            head_dim,
+            v_head_dim,
+        }
     };
 
     // Sliding window: on unless `use_sliding_window` says false (Qwen2/3
@@ -519,18 +602,33 @@ fn parse(cfg: &Cfg<'_>) -> Result<ModelShape, MemError> {
     } else {
         None
     };
-    let state_bytes_per_layer =
-        state.as_ref().map_or(0, |s| s.elems.saturating_mul(dtype.bytes()));
+    let state_bytes_per_layer = state
+        .as_ref()
+        .map_or(0, |s| s.elems.saturating_mul(dtype.bytes()));
 
     // MoE.
     let num_experts = cfg
-        .u64_opt(&["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"])?
+        .u64_opt(&[
+            "num_experts",
+            "num_local_experts",
+            "n_routed_experts",
+            "moe_num_experts",
+        ])?
         .unwrap_or(0);
     let moe = if num_experts > 1 {
-        let experts_per_token =
-            cfg.u64_or(&["num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k"], 1)?;
-        let expert_intermediate_size =
-            cfg.u64_or(&["moe_intermediate_size", "expert_intermediate_size"], intermediate)?;
+        let experts_per_token = cfg.u64_or(
+            &[
+                "num_experts_per_tok",
+                "num_experts_per_token",
+                "moe_top_k",
+                "top_k",
+            ],
+            1,
+        )?;
+        let expert_intermediate_size = cfg.u64_or(
+            &["moe_intermediate_size", "expert_intermediate_size"],
+            intermediate,
+        )?;
         let shared_intermediate_size = match cfg.u64_opt(&["shared_expert_intermediate_size"])? {
             Some(size) => size,
             None => cfg
@@ -552,39 +650,79 @@ fn parse(cfg: &Cfg<'_>) -> Result<ModelShape, MemError> {
 
     // Parameters, counted from the shape.
     let tie = cfg.bool_opt("tie_word_embeddings")?.unwrap_or(false);
-    let embedding_params = vocab.saturating_mul(hidden).saturating_mul(if tie { 1 } else { 2 });
+    let embedding_params = vocab
+        .saturating_mul(hidden)
+        .saturating_mul(if tie { 1 } else { 2 });
     let attn_params = match attention {
-        Attention::Gqa { num_kv_heads, head_dim, v_head_dim } => {
-            let q = heads * head_dim;
-            hidden * q + hidden * num_kv_heads * (head_dim + v_head_dim) + heads * v_head_dim * hidden
-        }
-        Attention::Mla { kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, q_lora_rank } => {
-            let qk = qk_nope_head_dim + qk_rope_head_dim;
+        Attention::Gqa {
+            num_kv_heads,
+            head_dim,
+            v_head_dim,
+        } => sum(&[
+            prod(&[hidden, heads, head_dim]),
+            prod(&[hidden, num_kv_heads, head_dim.saturating_add(v_head_dim)]),
+            prod(&[heads, v_head_dim, hidden]),
+        ]),
+        Attention::Mla {
+            kv_lora_rank,
+            qk_rope_head_dim,
+            qk_nope_head_dim,
+            v_head_dim,
+            q_lora_rank,
+        } => {
+            let qk = qk_nope_head_dim.saturating_add(qk_rope_head_dim);
             let q = match q_lora_rank {
-                Some(r) => hidden * r + r * heads * qk,
-                None => hidden * heads * qk,
+                Some(r) => prod(&[hidden, r]).saturating_add(prod(&[r, heads, qk])),
+                None => prod(&[hidden, heads, qk]),
             };
-            q + hidden * (kv_lora_rank + qk_rope_head_dim)
-                + kv_lora_rank * heads * (qk_nope_head_dim + v_head_dim)
-                + heads * v_head_dim * hidden
+            sum(&[
+                q,
+                prod(&[hidden, kv_lora_rank.saturating_add(qk_rope_head_dim)]),
+                prod(&[
+                    kv_lora_rank,
+                    heads,
+                    qk_nope_head_dim.saturating_add(v_head_dim),
+                ]),
+                prod(&[heads, v_head_dim, hidden]),
+            ])
         }
     };
-    let attention_layers = u64::from(full_attention_layers + sliding_layers);
-    let mlp_layers = kinds.len() as u64 - kinds.iter().filter(|k| **k == LayerKind::Neither).count() as u64;
+    let attention_layers = u64::from(full_attention_layers) + u64::from(sliding_layers);
+    let mlp_layers = kinds.iter().filter(|k| **k != LayerKind::Neither).count() as u64;
     let (dense_mlp_layers, expert_params, moe_dense_params) = match &moe {
         Some(m) => {
             let moe_layers = u64::from(m.moe_layers);
-            let experts = moe_layers * m.num_experts * 3 * hidden * m.expert_intermediate_size;
-            let shared_and_router =
-                moe_layers * (3 * hidden * m.shared_intermediate_size + hidden * m.num_experts);
-            (mlp_layers.saturating_sub(moe_layers), experts, shared_and_router)
+            let experts = prod(&[
+                moe_layers,
+                m.num_experts,
+                3,
+                hidden,
+                m.expert_intermediate_size,
+            ]);
+            let shared_and_router = prod(&[
+                moe_layers,
+                sum(&[
+                    prod(&[3, hidden, m.shared_intermediate_size]),
+                    prod(&[hidden, m.num_experts]),
+                ]),
+            ]);
+            (
+                mlp_layers.saturating_sub(moe_layers),
+                experts,
+                shared_and_router,
+            )
         }
         None => (mlp_layers, 0, 0),
     };
-    let dense_params = attention_layers * attn_params
-        + u64::from(state_layers) * state.as_ref().map_or(0, |s| s.params)
-        + dense_mlp_layers * 3 * hidden * intermediate
-        + moe_dense_params;
+    let dense_params = sum(&[
+        prod(&[attention_layers, attn_params]),
+        prod(&[
+            u64::from(state_layers),
+            state.as_ref().map_or(0, |s| s.params),
+        ]),
+        prod(&[dense_mlp_layers, 3, hidden, intermediate]),
+        moe_dense_params,
+    ]);
 
     let act_format = WeightFormat::from_dtype(dtype);
     let (dense_format, expert_format) = quantization(cfg, act_format)?;
@@ -612,7 +750,11 @@ fn parse(cfg: &Cfg<'_>) -> Result<ModelShape, MemError> {
             expert_format,
             measured_bytes: None,
         },
-        max_position_embeddings: cfg.u64_opt(&["max_position_embeddings", "n_positions", "max_seq_len"])?,
+        max_position_embeddings: cfg.u64_opt(&[
+            "max_position_embeddings",
+            "n_positions",
+            "max_seq_len",
+        ])?,
     })
 }
 
@@ -639,10 +781,13 @@ fn layer_kinds(
                 Some("full_attention" | "attention" | "global" | "global_attention" | "full") => {
                     Ok(LayerKind::Full)
                 }
-                Some("sliding_attention" | "sliding" | "local" | "local_attention" | "sliding_window") => {
-                    Ok(LayerKind::Sliding)
+                Some(
+                    "sliding_attention" | "sliding" | "local" | "local_attention"
+                    | "sliding_window",
+                ) => Ok(LayerKind::Sliding),
+                Some("linear_attention" | "mamba" | "mamba2" | "ssm" | "linear") => {
+                    Ok(LayerKind::State)
                 }
-                Some("linear_attention" | "mamba" | "mamba2" | "ssm" | "linear") => Ok(LayerKind::State),
                 _ => Err(MemError::invalid(format!(
                     "config.json: field 'layer_types' has an unknown layer type {t}; expected \
                      full_attention, sliding_attention, linear_attention or mamba"
@@ -672,7 +817,13 @@ fn layer_kinds(
         // Gated DeltaNet.
         let interval = interval.max(1);
         return Ok((0..n as u64)
-            .map(|i| if (i + 1) % interval == 0 { LayerKind::Full } else { LayerKind::State })
+            .map(|i| {
+                if (i + 1) % interval == 0 {
+                    LayerKind::Full
+                } else {
+                    LayerKind::State
+                }
+            })
             .collect());
     }
     if let Some(period) = cfg.u64_opt(&["attn_layer_period"])? {
@@ -680,18 +831,28 @@ fn layer_kinds(
         let period = period.max(1);
         let offset = cfg.u64_opt(&["attn_layer_offset"])?.unwrap_or(0);
         return Ok((0..n as u64)
-            .map(|i| if i % period == offset { LayerKind::Full } else { LayerKind::State })
+            .map(|i| {
+                if i % period == offset {
+                    LayerKind::Full
+                } else {
+                    LayerKind::State
+                }
+            })
             .collect());
     }
     if let Some(indices) = cfg.raw("attn_layer_indices") {
         let list = indices.as_array().ok_or_else(|| {
-            MemError::invalid("config.json: field 'attn_layer_indices' should be a list of integers")
+            MemError::invalid(
+                "config.json: field 'attn_layer_indices' should be a list of integers",
+            )
         })?;
         let mut kinds = vec![LayerKind::State; n];
         for idx in list {
             let i = as_u64(idx, "attn_layer_indices")? as usize;
             let slot = kinds.get_mut(i).ok_or_else(|| {
-                MemError::invalid(format!("config.json: field 'attn_layer_indices' names layer {i} of {n}"))
+                MemError::invalid(format!(
+                    "config.json: field 'attn_layer_indices' names layer {i} of {n}"
+                ))
             })?;
             *slot = LayerKind::Full;
         }
@@ -713,17 +874,37 @@ fn layer_kinds(
     if let Some(p) = pattern {
         // Gemma-3 / Cohere2: every p-th layer is global.
         return Ok((0..n as u64)
-            .map(|i| if (i + 1) % p == 0 { LayerKind::Full } else { LayerKind::Sliding })
+            .map(|i| {
+                if (i + 1) % p == 0 {
+                    LayerKind::Full
+                } else {
+                    LayerKind::Sliding
+                }
+            })
             .collect());
     }
     if model_type == "gemma2" {
         // Gemma-2: even layers slide, odd layers are global.
-        return Ok((0..n).map(|i| if i % 2 == 0 { LayerKind::Sliding } else { LayerKind::Full }).collect());
+        return Ok((0..n)
+            .map(|i| {
+                if i % 2 == 0 {
+                    LayerKind::Sliding
+                } else {
+                    LayerKind::Full
+                }
+            })
+            .collect());
     }
     if let Some(max_window_layers) = cfg.u64_opt(&["max_window_layers"])? {
         // Qwen2 with use_sliding_window: layers from max_window_layers up slide.
         return Ok((0..n as u64)
-            .map(|i| if i >= max_window_layers { LayerKind::Sliding } else { LayerKind::Full })
+            .map(|i| {
+                if i >= max_window_layers {
+                    LayerKind::Sliding
+                } else {
+                    LayerKind::Full
+                }
+            })
             .collect());
     }
     // Mistral-7B-v0.1: every layer slides.
@@ -738,35 +919,43 @@ fn state_geometry(cfg: &Cfg<'_>, hidden: u64) -> Result<Option<StateGeometry>, M
         let dk = cfg.u64_req(&["linear_key_head_dim"])?;
         let dv = cfg.u64_req(&["linear_value_head_dim"])?;
         let kernel = cfg.u64_or(&["linear_conv_kernel_dim"], 4)?;
-        let conv_channels = 2 * nk * dk + nv * dv;
-        let elems = (kernel - 1) * conv_channels + nv * dk * dv;
-        let params = hidden * (2 * nk * dk + 2 * nv * dv + 2 * nv) + nv * dv * hidden;
+        let conv_channels = sum(&[prod(&[2, nk, dk]), prod(&[nv, dv])]);
+        let elems = sum(&[prod(&[kernel - 1, conv_channels]), prod(&[nv, dk, dv])]);
+        let in_proj = sum(&[prod(&[2, nk, dk]), prod(&[2, nv, dv]), prod(&[2, nv])]);
+        let params = sum(&[prod(&[hidden, in_proj]), prod(&[nv, dv, hidden])]);
         return Ok(Some(StateGeometry { elems, params }));
     }
     let d_state = cfg.u64_opt(&["mamba_d_state", "ssm_state_size", "state_size", "d_state"])?;
     let Some(d_state) = d_state else {
         return Ok(None);
     };
-    let d_conv = cfg.u64_or(&["mamba_d_conv", "conv_kernel", "d_conv", "mamba_conv_kernel"], 4)?;
+    let d_conv = cfg.u64_or(
+        &["mamba_d_conv", "conv_kernel", "d_conv", "mamba_conv_kernel"],
+        4,
+    )?;
     let expand = cfg.u64_or(&["mamba_expand", "expand"], 2)?;
     let n_heads = cfg.u64_opt(&["mamba_n_heads", "mamba_num_heads"])?;
     let d_head = cfg.u64_opt(&["mamba_d_head", "mamba_head_dim"])?;
     let d_inner = match (cfg.u64_opt(&["mamba_d_ssm"])?, n_heads, d_head) {
         (Some(d), _, _) => d,
-        (None, Some(h), Some(d)) => h * d,
-        _ => expand * hidden,
+        (None, Some(h), Some(d)) => prod(&[h, d]),
+        _ => prod(&[expand, hidden]),
     };
     let (conv_channels, in_proj_out) = if n_heads.is_some() || d_head.is_some() {
         // Mamba-2: B and C per group enter the conv too.
         let groups = cfg.u64_or(&["mamba_n_groups", "n_groups"], 1)?;
         let heads = n_heads.unwrap_or(d_inner / d_head.unwrap_or(64).max(1));
-        (d_inner + 2 * groups * d_state, 2 * d_inner + 2 * groups * d_state + heads)
+        let bc = prod(&[2, groups, d_state]);
+        (sum(&[d_inner, bc]), sum(&[prod(&[2, d_inner]), bc, heads]))
     } else {
         // Mamba-1 (Jamba).
-        (d_inner, 2 * d_inner)
+        (d_inner, prod(&[2, d_inner]))
     };
-    let elems = (d_conv - 1) * conv_channels + d_inner * d_state;
-    let params = hidden * in_proj_out + d_inner * hidden;
+    let elems = sum(&[
+        prod(&[d_conv - 1, conv_channels]),
+        prod(&[d_inner, d_state]),
+    ]);
+    let params = sum(&[prod(&[hidden, in_proj_out]), prod(&[d_inner, hidden])]);
     Ok(Some(StateGeometry { elems, params }))
 }
 
@@ -791,11 +980,16 @@ fn moe_layer_count(cfg: &Cfg<'_>, layers: u32, kinds: &[LayerKind]) -> Result<u3
         }
     }
     let mlp_layers = kinds.iter().filter(|k| **k != LayerKind::Neither).count() as u64;
-    Ok((0..mlp_layers.min(n)).filter(|i| (i + 1) % step == 0 && !dense_only.contains(i)).count() as u32)
+    Ok((0..mlp_layers.min(n))
+        .filter(|i| (i + 1) % step == 0 && !dense_only.contains(i))
+        .count() as u32)
 }
 
 /// `(dense, expert)` weight formats from `quantization_config`.
-fn quantization(cfg: &Cfg<'_>, act: WeightFormat) -> Result<(WeightFormat, WeightFormat), MemError> {
+fn quantization(
+    cfg: &Cfg<'_>,
+    act: WeightFormat,
+) -> Result<(WeightFormat, WeightFormat), MemError> {
     let Some(q) = cfg.raw("quantization_config") else {
         return Ok((act, act));
     };
@@ -814,7 +1008,7 @@ fn quantization(cfg: &Cfg<'_>, act: WeightFormat) -> Result<(WeightFormat, Weigh
         "nvfp4" => both(WeightFormat::Nvfp4),
         "gptq" | "awq" | "gptq_marlin" | "awq_marlin" | "marlin" => match bits.unwrap_or(4) {
             8 => both(WeightFormat::Int8),
-            4 | 3 | 2 => both(WeightFormat::Int4),
+            2..=4 => both(WeightFormat::Int4),
             other => Err(MemError::invalid(format!(
                 "config.json: field 'quantization_config.bits' = {other} is not supported (4 or 8)"
             ))),
