@@ -63,3 +63,69 @@ mod tests {
         assert_eq!(round_up(0, 3), Some(0));
     }
 }
+
+/// Parses a byte count written for a human: `80GiB`, `80 GB`, `81920MiB`,
+/// `1.5GiB`, `4096`, `512k`. Binary and decimal suffixes are both honoured
+/// (`GiB` = 2^30, `GB` = 10^9); a bare `G`/`M`/`K` is binary.
+pub fn parse_bytes(text: &str) -> Result<u64, crate::error::MemError> {
+    let bad = || {
+        crate::error::MemError::invalid(format!(
+            "cannot read {text:?} as a byte count; write e.g. 80GiB, 80 GB, 81920MiB or 4096"
+        ))
+    };
+    let s = text.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let number = number.replace('_', "");
+    if number.is_empty() {
+        return Err(bad());
+    }
+    let scale: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(bad()),
+    };
+    if let Ok(whole) = number.parse::<u64>() {
+        return whole.checked_mul(scale).ok_or_else(bad);
+    }
+    let value: f64 = number.parse().map_err(|_| bad())?;
+    let bytes = value * scale as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes.round() as u64)
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_usual_spellings() {
+        assert_eq!(parse_bytes("80GiB").unwrap(), 80 * GIB);
+        assert_eq!(parse_bytes("80 GB").unwrap(), 80_000_000_000);
+        assert_eq!(parse_bytes("81920MiB").unwrap(), 80 * GIB);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 * GIB / 2);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("512k").unwrap(), 512 * 1024);
+        for bad in [
+            "",
+            "GiB",
+            "80 parsecs",
+            "-1GiB",
+            "1e999",
+            "99999999999999999999TiB",
+        ] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,1 +1,25 @@
-//! placeholder
+//! `imp_mem._core`: the PyO3 bindings. Conversions, error mapping and handle
+//! wrappers only; every rule lives in `imp-mem-core`.
+//!
+//! Each file registers its own classes; adding a capability is one new file
+//! and one `register` line below.
+
+use pyo3::prelude::*;
+
+pub mod backend;
+pub mod convert;
+pub mod errors;
+
+/// True when a CUDA driver and at least one device are present.
+#[pyfunction]
+fn cuda_available() -> bool {
+    imp_mem_cuda::cuda_available()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    backend::register(m)?;
+    Ok(())
+}

@@ -1,0 +1,44 @@
+"""Small text-rendering helpers shared by the CLI and reports."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``'1.50 KiB'``; the same rendering as the Rust core."""
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024.0
+    unit = 0
+    while value >= 1024.0 and unit + 1 < len(_UNITS):
+        value /= 1024.0
+        unit += 1
+    if value >= 100:
+        return f"{value:.0f} {_UNITS[unit]}"
+    if value >= 10:
+        return f"{value:.1f} {_UNITS[unit]}"
+    return f"{value:.2f} {_UNITS[unit]}"
+
+
+def mib(n: int) -> str:
+    """Bytes as whole MiB with thousands separators."""
+    return f"{n / (1 << 20):,.0f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain aligned table; the first column left-aligned, the rest right."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [
+            row[i].ljust(widths[i]) if i == 0 else row[i].rjust(widths[i]) for i in range(len(row))
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out.extend(line(r) for r in cells[1:])
+    return "\n".join(out)

@@ -1,0 +1,76 @@
+"""The imp-mem exception hierarchy.
+
+Every error imp-mem raises is an :class:`ImpMemError`. The Rust core maps each
+of its error values to one of these classes, in one place
+(``crates/imp-mem-py/src/errors.rs``). Where a standard exception fits too, the
+class also derives from it, so ``except MemoryError`` and ``except ValueError``
+keep working for code that does not know imp-mem.
+"""
+
+from __future__ import annotations
+
+
+class ImpMemError(Exception):
+    """Base class of every imp-mem error."""
+
+
+class OutOfMemory(ImpMemError, MemoryError):
+    """The budget or the device refused an acquisition.
+
+    Attributes ``asked``, ``live``, ``budget`` and ``capacity`` (bytes) and
+    ``tag`` carry the arithmetic; ``device_refused`` is True when the device
+    itself, not the budget, said no.
+    """
+
+    asked: int
+    live: int
+    budget: int
+    capacity: int
+    tag: str
+    device_refused: bool
+
+
+class CapacityError(ImpMemError):
+    """A pool cannot admit what was asked; nothing was changed."""
+
+
+class PhaseViolation(ImpMemError):
+    """An acquisition while serving (strict mode) or a refused phase transition."""
+
+
+class StaleSpan(ImpMemError):
+    """A span or handle used after the memory behind it was reset or released."""
+
+
+class PlanFailure(ImpMemError):
+    """The configuration does not fit its budget; the message is the itemised report."""
+
+
+class BackendUnavailable(ImpMemError):
+    """The requested backend cannot run on this machine (no driver, no device)."""
+
+
+class InvalidArgument(ImpMemError, ValueError):
+    """An argument is unusable; the message says what to change."""
+
+
+class DriverError(ImpMemError):
+    """The CUDA driver reported an error."""
+
+
+class ImpMemWarning(UserWarning):
+    """Something an operator should fix, such as an acquisition while serving."""
+
+
+__all__ = [
+    "BackendUnavailable",
+    "CapacityError",
+    "DriverError",
+    "ImpMemError",
+    "ImpMemWarning",
+    "InvalidArgument",
+    "OutOfMemory",
+    "PhaseViolation",
+    "PlanFailure",
+    "StaleSpan",
+]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole test suite: what CI (.ci/run) and the README run.
+#
+# Builds the wheel into a fresh virtual environment, then: cargo fmt --check,
+# cargo clippy -D warnings, the Rust tests, ruff, and pytest. Needs Rust,
+# Python 3.9+ and PyPI; installs everything else itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${IMP_MEM_VENV:-.venv-test}
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "virtual environment ($VENV)"
+rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q \
+    "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6"
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "Rust tests"
+# The binding crate is a Python extension (it links against no libpython), so
+# it is tested through pytest below.
+cargo test --workspace --exclude imp-mem-py
+
+step "build and install the wheel"
+rm -rf target/wheels-test
+"$VENV/bin/maturin" build --release --out target/wheels-test
+"$VENV/bin/python" -m pip install -q --force-reinstall --no-deps target/wheels-test/*.whl
+
+step "ruff"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+
+step "pytest"
+# From the tests folder so the installed wheel, not python/, is imported.
+"$VENV/bin/python" -m pytest -p no:cacheprovider tests "$@"
