@@ -250,48 +250,12 @@ fn at_most(field: &str, value: u64, max: u64) -> Result<(), MemError> {
     Ok(())
 }
 
-/// Parses a byte count as people write budgets: `80GiB`, `80 GB`,
-/// `81920MiB`, `1.5 TiB`, `85899345920`. Binary suffixes (KiB, MiB, GiB,
-/// TiB) are powers of 1024; SI suffixes (KB, MB, GB, TB) powers of 1000;
-/// `K`/`M`/`G`/`T` alone are binary. `field` names the input in the error.
-pub fn parse_bytes(text: &str, field: &str) -> Result<u64, MemError> {
-    let trimmed = text.trim();
-    let split = trimmed
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-        .unwrap_or(trimmed.len());
-    let (number, unit) = trimmed.split_at(split);
-    let number = number.replace('_', "");
-    let bad = || {
-        MemError::invalid(format!(
-            "{field}: cannot read '{text}' as a size; write it like 80GiB, 80 GB, 81920MiB or a byte count"
-        ))
-    };
-    if number.is_empty() {
-        return Err(bad());
-    }
-    let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        "t" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        _ => return Err(bad()),
-    };
-    let value = if number.contains('.') {
-        let f: f64 = number.parse().map_err(|_| bad())?;
-        let bytes = (f * multiplier as f64).round();
-        if !bytes.is_finite() || bytes < 0.0 || bytes > MAX_BYTES as f64 {
-            return Err(bad());
-        }
-        bytes as u64
-    } else {
-        let n: u64 = number.parse().map_err(|_| bad())?;
-        n.checked_mul(multiplier).ok_or_else(bad)?
-    };
+/// Parses a size as people write budgets (`80GiB`, `80 GB`, `81920MiB`, a
+/// byte count; the spellings of [`crate::units::parse_bytes`]) and checks it
+/// is positive and plausible. `field` names the input in the error.
+pub fn parse_size(text: &str, field: &str) -> Result<u64, MemError> {
+    let value = crate::units::parse_bytes(text)
+        .map_err(|err| MemError::invalid(format!("{field}: {err}")))?;
     if value == 0 {
         return Err(MemError::invalid(format!(
             "{field}: '{text}' is zero; a size must be positive"
@@ -311,12 +275,12 @@ mod tests {
 
     #[test]
     fn budgets_parse_in_every_spelling() {
-        assert_eq!(parse_bytes("80GiB", "budget").unwrap(), 80 << 30);
-        assert_eq!(parse_bytes("80 GB", "budget").unwrap(), 80_000_000_000);
-        assert_eq!(parse_bytes("81920MiB", "budget").unwrap(), 80 << 30);
-        assert_eq!(parse_bytes("1.5 GiB", "budget").unwrap(), 3 << 29);
-        assert_eq!(parse_bytes("4096", "budget").unwrap(), 4096);
-        assert_eq!(parse_bytes(" 2g ", "budget").unwrap(), 2 << 30);
+        assert_eq!(parse_size("80GiB", "budget").unwrap(), 80 << 30);
+        assert_eq!(parse_size("80 GB", "budget").unwrap(), 80_000_000_000);
+        assert_eq!(parse_size("81920MiB", "budget").unwrap(), 80 << 30);
+        assert_eq!(parse_size("1.5 GiB", "budget").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096", "budget").unwrap(), 4096);
+        assert_eq!(parse_size(" 2g ", "budget").unwrap(), 2 << 30);
         for bad in [
             "",
             "GiB",
@@ -327,7 +291,7 @@ mod tests {
             "1e3",
             "99999999999999TiB",
         ] {
-            let err = parse_bytes(bad, "budget").unwrap_err().to_string();
+            let err = parse_size(bad, "budget").unwrap_err().to_string();
             assert!(err.starts_with("budget:"), "{bad:?} -> {err}");
         }
     }

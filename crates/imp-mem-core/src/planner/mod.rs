@@ -31,7 +31,7 @@ mod tests;
 pub use dtype::{Dtype, WeightFormat};
 pub use failure::{Charge, FailureKind, Lever, PlanError, PlanFailure};
 pub use input::{
-    parse_bytes, Features, KvPolicy, Limits, PlanInput, DEFAULT_BLOCK_SIZE, H200_CONTEXT_BYTES,
+    parse_size, Features, KvPolicy, Limits, PlanInput, DEFAULT_BLOCK_SIZE, H200_CONTEXT_BYTES,
     H200_LIBRARY_RESERVE_BYTES, MAX_BYTES,
 };
 pub use plan::{
