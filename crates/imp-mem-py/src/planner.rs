@@ -37,6 +37,19 @@ fn from_py_json(value: &Bound<'_, PyAny>, what: &str) -> PyResult<serde_json::Va
     serde_json::from_str(&text).map_err(|err| invalid(format!("{what}: {err}")))
 }
 
+/// A byte count: an int, or text such as `"80GiB"`; errors name `what`.
+fn size(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    match value.downcast::<PyString>() {
+        Ok(text) => core::parse_size(&text.to_cow()?, what).py(),
+        Err(_) => convert::bytes(value, what),
+    }
+}
+
+/// An optional byte count (None or absent gives `None`).
+fn opt_size(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
+    value.filter(|v| !v.is_none()).map(|v| size(v, what)).transpose()
+}
+
 fn to_u32(value: u64, what: &str) -> PyResult<u32> {
     u32::try_from(value).map_err(|_| invalid(format!("{what}: {value} is too large")))
 }
@@ -101,7 +114,7 @@ impl PyModelShape {
                 path_or_dict.get_type().name()?
             )));
         };
-        let shape = match convert::opt_bytes(weights_bytes, "weights_bytes")? {
+        let shape = match opt_size(weights_bytes, "weights_bytes")? {
             Some(bytes) => shape.with_measured_weights(bytes),
             None => shape,
         };
@@ -110,7 +123,7 @@ impl PyModelShape {
 
     /// The same shape with its weight bytes replaced by a measured figure.
     fn with_weights_bytes(&self, nbytes: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let bytes = convert::bytes(nbytes, "weights_bytes")?;
+        let bytes = size(nbytes, "weights_bytes")?;
         Ok(Self { inner: self.inner.clone().with_measured_weights(bytes) })
     }
 
@@ -363,14 +376,14 @@ impl PyFeatures {
         };
         let inner = core::Features {
             spec_depth: count(spec_depth, "spec_depth")?,
-            draft_weights_bytes: convert::opt_bytes(draft_weights_bytes, "draft_weights_bytes")?
+            draft_weights_bytes: opt_size(draft_weights_bytes, "draft_weights_bytes")?
                 .unwrap_or(0),
-            vision_tower_bytes: convert::opt_bytes(vision_tower_bytes, "vision_tower_bytes")?
+            vision_tower_bytes: opt_size(vision_tower_bytes, "vision_tower_bytes")?
                 .unwrap_or(0),
             lora_slots: count(lora_slots, "lora_slots")?,
             lora_rank: count(lora_rank, "lora_rank")?,
-            scratch_bytes: convert::opt_bytes(scratch_bytes, "scratch_bytes")?,
-            engine_persistent_bytes: convert::opt_bytes(
+            scratch_bytes: opt_size(scratch_bytes, "scratch_bytes")?,
+            engine_persistent_bytes: opt_size(
                 engine_persistent_bytes,
                 "engine_persistent_bytes",
             )?,
@@ -441,11 +454,7 @@ impl PyPlanInput {
         context: Option<&Bound<'_, PyAny>>,
         library_reserve: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let budget = if let Ok(text) = budget.downcast::<PyString>() {
-            core::parse_size(&text.to_cow()?, "budget").py()?
-        } else {
-            positive(budget, "budget")?
-        };
+        let budget = size(budget, "budget")?;
         let tp = match tp.filter(|t| !t.is_none()) {
             Some(t) => to_u32(positive(t, "tp")?, "tp")?,
             None => 1,
@@ -456,8 +465,8 @@ impl PyPlanInput {
             features: features.map(|f| f.inner.clone()).unwrap_or_default(),
             tp,
             budget,
-            context_bytes: convert::opt_bytes(context, "context")?.unwrap_or(H200_CONTEXT_BYTES),
-            library_reserve_bytes: convert::opt_bytes(library_reserve, "library_reserve")?
+            context_bytes: opt_size(context, "context")?.unwrap_or(H200_CONTEXT_BYTES),
+            library_reserve_bytes: opt_size(library_reserve, "library_reserve")?
                 .unwrap_or(H200_LIBRARY_RESERVE_BYTES),
         };
         inner.validate().py()?;
