@@ -47,7 +47,10 @@ fn size(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
 
 /// An optional byte count (None or absent gives `None`).
 fn opt_size(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u64>> {
-    value.filter(|v| !v.is_none()).map(|v| size(v, what)).transpose()
+    value
+        .filter(|v| !v.is_none())
+        .map(|v| size(v, what))
+        .transpose()
 }
 
 fn to_u32(value: u64, what: &str) -> PyResult<u32> {
@@ -91,7 +94,9 @@ impl PyModelShape {
             ));
         };
         let value = from_py_json(fields.as_any(), "ModelShape")?;
-        Ok(Self { inner: core::ModelShape::from_hf_config(&value).py()? })
+        Ok(Self {
+            inner: core::ModelShape::from_hf_config(&value).py()?,
+        })
     }
 
     /// Reads a Hugging Face `config.json`: a path (file or checkpoint
@@ -124,7 +129,9 @@ impl PyModelShape {
     /// The same shape with its weight bytes replaced by a measured figure.
     fn with_weights_bytes(&self, nbytes: &Bound<'_, PyAny>) -> PyResult<Self> {
         let bytes = size(nbytes, "weights_bytes")?;
-        Ok(Self { inner: self.inner.clone().with_measured_weights(bytes) })
+        Ok(Self {
+            inner: self.inner.clone().with_measured_weights(bytes),
+        })
     }
 
     /// KV bytes one token costs on one of `tp` ranks:
@@ -244,7 +251,9 @@ impl PyModelShape {
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other.downcast::<Self>().is_ok_and(|o| o.get().inner == self.inner)
+        other
+            .downcast::<Self>()
+            .is_ok_and(|o| o.get().inner == self.inner)
     }
 
     fn __repr__(&self) -> String {
@@ -376,17 +385,12 @@ impl PyFeatures {
         };
         let inner = core::Features {
             spec_depth: count(spec_depth, "spec_depth")?,
-            draft_weights_bytes: opt_size(draft_weights_bytes, "draft_weights_bytes")?
-                .unwrap_or(0),
-            vision_tower_bytes: opt_size(vision_tower_bytes, "vision_tower_bytes")?
-                .unwrap_or(0),
+            draft_weights_bytes: opt_size(draft_weights_bytes, "draft_weights_bytes")?.unwrap_or(0),
+            vision_tower_bytes: opt_size(vision_tower_bytes, "vision_tower_bytes")?.unwrap_or(0),
             lora_slots: count(lora_slots, "lora_slots")?,
             lora_rank: count(lora_rank, "lora_rank")?,
             scratch_bytes: opt_size(scratch_bytes, "scratch_bytes")?,
-            engine_persistent_bytes: opt_size(
-                engine_persistent_bytes,
-                "engine_persistent_bytes",
-            )?,
+            engine_persistent_bytes: opt_size(engine_persistent_bytes, "engine_persistent_bytes")?,
         };
         if inner.lora_slots > 0 && inner.lora_rank == 0 {
             return Err(invalid("lora_rank: must be at least 1 when lora_slots > 0"));
@@ -475,15 +479,21 @@ impl PyPlanInput {
 
     #[getter]
     fn model(&self) -> PyModelShape {
-        PyModelShape { inner: self.inner.model.clone() }
+        PyModelShape {
+            inner: self.inner.model.clone(),
+        }
     }
     #[getter]
     fn limits(&self) -> PyLimits {
-        PyLimits { inner: self.inner.limits.clone() }
+        PyLimits {
+            inner: self.inner.limits.clone(),
+        }
     }
     #[getter]
     fn features(&self) -> PyFeatures {
-        PyFeatures { inner: self.inner.features.clone() }
+        PyFeatures {
+            inner: self.inner.features.clone(),
+        }
     }
     #[getter]
     fn budget(&self) -> u64 {
@@ -544,7 +554,9 @@ impl PyMemoryPlan {
     /// Reads a plan back from `to_json()`.
     #[staticmethod]
     fn from_json(text: &str) -> PyResult<Self> {
-        Ok(Self { inner: core::MemoryPlan::from_json(text).py()? })
+        Ok(Self {
+            inner: core::MemoryPlan::from_json(text).py()?,
+        })
     }
     /// The charges as a text table in MiB.
     fn table(&self) -> String {
