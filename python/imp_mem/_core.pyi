@@ -143,8 +143,6 @@ H200_CONTEXT_BYTES: int
 H200_LIBRARY_RESERVE_BYTES: int
 """cuBLAS's reserve measured on an H200 (66 MiB): the default ``library_reserve``."""
 
-DtypeName = Literal["f32", "f16", "bf16", "fp8"]
-
 def parse_size(text: str, field: str = "size") -> int:
     """``"80GiB"`` / ``"80 GB"`` / ``"81920MiB"`` -> bytes; InvalidArgument names ``field``."""
 
@@ -198,7 +196,7 @@ class ModelShape:
     @property
     def moe(self) -> dict[str, int] | None: ...
     @property
-    def dtype(self) -> DtypeName: ...
+    def dtype(self) -> Literal["f32", "f16", "bf16", "fp8"]: ...
     @property
     def params(self) -> int: ...
     @property
@@ -227,7 +225,7 @@ class Limits:
     @property
     def max_seq_len(self) -> int: ...
     @property
-    def kv_dtype(self) -> DtypeName | None: ...
+    def kv_dtype(self) -> Literal["f32", "f16", "bf16", "fp8"] | None: ...
     @property
     def block_size(self) -> int: ...
     @property
