@@ -883,3 +883,76 @@ fn random_inputs_cover_success_and_failure() {
         "ok {ok}, over budget {over}, below floor {floor}"
     );
 }
+
+/// Layer-kind readers that no real config above exercises, on synthetic
+/// configs (shapes made up; only the parsing is under test).
+#[test]
+fn layer_patterns_and_their_errors() {
+    let base = json!({
+        "model_type": "synthetic", "num_hidden_layers": 6, "hidden_size": 1024,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000,
+        "mamba_d_state": 64, "mamba_n_heads": 16, "mamba_d_head": 64
+    });
+    let with = |extra: Value| {
+        let mut cfg = base.clone();
+        cfg.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        cfg
+    };
+    // Nemotron-H style: M = Mamba, * = attention, - = MLP only.
+    let s = shape(&with(json!({"hybrid_override_pattern": "M-M*-M"})));
+    assert_eq!(
+        (s.full_attention_layers, s.state_layers, s.sliding_layers),
+        (1, 3, 0)
+    );
+    // Bamba style: attention at the listed indices, Mamba elsewhere.
+    let s = shape(&with(json!({"attn_layer_indices": [2, 5]})));
+    assert_eq!((s.full_attention_layers, s.state_layers), (2, 4));
+    // Mamba-2 state: (d_conv - 1) x (d_inner + 2 groups d_state) + d_inner x d_state.
+    assert_eq!(
+        s.state_bytes_per_layer,
+        (3 * (1024 + 2 * 64) + 1024 * 64) * 2
+    );
+    // Qwen2 with the window switched on: layers from max_window_layers slide.
+    let s = shape(&with(
+        json!({"sliding_window": 4096, "use_sliding_window": true, "max_window_layers": 4}),
+    ));
+    assert_eq!((s.full_attention_layers, s.sliding_layers), (4, 2));
+
+    for (extra, needle) in [
+        (json!({"layer_types": ["full_attention"]}), "has 1 entries"),
+        (json!({"layer_types": vec!["full_attention"; 6]}), ""),
+        (
+            json!({"layer_types": ["sliding_attention", "full_attention", "full_attention",
+                                "full_attention", "full_attention", "full_attention"]}),
+            "sliding_window",
+        ),
+        (
+            json!({"layer_types": ["cross", "full_attention", "full_attention",
+                                "full_attention", "full_attention", "full_attention"]}),
+            "unknown layer type",
+        ),
+        (
+            json!({"hybrid_override_pattern": "MM"}),
+            "hybrid_override_pattern",
+        ),
+        (json!({"attn_layer_indices": [9]}), "attn_layer_indices"),
+    ] {
+        match ModelShape::from_hf_config(&with(extra.clone())) {
+            Ok(_) => assert!(needle.is_empty(), "{extra} should fail"),
+            Err(err) => assert!(
+                !needle.is_empty() && err.to_string().contains(needle),
+                "{extra}: {err}"
+            ),
+        }
+    }
+    // A linear layer with no state geometry names what is missing.
+    let err = ModelShape::from_hf_config(&json!({
+        "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 10,
+        "layer_types": ["linear_attention", "full_attention"]
+    }))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("state geometry"), "{err}");
+}
