@@ -877,7 +877,6 @@ fn random_inputs_cover_success_and_failure() {
             Err(PlanError::Invalid(_)) => {}
         }
     }
-    eprintln!("ok {ok} over {over} floor {floor}");
     assert!(
         ok >= 60 && over >= 60 && floor >= 5,
         "ok {ok}, over budget {over}, below floor {floor}"
