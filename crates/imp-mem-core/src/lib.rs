@@ -20,6 +20,7 @@ pub mod decommit;
 pub mod error;
 pub mod fake;
 pub mod phase;
+pub mod planner;
 pub mod tag;
 pub mod units;
 

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod convert;
 pub mod cuda;
 pub mod errors;
+pub mod planner;
 
 /// True when a CUDA driver and at least one device are present.
 #[pyfunction]
@@ -23,5 +24,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     cuda::register(m)?;
+    planner::register(m)?;
     Ok(())
 }
