@@ -23,8 +23,11 @@ if [ ${#wheels[@]} -eq 0 ]; then
     exit 2
 fi
 
+# The newest wheel, if several are there.
+wheel=$(ls -t "${wheels[@]}" | head -n 1)
+echo "wheel: $wheel"
 rm -rf "$SITE"
-"$PYTHON" -m pip install -q --no-deps --no-index --target "$SITE" "${wheels[@]}" || exit 2
+"$PYTHON" -m pip install -q --no-deps --no-index --target "$SITE" "$wheel" || exit 2
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export IMP_MEM_HYPOTHESIS=${IMP_MEM_HYPOTHESIS:-dev}
 export IMP_MEM_CACHE_DIR=${IMP_MEM_CACHE_DIR:-$OUT/cache}
