@@ -400,7 +400,8 @@ impl PyRegion {
             .ok_or_else(|| invalid("region already released; keep one owner and release it once"))
     }
 
-    fn with_live<T>(&self, f: impl FnOnce(&mut Region) -> PyResult<T>) -> PyResult<T> {
+    /// Runs `f` on the live region, holding it; `StaleSpan` once released.
+    pub(crate) fn with_live<T>(&self, f: impl FnOnce(&mut Region) -> PyResult<T>) -> PyResult<T> {
         let mut guard = self.lock();
         match guard.as_mut() {
             Some(region) => f(region),

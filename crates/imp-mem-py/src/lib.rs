@@ -8,8 +8,10 @@ use pyo3::prelude::*;
 
 pub mod backend;
 pub mod convert;
+pub mod cuda;
 pub mod dlpack;
 pub mod errors;
+pub mod planner;
 pub mod tiers;
 
 /// True when a CUDA driver and at least one device are present.
@@ -24,5 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     tiers::register(m)?;
+    cuda::register(m)?;
+    planner::register(m)?;
     Ok(())
 }
