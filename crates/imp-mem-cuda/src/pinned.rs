@@ -253,6 +253,38 @@ impl CudaPinnedHost {
     }
 }
 
+// SAFETY: every method forwards to the driver call whose contract is the
+// trait's: `cuMemHostAlloc` returns page-aligned host memory, disjoint from
+// every other live allocation and readable by the process, until
+// `cuMemFreeHost`; `cuMemHostRegister` pins without owning; failures come back
+// as `SourceError` and nothing panics.
+unsafe impl imp_mem_core::PinnedHostOps for CudaPinnedHost {
+    fn placement(&self) -> imp_mem_core::Placement {
+        imp_mem_core::Placement {
+            kind: MemoryKind::PinnedHost,
+            device: self.device(),
+        }
+    }
+
+    fn allocate(&self, bytes: usize) -> Result<usize, SourceError> {
+        CudaPinnedHost::allocate(self, bytes)
+    }
+
+    unsafe fn free(&self, addr: usize, bytes: usize) {
+        // SAFETY: the trait's contract is `CudaPinnedHost::free`'s.
+        unsafe { CudaPinnedHost::free(self, addr, bytes) }
+    }
+
+    fn register(&self, addr: usize, bytes: usize) -> Result<(), SourceError> {
+        CudaPinnedHost::register(self, addr, bytes)
+    }
+
+    unsafe fn unregister(&self, addr: usize, bytes: usize) {
+        // SAFETY: the trait's contract is `CudaPinnedHost::unregister`'s.
+        unsafe { CudaPinnedHost::unregister(self, addr, bytes) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
