@@ -361,7 +361,9 @@ class ScratchStack:
 
 class PinnedBuffer:
     """Pinned host memory (T5b), freed exactly once; ``or_empty=True`` gives an
-    empty buffer instead of raising so a caller can fall back."""
+    empty buffer instead of raising so a caller can fall back. With a CUDA
+    backend the driver pins it (``cuMemHostAlloc``, exported as kDLCUDAHost);
+    with ``backend=None`` or a fake it is ordinary host memory (kDLCPU)."""
 
     def __init__(
         self, nbytes: ByteCount, *, backend: Backend | None = None, or_empty: bool = False
