@@ -581,20 +581,8 @@ impl PyFakeBackend {
         data: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let addr = convert::index(address, "address")? as usize;
-        if data.is_instance_of::<pyo3::types::PyInt>()
-            || data.is_instance_of::<pyo3::types::PyString>()
-        {
-            return Err(invalid(
-                "data must be bytes-like (bytes, bytearray, memoryview)",
-            ));
-        }
-        let as_bytes = py
-            .import("builtins")?
-            .getattr("bytes")?
-            .call1((data,))
-            .map_err(|_| invalid("data must be bytes-like (bytes, bytearray, memoryview)"))?;
-        let bytes = as_bytes.downcast::<PyBytes>()?;
-        self.fake.write(addr, bytes.as_bytes()).py()
+        let bytes = convert::bytes_like(py, data)?;
+        self.fake.write(addr, &bytes).py()
     }
 
     /// True when every byte at `[address, address + nbytes)` is the poison 0xDE.

@@ -66,21 +66,6 @@ fn with_range<T>(
     })
 }
 
-fn bytes_like(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
-    if data.is_instance_of::<pyo3::types::PyInt>() || data.is_instance_of::<pyo3::types::PyString>()
-    {
-        return Err(invalid(
-            "data must be bytes-like (bytes, bytearray, memoryview)",
-        ));
-    }
-    let as_bytes = py
-        .import("builtins")?
-        .getattr("bytes")?
-        .call1((data,))
-        .map_err(|_| invalid("data must be bytes-like (bytes, bytearray, memoryview)"))?;
-    Ok(as_bytes.downcast::<PyBytes>()?.as_bytes().to_vec())
-}
-
 /// What every CUDA backend adds to `Backend`.
 struct Device {
     backend: Backend,
@@ -111,7 +96,7 @@ impl Device {
         data: &Bound<'_, PyAny>,
         offset: u64,
     ) -> PyResult<()> {
-        let data = bytes_like(py, data)?;
+        let data = convert::bytes_like(py, data)?;
         with_range(
             &self.backend,
             region,
