@@ -133,6 +133,13 @@ def bench_take_release(torch, quick: bool) -> None:
         goal,
     )
     row(
+        "ScratchStack take, 16 per mark (rewind amortized)",
+        per_op_us(scratch_forward_loop, n, repeats),
+        "torch.empty+del (caching allocator)",
+        torch_us,
+        goal,
+    )
+    row(
         "Arena take (64 KiB; reset every 4096)",
         per_op_us(arena_loop, n, repeats),
         "torch.empty+del (caching allocator)",
