@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::arena::placement_of;
 use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT};
+use crate::decommit::{Decision, DecommitPolicy, DecommitTracker, DeferredDecommit, FenceLike};
 use crate::error::MemError;
 use crate::span::{MintKey, Placement, StableSpan};
 use crate::tag::Tag;
@@ -130,7 +131,8 @@ impl PoolConfig {
 /// Counters of one pool. V4: `free + live == capacity`, always.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolStats {
-    /// Blocks that exist now (grows with the region).
+    /// Blocks that exist now (grows with the region, shrinks with a
+    /// decommit; blocks withdrawn for a pending decommit are not counted).
     pub capacity: u32,
     /// The most blocks the pool can grow to.
     pub max_blocks: u32,
@@ -146,6 +148,190 @@ pub struct PoolStats {
     pub block_bytes: usize,
     /// Growth steps taken.
     pub growths: u32,
+    /// Decommits carried out (the region's tail returned to the device).
+    pub shrinks: u32,
+    /// Bytes returned by those decommits, in total.
+    pub decommitted_bytes: u64,
+    /// Pending decommits cancelled because the pool needed the blocks again.
+    pub cancelled_shrinks: u32,
+    /// Blocks withdrawn from the pool, still committed, waiting for their
+    /// fence before they are decommitted.
+    pub pending_blocks: u32,
+    /// Bytes of the region committed now (0 in slots mode).
+    pub committed_bytes: u64,
+    /// The floor: a pool never shrinks below the blocks it opened with.
+    pub min_blocks: u32,
+    /// Blocks per chunk: the unit of the shrink policy and of the
+    /// lowest-chunk-first free lists.
+    pub chunk_blocks: u32,
+    /// Consecutive idle steps counted towards the next shrink.
+    pub idle_steps: u32,
+}
+
+/// Most chunks a pool is divided into (a two-level bitmap of 64 × 64 bits).
+const MAX_CHUNKS: u32 = 64 * 64;
+
+/// The blocks per chunk for `config`: the growth step of a growable pool
+/// (coarsened so that there are at most [`MAX_CHUNKS`]), the whole pool for
+/// a fixed one. At least 2, which keeps [`FreeLists::chunk_of`] exact.
+fn chunk_blocks_for(config: &PoolConfig) -> u32 {
+    let step = if config.max_blocks > config.blocks {
+        config.grow_blocks
+    } else {
+        config.max_blocks
+    };
+    step.max(config.max_blocks.div_ceil(MAX_CHUNKS)).max(2)
+}
+
+/// The free list, split by chunk: one intrusive list per chunk of
+/// `chunk_blocks` consecutive ids, and a two-level bitmap of the chunks
+/// that have a free block. Allocation pops from the lowest such chunk (two
+/// `trailing_zeros`), release pushes onto its own chunk's list: both O(1).
+/// Preferring low chunks keeps the live blocks packed at the front, so
+/// under churn the tail of a grown pool drains and can be decommitted
+/// (a single LIFO list scatters live blocks over the whole range).
+#[derive(Debug)]
+struct FreeLists {
+    chunk_blocks: u32,
+    /// `⌈2^64 / chunk_blocks⌉`: `id / chunk_blocks` is the high half of
+    /// `magic * id` for every `u32` id (Lemire, Kaser & Kurz 2019).
+    magic: u64,
+    heads: Vec<u32>,
+    /// Free blocks per chunk.
+    counts: Vec<u32>,
+    /// Bit `c`: chunk `c` has a free block.
+    words: Vec<u64>,
+    /// Bit `w`: `words[w] != 0`.
+    summary: u64,
+}
+
+impl FreeLists {
+    fn new(chunk_blocks: u32, max_blocks: u32) -> Self {
+        let chunk_blocks = chunk_blocks.max(2);
+        let chunks = max_blocks.div_ceil(chunk_blocks).max(1) as usize;
+        Self {
+            chunk_blocks,
+            magic: u64::MAX / chunk_blocks as u64 + 1,
+            heads: vec![NIL; chunks],
+            counts: vec![0; chunks],
+            words: vec![0; chunks.div_ceil(64)],
+            summary: 0,
+        }
+    }
+
+    #[inline]
+    fn chunk_of(&self, id: BlockId) -> usize {
+        ((self.magic as u128 * id as u128) >> 64) as usize
+    }
+
+    #[inline]
+    fn mark(&mut self, c: usize) {
+        self.words[c >> 6] |= 1 << (c & 63);
+        self.summary |= 1 << (c >> 6);
+    }
+
+    #[inline]
+    fn unmark(&mut self, c: usize) {
+        let w = c >> 6;
+        self.words[w] &= !(1 << (c & 63));
+        if self.words[w] == 0 {
+            self.summary &= !(1 << w);
+        }
+    }
+
+    /// The lowest chunk with a free block.
+    #[inline]
+    fn lowest(&self) -> Option<usize> {
+        if self.summary == 0 {
+            return None;
+        }
+        let w = self.summary.trailing_zeros() as usize;
+        let bits = *self.words.get(w)?;
+        Some(w * 64 + bits.trailing_zeros() as usize)
+    }
+
+    /// Puts `id` on its chunk's list (the caller owns `entries[id]`).
+    #[inline]
+    fn push(&mut self, entries: &mut [Entry], id: BlockId) {
+        let c = self.chunk_of(id);
+        let head = self.heads[c];
+        entries[id as usize] = Entry::Vacant { next: head };
+        self.heads[c] = id;
+        self.counts[c] += 1;
+        if head == NIL {
+            self.mark(c);
+        }
+    }
+
+    /// Takes the head of the lowest chunk's list; `None` when no block is
+    /// free or the list is corrupt. Leaves `entries[id]` for the caller.
+    #[inline]
+    fn pop(&mut self, entries: &[Entry]) -> Option<BlockId> {
+        let c = self.lowest()?;
+        let id = self.heads[c];
+        let Some(Entry::Vacant { next }) = entries.get(id as usize).copied() else {
+            return None;
+        };
+        self.heads[c] = next;
+        self.counts[c] -= 1;
+        if next == NIL {
+            self.unmark(c);
+        }
+        Some(id)
+    }
+
+    /// The highest chunk of `[0, capacity)` holding a live block.
+    fn highest_used(&self, capacity: u32) -> Option<usize> {
+        if capacity == 0 {
+            return None;
+        }
+        let cb = self.chunk_blocks as u64;
+        let top = self.chunk_of(capacity - 1);
+        (0..=top).rev().find(|&c| {
+            let len = (capacity as u64 - c as u64 * cb).min(cb) as u32;
+            self.counts[c] < len
+        })
+    }
+
+    /// Drops ids `[new_cap, old_cap)` (all free) from the lists; the chunk
+    /// that `new_cap` cuts is rebuilt from `entries`. O(blocks touched).
+    fn cut(&mut self, entries: &mut [Entry], new_cap: u32, old_cap: u32) {
+        if new_cap >= old_cap {
+            return;
+        }
+        let first = self.chunk_of(new_cap);
+        let last = self.chunk_of(old_cap - 1);
+        for c in first..=last {
+            self.heads[c] = NIL;
+            self.counts[c] = 0;
+            self.unmark(c);
+        }
+        let start = (first as u64 * self.chunk_blocks as u64) as u32;
+        for id in (start..new_cap).rev() {
+            if matches!(entries[id as usize], Entry::Vacant { .. }) {
+                self.push(entries, id);
+            }
+        }
+    }
+}
+
+/// A boxed fence the pool keeps while a decommit waits for it.
+struct PoolFence(Box<dyn FenceLike + Send>);
+
+impl std::fmt::Debug for PoolFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PoolFence")
+    }
+}
+
+impl FenceLike for PoolFence {
+    fn is_complete(&self) -> Result<bool, MemError> {
+        self.0.is_complete()
+    }
+
+    fn wait(&self) -> Result<(), MemError> {
+        self.0.wait()
+    }
 }
 
 /// The state and the rules of one pool, shared by both façades.
@@ -156,13 +342,19 @@ pub struct PoolCore {
     placement: Option<Placement>,
     stride: usize,
     entries: Vec<Entry>,
-    head: u32,
+    lists: FreeLists,
     free: u32,
     refs: u64,
     max_blocks: u32,
     grow_blocks: u32,
+    min_blocks: u32,
     high_water: u32,
     growths: u32,
+    tracker: DecommitTracker,
+    deferred: DeferredDecommit<PoolFence>,
+    shrinks: u32,
+    cancelled_shrinks: u32,
+    decommitted_bytes: u64,
 }
 
 impl PoolCore {
@@ -191,6 +383,7 @@ impl PoolCore {
             Some(region),
         );
         core.extend(blocks);
+        core.min_blocks = blocks;
         Ok(core)
     }
 
@@ -199,6 +392,7 @@ impl PoolCore {
         config.check(true)?;
         let mut core = Self::empty(&config, None, 0, None);
         core.extend(blocks);
+        core.min_blocks = blocks;
         Ok(core)
     }
 
@@ -214,35 +408,51 @@ impl PoolCore {
             placement,
             stride,
             entries: Vec::new(),
-            head: NIL,
+            lists: FreeLists::new(chunk_blocks_for(config), config.max_blocks),
             free: 0,
             refs: 0,
             max_blocks: config.max_blocks,
             grow_blocks: config.grow_blocks,
+            min_blocks: 0,
             high_water: 0,
             growths: 0,
+            tracker: DecommitTracker::new(DecommitPolicy::default()),
+            deferred: DeferredDecommit::new(),
+            shrinks: 0,
+            cancelled_shrinks: 0,
+            decommitted_bytes: 0,
         }
     }
 
-    /// Appends ids `[len, new_len)` to the front of the free list, in
-    /// ascending order.
+    /// Adds ids `[len, new_len)` to the free lists, each chunk's new ids in
+    /// ascending order at its front.
     fn extend(&mut self, new_len: u32) {
         let old_len = self.entries.len() as u32;
         if new_len <= old_len {
             return;
         }
-        let old_head = self.head;
-        self.entries.reserve((new_len - old_len) as usize);
-        for id in old_len..new_len {
-            let next = if id + 1 == new_len { old_head } else { id + 1 };
-            self.entries.push(Entry::Vacant { next });
+        // Placeholders, each overwritten by the push below.
+        self.entries
+            .resize(new_len as usize, Entry::Occupied { refs: 0 });
+        for id in (old_len..new_len).rev() {
+            self.lists.push(&mut self.entries, id);
         }
-        self.head = old_len;
         self.free += new_len - old_len;
     }
 
     fn capacity(&self) -> u32 {
         self.entries.len() as u32
+    }
+
+    /// Blocks the committed part of the region holds (the capacity, plus
+    /// any withdrawn for a pending decommit).
+    fn committed_blocks(&self) -> u32 {
+        match &self.region {
+            Some(region) if self.stride > 0 => {
+                ((region.len() / self.stride) as u64).min(self.max_blocks as u64) as u32
+            }
+            _ => self.capacity(),
+        }
     }
 
     fn exhausted(&self, asked: u32) -> MemError {
@@ -260,17 +470,37 @@ impl PoolCore {
         ))
     }
 
-    /// Makes at least `need` blocks free, growing if it must. All or nothing.
+    /// Cancels a pending decommit and gives its blocks back to the free
+    /// lists: they are still committed, so this costs no driver call.
+    fn reclaim(&mut self) {
+        if self.deferred.pending_target().is_none() {
+            return;
+        }
+        self.deferred.cancel();
+        self.cancelled_shrinks += 1;
+        let committed = self.committed_blocks();
+        self.extend(committed);
+    }
+
+    /// Makes at least `need` blocks free, growing if it must: first by
+    /// reclaiming blocks withdrawn for a pending decommit, then by
+    /// committing more of the region. All or nothing, except that a
+    /// reclaim stays done.
     fn ensure_free(&mut self, need: u32) -> Result<(), MemError> {
+        if need <= self.free {
+            return Ok(());
+        }
+        let room = self.max_blocks - self.capacity();
+        let growable = self.region.as_ref().is_some_and(Region::is_growable);
+        if !growable || need - self.free > room {
+            return Err(self.exhausted(need));
+        }
+        self.reclaim();
         if need <= self.free {
             return Ok(());
         }
         let short = need - self.free;
         let room = self.max_blocks - self.capacity();
-        let growable = self.region.as_ref().is_some_and(Region::is_growable);
-        if !growable || short > room {
-            return Err(self.exhausted(need));
-        }
         let target = self.capacity() + short.max(self.grow_blocks).min(room);
         let stride = self.stride;
         let Some(region) = self.region.as_mut() else {
@@ -284,19 +514,18 @@ impl PoolCore {
     }
 
     /// Pops one block; the caller has made sure one is free.
+    #[inline]
     fn pop(&mut self) -> Result<BlockId, MemError> {
-        let id = self.head;
-        match self.entries.get(id as usize).copied() {
-            Some(Entry::Vacant { next }) => {
+        match self.lists.pop(&self.entries) {
+            Some(id) => {
                 self.entries[id as usize] = Entry::Occupied { refs: 1 };
-                self.head = next;
                 self.free -= 1;
                 self.refs += 1;
                 Ok(id)
             }
-            _ => Err(MemError::Invariant(format!(
-                "pool #{}: free-list head {id} is not vacant",
-                self.id
+            None => Err(MemError::Invariant(format!(
+                "pool #{}: the free lists have no vacant head ({} counted free)",
+                self.id, self.free
             ))),
         }
     }
@@ -327,7 +556,7 @@ impl PoolCore {
 
     fn share(&mut self, id: BlockId) -> Result<(), MemError> {
         match self.entries.get_mut(id as usize) {
-            Some(Entry::Occupied { refs }) => {
+            Some(Entry::Occupied { refs }) if *refs > 0 => {
                 *refs = refs.checked_add(1).ok_or_else(|| {
                     MemError::invalid(format!(
                         "block {id} already has {} refs; cannot share it again",
@@ -352,9 +581,8 @@ impl PoolCore {
                 self.refs -= 1;
                 Ok(())
             }
-            Some(entry @ Entry::Occupied { .. }) => {
-                *entry = Entry::Vacant { next: self.head };
-                self.head = id;
+            Some(Entry::Occupied { refs: 1 }) => {
+                self.lists.push(&mut self.entries, id);
                 self.free += 1;
                 self.refs -= 1;
                 if let Some(region) = &self.region {
@@ -371,6 +599,144 @@ impl PoolCore {
                 self.id
             ))),
         }
+    }
+
+    // ------------------------------------------------------------ shrinking
+
+    fn shrinkable(&self) -> bool {
+        self.stride > 0 && self.region.as_ref().is_some_and(Region::is_growable)
+    }
+
+    /// Chunks that must stay: up to the highest live block, and never fewer
+    /// than the pool opened with.
+    fn needed_chunks(&self) -> usize {
+        let used = self
+            .lists
+            .highest_used(self.capacity())
+            .map_or(0, |c| c + 1);
+        let floor = self.min_blocks.div_ceil(self.lists.chunk_blocks) as usize;
+        used.max(floor)
+    }
+
+    fn chunks_in_use(&self) -> usize {
+        self.capacity().div_ceil(self.lists.chunk_blocks) as usize
+    }
+
+    /// Decommits a pending tail whose fence has completed; the bytes
+    /// returned (0 when nothing happened).
+    fn poll(&mut self) -> Result<u64, MemError> {
+        let Some(region) = self.region.as_mut() else {
+            return Ok(0);
+        };
+        let done = self.deferred.poll(region)?;
+        Ok(self.note_decommit(done))
+    }
+
+    fn note_decommit(&mut self, done: Option<u64>) -> u64 {
+        match done {
+            Some(bytes) if bytes > 0 => {
+                self.shrinks += 1;
+                self.decommitted_bytes += bytes;
+                bytes
+            }
+            _ => 0,
+        }
+    }
+
+    /// Withdraws the free tail above `to_chunks` chunks (never below the
+    /// floor or the highest live block, rounded up to the region's
+    /// granularity) and schedules its decommit behind `fence`. Returns
+    /// whether anything was scheduled. O(blocks of the cut chunk).
+    fn withdraw(&mut self, to_chunks: usize, fence: PoolFence) -> Result<bool, MemError> {
+        if !self.shrinkable() {
+            return Ok(false);
+        }
+        let capacity = self.capacity();
+        let cb = self.lists.chunk_blocks as u64;
+        let live_top = self
+            .lists
+            .highest_used(capacity)
+            .map_or(0, |c| (c as u64 + 1) * cb);
+        let target = (to_chunks as u64 * cb)
+            .max(live_top)
+            .max(self.min_blocks as u64)
+            .min(capacity as u64);
+        let Some(region) = self.region.as_ref() else {
+            return Ok(false);
+        };
+        let granule = region.backend().info().granularity.max(1) as u64;
+        let new_len = (target * self.stride as u64)
+            .div_ceil(granule)
+            .saturating_mul(granule)
+            .min(region.reserved() as u64);
+        let current = self
+            .deferred
+            .pending_target()
+            .unwrap_or(region.len() as u64)
+            .min(region.len() as u64);
+        if new_len >= current {
+            return Ok(false);
+        }
+        let new_cap = (new_len / self.stride as u64)
+            .min(self.max_blocks as u64)
+            .min(capacity as u64) as u32;
+        let tail = &self.entries[new_cap as usize..];
+        if tail.iter().any(|e| !matches!(e, Entry::Vacant { .. })) {
+            return Err(MemError::Invariant(format!(
+                "pool #{}: a live block sits in the tail [{new_cap}, {capacity}) chosen to \
+                 decommit",
+                self.id
+            )));
+        }
+        self.lists.cut(&mut self.entries, new_cap, capacity);
+        self.entries.truncate(new_cap as usize);
+        self.free -= capacity - new_cap;
+        self.deferred.schedule(fence, new_len);
+        Ok(true)
+    }
+
+    /// One engine step: decommits a pending tail whose fence completed,
+    /// feeds the hysteresis, and when it decides, withdraws the free tail
+    /// and schedules its decommit behind `fence` (recorded after the work
+    /// this step enqueued). Returns the bytes decommitted during the call.
+    fn step(&mut self, fence: PoolFence) -> Result<u64, MemError> {
+        if !self.shrinkable() {
+            return Ok(0);
+        }
+        let mut returned = self.poll()?;
+        let decision = self
+            .tracker
+            .observe(self.needed_chunks(), self.chunks_in_use());
+        if let Decision::Decommit { to_chunks } = decision {
+            if self.withdraw(to_chunks, fence)? {
+                returned += self.poll()?;
+            }
+        }
+        Ok(returned)
+    }
+
+    /// Shrinks to the need now, bypassing the hysteresis (no spare chunk
+    /// kept); the decommit still waits for `fence`.
+    fn shrink_now(&mut self, fence: PoolFence) -> Result<u64, MemError> {
+        let mut returned = self.poll()?;
+        let needed = self.needed_chunks();
+        if self.withdraw(needed, fence)? {
+            returned += self.poll()?;
+        }
+        Ok(returned)
+    }
+
+    /// Waits for a pending decommit's fence and decommits.
+    fn flush_decommit(&mut self) -> Result<u64, MemError> {
+        let Some(region) = self.region.as_mut() else {
+            return Ok(0);
+        };
+        let done = self.deferred.flush(region)?;
+        Ok(self.note_decommit(done))
+    }
+
+    fn set_policy(&mut self, policy: DecommitPolicy) {
+        self.tracker = DecommitTracker::new(policy);
     }
 
     fn refcount(&self, id: BlockId) -> u32 {
@@ -401,23 +767,60 @@ impl PoolCore {
             high_water: self.high_water,
             block_bytes: self.stride,
             growths: self.growths,
+            shrinks: self.shrinks,
+            decommitted_bytes: self.decommitted_bytes,
+            cancelled_shrinks: self.cancelled_shrinks,
+            pending_blocks: self.committed_blocks() - self.capacity(),
+            committed_bytes: self.region.as_ref().map_or(0, |r| r.len() as u64),
+            min_blocks: self.min_blocks,
+            chunk_blocks: self.lists.chunk_blocks,
+            idle_steps: self.tracker.idle_steps(),
         }
     }
 
-    /// Walks the whole pool and checks V4 and the refcount sum.
+    /// Walks the whole pool and checks V4, the refcount sum, every chunk's
+    /// list and bitmap bit, and that the blocks fit the committed region.
     fn check_invariants(&self) -> Result<(), MemError> {
         let broken = |what: String| Err(MemError::Invariant(format!("pool #{}: {what}", self.id)));
-        let mut on_list = 0u32;
-        let mut cursor = self.head;
-        while cursor != NIL {
-            if on_list > self.capacity() {
-                return broken("the free list has a cycle".into());
+        let capacity = self.capacity();
+        let lists = &self.lists;
+        let mut on_lists = 0u32;
+        let mut summary = 0u64;
+        for c in 0..lists.heads.len() {
+            let mut n = 0u32;
+            let mut cursor = lists.heads[c];
+            while cursor != NIL {
+                if n > capacity {
+                    return broken(format!("the free list of chunk {c} has a cycle"));
+                }
+                if cursor >= capacity || lists.chunk_of(cursor) != c {
+                    return broken(format!("block {cursor} is on the list of chunk {c}"));
+                }
+                match self.entries.get(cursor as usize) {
+                    Some(Entry::Vacant { next }) => cursor = *next,
+                    _ => return broken(format!("free-list link {cursor} is not a vacant entry")),
+                }
+                n += 1;
             }
-            match self.entries.get(cursor as usize) {
-                Some(Entry::Vacant { next }) => cursor = *next,
-                _ => return broken(format!("free-list link {cursor} is not a vacant entry")),
+            if n != lists.counts[c] {
+                return broken(format!(
+                    "chunk {c}: {n} on its list, counter says {}",
+                    lists.counts[c]
+                ));
             }
-            on_list += 1;
+            let marked = lists.words[c >> 6] & (1 << (c & 63)) != 0;
+            if marked != (n > 0) {
+                return broken(format!("chunk {c}: bitmap bit {marked} with {n} free"));
+            }
+            on_lists += n;
+        }
+        for (w, word) in lists.words.iter().enumerate() {
+            if *word != 0 {
+                summary |= 1 << w;
+            }
+        }
+        if summary != lists.summary {
+            return broken("the bitmap summary disagrees with its words".into());
         }
         let vacant = self
             .entries
@@ -432,9 +835,9 @@ impl PoolCore {
                 Entry::Vacant { .. } => 0,
             })
             .sum();
-        if on_list != self.free || vacant != self.free {
+        if on_lists != self.free || vacant != self.free {
             return broken(format!(
-                "{on_list} on the free list, {vacant} vacant, counter says {}",
+                "{on_lists} on the free lists, {vacant} vacant, counter says {}",
                 self.free
             ));
         }
@@ -450,6 +853,24 @@ impl PoolCore {
             .any(|e| matches!(e, Entry::Occupied { refs: 0 }))
         {
             return broken("a live block has no refs".into());
+        }
+        if capacity > self.committed_blocks() {
+            return broken(format!(
+                "{capacity} blocks but only {} committed",
+                self.committed_blocks()
+            ));
+        }
+        if capacity < self.min_blocks {
+            return broken(format!(
+                "{capacity} blocks, below the floor of {}",
+                self.min_blocks
+            ));
+        }
+        if self.deferred.pending_target().is_none() && capacity != self.committed_blocks() {
+            return broken(format!(
+                "{} committed blocks withdrawn with no decommit pending",
+                self.committed_blocks() - capacity
+            ));
         }
         Ok(())
     }
@@ -529,6 +950,34 @@ impl BlockPool {
     /// Walks the pool and checks V4 and the refcount sum.
     pub fn check_invariants(&self) -> Result<(), MemError> {
         self.core.borrow().check_invariants()
+    }
+
+    /// One engine step of the shrink policy (see [`SharedBlockPool::step`]).
+    pub fn step<F: FenceLike + Send + 'static>(&self, fence: F) -> Result<u64, MemError> {
+        self.core()?.step(PoolFence(Box::new(fence)))
+    }
+
+    /// Shrinks to the need now, bypassing the hysteresis (see
+    /// [`SharedBlockPool::shrink_now`]).
+    pub fn shrink_now<F: FenceLike + Send + 'static>(&self, fence: F) -> Result<u64, MemError> {
+        self.core()?.shrink_now(PoolFence(Box::new(fence)))
+    }
+
+    /// Waits for a pending decommit's fence and decommits; the bytes
+    /// returned.
+    pub fn flush_decommit(&self) -> Result<u64, MemError> {
+        self.core()?.flush_decommit()
+    }
+
+    /// Replaces the shrink policy (and restarts its idle count).
+    pub fn set_decommit_policy(&self, policy: DecommitPolicy) -> Result<(), MemError> {
+        self.core()?.set_policy(policy);
+        Ok(())
+    }
+
+    /// The shrink policy.
+    pub fn decommit_policy(&self) -> DecommitPolicy {
+        self.core.borrow().tracker.policy()
     }
 }
 
@@ -709,6 +1158,47 @@ impl SharedBlockPool {
     /// Walks the pool and checks V4 and the refcount sum.
     pub fn check_invariants(&self) -> Result<(), MemError> {
         self.core().check_invariants()
+    }
+
+    /// One engine step of the shrink policy; call it once per step with a
+    /// fence recorded after the step's work was enqueued
+    /// ([`NothingInFlight`](crate::decommit::NothingInFlight) when none can
+    /// touch the pool). It decommits a withdrawn tail whose earlier fence
+    /// has completed, then feeds the hysteresis
+    /// ([`DecommitTracker`]): after `min_idle_steps` steps with more than
+    /// `keep_chunks` spare chunks above the highest live block, the free
+    /// tail is withdrawn (no longer handed out) and decommitted once
+    /// `fence` completes. An allocation that needs the withdrawn blocks
+    /// first cancels the decommit and takes them back, with no driver call.
+    /// Returns the bytes decommitted during this call. O(1) on most steps;
+    /// O(blocks of one chunk) on the step that withdraws. A fixed pool or a
+    /// slots pool never shrinks (the fence is dropped).
+    pub fn step<F: FenceLike + Send + 'static>(&self, fence: F) -> Result<u64, MemError> {
+        self.core().step(PoolFence(Box::new(fence)))
+    }
+
+    /// Withdraws the whole free tail above the highest live block now
+    /// (never below the blocks the pool opened with), bypassing the
+    /// hysteresis, and decommits it once `fence` completes (at once when it
+    /// already has). Returns the bytes decommitted during this call.
+    pub fn shrink_now<F: FenceLike + Send + 'static>(&self, fence: F) -> Result<u64, MemError> {
+        self.core().shrink_now(PoolFence(Box::new(fence)))
+    }
+
+    /// Waits for a pending decommit's fence (blocking) and decommits; the
+    /// bytes returned.
+    pub fn flush_decommit(&self) -> Result<u64, MemError> {
+        self.core().flush_decommit()
+    }
+
+    /// Replaces the shrink policy (and restarts its idle count).
+    pub fn set_decommit_policy(&self, policy: DecommitPolicy) {
+        self.core().set_policy(policy);
+    }
+
+    /// The shrink policy.
+    pub fn decommit_policy(&self) -> DecommitPolicy {
+        self.core().tracker.policy()
     }
 
     fn span_of(&self, id: BlockId) -> Result<StableSpan<'_>, MemError> {

@@ -135,6 +135,42 @@ pub trait FenceLike {
     fn wait(&self) -> Result<(), MemError>;
 }
 
+impl<F: FenceLike + ?Sized> FenceLike for Box<F> {
+    fn is_complete(&self) -> Result<bool, MemError> {
+        (**self).is_complete()
+    }
+
+    fn wait(&self) -> Result<(), MemError> {
+        (**self).wait()
+    }
+}
+
+impl<F: FenceLike + ?Sized> FenceLike for std::sync::Arc<F> {
+    fn is_complete(&self) -> Result<bool, MemError> {
+        (**self).is_complete()
+    }
+
+    fn wait(&self) -> Result<(), MemError> {
+        (**self).wait()
+    }
+}
+
+/// The fence for "nothing is in flight": complete from the start. Pass it
+/// to a pool step when no queued work can touch the pool's memory (a
+/// host-only backend, or a stream already synchronised).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NothingInFlight;
+
+impl FenceLike for NothingInFlight {
+    fn is_complete(&self) -> Result<bool, MemError> {
+        Ok(true)
+    }
+
+    fn wait(&self) -> Result<(), MemError> {
+        Ok(())
+    }
+}
+
 /// A decommit waiting for its fence.
 #[derive(Debug)]
 pub struct DeferredDecommit<F: FenceLike> {
