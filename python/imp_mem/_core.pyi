@@ -310,10 +310,33 @@ class BlockPool:
         max_blocks: int | None = None,
         grow_blocks: int | None = None,
         tag: TagName | None = None,
-    ) -> None: ...
+        min_idle_steps: int | None = None,
+        keep_chunks: int | None = None,
+    ) -> None:
+        """``min_idle_steps`` (default 256) and ``keep_chunks`` (default 1)
+        set the shrink policy of a growable pool (see ``step``)."""
     @staticmethod
     def slots(blocks: int) -> BlockPool:
         """An id space only: free list and refcounts, no memory."""
+    def step(self, fence: Fence | Any | None = None) -> int:
+        """One engine step of the shrink policy; call it once per step with a
+        fence recorded after the step's work was enqueued: an ``imp_mem.Fence``,
+        an event with ``query()`` / ``synchronize()`` (``torch.cuda.Event``),
+        or None (nothing in flight). After ``min_idle_steps`` steps with more than ``keep_chunks``
+        spare chunks above the highest live block, the free tail is
+        withdrawn and decommitted once its fence completes. Returns the bytes
+        decommitted during this call."""
+    def shrink(self, fence: Fence | Any | None = None) -> int:
+        """Shrink to the highest live block now (never below the initial
+        blocks), bypassing the hysteresis; the decommit still waits for
+        ``fence``. Returns the bytes decommitted during this call."""
+    def flush_decommit(self) -> int:
+        """Wait for a pending decommit's fence and decommit; bytes returned."""
+    def set_decommit_policy(
+        self, min_idle_steps: int | None = None, keep_chunks: int | None = None
+    ) -> None: ...
+    @property
+    def decommit_policy(self) -> dict[str, int]: ...
     def allocate(self) -> BlockRef: ...
     def allocate_many(self, n: int) -> BlockRefs:
         """All or nothing: CapacityError leaves the pool unchanged."""

@@ -327,6 +327,13 @@ pub struct PyFence {
     inner: Arc<Fence>,
 }
 
+impl PyFence {
+    /// The recorded event, for a pool's pending decommit.
+    pub(crate) fn shared(&self) -> Arc<Fence> {
+        self.inner.clone()
+    }
+}
+
 #[pymethods]
 impl PyFence {
     /// Records a fence on `stream` of `device`.

@@ -7,9 +7,12 @@
 //! (generation, open mark, live ref). No rule lives here: this file converts
 //! arguments, maps errors and builds the exports.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use imp_mem_core::backend::DEFAULT_ALIGNMENT;
+use imp_mem_core::decommit::{DecommitPolicy, FenceLike, NothingInFlight};
+use imp_mem_core::MemError;
 use imp_mem_core::{
     ArenaSpan, FakePinnedHost, PinnedBuffer, PinnedHost, Placement, PoolConfig, ScratchSpan,
     SharedArena, SharedBlockPool, SharedBlockRef, SharedBlockRefs, SharedMark, SharedScratchStack,
@@ -20,6 +23,7 @@ use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
 
 use crate::backend::PyBackend;
 use crate::convert;
+use crate::cuda::PyFence;
 use crate::dlpack::{self, DType, Export, UINT8};
 use crate::errors::{invalid, IntoPyResult, StaleSpan};
 
@@ -698,6 +702,114 @@ impl PyArena {
 pub struct PyBlockPool {
     pool: SharedBlockPool,
     exportable: bool,
+    /// Python fences (`torch.cuda.Event`-like) a pending decommit may wait
+    /// on. The core never calls Python: it holds a flag, and the binding
+    /// queries these objects (outside the pool's lock) and sets the flags.
+    watched: Mutex<Vec<Watched>>,
+}
+
+/// A Python fence object and the flag the core holds for it.
+struct Watched {
+    obj: Py<PyAny>,
+    flag: Arc<AtomicBool>,
+    query: &'static str,
+    wait: &'static str,
+}
+
+/// The core's view of a Python fence: complete once the binding saw it
+/// complete.
+struct FlagFence(Arc<AtomicBool>);
+
+impl FenceLike for FlagFence {
+    fn is_complete(&self) -> Result<bool, MemError> {
+        Ok(self.0.load(Ordering::Acquire))
+    }
+
+    fn wait(&self) -> Result<(), MemError> {
+        if self.0.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(MemError::invalid(
+                "a Python fence can only be waited on through BlockPool.flush_decommit()",
+            ))
+        }
+    }
+}
+
+type CoreFence = Box<dyn FenceLike + Send>;
+
+impl PyBlockPool {
+    fn wrap(pool: SharedBlockPool, exportable: bool) -> Self {
+        Self {
+            pool,
+            exportable,
+            watched: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// `None`, an `imp_mem.Fence`, or an object with `query()` /
+    /// `synchronize()` (torch / CuPy events) or `is_complete()` / `wait()`.
+    fn core_fence(&self, fence: Option<&Bound<'_, PyAny>>) -> PyResult<CoreFence> {
+        let Some(fence) = fence.filter(|f| !f.is_none()) else {
+            return Ok(Box::new(NothingInFlight));
+        };
+        if let Ok(f) = fence.downcast::<PyFence>() {
+            return Ok(Box::new(f.get().shared()));
+        }
+        let (query, wait) = if fence.hasattr("query")? && fence.hasattr("synchronize")? {
+            ("query", "synchronize")
+        } else if fence.hasattr("is_complete")? && fence.hasattr("wait")? {
+            ("is_complete", "wait")
+        } else {
+            return Err(invalid(format!(
+                "fence must be None, an imp_mem.Fence, or an event with query() and \
+                 synchronize() (torch.cuda.Event, cupy.cuda.Event); got {}",
+                fence.get_type().name()?
+            )));
+        };
+        let done = fence.call_method0(query)?.is_truthy()?;
+        let flag = Arc::new(AtomicBool::new(done));
+        if !done {
+            lock(&self.watched).push(Watched {
+                obj: fence.clone().unbind(),
+                flag: flag.clone(),
+                query,
+                wait,
+            });
+        }
+        Ok(Box::new(FlagFence(flag)))
+    }
+
+    /// Queries (or, with `block`, waits on) the Python fences the core still
+    /// holds, sets their flags, and drops those it no longer holds. Runs with
+    /// the GIL and without the pool's lock.
+    fn poll_watched(&self, py: Python<'_>, block: bool, query: bool) -> PyResult<()> {
+        let list = std::mem::take(&mut *lock(&self.watched));
+        let mut kept = Vec::with_capacity(list.len());
+        let mut failed = None;
+        for w in list {
+            if Arc::strong_count(&w.flag) == 1 {
+                continue;
+            }
+            if query && failed.is_none() && !w.flag.load(Ordering::Acquire) {
+                let done = if block {
+                    w.obj.call_method0(py, w.wait).map(|_| true)
+                } else {
+                    w.obj
+                        .call_method0(py, w.query)
+                        .and_then(|r| r.is_truthy(py))
+                };
+                match done {
+                    Ok(true) => w.flag.store(true, Ordering::Release),
+                    Ok(false) => {}
+                    Err(e) => failed = Some(e),
+                }
+            }
+            kept.push(w);
+        }
+        lock(&self.watched).extend(kept);
+        failed.map_or(Ok(()), Err)
+    }
 }
 
 fn count32(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
@@ -716,7 +828,8 @@ fn count32(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (backend, block_bytes, blocks, *, max_blocks = None, grow_blocks = None, tag = None))]
+    #[pyo3(signature = (backend, block_bytes, blocks, *, max_blocks = None, grow_blocks = None, tag = None, min_idle_steps = None, keep_chunks = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         backend: PyRef<'_, PyBackend>,
         block_bytes: &Bound<'_, PyAny>,
@@ -724,6 +837,8 @@ impl PyBlockPool {
         max_blocks: Option<&Bound<'_, PyAny>>,
         grow_blocks: Option<&Bound<'_, PyAny>>,
         tag: Option<&str>,
+        min_idle_steps: Option<u32>,
+        keep_chunks: Option<usize>,
     ) -> PyResult<Self> {
         let block_bytes = size(block_bytes, "block_bytes")?;
         let blocks = count32(blocks, "blocks")?;
@@ -743,10 +858,14 @@ impl PyBlockPool {
         config.tag = opt_tag(tag)?;
         let pool = SharedBlockPool::new(&backend.inner, &config).py()?;
         backend.notices.emit(backend.py())?;
-        Ok(Self {
-            pool,
-            exportable: backend.inner.addressable(),
-        })
+        if min_idle_steps.is_some() || keep_chunks.is_some() {
+            let default = DecommitPolicy::default();
+            pool.set_decommit_policy(DecommitPolicy {
+                min_idle_steps: min_idle_steps.unwrap_or(default.min_idle_steps),
+                keep_chunks: keep_chunks.unwrap_or(default.keep_chunks),
+            });
+        }
+        Ok(Self::wrap(pool, backend.inner.addressable()))
     }
 
     /// An id space of `blocks` ids with no memory (a KV cache that lays out
@@ -754,10 +873,67 @@ impl PyBlockPool {
     #[staticmethod]
     fn slots(blocks: &Bound<'_, PyAny>) -> PyResult<Self> {
         let pool = SharedBlockPool::slots(count32(blocks, "blocks")?).py()?;
-        Ok(Self {
-            pool,
-            exportable: false,
-        })
+        Ok(Self::wrap(pool, false))
+    }
+
+    /// One engine step of the shrink policy. Call it once per step with a
+    /// fence recorded after the step's work was enqueued (`None`: nothing in
+    /// flight can touch the pool). After `min_idle_steps` steps with more
+    /// than `keep_chunks` spare chunks above the highest live block, the
+    /// free tail is withdrawn and decommitted once its fence completes.
+    /// Returns the bytes decommitted during this call.
+    #[pyo3(signature = (fence = None))]
+    fn step(&self, py: Python<'_>, fence: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        self.poll_watched(py, false, true)?;
+        let fence = self.core_fence(fence)?;
+        let pool = &self.pool;
+        let done = py.allow_threads(move || pool.step(fence));
+        self.poll_watched(py, false, false)?;
+        done.py()
+    }
+
+    /// Shrinks to the highest live block now (never below the initial
+    /// blocks), bypassing the hysteresis; the decommit still waits for
+    /// `fence`. Returns the bytes decommitted during this call.
+    #[pyo3(signature = (fence = None))]
+    fn shrink(&self, py: Python<'_>, fence: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        self.poll_watched(py, false, true)?;
+        let fence = self.core_fence(fence)?;
+        let pool = &self.pool;
+        let done = py.allow_threads(move || pool.shrink_now(fence));
+        self.poll_watched(py, false, false)?;
+        done.py()
+    }
+
+    /// Waits for a pending decommit's fence and decommits; the bytes
+    /// returned (0 when nothing was pending).
+    fn flush_decommit(&self, py: Python<'_>) -> PyResult<u64> {
+        self.poll_watched(py, true, true)?;
+        let pool = &self.pool;
+        let done = py.allow_threads(move || pool.flush_decommit());
+        self.poll_watched(py, false, false)?;
+        done.py()
+    }
+
+    /// Replaces the shrink policy (and restarts the idle count); a value
+    /// left out keeps its current setting.
+    #[pyo3(signature = (min_idle_steps = None, keep_chunks = None))]
+    fn set_decommit_policy(&self, min_idle_steps: Option<u32>, keep_chunks: Option<usize>) {
+        let now = self.pool.decommit_policy();
+        self.pool.set_decommit_policy(DecommitPolicy {
+            min_idle_steps: min_idle_steps.unwrap_or(now.min_idle_steps),
+            keep_chunks: keep_chunks.unwrap_or(now.keep_chunks),
+        });
+    }
+
+    /// `{"min_idle_steps": ..., "keep_chunks": ...}`.
+    #[getter]
+    fn decommit_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = self.pool.decommit_policy();
+        let d = PyDict::new(py);
+        d.set_item("min_idle_steps", p.min_idle_steps)?;
+        d.set_item("keep_chunks", p.keep_chunks)?;
+        Ok(d)
     }
 
     /// One block, with one ref.
@@ -818,6 +994,14 @@ impl PyBlockPool {
         d.set_item("high_water", s.high_water)?;
         d.set_item("block_bytes", s.block_bytes)?;
         d.set_item("growths", s.growths)?;
+        d.set_item("shrinks", s.shrinks)?;
+        d.set_item("decommitted_bytes", s.decommitted_bytes)?;
+        d.set_item("cancelled_shrinks", s.cancelled_shrinks)?;
+        d.set_item("pending_blocks", s.pending_blocks)?;
+        d.set_item("committed_bytes", s.committed_bytes)?;
+        d.set_item("min_blocks", s.min_blocks)?;
+        d.set_item("chunk_blocks", s.chunk_blocks)?;
+        d.set_item("idle_steps", s.idle_steps)?;
         Ok(d)
     }
 
