@@ -8,6 +8,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, Criterion};
+use imp_mem_core::decommit::NothingInFlight;
 use imp_mem_core::{
     Arena, BlockPool, FakeBackend, FakeConfig, PoolConfig, ScratchStack, SharedArena,
     SharedBlockPool, Tier,
@@ -74,6 +75,33 @@ fn blocks(c: &mut Criterion) {
     g.bench_function("SharedBlockPool, single", |b| {
         b.iter(|| drop(black_box(shared.allocate().unwrap())))
     });
+
+    // A growable pool grown to 8 chunks: allocation searches the chunk
+    // bitmap (lowest chunk first), release finds its chunk by division.
+    let grown = BlockPool::new(
+        &fb,
+        &PoolConfig::growable(4096, BLOCKS / 8, BLOCKS, BLOCKS / 8),
+    )
+    .unwrap();
+    drop(grown.allocate_many(BLOCKS).unwrap());
+    g.bench_function("BlockPool growable (8 chunks), single", |b| {
+        b.iter(|| drop(black_box(grown.allocate().unwrap())))
+    });
+    // Half the blocks live, every other one: each allocation lands in the
+    // lowest chunk with a hole.
+    let half: Vec<_> = grown
+        .allocate_many(BLOCKS)
+        .unwrap()
+        .into_iter()
+        .filter(|r| r.id() % 2 == 0)
+        .collect();
+    g.bench_function("BlockPool growable, half live, single", |b| {
+        b.iter(|| drop(black_box(grown.allocate().unwrap())))
+    });
+    g.bench_function("BlockPool growable, step (busy, 8 chunks)", |b| {
+        b.iter(|| black_box(grown.step(NothingInFlight).unwrap()))
+    });
+    drop(half);
 
     g.bench_function("peer: plain Vec free list, x16", |b| {
         b.iter(|| {

@@ -23,9 +23,10 @@
 //! it on any backend; `imp-mem-cuda` implements [`FenceLike`] for its CUDA
 //! event fence, and tests use a stand-in.
 //!
-//! Contract for the caller (a growable `BlockPool`): between `schedule` and
-//! the decommit, no block in the tail past the target is handed out; if one
-//! must be, call [`DeferredDecommit::cancel`] first.
+//! Contract for the caller (a growable `BlockPool`, which is built on both:
+//! `BlockPool::step`): between `schedule` and the decommit, no block in the
+//! tail past the target is handed out; if one must be, call
+//! [`DeferredDecommit::cancel`] first.
 //!
 //! Thread safety: both types are plain values with `&mut self` methods; the
 //! pool that owns them serialises access.
