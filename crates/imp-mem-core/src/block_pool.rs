@@ -210,9 +210,11 @@ fn chunk_blocks_for(config: &PoolConfig) -> u32 {
 }
 
 /// The free list, split by chunk: one intrusive list per chunk of
-/// `chunk_blocks` consecutive ids, and a two-level bitmap of the chunks
-/// that have a free block. Allocation pops from the lowest such chunk (two
-/// `trailing_zeros`), release pushes onto its own chunk's list: both O(1).
+/// `chunk_blocks` consecutive ids, a two-level bitmap of the chunks that
+/// have a free block, and the lowest such chunk cached. Allocation pops from
+/// the cached chunk; release pushes onto its own chunk's list and lowers the
+/// cache if its chunk is lower; only when the cached chunk runs empty is the
+/// next one found in the bitmap (two `trailing_zeros`). All O(1).
 /// Preferring low chunks keeps the live blocks packed at the front, so
 /// under churn the tail of a grown pool drains and can be decommitted
 /// (a single LIFO list scatters live blocks over the whole range).
@@ -222,13 +224,21 @@ struct FreeLists {
     /// `⌈2^64 / chunk_blocks⌉`: `id / chunk_blocks` is the high half of
     /// `magic * id` for every `u32` id (Lemire, Kaser & Kurz 2019).
     magic: u64,
-    heads: Vec<u32>,
-    /// Free blocks per chunk.
-    counts: Vec<u32>,
+    chunks: Vec<ChunkList>,
+    /// The lowest chunk with a free block; `NIL` when none has one.
+    lowest: u32,
     /// Bit `c`: chunk `c` has a free block.
     words: Vec<u64>,
     /// Bit `w`: `words[w] != 0`.
     summary: u64,
+}
+
+/// One chunk's free list.
+#[derive(Debug, Clone, Copy)]
+struct ChunkList {
+    head: u32,
+    /// Free blocks on it.
+    free: u32,
 }
 
 impl FreeLists {
@@ -238,8 +248,8 @@ impl FreeLists {
         Self {
             chunk_blocks,
             magic: u64::MAX / chunk_blocks as u64 + 1,
-            heads: vec![NIL; chunks],
-            counts: vec![0; chunks],
+            chunks: vec![ChunkList { head: NIL, free: 0 }; chunks],
+            lowest: NIL,
             words: vec![0; chunks.div_ceil(64)],
             summary: 0,
         }
@@ -250,40 +260,58 @@ impl FreeLists {
         ((self.magic as u128 * id as u128) >> 64) as usize
     }
 
+    /// `chunk_of`, skipping the multiply for a one-chunk (fixed or slots)
+    /// pool.
+    #[inline]
+    fn chunk_of_fast(&self, id: BlockId) -> usize {
+        if self.chunks.len() == 1 {
+            0
+        } else {
+            self.chunk_of(id)
+        }
+    }
+
     #[inline]
     fn mark(&mut self, c: usize) {
         self.words[c >> 6] |= 1 << (c & 63);
         self.summary |= 1 << (c >> 6);
+        if (c as u32) < self.lowest {
+            self.lowest = c as u32;
+        }
     }
 
-    #[inline]
     fn unmark(&mut self, c: usize) {
         let w = c >> 6;
         self.words[w] &= !(1 << (c & 63));
         if self.words[w] == 0 {
             self.summary &= !(1 << w);
         }
+        if self.lowest == c as u32 {
+            self.lowest = self.find_lowest();
+        }
     }
 
-    /// The lowest chunk with a free block.
-    #[inline]
-    fn lowest(&self) -> Option<usize> {
+    /// The lowest chunk with a free block, from the bitmap.
+    fn find_lowest(&self) -> u32 {
         if self.summary == 0 {
-            return None;
+            return NIL;
         }
         let w = self.summary.trailing_zeros() as usize;
-        let bits = *self.words.get(w)?;
-        Some(w * 64 + bits.trailing_zeros() as usize)
+        match self.words.get(w) {
+            Some(bits) => (w * 64) as u32 + bits.trailing_zeros(),
+            None => NIL,
+        }
     }
 
     /// Puts `id` on its chunk's list (the caller owns `entries[id]`).
     #[inline]
     fn push(&mut self, entries: &mut [Entry], id: BlockId) {
-        let c = self.chunk_of(id);
-        let head = self.heads[c];
+        let c = self.chunk_of_fast(id);
+        let list = &mut self.chunks[c];
+        let head = list.head;
+        list.head = id;
+        list.free += 1;
         entries[id as usize] = Entry::Vacant { next: head };
-        self.heads[c] = id;
-        self.counts[c] += 1;
         if head == NIL {
             self.mark(c);
         }
@@ -293,13 +321,14 @@ impl FreeLists {
     /// free or the list is corrupt. Leaves `entries[id]` for the caller.
     #[inline]
     fn pop(&mut self, entries: &[Entry]) -> Option<BlockId> {
-        let c = self.lowest()?;
-        let id = self.heads[c];
+        let c = self.lowest as usize;
+        let list = self.chunks.get_mut(c)?;
+        let id = list.head;
         let Some(Entry::Vacant { next }) = entries.get(id as usize).copied() else {
             return None;
         };
-        self.heads[c] = next;
-        self.counts[c] -= 1;
+        list.head = next;
+        list.free -= 1;
         if next == NIL {
             self.unmark(c);
         }
@@ -315,7 +344,7 @@ impl FreeLists {
         let top = self.chunk_of(capacity - 1);
         (0..=top).rev().find(|&c| {
             let len = (capacity as u64 - c as u64 * cb).min(cb) as u32;
-            self.counts[c] < len
+            self.chunks[c].free < len
         })
     }
 
@@ -328,8 +357,7 @@ impl FreeLists {
         let first = self.chunk_of(new_cap);
         let last = self.chunk_of(old_cap - 1);
         for c in first..=last {
-            self.heads[c] = NIL;
-            self.counts[c] = 0;
+            self.chunks[c] = ChunkList { head: NIL, free: 0 };
             self.unmark(c);
         }
         let start = (first as u64 * self.chunk_blocks as u64) as u32;
@@ -828,9 +856,9 @@ impl PoolCore {
         let lists = &self.lists;
         let mut on_lists = 0u32;
         let mut summary = 0u64;
-        for c in 0..lists.heads.len() {
+        for c in 0..lists.chunks.len() {
             let mut n = 0u32;
-            let mut cursor = lists.heads[c];
+            let mut cursor = lists.chunks[c].head;
             while cursor != NIL {
                 if n > capacity {
                     return broken(format!("the free list of chunk {c} has a cycle"));
@@ -844,10 +872,10 @@ impl PoolCore {
                 }
                 n += 1;
             }
-            if n != lists.counts[c] {
+            if n != lists.chunks[c].free {
                 return broken(format!(
                     "chunk {c}: {n} on its list, counter says {}",
-                    lists.counts[c]
+                    lists.chunks[c].free
                 ));
             }
             let marked = lists.words[c >> 6] & (1 << (c & 63)) != 0;
@@ -863,6 +891,12 @@ impl PoolCore {
         }
         if summary != lists.summary {
             return broken("the bitmap summary disagrees with its words".into());
+        }
+        if lists.lowest != lists.find_lowest() {
+            return broken(format!(
+                "the cached lowest chunk {} is not the lowest with a free block",
+                lists.lowest
+            ));
         }
         let vacant = self
             .entries
