@@ -36,6 +36,7 @@ pub mod pinned;
 pub mod planner;
 pub mod scratch;
 pub mod span;
+pub mod system;
 pub mod tag;
 pub mod tier;
 pub mod units;
