@@ -999,6 +999,8 @@ impl Drop for MemorySystem {
     }
 }
 
+const COMMITTED_LABEL: &str = "backend committed (every region, by tag)";
+
 fn mib1(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / MIB as f64)
 }
@@ -1031,7 +1033,7 @@ impl MemReport {
             .chain(self.charges.iter().map(|c| c.label.len() + 11))
             .max()
             .unwrap_or(0)
-            .max(30);
+            .max(COMMITTED_LABEL.len() + 2);
         let _ = writeln!(
             out,
             "  {:<w$} {:<4} {:<10} {:>10} {:>10} {:>10} {:>10} {:>10}",
@@ -1097,7 +1099,7 @@ impl MemReport {
         let _ = writeln!(
             out,
             "    {:<w2$} {:>10} {:>10}",
-            "backend committed (every region, by tag)",
+            COMMITTED_LABEL,
             "",
             mib1(self.backend_committed),
             w2 = w - 2

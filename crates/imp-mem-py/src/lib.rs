@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod dlpack;
 pub mod errors;
 pub mod planner;
+pub mod system;
 pub mod tiers;
 
 /// True when a CUDA driver and at least one device are present.
@@ -28,5 +29,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     tiers::register(m)?;
     cuda::register(m)?;
     planner::register(m)?;
+    system::register(m)?;
     Ok(())
 }

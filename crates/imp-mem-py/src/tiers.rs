@@ -593,6 +593,13 @@ pub struct PyArena {
     exportable: bool,
 }
 
+impl PyArena {
+    /// Wraps an arena opened elsewhere (by a `MemorySystem`).
+    pub(crate) fn wrap(arena: SharedArena, exportable: bool) -> Self {
+        Self { arena, exportable }
+    }
+}
+
 #[pymethods]
 impl PyArena {
     #[new]
@@ -711,6 +718,13 @@ fn count32(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
             u32::MAX - 1
         ))
     })
+}
+
+impl PyBlockPool {
+    /// Wraps a pool opened elsewhere (by a `MemorySystem`).
+    pub(crate) fn wrap(pool: SharedBlockPool, exportable: bool) -> Self {
+        Self { pool, exportable }
+    }
 }
 
 #[pymethods]
@@ -1059,6 +1073,13 @@ impl PyBlockRefs {
 pub struct PyScratchStack {
     stack: SharedScratchStack,
     exportable: bool,
+}
+
+impl PyScratchStack {
+    /// Wraps a stack opened elsewhere (by a `MemorySystem`).
+    pub(crate) fn wrap(stack: SharedScratchStack, exportable: bool) -> Self {
+        Self { stack, exportable }
+    }
 }
 
 #[pymethods]
