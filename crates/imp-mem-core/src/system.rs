@@ -63,7 +63,10 @@ pub struct SystemOptions {
     /// plan's.
     pub library_reserve_bytes: Option<u64>,
     /// Whether the KV pool grows inside a reservation; default: when the
-    /// backend is growable.
+    /// backend is growable and the plan's headroom covers rounding the pool
+    /// up to the backend's granularity (a growable region commits whole
+    /// granules). `Some(true)` is still refused where the rounding does not
+    /// fit.
     pub kv_growable: Option<bool>,
     /// Blocks a growable KV pool commits at open; default: a quarter of the
     /// plan's blocks, at least one full sequence.
@@ -347,6 +350,9 @@ struct Step {
     tier: Tier,
     tag: Tag,
     planned: u64,
+    /// The most it can commit on this backend (a growable region commits
+    /// whole granules).
+    cost: u64,
     open: Opener,
 }
 
@@ -372,7 +378,7 @@ impl MemorySystem {
             }));
         }
         let steps = Self::steps(backend, plan, &options).map_err(before)?;
-        let tiers_total: u64 = steps.iter().map(|s| s.planned).sum();
+        let tiers_total: u64 = steps.iter().map(|s| s.cost).sum();
         let previous_budget = if options.apply_budget {
             let budget = backend.budget();
             let for_tiers = plan
@@ -483,6 +489,7 @@ impl MemorySystem {
                 tier: Tier::EnginePersistent,
                 tag: Tag::Workspace,
                 planned: plan.engine_persistent,
+                cost: plan.engine_persistent,
                 open: arena(
                     Tier::EnginePersistent,
                     Tag::Workspace,
@@ -497,6 +504,7 @@ impl MemorySystem {
                 tier: Tier::ModelResident,
                 tag: Tag::Weights,
                 planned: plan.model_resident,
+                cost: plan.model_resident,
                 open: arena(Tier::ModelResident, Tag::Weights, plan.model_resident),
             });
         }
@@ -518,6 +526,7 @@ impl MemorySystem {
                 tier: Tier::Pooled,
                 tag: Tag::SwaCache,
                 planned: swa.bytes,
+                cost: swa.bytes,
                 open: fixed_pool(swa.block_bytes, swa.blocks, Tag::SwaCache, "SWA pool")?,
             });
         }
@@ -535,6 +544,7 @@ impl MemorySystem {
                 tier: Tier::Pooled,
                 tag: Tag::State,
                 planned: pool.bytes,
+                cost: pool.bytes,
                 open: fixed_pool(pool.bytes_per_slot, pool.slots, Tag::State, &pool.name)?,
             });
         }
@@ -546,6 +556,7 @@ impl MemorySystem {
                 tier: Tier::Scratch,
                 tag: Tag::Scratch,
                 planned: bytes,
+                cost: bytes,
                 open: Box::new(move |b: &Backend| {
                     SharedScratchStack::new(b, bytes, Some(Tag::Scratch)).map(Handle::Scratch)
                 }),
@@ -555,10 +566,20 @@ impl MemorySystem {
         if kv.blocks > 0 && kv.block_bytes > 0 {
             let blocks = to_u32(kv.blocks, "KV pool")?;
             let block_bytes = to_usize(kv.block_bytes, "KV block")?;
+            // A growable region commits whole granules, so at full growth it
+            // holds the plan's blocks rounded up to one: grow only where the
+            // plan's headroom covers that rounding, else hold the exact
+            // bytes in a fixed region.
+            let exact = kv.blocks.saturating_mul(kv.block_bytes);
+            let granule = backend.info().granularity.max(1) as u64;
+            let rounded = exact.div_ceil(granule).saturating_mul(granule);
             let growable = options
                 .kv_growable
-                .unwrap_or_else(|| backend.info().growable);
-            let config = if growable && blocks > 1 {
+                .unwrap_or_else(|| backend.info().growable)
+                && blocks > 1
+                && rounded <= kv.bytes.saturating_add(plan.headroom);
+            let cost = if growable { rounded } else { exact };
+            let config = if growable {
                 let per_seq = to_u32(kv.blocks_per_sequence.max(1), "KV pool")?;
                 let initial = options
                     .kv_initial_blocks
@@ -584,6 +605,7 @@ impl MemorySystem {
                 tier: Tier::Pooled,
                 tag: Tag::KvCache,
                 planned: kv.bytes,
+                cost,
                 open: Box::new(move |b: &Backend| {
                     SharedBlockPool::new(b, &config).map(Handle::Pool)
                 }),

@@ -540,3 +540,46 @@ fn dropping_the_system_releases_everything() {
     assert_eq!(fb.live(), 0);
     assert_eq!(fb.budget(), GIB_TEST);
 }
+
+#[test]
+fn a_kv_pool_grows_only_where_the_headroom_covers_the_granule_rounding() {
+    // 96 blocks of 32 KiB = 3 MiB; a 2 MiB granule rounds the reservation
+    // to 4 MiB, one more than the plan charged.
+    let mut p = plan(256 * MIB);
+    p.kv.blocks = 96;
+    p.kv.bytes = 3 * MIB;
+    let open = |headroom: u64| {
+        let mut p = p.clone();
+        p.budget = p.budget - p.headroom + headroom;
+        p.headroom = headroom;
+        let fb = FakeBackend::new(FakeConfig {
+            capacity: GIB_TEST,
+            backed: false,
+            granularity: 2 << 20,
+            ..FakeConfig::default()
+        })
+        .unwrap();
+        let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+        let kv = system.kv_pool().unwrap();
+        // Every planned block is reachable within the budget either way.
+        let all = kv.allocate_many(96).unwrap();
+        system.check().unwrap();
+        let stats = kv.stats();
+        drop(all);
+        (
+            stats.capacity,
+            stats.growths,
+            fb.stats().tags[&Tag::KvCache].reserved,
+        )
+    };
+    let (capacity, growths, reserved) = open(0);
+    assert_eq!(
+        (capacity, growths, reserved),
+        (96, 0, 3 * MIB),
+        "fixed: exact bytes"
+    );
+    let (capacity, growths, reserved) = open(MIB);
+    assert_eq!(capacity, 96);
+    assert!(growths > 0);
+    assert_eq!(reserved, 4 * MIB, "growable: whole granules");
+}
