@@ -386,7 +386,7 @@ def test_run_demo_on_a_given_backend():
 
 # --------------------------------------------------------------- V8 property
 
-configs = st.fixed_dictionaries(
+dense = st.fixed_dictionaries(
     {
         "model_type": st.just("llama"),
         "hidden_size": st.sampled_from([256, 512, 1024, 2048]),
@@ -399,6 +399,33 @@ configs = st.fixed_dictionaries(
         "torch_dtype": st.sampled_from(["bfloat16", "float32"]),
     }
 )
+
+
+@st.composite
+def sliding(draw):
+    """Alternating sliding-window and full layers: an SWA pool besides KV."""
+    layers = draw(st.integers(2, 24))
+    config = draw(dense)
+    config.update(
+        num_hidden_layers=layers,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+        sliding_window=draw(st.sampled_from([64, 512, 4096])),
+    )
+    return config
+
+
+@st.composite
+def hybrid(draw):
+    """Linear-attention layers (a state pool) every so often, Qwen3-Next style."""
+    config = dict(HYBRID)
+    config["num_hidden_layers"] = draw(st.sampled_from([4, 8, 16, 24]))
+    config["hidden_size"] = draw(st.sampled_from([256, 512, 1024]))
+    return config
+
+
+configs = st.one_of(dense, sliding(), hybrid())
 
 
 @settings(
@@ -441,26 +468,23 @@ def test_v8_a_successful_plan_opened_and_driven_to_its_limits_exceeds_nothing(
     tier_budget = plan.budget - plan.context - plan.library_reserve
     with MemorySystem(fb, plan) as system:
         # Drive every tier to what the plan gave it.
-        weights, engine, scratch, kv = (
-            system.weights_arena,
-            system.engine_arena,
-            system.scratch,
-            system.kv_pool,
-        )
+        weights, engine, scratch = system.weights_arena, system.engine_arena, system.scratch
+        pools = [p for p in (system.kv_pool, system.swa_pool) if p is not None]
+        pools += system.state_pools
         weights.take(weights.capacity)
         if engine is not None:
             engine.take(engine.capacity)
         system.begin_serving()
-        refs = kv.allocate_many(kv.stats()["max_blocks"]) if kv is not None else None
+        refs = [pool.allocate_many(pool.stats()["max_blocks"]) for pool in pools]
         if scratch is not None:
             with scratch.mark() as forward:
                 forward.take(scratch.capacity)
             del forward
         assert fb.stats()["peak"] <= tier_budget <= plan.budget
         system.check()
-        if refs is not None:
-            refs.release()
-        del weights, engine, scratch, kv, refs
+        for r in refs:
+            r.release()
+        del weights, engine, scratch, pools, refs
     assert fb.live == 0
     # Replay the journal: no tag ever exceeds its tier's planned bytes
     # (to the granularity a growable region commits in), nor the total the
@@ -470,7 +494,10 @@ def test_v8_a_successful_plan_opened_and_driven_to_its_limits_exceeds_nothing(
         "weights": plan.model_resident,
         "scratch": plan.scratch,
         "kv_cache": plan.kv_bytes,
+        "swa_cache": plan.swa["bytes"] if plan.swa else 0,
+        "state": sum(pool["bytes"] for pool in plan.pools),
     }
+    event(f"pools: {sorted(t for t in set(acquired_tags(fb)) if t in ('swa_cache', 'state'))}")
     running: dict[str, int] = {}
     total = 0
     for _seq, phase, tag, nbytes, op in fb.journal():
@@ -482,4 +509,4 @@ def test_v8_a_successful_plan_opened_and_driven_to_its_limits_exceeds_nothing(
         assert total <= tier_budget
         if op == "acquire":
             assert phase != "SERVING"
-    assert running.get("kv_cache", 0) == 0 and total == 0
+    assert all(v == 0 for v in running.values()) and total == 0
