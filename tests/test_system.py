@@ -356,8 +356,9 @@ def test_bad_arguments_are_invalid(big, plan):
         MemorySystem(big, "not a plan")
     with pytest.raises(InvalidArgument):
         MemorySystem(big, plan, context=-1)
-    with MemorySystem(big, plan, kv_growable=False) as system:
+    with MemorySystem(big, plan, kv_growable=False, apply_budget=False) as system:
         assert system.kv_pool.capacity == plan.kv_blocks
+        assert big.budget == 4 * GIB, "apply_budget=False leaves the budget alone"
         with pytest.raises(InvalidArgument):
             system.set_charge("", 1)
 

@@ -4,6 +4,18 @@
 the open order, the clean failure, the budget, the report, the metrics —
 lives in the Rust core (``crates/imp-mem-core/src/system.rs``). This module
 holds :func:`run_demo`, the walk-through ``imp-mem demo`` prints.
+
+Typical use::
+
+    plan = imp_mem.plan_memory(plan_input)
+    with imp_mem.MemorySystem(backend, plan, context=measured_context) as system:
+        weights = system.weights_arena        # T1: load the weights here
+        ...
+        system.begin_serving()                # nothing is acquired after this
+        kv, scratch = system.kv_pool, system.scratch
+        ...
+        print(system.mem_report_text())       # plan vs actual, attribution
+        body = system.metrics()               # Prometheus text for /metrics
 """
 
 from __future__ import annotations
