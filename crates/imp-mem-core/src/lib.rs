@@ -30,6 +30,7 @@ pub mod backend;
 pub mod block_pool;
 pub mod error;
 pub mod fake;
+pub mod kv;
 pub mod phase;
 pub mod pinned;
 pub mod scratch;
@@ -50,6 +51,8 @@ pub use block_pool::{
     BlockId, BlockPool, BlockRef, PoolConfig, PoolStats, SharedBlockPool, SharedBlockRef,
     SharedBlockRefs,
 };
+pub use error::KvCapacityReport;
+pub use kv::{Admission, BlockHash, ExtraKeys, KVCacheManager, KvConfig, KvStats};
 pub use pinned::{
     FakePinnedHost, HostRegistration, PinnedBuffer, PinnedHost, PinnedHostOps, PinnedStats,
 };
