@@ -12,6 +12,7 @@ from __future__ import annotations
 from imp_mem._core import (
     Backend,
     FakeBackend,
+    KVCacheManager,
     Phase,
     Region,
     Replanning,
@@ -40,6 +41,7 @@ __all__ = [
     "ImpMemError",
     "ImpMemWarning",
     "InvalidArgument",
+    "KVCacheManager",
     "OutOfMemory",
     "Phase",
     "PhaseViolation",

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 pub mod backend;
 pub mod convert;
 pub mod errors;
+pub mod kv;
 
 /// True when a CUDA driver and at least one device are present.
 #[pyfunction]
@@ -21,5 +22,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
+    kv::register(m)?;
     Ok(())
 }
