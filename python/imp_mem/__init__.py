@@ -10,14 +10,26 @@ The names below are the public API; everything else is private.
 from __future__ import annotations
 
 from imp_mem._core import (
+    Arena,
     Backend,
+    BlockPool,
+    BlockRef,
+    BlockRefs,
+    DeviceSpan,
     FakeBackend,
     KVCacheManager,
+    Mark,
     Phase,
+    PinnedBuffer,
     Region,
     Replanning,
+    ScratchStack,
+    StableSpan,
+    TensorView,
+    Tier,
     __version__,
     cuda_available,
+    pinned_stats,
 )
 from imp_mem.errors import (
     BackendUnavailable,
@@ -33,6 +45,18 @@ from imp_mem.errors import (
 )
 
 __all__ = [
+    "pinned_stats",
+    "Tier",
+    "TensorView",
+    "StableSpan",
+    "ScratchStack",
+    "PinnedBuffer",
+    "Mark",
+    "DeviceSpan",
+    "BlockRefs",
+    "BlockRef",
+    "BlockPool",
+    "Arena",
     "Backend",
     "BackendUnavailable",
     "CapacityError",

@@ -167,6 +167,13 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
     unsafe fn scrub(&self, addr: usize, len: usize) {
         let _ = (addr, len);
     }
+
+    /// Whether the addresses it hands out refer to real memory that a
+    /// consumer (a DLPack importer) may read. False only for a fake with
+    /// synthetic addresses; the default is true.
+    fn addressable(&self) -> bool {
+        true
+    }
 }
 
 /// How serious a notice is.
@@ -374,6 +381,13 @@ impl Backend {
     /// What the source is.
     pub fn info(&self) -> &SourceInfo {
         &self.shared.info
+    }
+
+    /// Whether its addresses refer to memory a consumer may read (see
+    /// [`MemorySource::addressable`]); spans of an unaddressable backend are
+    /// never exported.
+    pub fn addressable(&self) -> bool {
+        self.shared.source.addressable()
     }
 
     /// Starts recording every acquire / release / commit / decommit.

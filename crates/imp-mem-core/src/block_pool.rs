@@ -292,8 +292,6 @@ impl PoolCore {
                 self.head = next;
                 self.free -= 1;
                 self.refs += 1;
-                let live = self.capacity() - self.free;
-                self.high_water = self.high_water.max(live);
                 Ok(id)
             }
             _ => Err(MemError::Invariant(format!(
@@ -303,20 +301,27 @@ impl PoolCore {
         }
     }
 
-    fn allocate(&mut self) -> Result<BlockId, MemError> {
-        self.ensure_free(1)?;
-        self.pop()
+    fn note_high_water(&mut self) {
+        self.high_water = self.high_water.max(self.capacity() - self.free);
     }
 
-    fn allocate_many(&mut self, n: u32, out: &mut Vec<BlockId>) -> Result<(), MemError> {
+    fn allocate(&mut self) -> Result<BlockId, MemError> {
+        self.ensure_free(1)?;
+        let id = self.pop()?;
+        self.note_high_water();
+        Ok(id)
+    }
+
+    /// Pops `n` blocks, handing each id to `push`; all or nothing.
+    fn allocate_many(&mut self, n: u32, mut push: impl FnMut(BlockId)) -> Result<(), MemError> {
         if n == 0 {
             return Ok(());
         }
         self.ensure_free(n)?;
-        out.reserve(n as usize);
         for _ in 0..n {
-            out.push(self.pop()?);
+            push(self.pop()?);
         }
+        self.note_high_water();
         Ok(())
     }
 
@@ -488,12 +493,10 @@ impl BlockPool {
 
     /// `n` blocks, or none (the pool is unchanged on failure).
     pub fn allocate_many(&self, n: u32) -> Result<Vec<BlockRef<'_>>, MemError> {
-        let mut ids = Vec::new();
-        self.core()?.allocate_many(n, &mut ids)?;
-        Ok(ids
-            .into_iter()
-            .map(|id| BlockRef { pool: self, id })
-            .collect())
+        let mut refs = Vec::with_capacity(n as usize);
+        self.core()?
+            .allocate_many(n, |id| refs.push(BlockRef { pool: self, id }))?;
+        Ok(refs)
     }
 
     /// Drops `block` now. A ref from another pool is refused (and still
@@ -650,8 +653,8 @@ impl SharedBlockPool {
 
     /// `n` blocks as one batch, or none (the pool is unchanged on failure).
     pub fn allocate_many(&self, n: u32) -> Result<SharedBlockRefs, MemError> {
-        let mut ids = Vec::new();
-        self.core().allocate_many(n, &mut ids)?;
+        let mut ids = Ids::with_capacity(n as usize);
+        self.core().allocate_many(n, |id| ids.push(id))?;
         Ok(SharedBlockRefs {
             pool: self.clone(),
             ids,
@@ -775,7 +778,57 @@ impl Drop for SharedBlockRef {
 #[must_use = "dropping a SharedBlockRefs releases its blocks"]
 pub struct SharedBlockRefs {
     pool: SharedBlockPool,
-    ids: Vec<BlockId>,
+    ids: Ids,
+}
+
+/// Block ids of a batch, inline up to [`Ids::INLINE`]: the common batch of
+/// 16 costs no heap allocation.
+#[derive(Debug, Clone, Default)]
+struct Ids {
+    len: usize,
+    inline: [BlockId; Ids::INLINE],
+    heap: Vec<BlockId>,
+}
+
+impl Ids {
+    const INLINE: usize = 16;
+
+    fn with_capacity(n: usize) -> Self {
+        let heap = if n > Self::INLINE {
+            Vec::with_capacity(n)
+        } else {
+            Vec::new()
+        };
+        Self {
+            len: 0,
+            inline: [0; Self::INLINE],
+            heap,
+        }
+    }
+
+    fn push(&mut self, id: BlockId) {
+        if self.heap.capacity() == 0 && self.len < Self::INLINE {
+            self.inline[self.len] = id;
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&self.inline[..self.len]);
+            }
+            self.heap.push(id);
+        }
+        self.len += 1;
+    }
+}
+
+impl std::ops::Deref for Ids {
+    type Target = [BlockId];
+
+    fn deref(&self) -> &[BlockId] {
+        if self.heap.is_empty() {
+            &self.inline[..self.len]
+        } else {
+            &self.heap
+        }
+    }
 }
 
 impl SharedBlockRefs {
@@ -811,11 +864,30 @@ impl SharedBlockRefs {
         })
     }
 
+    /// One more ref to the `i`-th block, as a handle of its own.
+    pub fn share_at(&self, i: usize) -> Result<SharedBlockRef, MemError> {
+        let id = self.id_at(i)?;
+        self.pool.core().share(id)?;
+        Ok(SharedBlockRef {
+            pool: self.pool.clone(),
+            id,
+        })
+    }
+
+    fn id_at(&self, i: usize) -> Result<BlockId, MemError> {
+        self.ids.get(i).copied().ok_or_else(|| {
+            MemError::invalid(format!(
+                "index {i} is outside a batch of {} blocks",
+                self.ids.len()
+            ))
+        })
+    }
+
     /// Splits the batch into one ref per block (no count changes).
     pub fn into_refs(mut self) -> Vec<SharedBlockRef> {
         let ids = std::mem::take(&mut self.ids);
-        ids.into_iter()
-            .map(|id| SharedBlockRef {
+        ids.iter()
+            .map(|&id| SharedBlockRef {
                 pool: self.pool.clone(),
                 id,
             })
@@ -824,13 +896,7 @@ impl SharedBlockRefs {
 
     /// The bytes of the `i`-th block, valid while the batch is alive.
     pub fn span(&self, i: usize) -> Result<StableSpan<'_>, MemError> {
-        let id = *self.ids.get(i).ok_or_else(|| {
-            MemError::invalid(format!(
-                "index {i} is outside a batch of {} blocks",
-                self.ids.len()
-            ))
-        })?;
-        self.pool.span_of(id)
+        self.pool.span_of(self.id_at(i)?)
     }
 
     /// The pool it belongs to.
@@ -845,7 +911,7 @@ impl Drop for SharedBlockRefs {
             return;
         }
         let mut core = self.pool.core();
-        for &id in &self.ids {
+        for &id in self.ids.iter() {
             let _ = core.release(id);
         }
     }
@@ -977,6 +1043,27 @@ mod tests {
         drop(refs);
         assert_eq!(pool.stats().free, 16);
         pool.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn batches_past_the_inline_size_keep_every_id() {
+        let pool = SharedBlockPool::slots(64).unwrap();
+        for n in [0u32, 1, 16, 17, 40] {
+            let batch = pool.allocate_many(n).unwrap();
+            let mut sorted = batch.ids().to_vec();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..n).collect::<Vec<_>>());
+            let twin = batch.share().unwrap();
+            assert_eq!(twin.ids(), batch.ids());
+            let refs = batch.into_refs();
+            assert_eq!(
+                refs.iter().map(SharedBlockRef::id).collect::<Vec<_>>(),
+                twin.ids()
+            );
+            assert_eq!(pool.stats().refs, 2 * n as u64);
+            drop((refs, twin));
+            assert_eq!(pool.stats().free, 64);
+        }
     }
 
     #[test]

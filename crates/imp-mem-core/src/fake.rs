@@ -371,6 +371,10 @@ unsafe impl MemorySource for FakeSource {
         self.retire(&mut state, base);
     }
 
+    fn addressable(&self) -> bool {
+        self.backed
+    }
+
     unsafe fn scrub(&self, addr: usize, len: usize) {
         if !self.backed {
             return;

@@ -272,6 +272,12 @@ impl PyBackend {
         self.inner.info().granularity
     }
 
+    /// Whether `acquire_growable` is supported.
+    #[getter]
+    fn growable(&self) -> bool {
+        self.inner.info().growable
+    }
+
     /// Device ordinal.
     #[getter]
     fn device(&self) -> i32 {

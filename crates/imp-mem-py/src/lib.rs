@@ -8,8 +8,10 @@ use pyo3::prelude::*;
 
 pub mod backend;
 pub mod convert;
+pub mod dlpack;
 pub mod errors;
 pub mod kv;
+pub mod tiers;
 
 /// True when a CUDA driver and at least one device are present.
 #[pyfunction]
@@ -23,5 +25,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     kv::register(m)?;
+    tiers::register(m)?;
     Ok(())
 }
