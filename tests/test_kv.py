@@ -146,8 +146,13 @@ def test_extra_keys_separate_prefixes():
     assert m.probe(toks, cache_salt=b"tenant-a", lora_id=3) == 8
     assert m.probe(toks, cache_salt="tenant-a") == 0
     img = [(4, 8, 0xABC)]
-    assert m.hash_blocks(toks, mm=img)[0] == m.hash_blocks(toks)[0]
-    assert m.hash_blocks(toks, mm=img)[1] != m.hash_blocks(toks)[1]
+    with_img, plain = m.hash_blocks(toks, mm=img), m.hash_blocks(toks)
+    assert len(plain) == 32  # two full blocks, 16 bytes each
+    assert with_img[:16] == plain[:16]  # block 0 is before the image
+    assert with_img[16:] != plain[16:]
+    seq_hashes = [int.from_bytes(plain[i : i + 16], "little") for i in (0, 16)]
+    m.admit(9, toks)
+    assert m.sequence_hashes(9) == seq_hashes
 
 
 def pattern(h: int, n: int) -> bytes:

@@ -218,7 +218,8 @@ class KVCacheManager:
         lora_id: int | None = None,
         cache_salt: str | bytes | None = None,
         mm: list[MmItem] | None = None,
-    ) -> list[int]: ...
+    ) -> bytes:
+        """The chained hashes of the full blocks, 16 little-endian bytes each."""
     def pin(
         self,
         owner: int,

@@ -6,6 +6,7 @@ use std::time::Instant;
 use imp_mem_core::kv::{ExtraKeys, KVCacheManager, KvConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    pool_costs()?;
     const BS: usize = 16;
     let n = 20_000u32;
     let systems: Vec<Vec<u32>> = (0..8u32)
@@ -55,5 +56,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let per = t0.elapsed().as_secs_f64() / 100_000.0 / 16.0;
     println!("alloc16+free: {:.1} ns/block", per * 1e9);
+    Ok(())
+}
+
+#[allow(dead_code)]
+fn pool_costs() -> Result<(), Box<dyn std::error::Error>> {
+    let pool = imp_mem_core::SharedBlockPool::slots(10_000)?;
+    let base = pool.allocate()?;
+    let t0 = Instant::now();
+    for _ in 0..1_000_000 {
+        let r = base.share()?;
+        drop(r);
+    }
+    println!("share+drop: {:.1} ns", t0.elapsed().as_secs_f64() * 1e3);
+    let t0 = Instant::now();
+    for _ in 0..100_000 {
+        let b = pool.allocate_many(32)?.into_refs();
+        drop(b);
+    }
+    println!(
+        "alloc32+into_refs+drop each: {:.1} ns/block",
+        t0.elapsed().as_secs_f64() * 1e9 / 3_200_000.0
+    );
     Ok(())
 }

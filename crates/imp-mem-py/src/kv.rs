@@ -14,11 +14,88 @@ use imp_mem_core::kv::{
     BlockHash, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::backend::{PyBackend, PyFakeBackend};
 use crate::errors::{invalid, IntoPyResult};
+
+static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+
+/// Reinterprets native little-endian integers of `size` bytes as token ids.
+fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
+    let bad = |v: i128| invalid(format!("token id {v} is outside 0..=4294967295"));
+    // The common cases: int32 / int64 / uint32, native order.
+    if !big {
+        match (size, signed) {
+            (4, true) => {
+                let out: Vec<u32> = bytes
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                return match out.iter().find(|&&v| v > i32::MAX as u32) {
+                    Some(&v) => Err(bad(v as i32 as i128)),
+                    None => Ok(out),
+                };
+            }
+            (4, false) => {
+                return Ok(bytes
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect())
+            }
+            (8, _) => {
+                let mut out = Vec::with_capacity(bytes.len() / 8);
+                let mut high = 0u64;
+                for c in bytes.chunks_exact(8) {
+                    let v = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+                    high |= v >> 32;
+                    out.push(v as u32);
+                }
+                if high != 0 {
+                    let v = bytes
+                        .chunks_exact(8)
+                        .map(|c| {
+                            let v = u64::from_le_bytes([
+                                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+                            ]);
+                            if signed {
+                                v as i64 as i128
+                            } else {
+                                v as i128
+                            }
+                        })
+                        .find(|&v| !(0..=u32::MAX as i128).contains(&v))
+                        .unwrap_or(-1);
+                    return Err(bad(v));
+                }
+                return Ok(out);
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::with_capacity(bytes.len() / size);
+    for chunk in bytes.chunks_exact(size) {
+        let mut word = [0u8; 8];
+        let u = if big {
+            word[8 - size..].copy_from_slice(chunk);
+            u64::from_be_bytes(word)
+        } else {
+            word[..size].copy_from_slice(chunk);
+            u64::from_le_bytes(word)
+        };
+        let shift = 64 - 8 * size as u32;
+        let v: i128 = if signed {
+            ((u << shift) as i64 >> shift) as i128
+        } else {
+            u as i128
+        };
+        out.push(u32::try_from(v).map_err(|_| bad(v))?);
+    }
+    Ok(out)
+}
 
 /// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
 pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -37,27 +114,27 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         ));
     }
     let py = obj.py();
-    let view = py
-        .import("builtins")?
-        .getattr("memoryview")?
-        .call1((obj,))
-        .map_err(|_| {
-            invalid(format!(
-                "tokens must be a list of ints or a buffer of integers, got {}",
-                obj.get_type()
-                    .name()
-                    .map(|n| n.to_string())
-                    .unwrap_or_default()
-            ))
-        })?;
-    let ndim: usize = view.getattr("ndim")?.extract()?;
+    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
+    })?;
+    let view = memoryview.bind(py).call1((obj,)).map_err(|_| {
+        invalid(format!(
+            "tokens must be a list of ints or a buffer of integers, got {}",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    })?;
+    let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
     if ndim > 1 {
         return Err(invalid(format!(
             "tokens must be one-dimensional, got {ndim} dimensions"
         )));
     }
-    let format: String = view.getattr("format")?.extract()?;
-    let itemsize: usize = view.getattr("itemsize")?.extract()?;
+    let format = view.getattr(intern!(py, "format"))?;
+    let format = format.downcast::<PyString>()?.to_cow()?;
+    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
     let (big, code) = match format.as_bytes() {
         [b'>' | b'!', c] => (true, *c),
         [b'<' | b'=' | b'@', c] | [c] => (cfg!(target_endian = "big"), *c),
@@ -75,31 +152,8 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if !matches!(itemsize, 1 | 2 | 4 | 8) {
         return Err(invalid(format!("unsupported integer size {itemsize}")));
     }
-    let raw = view.call_method0("tobytes")?;
-    let bytes = raw.downcast::<PyBytes>()?.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len() / itemsize);
-    for chunk in bytes.chunks_exact(itemsize) {
-        let mut word = [0u8; 8];
-        let v: i64 = if big {
-            word[8 - itemsize..].copy_from_slice(chunk);
-            let u = u64::from_be_bytes(word);
-            if signed {
-                (u << (64 - 8 * itemsize as u32)) as i64 >> (64 - 8 * itemsize as u32)
-            } else {
-                u as i64
-            }
-        } else {
-            word[..itemsize].copy_from_slice(chunk);
-            let u = u64::from_le_bytes(word);
-            if signed {
-                (u << (64 - 8 * itemsize as u32)) as i64 >> (64 - 8 * itemsize as u32)
-            } else {
-                u as i64
-            }
-        };
-        out.push(id(v)?);
-    }
-    Ok(out)
+    let raw = view.call_method0(intern!(py, "tobytes"))?;
+    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), itemsize, signed, big)
 }
 
 fn extras(
@@ -382,20 +436,29 @@ impl PyKVCacheManager {
     }
 
     /// The chained hashes of the full blocks of `tokens`, computed in Rust
-    /// without the GIL.
+    /// without the GIL, as one `bytes` of 16 little-endian bytes per block
+    /// (`int.from_bytes(h[16 * i : 16 * i + 16], "little")` is block i's).
     #[pyo3(signature = (tokens, *, lora_id = None, cache_salt = None, mm = None))]
-    fn hash_blocks(
+    fn hash_blocks<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         tokens: &Bound<'_, PyAny>,
         lora_id: Option<u64>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<u128>> {
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let toks = self::tokens(tokens)?;
         let extras = extras(lora_id, cache_salt, mm)?;
         let hasher = self.lock().hasher().clone();
-        Ok(py.allow_threads(|| hasher.chain(&toks, &extras)))
+        let raw = py.allow_threads(|| {
+            let hashes = hasher.chain(&toks, &extras);
+            let mut raw = Vec::with_capacity(hashes.len() * 16);
+            for h in hashes {
+                raw.extend_from_slice(&h.to_le_bytes());
+            }
+            raw
+        });
+        Ok(PyBytes::new(py, &raw))
     }
 
     /// Pins the cached prefix of `tokens` for `owner`; returns blocks pinned.
