@@ -199,6 +199,37 @@ def test_save_load_round_trip_through_the_backend(backed, tmp_path):
     assert m.stats() == before
 
 
+def test_threads_share_one_manager():
+    import threading
+
+    m = kv(4096)
+    errors = []
+
+    def worker(base: int) -> None:
+        try:
+            rng = np.random.default_rng(base)
+            for i in range(300):
+                sid = base * 10_000 + i
+                toks = np.concatenate(
+                    [np.arange(64, dtype=np.int32), rng.integers(0, 1000, 40, dtype=np.int32)]
+                )
+                m.admit(sid, toks)
+                m.append(sid, [1, 2, 3])
+                (m.free if i % 3 else m.abort)(sid)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(b,)) for b in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = m.stats()
+    assert s["sequences"] == 0 and s["active"] == 0 and s["prefix_hit_blocks"] > 0
+    m.check_invariants()
+
+
 class KVMachine(RuleBasedStateMachine):
     """The Python twin of the Rust proptest: the "engine" writes a pattern of
     each block's hash into it when it fills; blocks filled after a middle

@@ -818,6 +818,9 @@ impl KVCacheManager {
             }
         }
         let n = to_u32(idxs.len(), "pin")?;
+        if n == 0 {
+            return Ok(0);
+        }
         if n > self.config.pin_budget {
             return Err(MemError::Capacity(format!(
                 "pinning {n} blocks for owner {owner} exceeds the pin budget of {} blocks; pin a \
