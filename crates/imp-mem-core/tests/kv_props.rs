@@ -364,15 +364,15 @@ fn run(ops: Vec<Op>, swa: bool) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
-    fn kv_manager_state_machine(ops in proptest::collection::vec(op(), 1..60)) {
+    fn kv_manager_state_machine(ops in proptest::collection::vec(op(), 1..80)) {
         run(ops, false)?;
     }
 
     #[test]
-    fn kv_manager_state_machine_with_swa(ops in proptest::collection::vec(op(), 1..60)) {
+    fn kv_manager_state_machine_with_swa(ops in proptest::collection::vec(op(), 1..80)) {
         run(ops, true)?;
     }
 }

@@ -405,3 +405,130 @@ fn a_copy_failure_during_load_unwinds_every_ref() {
     assert_eq!(m.stats(), before);
     m.check_invariants().unwrap();
 }
+
+#[derive(Debug)]
+struct FailingRead(FakeBlockIo);
+
+impl BlockIo for FailingRead {
+    fn block_bytes(&self) -> usize {
+        self.0.block_bytes()
+    }
+    fn read_block(&self, _: &crate::SharedBlockRef, _: &mut [u8]) -> Result<(), MemError> {
+        Err(MemError::Driver("injected read failure".into()))
+    }
+    fn write_block(&self, b: &crate::SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
+        self.0.write_block(b, src)
+    }
+}
+
+#[test]
+fn a_failed_save_leaves_the_previous_file_and_no_temporary() {
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..9), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (dir, path) = tmp("cache.bin");
+    m.save_prefix_cache(&path).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    m.admit(2, &toks(50..59), none()).unwrap();
+    m.free(2, None).unwrap();
+    m.set_block_io(Box::new(FailingRead(FakeBlockIo::new(fake.clone(), 32))))
+        .unwrap();
+    assert!(matches!(
+        m.save_prefix_cache(&path),
+        Err(MemError::Driver(_))
+    ));
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        good,
+        "the old file is intact"
+    );
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(names.len(), 1, "no temporary left behind");
+}
+
+#[test]
+fn a_file_saved_under_another_hash_seed_is_refused() {
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..9), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("cache.bin");
+    m.save_prefix_cache(&path).unwrap();
+    let fake2 = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = m.config().clone();
+    cfg.hash_seed ^= 1;
+    cfg.block_size = 8;
+    let mut other = KVCacheManager::new(cfg, Some(fake2.backend())).unwrap();
+    other
+        .set_block_io(Box::new(FakeBlockIo::new(fake2.clone(), 32)))
+        .unwrap();
+    let err = other.load_prefix_cache(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("hash_seed") && err.contains("block_size"),
+        "{err}"
+    );
+    assert_eq!(other.stats().cached, 0);
+}
+
+#[test]
+fn a_failed_construction_releases_what_it_acquired() {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, 8);
+    cfg.block_bytes = 64;
+    cfg.swa_blocks = 4;
+    cfg.swa_window = 8;
+    cfg.swa_block_bytes = 64;
+    fake.fail_nth(Some(2)).unwrap(); // the SWA pool's region
+    assert!(matches!(
+        KVCacheManager::new(cfg.clone(), Some(fake.backend())),
+        Err(MemError::OutOfMemory(_))
+    ));
+    assert_eq!(fake.live(), 0, "the main pool's region was released");
+    let m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    assert!(fake.live() >= 12 * 64);
+    drop(m);
+    assert_eq!(fake.live(), 0);
+}
+
+#[test]
+fn bad_configs_say_what_to_change() {
+    for cfg in [
+        KvConfig::new(0, 8),
+        KvConfig::new(4, 0),
+        KvConfig {
+            swa_blocks: 4,
+            ..KvConfig::new(4, 8)
+        },
+        KvConfig {
+            pin_budget: 9,
+            ..KvConfig::new(4, 8)
+        },
+        KvConfig {
+            block_bytes: 64,
+            ..KvConfig::new(4, 8)
+        },
+    ] {
+        assert!(
+            matches!(
+                KVCacheManager::new(cfg.clone(), None),
+                Err(MemError::InvalidArgument(_))
+            ),
+            "{cfg:?}"
+        );
+    }
+}
+
+#[test]
+fn duplicate_and_unknown_sequences_are_refused() {
+    let mut m = slots(4, 8);
+    m.admit(1, &toks(0..5), none()).unwrap();
+    assert!(matches!(
+        m.admit(1, &toks(0..5), none()),
+        Err(MemError::InvalidArgument(_))
+    ));
+    assert!(m.free(2, None).is_err());
+    assert!(m.block_table(2).is_err());
+    assert_eq!(m.stats().sequences, 1);
+    m.check_invariants().unwrap();
+}
