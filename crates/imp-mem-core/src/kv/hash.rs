@@ -129,8 +129,10 @@ impl BlockHasher {
             buf.clear();
             buf.extend_from_slice(&parent.to_le_bytes());
             self.mix_mm(start, extras, &mut buf);
-            for t in block {
-                buf.extend_from_slice(&t.to_le_bytes());
+            let at = buf.len();
+            buf.resize(at + 4 * bs, 0);
+            for (dst, t) in buf[at..].chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&t.to_le_bytes());
             }
             parent = xxh3_128_with_seed(&buf, self.seed);
             out.push(parent);

@@ -148,7 +148,11 @@ struct SwaRef(SharedBlockRef);
 
 #[derive(Debug)]
 struct Sequence {
-    tokens: Vec<u32>,
+    /// Tokens in the sequence.
+    len: usize,
+    /// The tokens of the partial last block (the full ones live on only as
+    /// hashes).
+    tail: Vec<u32>,
     extras: ExtraKeys,
     root: BlockHash,
     /// Chained hashes of the full blocks (empty with prefix caching off).
@@ -550,7 +554,8 @@ impl KVCacheManager {
         self.seqs.insert(
             id,
             Sequence {
-                tokens: tokens.to_vec(),
+                len: tokens.len(),
+                tail: tokens[tokens.len() / bs * bs..].to_vec(),
                 extras,
                 root,
                 hashes,
@@ -570,7 +575,7 @@ impl KVCacheManager {
     /// blocks it would release.
     fn append_needs(&self, seq: &Sequence, n: usize) -> (u32, u32, u32) {
         let bs = self.config.block_size;
-        let old_n = seq.tokens.len();
+        let old_n = seq.len;
         let new_n = old_n + n;
         let old_total = ceil_div(old_n, bs);
         let new_total = ceil_div(new_n, bs);
@@ -600,7 +605,7 @@ impl KVCacheManager {
         let bs = self.config.block_size;
         let seq = self.seq(id)?;
         let (need, swa_need, released) = self.append_needs(seq, tokens.len());
-        let old_n = seq.tokens.len();
+        let old_n = seq.len;
         let what = || {
             format!(
                 "append {} tokens to sequence {id} ({old_n} tokens)",
@@ -628,19 +633,21 @@ impl KVCacheManager {
         let Some(seq) = self.seqs.get_mut(&id) else {
             return Err(MemError::Invariant(format!("sequence {id} vanished")));
         };
-        let old_full = seq.tokens.len() / bs;
-        seq.tokens.extend_from_slice(tokens);
+        let old_full = seq.len / bs;
+        seq.tail.extend_from_slice(tokens);
+        seq.len += tokens.len();
+        let filled = (seq.len / bs - old_full) * bs;
         if caching {
             let parent = seq.hashes.last().copied().unwrap_or(seq.root);
-            let new_full = seq.tokens.len() / bs;
             self.hasher.extend_chain(
                 parent,
-                &seq.tokens[old_full * bs..new_full * bs],
+                &seq.tail[..filled],
                 old_full,
                 &seq.extras,
                 &mut seq.hashes,
             );
         }
+        seq.tail.drain(..filled);
         seq.blocks.extend(fresh.into_iter().map(Some));
         if has_swa {
             let total = seq.blocks.len();
@@ -665,9 +672,7 @@ impl KVCacheManager {
             .remove(&id)
             .ok_or_else(|| MemError::invalid(format!("no sequence {id} is admitted")))?;
         let bs = self.config.block_size;
-        let computed = computed_tokens
-            .unwrap_or(seq.tokens.len())
-            .min(seq.tokens.len());
+        let computed = computed_tokens.unwrap_or(seq.len).min(seq.len);
         let limit = seq.hashes.len().min(seq.cacheable).min(computed / bs);
         let caching = self.config.enable_prefix_caching;
         let mut refused = None;
@@ -706,7 +711,7 @@ impl KVCacheManager {
     pub fn evict_middle(&mut self, id: SeqId, start: usize, end: usize) -> Result<u32, MemError> {
         let bs = self.config.block_size;
         let seq = self.seq(id)?;
-        let full = seq.tokens.len() / bs;
+        let full = seq.len / bs;
         if start > end || end > full {
             return Err(MemError::invalid(format!(
                 "evict_middle of blocks [{start}, {end}) of sequence {id}: only its {full} full \
@@ -754,7 +759,7 @@ impl KVCacheManager {
 
     /// Tokens of sequence `id`.
     pub fn num_tokens(&self, id: SeqId) -> Result<usize, MemError> {
-        Ok(self.seq(id)?.tokens.len())
+        Ok(self.seq(id)?.len)
     }
 
     /// The chained hashes of sequence `id`'s full blocks.
@@ -920,14 +925,14 @@ impl KVCacheManager {
         let mut swa_ids: FastMap<BlockId, SeqId> = FastMap::default();
         let bs = self.config.block_size;
         for (&sid, seq) in &self.seqs {
-            if seq.blocks.len() != ceil_div(seq.tokens.len(), bs) {
+            if seq.blocks.len() != ceil_div(seq.len, bs) || seq.tail.len() != seq.len % bs {
                 return broken(format!(
                     "sequence {sid} has {} blocks for {} tokens",
                     seq.blocks.len(),
-                    seq.tokens.len()
+                    seq.len
                 ));
             }
-            if self.config.enable_prefix_caching && seq.hashes.len() != seq.tokens.len() / bs {
+            if self.config.enable_prefix_caching && seq.hashes.len() != seq.len / bs {
                 return broken(format!("sequence {sid} has {} hashes", seq.hashes.len()));
             }
             for (i, slot) in seq.blocks.iter().enumerate() {
@@ -965,7 +970,7 @@ impl KVCacheManager {
                 }
             }
             if let Some(swa) = &self.swa_pool {
-                let first = self.swa_first(seq.tokens.len()).min(seq.blocks.len());
+                let first = self.swa_first(seq.len).min(seq.blocks.len());
                 if seq.swa.len() != seq.blocks.len() {
                     return broken(format!("sequence {sid}'s SWA table has the wrong length"));
                 }

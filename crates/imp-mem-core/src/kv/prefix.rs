@@ -47,7 +47,13 @@ impl Hasher for FoldHasher {
     }
 
     fn write_u64(&mut self, v: u64) {
-        self.0 ^= v;
+        // Sequence ids are small and sequential: spread them over the top
+        // bits too, which hashbrown uses as its tag.
+        self.0 ^= v.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(v as u64);
     }
 }
 
