@@ -56,8 +56,19 @@ def test_any_buffer_of_integers_hashes_the_same(tokens):
 
 @pytest.mark.parametrize(
     "bad",
-    ["abc", b"abc", np.arange(4, dtype=np.float32), np.zeros((2, 2), np.int32), [1, -2], [2**40]],
-    ids=["str", "bytes", "float", "2d", "negative", "huge"],
+    [
+        "abc",
+        b"abc",
+        np.arange(4, dtype=np.float32),
+        np.zeros((2, 2), np.int32),
+        [1, -2],
+        [2**40],
+        [2**70],
+        [1.5],
+        np.array([-1], np.int64),
+        np.array([2**33], np.uint64),
+    ],
+    ids=["str", "bytes", "float", "2d", "negative", "huge", "huger", "float-list", "neg64", "u64"],
 )
 def test_bad_tokens_are_refused_with_a_reason(bad):
     with pytest.raises(imp_mem.InvalidArgument):

@@ -23,6 +23,7 @@ use crate::backend::{PyBackend, PyFakeBackend};
 use crate::errors::{invalid, IntoPyResult};
 
 static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 
 /// Reinterprets native little-endian integers of `size` bytes as token ids.
 fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
@@ -99,21 +100,27 @@ fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResul
 
 /// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
 pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let id = |v: i64| {
-        u32::try_from(v).map_err(|_| invalid(format!("token id {v} is outside 0..=4294967295")))
-    };
-    if let Ok(list) = obj.downcast::<PyList>() {
-        return list.iter().map(|t| id(t.extract::<i64>()?)).collect();
-    }
-    if let Ok(tuple) = obj.downcast::<PyTuple>() {
-        return tuple.iter().map(|t| id(t.extract::<i64>()?)).collect();
+    let py = obj.py();
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        // `array('q', seq)` converts in C, about 5x faster than extracting
+        // each int here; it refuses non-integers and values beyond int64.
+        let array = ARRAY.get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("array")?.getattr("array")?.unbind())
+        })?;
+        let packed = array.bind(py).call1(("q", obj)).map_err(|e| {
+            invalid(format!(
+                "tokens must be integers in 0..=4294967295 ({})",
+                e.value(py)
+            ))
+        })?;
+        let raw = packed.call_method0(intern!(py, "tobytes"))?;
+        return ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), 8, true, false);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(invalid(
             "tokens must be integers (a list, a NumPy array, array('i')), not str or bytes",
         ));
     }
-    let py = obj.py();
     let memoryview = MEMORYVIEW.get_or_try_init(py, || {
         Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
     })?;
