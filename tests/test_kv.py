@@ -283,7 +283,9 @@ class KVMachine(RuleBasedStateMachine):
         arg = toks if dtype == "list" else np.asarray(toks, dtype=dtype)
         sid = self.next_id
         self.next_id += 1
+        fits = self.m.can_admit(arg)
         cached = self._refused(self._snapshot(), self.m.admit, sid, arg)
+        assert fits == (cached is not None), "can_admit agrees with admit"
         if cached is not None:
             assert cached % BS == 0 and cached < n
             self.seqs[sid] = {"written": cached // BS, "holed": False}

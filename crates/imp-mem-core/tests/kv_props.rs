@@ -219,7 +219,10 @@ impl Harness {
                 };
                 let id = self.next_id;
                 self.next_id += 1;
-                match self.m.admit(id, &tokens(fam, len), extras) {
+                let fits = self.m.can_admit(&tokens(fam, len), &extras);
+                let admitted = self.m.admit(id, &tokens(fam, len), extras);
+                prop_assert_eq!(fits, admitted.is_ok(), "can_admit agrees with admit");
+                match admitted {
                     Ok(a) => {
                         prop_assert_eq!(a.cached_tokens % BS, 0);
                         prop_assert!(a.cached_tokens < len, "one token is always computed");
@@ -240,7 +243,9 @@ impl Harness {
                     let id = self.seqs[idx].id;
                     let start = self.m.num_tokens(id).map_err(fail)? as u32;
                     let more: Vec<u32> = (start..start + n as u32).map(|t| t * 7 + 3).collect();
+                    let fits = self.m.can_append(id, n).map_err(fail)?;
                     let r = self.m.append(id, &more);
+                    prop_assert_eq!(fits, r.is_ok(), "can_append agrees with append");
                     if r.is_ok() {
                         self.compute(idx)?;
                     }
