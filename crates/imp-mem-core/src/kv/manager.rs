@@ -413,16 +413,12 @@ impl KVCacheManager {
         n_tokens.saturating_sub(self.config.swa_window) / self.config.block_size
     }
 
-    /// Main and SWA blocks an admission of `tokens` needs now, given the
-    /// cache; `(needed, cached hits, hits that were evictable, swa needed)`.
-    fn admission_needs(
-        &self,
-        tokens: &[u32],
-        hashes: &[BlockHash],
-        hits: &[u32],
-    ) -> (u32, u32, u32, u32) {
-        let bs = self.config.block_size;
-        let total = ceil_div(tokens.len(), bs);
+    /// Main and SWA blocks an admission of `n_tokens` with prefix hits
+    /// `hits` needs now: `(needed, hits that were evictable, swa needed)`.
+    /// The evictable hits stop being evictable once taken, so they do not
+    /// count as room.
+    fn admission_needs(&self, n_tokens: usize, hits: &[u32]) -> (u32, u32, u32) {
+        let total = ceil_div(n_tokens, self.config.block_size);
         let need = (total - hits.len()) as u32;
         let taken = hits
             .iter()
@@ -433,12 +429,11 @@ impl KVCacheManager {
             })
             .count() as u32;
         let swa = if self.swa_pool.is_some() {
-            (total - self.swa_first(tokens.len()).min(total)) as u32
+            (total - self.swa_first(n_tokens).min(total)) as u32
         } else {
             0
         };
-        let _ = hashes;
-        (need, hits.len() as u32, taken, swa)
+        (need, taken, swa)
     }
 
     /// True when `tokens` could be admitted now (counting prefix hits and
@@ -452,7 +447,7 @@ impl KVCacheManager {
         let hashes = self.chain_if_caching(tokens, extras);
         let mut hits = Vec::new();
         self.match_prefix(&hashes, tokens.len(), &mut hits);
-        let (need, _, taken, swa) = self.admission_needs(tokens, &hashes, &hits);
+        let (need, taken, swa) = self.admission_needs(tokens.len(), &hits);
         let what = || format!("admit {} tokens", tokens.len());
         self.check_main(what, need, taken)?;
         self.check_swa(what, swa, 0)
@@ -499,7 +494,7 @@ impl KVCacheManager {
         }
         let mut hit_idx = Vec::new();
         self.match_prefix(&hashes, tokens.len(), &mut hit_idx);
-        let (need, _, taken, swa_need) = self.admission_needs(tokens, &hashes, &hit_idx);
+        let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
         self.check_main(what, need, taken)?;
         self.check_swa(what, swa_need, 0)?;
