@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from imp_mem._format import human_bytes, table
 
-_SUBCOMMAND_MODULES: tuple[str, ...] = ()
+_SUBCOMMAND_MODULES: tuple[str, ...] = ("imp_mem._cli_plan",)
 
 
 def _pick_backend(kind: str, capacity: str):

@@ -43,7 +43,22 @@ class StaleSpan(ImpMemError):
 
 
 class PlanFailure(ImpMemError):
-    """The configuration does not fit its budget; the message is the itemised report."""
+    """The configuration does not fit its budget; the message is the itemised report.
+
+    Attributes: ``charges`` (list of ``{"key", "label", "bytes"}``, the KV pool
+    at its full target), ``total`` (their sum), ``budget``, ``over_by``
+    (``total - budget``), ``levers`` (up to three ``{"setting", "from", "to",
+    "frees", "sufficient"}``, largest first), ``kind`` (``"over_budget"`` or
+    ``"below_admission_floor"``) and ``report`` (the message).
+    """
+
+    charges: list[dict]
+    total: int
+    budget: int
+    over_by: int
+    levers: list[dict]
+    kind: str
+    report: str
 
 
 class BackendUnavailable(ImpMemError):

@@ -7,7 +7,7 @@
 
 use std::hint::black_box;
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, Criterion};
 use imp_mem_core::{
     Arena, BlockPool, FakeBackend, FakeConfig, PoolConfig, ScratchStack, SharedArena,
     SharedBlockPool, Tier,
@@ -158,5 +158,74 @@ fn bumps(c: &mut Criterion) {
     g.finish();
 }
 
+/// ns per operation: the median of 5 runs of `iters` calls.
+fn per_op(iters: u32, mut f: impl FnMut()) -> f64 {
+    let mut runs: Vec<f64> = (0..5)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            start.elapsed().as_nanos() as f64 / iters as f64
+        })
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    runs[2]
+}
+
+/// The same pairs again, printed as ratios (criterion prints each alone).
+fn ratios() {
+    let fb = unbacked();
+    let mut plain = PlainFreeList::new(BLOCKS);
+    let pool = BlockPool::new(&fb, &PoolConfig::fixed(4096, BLOCKS)).unwrap();
+    let shared = SharedBlockPool::new(&fb, &PoolConfig::fixed(4096, BLOCKS)).unwrap();
+    let n = 200_000;
+    let rows = [
+        (
+            "block alloc+release, single",
+            per_op(n, || drop(black_box(pool.allocate().unwrap()))),
+            per_op(n, || {
+                let id = plain.allocate().unwrap();
+                plain.release(black_box(id));
+            }),
+        ),
+        (
+            "block alloc+release, x16 (per block)",
+            per_op(n / 16, || {
+                drop(black_box(shared.allocate_many(16).unwrap()))
+            }) / 16.0,
+            per_op(n / 16, || {
+                let ids: Vec<u32> = (0..16).map(|_| plain.allocate().unwrap()).collect();
+                for id in black_box(ids) {
+                    plain.release(id);
+                }
+            }) / 16.0,
+        ),
+    ];
+    println!(
+        "\n{:40} {:>9} {:>9} {:>10}",
+        "ratios (peer: bare Vec free list)", "ours ns", "peer ns", "peer/ours"
+    );
+    for (name, ours, peer) in rows {
+        println!("{name:40} {ours:9.1} {peer:9.1} {:9.2}x", peer / ours);
+    }
+    let mut arena = Arena::new(&fb, Tier::EnginePersistent, 64 << 20, None).unwrap();
+    let ours = per_op(n, || {
+        black_box(arena.take(64, 64).map(|s| s.addr()).unwrap_or(0));
+    });
+    arena.reset();
+    let peer = per_op(n, || drop(black_box(Vec::<u8>::with_capacity(64))));
+    println!(
+        "{:40} {ours:9.1} {peer:9.1} {:9.2}x  (peer: Vec::with_capacity)",
+        "arena take 64 B",
+        peer / ours
+    );
+}
+
 criterion_group!(benches, blocks, bumps);
-criterion_main!(benches);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    ratios();
+}

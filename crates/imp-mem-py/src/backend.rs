@@ -400,7 +400,8 @@ impl PyRegion {
             .ok_or_else(|| invalid("region already released; keep one owner and release it once"))
     }
 
-    fn with_live<T>(&self, f: impl FnOnce(&mut Region) -> PyResult<T>) -> PyResult<T> {
+    /// Runs `f` on the live region, holding it; `StaleSpan` once released.
+    pub(crate) fn with_live<T>(&self, f: impl FnOnce(&mut Region) -> PyResult<T>) -> PyResult<T> {
         let mut guard = self.lock();
         match guard.as_mut() {
             Some(region) => f(region),
@@ -581,20 +582,8 @@ impl PyFakeBackend {
         data: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let addr = convert::index(address, "address")? as usize;
-        if data.is_instance_of::<pyo3::types::PyInt>()
-            || data.is_instance_of::<pyo3::types::PyString>()
-        {
-            return Err(invalid(
-                "data must be bytes-like (bytes, bytearray, memoryview)",
-            ));
-        }
-        let as_bytes = py
-            .import("builtins")?
-            .getattr("bytes")?
-            .call1((data,))
-            .map_err(|_| invalid("data must be bytes-like (bytes, bytearray, memoryview)"))?;
-        let bytes = as_bytes.downcast::<PyBytes>()?;
-        self.fake.write(addr, bytes.as_bytes()).py()
+        let bytes = convert::bytes_like(py, data)?;
+        self.fake.write(addr, &bytes).py()
     }
 
     /// True when every byte at `[address, address + nbytes)` is the poison 0xDE.

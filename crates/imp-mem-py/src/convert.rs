@@ -70,3 +70,22 @@ pub fn opt_bytes(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Optio
 pub fn tag(name: &str) -> PyResult<Tag> {
     name.parse::<Tag>().py()
 }
+
+/// The bytes of a bytes-like object (bytes, bytearray, memoryview, a NumPy
+/// array). Ints and strings are refused: `bytes(12)` would silently mean
+/// twelve zero bytes.
+pub fn bytes_like(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    let refuse = || invalid("data must be bytes-like (bytes, bytearray, memoryview)");
+    if data.is_instance_of::<pyo3::types::PyInt>() || data.is_instance_of::<PyString>() {
+        return Err(refuse());
+    }
+    let as_bytes = py
+        .import("builtins")?
+        .getattr("bytes")?
+        .call1((data,))
+        .map_err(|_| refuse())?;
+    Ok(as_bytes
+        .downcast::<pyo3::types::PyBytes>()?
+        .as_bytes()
+        .to_vec())
+}

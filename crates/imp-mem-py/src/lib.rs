@@ -8,9 +8,11 @@ use pyo3::prelude::*;
 
 pub mod backend;
 pub mod convert;
+pub mod cuda;
 pub mod dlpack;
 pub mod errors;
 pub mod kv;
+pub mod planner;
 pub mod tiers;
 
 /// True when a CUDA driver and at least one device are present.
@@ -26,5 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     backend::register(m)?;
     kv::register(m)?;
     tiers::register(m)?;
+    cuda::register(m)?;
+    planner::register(m)?;
     Ok(())
 }

@@ -1213,6 +1213,19 @@ fn fake_pinned_host() -> &'static PinnedHost {
     HOST.get_or_init(|| PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 40))))
 }
 
+/// The driver's pinned host memory for `device`, opened once per device.
+fn cuda_pinned_host(device: i32) -> PyResult<PinnedHost> {
+    static HOSTS: OnceLock<Mutex<Vec<(i32, PinnedHost)>>> = OnceLock::new();
+    let mut hosts = lock(HOSTS.get_or_init(|| Mutex::new(Vec::new())));
+    if let Some((_, host)) = hosts.iter().find(|(d, _)| *d == device) {
+        return Ok(host.clone());
+    }
+    let ops = imp_mem_cuda::CudaPinnedHost::new(device).py()?;
+    let host = PinnedHost::new(Arc::new(ops));
+    hosts.push((device, host.clone()));
+    Ok(host)
+}
+
 /// Pinned host memory (T5b): move-only, freed exactly once. With
 /// `or_empty=True` a failure gives an empty buffer (`empty` is True) instead
 /// of raising, so a caller can fall back to pageable memory.
@@ -1235,15 +1248,9 @@ impl PyPinnedBuffer {
     ) -> PyResult<Self> {
         let len = size(nbytes, "nbytes")?;
         let host = match &backend {
-            None => fake_pinned_host(),
-            Some(b) if b.inner.info().name == "fake" => fake_pinned_host(),
-            Some(b) => {
-                return Err(crate::errors::BackendUnavailable::new_err(format!(
-                    "pinned host memory for the '{}' backend is not wired into the binding yet; \
-                     use backend=None for host-memory staging",
-                    b.inner.info().name
-                )))
-            }
+            None => fake_pinned_host().clone(),
+            Some(b) if b.inner.info().name == "fake" => fake_pinned_host().clone(),
+            Some(b) => cuda_pinned_host(b.inner.info().device)?,
         };
         let buf = if or_empty {
             host.allocate_or_empty(len)

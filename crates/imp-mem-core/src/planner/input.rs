@@ -1,0 +1,298 @@
+//! What the planner is asked: the model, the limits it must serve, the
+//! features that cost memory, the budget and the two measured charges.
+
+use serde::{Deserialize, Serialize};
+
+use super::dtype::Dtype;
+use super::shape::{Attention, ModelShape};
+use crate::error::MemError;
+
+/// How the KV pool is sized from the residual.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvPolicy {
+    /// The pool must hold `max_batch` sequences of `max_seq_len` tokens;
+    /// anything less fails with the report (seed A4.3).
+    #[default]
+    Full,
+    /// The pool takes what the residual leaves, up to that same target, and
+    /// fails only below one full sequence (seed D8); admission then bounds
+    /// concurrency.
+    Fit,
+}
+
+impl KvPolicy {
+    /// Parses `full` or `fit`.
+    pub fn parse(text: &str) -> Result<KvPolicy, MemError> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "full" => Ok(KvPolicy::Full),
+            "fit" => Ok(KvPolicy::Fit),
+            other => Err(MemError::invalid(format!(
+                "kv_policy: unknown policy '{other}'; expected full or fit"
+            ))),
+        }
+    }
+}
+
+/// The concurrency the plan must serve.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Sequences served at once.
+    pub max_batch: u32,
+    /// Tokens per sequence, prompt and generation together.
+    pub max_seq_len: u64,
+    /// KV element type; `None` means the model's dtype.
+    pub kv_dtype: Option<Dtype>,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Tokens per forward pass (prefill chunk); `None` means
+    /// `min(8192, max_batch * max_seq_len)`.
+    pub max_batch_tokens: Option<u64>,
+    /// How the KV pool is sized from the residual.
+    pub kv_policy: KvPolicy,
+}
+
+impl Limits {
+    /// Limits with the default block size (16), model-dtype KV and the
+    /// `full` policy.
+    pub fn new(max_batch: u32, max_seq_len: u64) -> Limits {
+        Limits {
+            max_batch,
+            max_seq_len,
+            kv_dtype: None,
+            block_size: DEFAULT_BLOCK_SIZE,
+            max_batch_tokens: None,
+            kv_policy: KvPolicy::Full,
+        }
+    }
+}
+
+/// Tokens per KV block unless told otherwise.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// Features that cost memory beyond the model and its KV.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Features {
+    /// Speculative decoding: draft tokens verified per step.
+    pub spec_depth: u32,
+    /// Weights of a separate draft model, if any (T1).
+    pub draft_weights_bytes: u64,
+    /// Weights of a vision tower (T1).
+    pub vision_tower_bytes: u64,
+    /// LoRA adapters resident at once (T2).
+    pub lora_slots: u32,
+    /// Largest LoRA rank a slot holds.
+    pub lora_rank: u32,
+    /// A measured T4 high-water mark, replacing the estimate.
+    pub scratch_bytes: Option<u64>,
+    /// A measured T2 size, replacing the estimate.
+    pub engine_persistent_bytes: Option<u64>,
+}
+
+/// Everything `plan_memory` reads. Seed A4.2 plus D7's two measured charges.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanInput {
+    /// The model.
+    pub model: ModelShape,
+    /// The concurrency to serve.
+    pub limits: Limits,
+    /// Features that cost memory.
+    pub features: Features,
+    /// Tensor-parallel degree; the plan is per rank.
+    pub tp: u32,
+    /// Device bytes this rank may use, all charges included.
+    pub budget: u64,
+    /// The CUDA context and driver, measured: gone before anything is
+    /// allocated (D7).
+    pub context_bytes: u64,
+    /// What libraries (cuBLAS, ...) claim on their first call, measured (D7).
+    pub library_reserve_bytes: u64,
+}
+
+/// The CUDA context measured on the H200 (SPEC facts, 2026-11-30).
+pub const H200_CONTEXT_BYTES: u64 = 527 << 20;
+/// cuBLAS's reserve on the first bf16 matmul, measured on the H200.
+pub const H200_LIBRARY_RESERVE_BYTES: u64 = 66 << 20;
+
+/// Largest value any single input or charge may take: keeps every sum
+/// far from `u64` overflow (256 PiB).
+pub const MAX_BYTES: u64 = 1 << 58;
+
+impl PlanInput {
+    /// Checks every field; the error names the field and says what to change.
+    pub fn validate(&self) -> Result<(), MemError> {
+        let l = &self.limits;
+        positive("max_batch", u64::from(l.max_batch))?;
+        at_most("max_batch", u64::from(l.max_batch), 1 << 24)?;
+        positive("max_seq_len", l.max_seq_len)?;
+        positive("block_size", u64::from(l.block_size))?;
+        at_most("block_size", u64::from(l.block_size), 1 << 16)?;
+        at_most("max_seq_len", l.max_seq_len, 1 << 34)?;
+        if let Some(t) = l.max_batch_tokens {
+            positive("max_batch_tokens", t)?;
+            at_most("max_batch_tokens", t, 1 << 34)?;
+        }
+        positive("tp", u64::from(self.tp))?;
+        at_most("tp", u64::from(self.tp), 4096)?;
+        positive("budget", self.budget)?;
+        at_most("budget", self.budget, MAX_BYTES)?;
+        at_most("context", self.context_bytes, MAX_BYTES)?;
+        at_most("library_reserve", self.library_reserve_bytes, MAX_BYTES)?;
+        let f = &self.features;
+        at_most("spec_depth", u64::from(f.spec_depth), 1 << 16)?;
+        at_most("draft_weights_bytes", f.draft_weights_bytes, MAX_BYTES)?;
+        at_most("vision_tower_bytes", f.vision_tower_bytes, MAX_BYTES)?;
+        at_most("lora_slots", u64::from(f.lora_slots), 1 << 16)?;
+        at_most("lora_rank", u64::from(f.lora_rank), 1 << 16)?;
+        if f.lora_slots > 0 {
+            positive("lora_rank", u64::from(f.lora_rank))?;
+        }
+        at_most("scratch_bytes", f.scratch_bytes.unwrap_or(0), MAX_BYTES)?;
+        at_most(
+            "engine_persistent_bytes",
+            f.engine_persistent_bytes.unwrap_or(0),
+            MAX_BYTES,
+        )?;
+        let m = &self.model;
+        positive("model.num_layers", u64::from(m.num_layers))?;
+        positive("model.hidden_size", m.hidden_size)?;
+        positive("model.vocab_size", m.vocab_size)?;
+        positive("model.num_attention_heads", m.num_attention_heads)?;
+        for (name, value) in [
+            ("model.hidden_size", m.hidden_size),
+            ("model.vocab_size", m.vocab_size),
+            ("model.intermediate_size", m.intermediate_size),
+            ("model.num_attention_heads", m.num_attention_heads),
+            ("model.state_bytes_per_layer", m.state_bytes_per_layer),
+        ] {
+            at_most(name, value, 1 << 32)?;
+        }
+        let geometry: [(&str, u64); 3] = match m.attention {
+            Attention::Gqa {
+                num_kv_heads,
+                head_dim,
+                v_head_dim,
+            } => [
+                ("model.num_kv_heads", num_kv_heads),
+                ("model.head_dim", head_dim),
+                ("model.v_head_dim", v_head_dim),
+            ],
+            Attention::Mla {
+                kv_lora_rank,
+                qk_rope_head_dim,
+                qk_nope_head_dim,
+                ..
+            } => [
+                ("model.kv_lora_rank", kv_lora_rank),
+                ("model.qk_rope_head_dim", qk_rope_head_dim),
+                ("model.qk_nope_head_dim", qk_nope_head_dim),
+            ],
+        };
+        for (name, value) in geometry {
+            at_most(name, value, 1 << 32)?;
+        }
+        if let Some(moe) = &m.moe {
+            at_most(
+                "model.moe.experts_per_token",
+                moe.experts_per_token,
+                1 << 32,
+            )?;
+            at_most(
+                "model.moe.expert_intermediate_size",
+                moe.expert_intermediate_size,
+                1 << 32,
+            )?;
+            at_most(
+                "model.moe.shared_intermediate_size",
+                moe.shared_intermediate_size,
+                1 << 32,
+            )?;
+        }
+        at_most("model.weights", m.weights_bytes(), MAX_BYTES)?;
+        let attention_layers = u64::from(m.full_attention_layers) + u64::from(m.sliding_layers);
+        at_most(
+            "model.full_attention_layers + sliding_layers",
+            attention_layers,
+            u64::from(m.num_layers),
+        )?;
+        at_most(
+            "model.state_layers",
+            u64::from(m.state_layers),
+            u64::from(m.num_layers),
+        )?;
+        if m.sliding_layers > 0 {
+            positive("model.sliding_window", m.sliding_window.unwrap_or(0))?;
+        }
+        Ok(())
+    }
+
+    /// The KV dtype after resolving `auto` to the model's dtype.
+    pub fn kv_dtype(&self) -> Dtype {
+        self.limits.kv_dtype.unwrap_or(self.model.dtype)
+    }
+}
+
+fn positive(field: &str, value: u64) -> Result<(), MemError> {
+    if value == 0 {
+        return Err(MemError::invalid(format!(
+            "{field}: must be at least 1, got 0"
+        )));
+    }
+    Ok(())
+}
+
+fn at_most(field: &str, value: u64, max: u64) -> Result<(), MemError> {
+    if value > max {
+        return Err(MemError::invalid(format!(
+            "{field}: {value} is larger than the supported {max}"
+        )));
+    }
+    Ok(())
+}
+
+/// Parses a size as people write budgets (`80GiB`, `80 GB`, `81920MiB`, a
+/// byte count; the spellings of [`crate::units::parse_bytes`]) and checks it
+/// is positive and plausible. `field` names the input in the error.
+pub fn parse_size(text: &str, field: &str) -> Result<u64, MemError> {
+    let value = crate::units::parse_bytes(text)
+        .map_err(|err| MemError::invalid(format!("{field}: {err}")))?;
+    if value == 0 {
+        return Err(MemError::invalid(format!(
+            "{field}: '{text}' is zero; a size must be positive"
+        )));
+    }
+    if value > MAX_BYTES {
+        return Err(MemError::invalid(format!(
+            "{field}: '{text}' is larger than the supported 256 PiB"
+        )));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_in_every_spelling() {
+        assert_eq!(parse_size("80GiB", "budget").unwrap(), 80 << 30);
+        assert_eq!(parse_size("80 GB", "budget").unwrap(), 80_000_000_000);
+        assert_eq!(parse_size("81920MiB", "budget").unwrap(), 80 << 30);
+        assert_eq!(parse_size("1.5 GiB", "budget").unwrap(), 3 << 29);
+        assert_eq!(parse_size("4096", "budget").unwrap(), 4096);
+        assert_eq!(parse_size(" 2g ", "budget").unwrap(), 2 << 30);
+        for bad in [
+            "",
+            "GiB",
+            "80 GiBs",
+            "eighty",
+            "-80GiB",
+            "0",
+            "1e3",
+            "99999999999999TiB",
+        ] {
+            let err = parse_size(bad, "budget").unwrap_err().to_string();
+            assert!(err.starts_with("budget:"), "{bad:?} -> {err}");
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! `CudaSource`: plain device memory through `cuMemAlloc` / `cuMemFree`.
+//!
+//! Algorithm: one `cuMemAlloc_v2` per acquisition and one `cuMemFree_v2` per
+//! release; nothing is pooled, because the tiers above pool (seed A3.1: the
+//! backend is acquired from once per tier, at load). `cuMemAlloc` returns
+//! addresses aligned to at least 256 bytes; a larger alignment is served by
+//! over-allocating `bytes + align - 256` and handing out the first aligned
+//! address inside, remembering the raw pointer in a small map to free it.
+//! The source is not growable: growable regions are [`crate::VmmSource`]'s.
+//!
+//! Accounting: the backend counts the bytes asked for. The driver rounds
+//! each allocation up (to 2 MiB pages for large ones), so device used memory
+//! can exceed the backend's `live` by up to a page per allocation; tiers
+//! acquire few, large regions, which keeps that slack small.
+//!
+//! Thread safety: `cuMemAlloc`/`cuMemFree` are thread-safe; each call binds the
+//! device's primary context on the calling thread for its duration. The
+//! over-aligned map is behind a mutex. `cuMemFree` of memory still used by
+//! queued kernels is the caller's problem, as with `cudaFree`; note that the
+//! driver synchronises the device in `cuMemFree`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use imp_mem_core::{
+    Backend, MemError, MemoryKind, MemorySource, PhaseMode, SourceError, SourceInfo,
+};
+
+use crate::driver::{check, CuDevicePtr, DeviceContext};
+
+/// What `cuMemAlloc` guarantees.
+pub const CU_MEM_ALLOC_ALIGNMENT: usize = 256;
+
+/// Device memory from `cuMemAlloc`.
+pub struct CudaSource {
+    device: Arc<DeviceContext>,
+    /// Aligned address → raw address, for allocations aligned past 256 B.
+    over_aligned: Mutex<HashMap<usize, usize>>,
+}
+
+impl std::fmt::Debug for CudaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaSource")
+            .field("device", &self.device.props())
+            .finish()
+    }
+}
+
+impl CudaSource {
+    /// A source on device `ordinal`. `BackendUnavailable` where there is no
+    /// usable driver or device.
+    pub fn new(ordinal: i32) -> Result<Self, MemError> {
+        let device = DeviceContext::open(ordinal)?;
+        Ok(Self {
+            device,
+            over_aligned: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device context.
+    pub fn device(&self) -> &Arc<DeviceContext> {
+        &self.device
+    }
+
+    fn raw_alloc(&self, bytes: usize) -> Result<usize, SourceError> {
+        let _scope = self.device.bind()?;
+        let mut ptr: CuDevicePtr = 0;
+        // SAFETY: writes one device pointer; the primary context is current.
+        check("cuMemAlloc_v2", unsafe {
+            (self.device.api().mem_alloc)(&mut ptr, bytes)
+        })?;
+        usize::try_from(ptr)
+            .map_err(|_| SourceError::Invariant(format!("device pointer {ptr:#x} overflows usize")))
+    }
+
+    fn raw_free(&self, ptr: usize) {
+        let Ok(_scope) = self.device.bind() else {
+            return;
+        };
+        // SAFETY: `ptr` came from `cuMemAlloc_v2` in this context and the
+        // backend frees each allocation exactly once. A failure (the driver
+        // shutting down at exit) leaves nothing we could do.
+        let _ = unsafe { (self.device.api().mem_free)(ptr as CuDevicePtr) };
+    }
+}
+
+// SAFETY: (1) addresses come from `cuMemAlloc`, which never hands out
+// overlapping live ranges; an over-aligned request allocates
+// `bytes + align - 256` so that the first `align`-aligned address `a` inside
+// satisfies `a + bytes <= raw + bytes + align - 256` (the raw pointer is
+// 256-aligned, so `a - raw <= align - 256`). (2) not growable. (3) every
+// failure is a returned value; nothing here panics.
+unsafe impl MemorySource for CudaSource {
+    fn info(&self) -> SourceInfo {
+        let props = self.device.props();
+        SourceInfo {
+            name: "cuda".into(),
+            kind: MemoryKind::Device,
+            device: props.ordinal,
+            capacity: props.total_memory,
+            granularity: 1,
+            growable: false,
+        }
+    }
+
+    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {
+        if align <= CU_MEM_ALLOC_ALIGNMENT {
+            return self.raw_alloc(bytes);
+        }
+        let padded = bytes
+            .checked_add(align - CU_MEM_ALLOC_ALIGNMENT)
+            .ok_or(SourceError::OutOfMemory)?;
+        let raw = self.raw_alloc(padded)?;
+        let Some(aligned) = imp_mem_core::units::align_up(raw, align) else {
+            self.raw_free(raw);
+            return Err(SourceError::OutOfMemory);
+        };
+        self.over_aligned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(aligned, raw);
+        Ok(aligned)
+    }
+
+    unsafe fn free(&self, addr: usize, _bytes: usize, align: usize) {
+        let raw = if align <= CU_MEM_ALLOC_ALIGNMENT {
+            Some(addr)
+        } else {
+            self.over_aligned
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&addr)
+        };
+        if let Some(raw) = raw {
+            self.raw_free(raw);
+        }
+    }
+}
+
+/// A [`Backend`] over `cuMemAlloc` on device `device`, with `mode` and
+/// `budget` (default: the device's total memory).
+pub fn cuda_backend(
+    device: i32,
+    mode: PhaseMode,
+    budget: Option<u64>,
+) -> Result<Backend, MemError> {
+    let source = CudaSource::new(device)?;
+    Backend::new(Arc::new(source), mode, budget)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_driver_the_constructor_is_unavailable_not_a_panic() {
+        if crate::cuda_available() {
+            return;
+        }
+        match cuda_backend(0, PhaseMode::Strict, None) {
+            Err(MemError::BackendUnavailable(msg)) => assert!(!msg.is_empty()),
+            other => panic!("expected BackendUnavailable, got {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,561 @@
+//! Python face of the CUDA backends: `CudaBackend`, `VmmBackend`, `Fence`,
+//! and the measured-reserve cache functions.
+//!
+//! Both backends subclass `Backend`, so they share every method of
+//! `FakeBackend` (acquire, stats, phases, budget). On a machine without a
+//! driver their constructors raise `BackendUnavailable`. The extras are for
+//! tests and benchmarks on a GPU: `read` / `write` copy through the driver
+//! (bounds-checked against a live region of this backend), `mem_get_info`
+//! reads the device, and `VmmBackend` exposes its handle cache and counters.
+//! Blocking driver waits release the GIL.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use imp_mem_core::{Backend, PhaseMode};
+use imp_mem_cuda::reserve::{self, Fingerprint, ReserveCache, ReserveMeasurement};
+use imp_mem_cuda::{CudaSource, DeviceContext, Fence, VmmConfig, VmmCore, VmmSource};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::backend::{PyBackend, PyRegion};
+use crate::convert;
+use crate::errors::{invalid, IntoPyResult};
+
+fn mode(strict: bool) -> PhaseMode {
+    if strict {
+        PhaseMode::Strict
+    } else {
+        PhaseMode::Production
+    }
+}
+
+/// Resolves `(region, offset, nbytes)` into a device address range inside a
+/// live region of `backend`, and runs `f` on it while the region is held.
+fn with_range<T>(
+    backend: &Backend,
+    region: &Bound<'_, PyAny>,
+    offset: u64,
+    nbytes: Option<u64>,
+    f: impl FnOnce(u64, usize) -> PyResult<T>,
+) -> PyResult<T> {
+    let region = region
+        .downcast::<PyRegion>()
+        .map_err(|_| invalid("expected a Region acquired from this backend"))?;
+    region.get().with_live(|r| {
+        if r.backend().id() != backend.id() {
+            return Err(invalid(format!(
+                "the region belongs to backend #{}, not this one (#{}); read it through its own \
+                 backend",
+                r.backend().id(),
+                backend.id()
+            )));
+        }
+        let len = r.len() as u64;
+        let n = nbytes.unwrap_or_else(|| len.saturating_sub(offset));
+        match offset.checked_add(n) {
+            Some(end) if end <= len => {}
+            _ => {
+                return Err(invalid(format!(
+                    "[{offset}, {offset} + {n}) is outside the region's {len} committed bytes"
+                )))
+            }
+        }
+        let n = usize::try_from(n).map_err(|_| invalid("nbytes does not fit this host"))?;
+        f(r.base() as u64 + offset, n)
+    })
+}
+
+/// What every CUDA backend adds to `Backend`.
+struct Device {
+    backend: Backend,
+    context: Arc<DeviceContext>,
+}
+
+impl Device {
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        region: &Bound<'_, PyAny>,
+        offset: u64,
+        nbytes: Option<u64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let data = with_range(&self.backend, region, offset, nbytes, |addr, n| {
+            // SAFETY: `[addr, addr + n)` lies inside a live region of this
+            // backend (checked above, with the region held), which is memory of
+            // this device's context.
+            unsafe { self.context.copy_from_device(addr, n) }.py()
+        })?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    fn write(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        offset: u64,
+    ) -> PyResult<()> {
+        let data = convert::bytes_like(py, data)?;
+        with_range(
+            &self.backend,
+            region,
+            offset,
+            Some(data.len() as u64),
+            |addr, _| {
+                // SAFETY: as in `read`; the range is exactly `data.len()` bytes.
+                unsafe { self.context.copy_to_device(addr, &data) }.py()
+            },
+        )
+    }
+
+    fn mem_get_info(&self) -> PyResult<(u64, u64)> {
+        self.context.mem_info().py()
+    }
+}
+
+/// Device memory through `cuMemAlloc`.
+#[pyclass(extends = PyBackend, frozen, name = "CudaBackend", module = "imp_mem._core")]
+pub struct PyCudaBackend {
+    device: Device,
+}
+
+#[pymethods]
+impl PyCudaBackend {
+    #[new]
+    #[pyo3(signature = (device = 0, budget = None, strict = false))]
+    fn new(
+        device: i32,
+        budget: Option<&Bound<'_, PyAny>>,
+        strict: bool,
+    ) -> PyResult<(Self, PyBackend)> {
+        let budget = convert::opt_bytes(budget, "budget")?;
+        let source = CudaSource::new(device).py()?;
+        let context = source.device().clone();
+        let backend = Backend::new(Arc::new(source), mode(strict), budget).py()?;
+        let base = PyBackend::wrap(backend.clone());
+        Ok((
+            Self {
+                device: Device { backend, context },
+            },
+            base,
+        ))
+    }
+
+    /// The GPU's name (`cuDeviceGetName`).
+    #[getter]
+    fn device_name(&self) -> String {
+        self.device.context.props().name.clone()
+    }
+
+    /// Device `(free, total)` bytes right now (`cuMemGetInfo`).
+    fn mem_get_info(&self) -> PyResult<(u64, u64)> {
+        self.device.mem_get_info()
+    }
+
+    /// Copies `nbytes` (default: to the end) at `offset` of `region` to host.
+    #[pyo3(signature = (region, offset = 0, nbytes = None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        region: &Bound<'_, PyAny>,
+        offset: u64,
+        nbytes: Option<u64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.device.read(py, region, offset, nbytes)
+    }
+
+    /// Copies a bytes-like object to `offset` of `region`.
+    #[pyo3(signature = (region, data, offset = 0))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        offset: u64,
+    ) -> PyResult<()> {
+        self.device.write(py, region, data, offset)
+    }
+}
+
+/// Growable device regions over the CUDA VMM API.
+#[pyclass(extends = PyBackend, frozen, name = "VmmBackend", module = "imp_mem._core")]
+pub struct PyVmmBackend {
+    device: Device,
+    source: Arc<VmmSource>,
+}
+
+#[pymethods]
+impl PyVmmBackend {
+    #[new]
+    #[pyo3(signature = (device = 0, budget = None, strict = false, chunk_bytes = None, cache_chunks = None))]
+    fn new(
+        device: i32,
+        budget: Option<&Bound<'_, PyAny>>,
+        strict: bool,
+        chunk_bytes: Option<&Bound<'_, PyAny>>,
+        cache_chunks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(Self, PyBackend)> {
+        let budget = convert::opt_bytes(budget, "budget")?;
+        let chunk_bytes = convert::opt_bytes(chunk_bytes, "chunk_bytes")?
+            .map(|c| usize::try_from(c).map_err(|_| invalid("chunk_bytes does not fit this host")))
+            .transpose()?;
+        let config = VmmConfig {
+            chunk_bytes,
+            cache_chunks: match cache_chunks.filter(|c| !c.is_none()) {
+                Some(c) => usize::try_from(convert::index(c, "cache_chunks")?)
+                    .map_err(|_| invalid("cache_chunks does not fit this host"))?,
+                None => imp_mem_cuda::vmm::DEFAULT_CACHE_CHUNKS,
+            },
+        };
+        let driver = imp_mem_cuda::vmm::CudaVmm::new(device).py()?;
+        let context = driver.context().clone();
+        let source = Arc::new(VmmCore::with_driver(driver, config).py()?);
+        let backend = Backend::new(source.clone(), mode(strict), budget).py()?;
+        let base = PyBackend::wrap(backend.clone());
+        Ok((
+            Self {
+                device: Device { backend, context },
+                source,
+            },
+            base,
+        ))
+    }
+
+    /// The GPU's name.
+    #[getter]
+    fn device_name(&self) -> String {
+        self.device.context.props().name.clone()
+    }
+
+    /// Bytes per physical handle (= `granularity`, what growable regions
+    /// commit in).
+    #[getter]
+    fn chunk_bytes(&self) -> usize {
+        self.source.chunk_bytes()
+    }
+
+    /// The device's minimum VMM allocation granularity (2 MiB on an H200).
+    #[getter]
+    fn device_granularity(&self) -> usize {
+        self.source.device_granularity()
+    }
+
+    /// Most released chunk handles kept for reuse.
+    #[getter]
+    fn cache_chunks(&self) -> usize {
+        self.source.cache_limit_chunks()
+    }
+
+    /// Physical bytes in the handle cache (held by no region).
+    #[getter]
+    fn cached_bytes(&self) -> u64 {
+        self.source.cached_bytes()
+    }
+
+    /// Physical bytes mapped in live regions.
+    #[getter]
+    fn mapped_bytes(&self) -> u64 {
+        self.source.mapped_bytes()
+    }
+
+    /// Releases every cached handle now.
+    fn trim_cache(&self, py: Python<'_>) {
+        let source = self.source.clone();
+        py.allow_threads(move || source.trim_cache());
+    }
+
+    /// Driver-call counters: reservations, handles created / released, cache
+    /// hits, maps, unmaps, set-access calls, cleanup failures.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.source.counters();
+        let d = PyDict::new(py);
+        d.set_item("reservations", c.reservations)?;
+        d.set_item("handles_created", c.handles_created)?;
+        d.set_item("handles_released", c.handles_released)?;
+        d.set_item("cache_hits", c.cache_hits)?;
+        d.set_item("maps", c.maps)?;
+        d.set_item("unmaps", c.unmaps)?;
+        d.set_item("set_access_calls", c.set_access_calls)?;
+        d.set_item("cleanup_failures", c.cleanup_failures)?;
+        Ok(d)
+    }
+
+    /// Records a fence on `stream` (a raw `CUstream` int, e.g.
+    /// `torch.cuda.current_stream().cuda_stream`; 0 = the legacy default).
+    #[pyo3(signature = (stream = 0))]
+    fn record_fence(&self, stream: u64) -> PyResult<PyFence> {
+        Ok(PyFence {
+            inner: Arc::new(Fence::record_on(self.device.context.clone(), stream).py()?),
+        })
+    }
+
+    /// Device `(free, total)` bytes right now.
+    fn mem_get_info(&self) -> PyResult<(u64, u64)> {
+        self.device.mem_get_info()
+    }
+
+    /// Copies `nbytes` (default: to the end) at `offset` of `region` to host.
+    #[pyo3(signature = (region, offset = 0, nbytes = None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        region: &Bound<'_, PyAny>,
+        offset: u64,
+        nbytes: Option<u64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.device.read(py, region, offset, nbytes)
+    }
+
+    /// Copies a bytes-like object to `offset` of `region`.
+    #[pyo3(signature = (region, data, offset = 0))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        region: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        offset: u64,
+    ) -> PyResult<()> {
+        self.device.write(py, region, data, offset)
+    }
+}
+
+/// A CUDA event recorded on a stream: decommit a region's tail only after
+/// `wait()` returns (or `is_complete()` is True).
+#[pyclass(frozen, name = "Fence", module = "imp_mem._core")]
+pub struct PyFence {
+    inner: Arc<Fence>,
+}
+
+#[pymethods]
+impl PyFence {
+    /// Records a fence on `stream` of `device`.
+    #[new]
+    #[pyo3(signature = (device = 0, stream = 0))]
+    fn new(device: i32, stream: u64) -> PyResult<Self> {
+        Ok(Self {
+            inner: Arc::new(Fence::record(device, stream).py()?),
+        })
+    }
+
+    /// True when the work queued before the record has finished.
+    fn is_complete(&self) -> PyResult<bool> {
+        self.inner.is_complete().py()
+    }
+
+    /// Blocks (without the GIL) until the work before the record finished.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let fence = self.inner.clone();
+        py.allow_threads(move || fence.wait()).py()
+    }
+
+    /// Device ordinal.
+    #[getter]
+    fn device(&self) -> i32 {
+        self.inner.device()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<Fence device={}>", self.inner.device())
+    }
+}
+
+/// The CUDA driver version (13000 for CUDA 13.0); raises `BackendUnavailable`
+/// without a driver.
+#[pyfunction]
+fn cuda_driver_version() -> PyResult<i32> {
+    imp_mem_cuda::driver_version().py()
+}
+
+/// Number of CUDA devices; raises `BackendUnavailable` without a driver.
+#[pyfunction]
+fn cuda_device_count() -> PyResult<i32> {
+    imp_mem_cuda::device_count().py()
+}
+
+/// Device `(free, total)` bytes (`cuMemGetInfo` in the primary context).
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+fn cuda_mem_get_info(device: i32) -> PyResult<(u64, u64)> {
+    imp_mem_cuda::mem_get_info(device).py()
+}
+
+fn parse_fingerprint(value: &Bound<'_, PyAny>) -> PyResult<Fingerprint> {
+    let get = |key: &str| -> PyResult<String> {
+        value
+            .get_item(key)
+            .and_then(|v| v.str().map(|s| s.to_string()))
+            .map_err(|_| {
+                invalid(format!(
+                    "the fingerprint needs '{key}' (gpu_name, driver_version, cuda_version)"
+                ))
+            })
+    };
+    let libraries = match value.get_item("libraries") {
+        Ok(libs) if !libs.is_none() => libs
+            .extract::<std::collections::BTreeMap<String, String>>()
+            .map_err(|_| {
+                invalid("the fingerprint's 'libraries' must map names to version strings")
+            })?,
+        _ => Default::default(),
+    };
+    Ok(Fingerprint {
+        gpu_name: get("gpu_name")?,
+        driver_version: get("driver_version")?,
+        cuda_version: get("cuda_version")?,
+        libraries,
+    })
+}
+
+fn measurement<'py>(py: Python<'py>, m: &ReserveMeasurement) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("context_bytes", m.context_bytes)?;
+    d.set_item("library_reserve_bytes", m.library_reserve_bytes)?;
+    Ok(d)
+}
+
+fn measurement_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<ReserveMeasurement> {
+    let field = |key: &str| -> PyResult<u64> {
+        let v = value.get_item(key).map_err(|_| {
+            invalid(format!(
+                "{what} needs '{key}' (context_bytes, library_reserve_bytes)"
+            ))
+        })?;
+        convert::bytes(&v, key)
+    };
+    Ok(ReserveMeasurement {
+        context_bytes: field("context_bytes")?,
+        library_reserve_bytes: field("library_reserve_bytes")?,
+    })
+}
+
+/// The cache key of a fingerprint dict (`gpu_name`, `driver_version`,
+/// `cuda_version`, optional `libraries`).
+#[pyfunction]
+fn reserve_fingerprint_key(fingerprint: &Bound<'_, PyAny>) -> PyResult<String> {
+    Ok(parse_fingerprint(fingerprint)?.key())
+}
+
+/// The remembered charges for `fingerprint` in the cache file at `path`:
+/// a dict with `context_bytes`, `library_reserve_bytes`, `measured_unix_s`,
+/// `samples`, or None.
+#[pyfunction]
+fn reserve_cache_lookup<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    fingerprint: &Bound<'_, PyAny>,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let fp = parse_fingerprint(fingerprint)?;
+    let cache = ReserveCache::load(&path).py()?;
+    let Some(entry) = cache.get(&fp) else {
+        return Ok(None);
+    };
+    let d = measurement(py, &entry.measurement)?;
+    d.set_item("measured_unix_s", entry.measured_unix_s)?;
+    d.set_item("samples", entry.samples)?;
+    d.set_item("key", fp.key())?;
+    Ok(Some(d))
+}
+
+/// Remembers a measurement for `fingerprint` in the cache file at `path`
+/// (read, update, atomic write + rename).
+#[pyfunction]
+#[pyo3(signature = (path, fingerprint, measured, samples = 1))]
+fn reserve_cache_store(
+    path: PathBuf,
+    fingerprint: &Bound<'_, PyAny>,
+    measured: &Bound<'_, PyAny>,
+    samples: u32,
+) -> PyResult<()> {
+    let fp = parse_fingerprint(fingerprint)?;
+    let m = measurement_arg(measured, "measured")?;
+    let mut cache = ReserveCache::load(&path).py()?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    cache.insert(fp, m, now, samples);
+    cache.store(&path).py()
+}
+
+/// The charges implied by one measurement's readings (a dict with
+/// `free_before_context`, `free_after_context`, `used_before_library`,
+/// `allocator_before_library`, `used_after_library`,
+/// `allocator_after_library`).
+#[pyfunction]
+fn reserve_from_readings<'py>(
+    py: Python<'py>,
+    readings: &Bound<'_, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let field = |key: &str| -> PyResult<u64> {
+        let v = readings
+            .get_item(key)
+            .map_err(|_| invalid(format!("readings need '{key}'")))?;
+        convert::bytes(&v, key)
+    };
+    let r = reserve::Readings {
+        free_before_context: field("free_before_context")?,
+        free_after_context: field("free_after_context")?,
+        used_before_library: field("used_before_library")?,
+        allocator_before_library: field("allocator_before_library")?,
+        used_after_library: field("used_after_library")?,
+        allocator_after_library: field("allocator_after_library")?,
+    };
+    measurement(py, &reserve::measurement_from(&r))
+}
+
+/// Compares `observed` against `expected` (dicts with `context_bytes` and
+/// `library_reserve_bytes`): a dict with both divergences, `diverged` (over
+/// `tolerance`, 10 % by default) and a one-line `message`.
+#[pyfunction]
+#[pyo3(signature = (expected, observed, tolerance = reserve::DEFAULT_TOLERANCE, fingerprint = None))]
+fn reserve_self_check<'py>(
+    py: Python<'py>,
+    expected: &Bound<'_, PyAny>,
+    observed: &Bound<'_, PyAny>,
+    tolerance: f64,
+    fingerprint: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    if !(tolerance.is_finite() && tolerance >= 0.0) {
+        return Err(invalid(format!(
+            "tolerance must be a non-negative fraction such as 0.1, got {tolerance}"
+        )));
+    }
+    let check = reserve::self_check(
+        measurement_arg(expected, "expected")?,
+        measurement_arg(observed, "observed")?,
+        tolerance,
+    );
+    let fp = match fingerprint {
+        Some(f) if !f.is_none() => parse_fingerprint(f)?,
+        _ => Fingerprint {
+            gpu_name: "?".into(),
+            driver_version: "?".into(),
+            cuda_version: "?".into(),
+            libraries: Default::default(),
+        },
+    };
+    let d = PyDict::new(py);
+    d.set_item("context_divergence", check.context_divergence)?;
+    d.set_item("library_divergence", check.library_divergence)?;
+    d.set_item("tolerance", check.tolerance)?;
+    d.set_item("diverged", check.diverged)?;
+    d.set_item("message", check.message(&fp))?;
+    Ok(d)
+}
+
+/// Registers this file's classes and functions.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCudaBackend>()?;
+    m.add_class::<PyVmmBackend>()?;
+    m.add_class::<PyFence>()?;
+    m.add_function(wrap_pyfunction!(cuda_driver_version, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_mem_get_info, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve_fingerprint_key, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve_cache_lookup, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve_cache_store, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve_from_readings, m)?)?;
+    m.add_function(wrap_pyfunction!(reserve_self_check, m)?)?;
+    Ok(())
+}

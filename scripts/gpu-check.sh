@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The GPU check (issue 4), for the H200 machine: Python 3.12 with torch, CuPy,
+# pytest, hypothesis and numpy; no network, no Rust.
+#
+# Installs the abi3 wheel from ./wheelhouse into /tmp/site, runs the GPU tests
+# (`pytest -m gpu`), the GPU benchmarks and the library-reserve measurement,
+# and prints a short table. Exit status: non-zero if the tests failed.
+#
+#   scripts/gpu-check.sh            # everything
+#   QUICK=1 scripts/gpu-check.sh    # fewer benchmark rounds
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+SITE=${IMP_MEM_SITE:-/tmp/site}
+OUT=${OUT:-/tmp/imp-mem-gpu-check}
+mkdir -p "$OUT"
+
+shopt -s nullglob
+wheels=(wheelhouse/*.whl)
+if [ ${#wheels[@]} -eq 0 ]; then
+    echo "gpu-check: no wheel in ./wheelhouse (build one with maturin build --release)" >&2
+    exit 2
+fi
+
+# The newest wheel, if several are there.
+wheel=$(ls -t "${wheels[@]}" | head -n 1)
+echo "wheel: $wheel"
+rm -rf "$SITE"
+"$PYTHON" -m pip install -q --no-deps --no-index --target "$SITE" "$wheel" || exit 2
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export IMP_MEM_HYPOTHESIS=${IMP_MEM_HYPOTHESIS:-dev}
+export IMP_MEM_CACHE_DIR=${IMP_MEM_CACHE_DIR:-$OUT/cache}
+
+"$PYTHON" - <<'EOF' || exit 2
+import imp_mem
+print("imp_mem", imp_mem.__version__, "from", imp_mem.__file__)
+print("cuda_available:", imp_mem.cuda_available())
+if imp_mem.cuda_available():
+    print("driver:", imp_mem.cuda_driver_version(), "devices:", imp_mem.cuda_device_count())
+EOF
+
+echo
+echo "==> pytest -m gpu"
+# From tests/ so the installed wheel, not ./python, is imported.
+(cd tests && "$PYTHON" -m pytest -p no:cacheprovider -m gpu -q -rs . \
+    --junitxml="$OUT/pytest.xml") 2>&1 | tee "$OUT/pytest.txt"
+tests_rc=${PIPESTATUS[0]}
+
+echo
+echo "==> benchmarks"
+quick=()
+[ -n "${QUICK:-}" ] && quick=(--quick)
+"$PYTHON" benches/bench_cuda.py --json "$OUT/bench_cuda.json" "${quick[@]}" 2>&1 | tee "$OUT/bench.txt"
+bench_rc=${PIPESTATUS[0]}
+
+echo
+echo "==> library reserve and context cost"
+"$PYTHON" benches/measure_reserve.py --samples "${RESERVE_SAMPLES:-5}" 2>&1 | tee "$OUT/reserve.txt"
+reserve_rc=${PIPESTATUS[0]}
+
+echo
+echo "==> summary"
+"$PYTHON" - "$OUT" "$tests_rc" "$bench_rc" "$reserve_rc" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, tests_rc, bench_rc, reserve_rc = Path(sys.argv[1]), *map(int, sys.argv[2:])
+rows = []
+try:
+    suite = ET.parse(out / "pytest.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    t, f, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    rows.append(("gpu tests", f"{t - f - e - s} passed, {f + e} failed, {s} skipped", "rc=%d" % tests_rc))
+except (OSError, ET.ParseError, IndexError) as exc:
+    rows.append(("gpu tests", f"no report ({exc})", "rc=%d" % tests_rc))
+try:
+    for r in json.loads((out / "bench_cuda.json").read_text()):
+        rows.append((r["benchmark"] + " vs " + r["peer"],
+                     f"{r['ours_us']} us / {r['peer_us']} us = {r['ratio']}x", r["goal"]))
+except (OSError, ValueError) as exc:
+    rows.append(("benchmarks", f"no results ({exc})", "rc=%d" % bench_rc))
+for line in (out / "reserve.txt").read_text().splitlines() if (out / "reserve.txt").exists() else []:
+    if line.startswith("RESERVE "):
+        r = json.loads(line[8:])
+        rows.append(("context / library reserve",
+                     f"{r['context_bytes'] / 2**20:.1f} MiB / {r['library_reserve_bytes'] / 2**20:.1f} MiB",
+                     r["key"] + ("  DIVERGED" if r["diverged"] else "")))
+w0 = max(len(r[0]) for r in rows)
+w1 = max(len(r[1]) for r in rows)
+for a, b, c in rows:
+    print(f"{a.ljust(w0)}  {b.ljust(w1)}  {c}")
+EOF
+
+exit "$tests_rc"
