@@ -89,6 +89,15 @@ def test_a_freed_prompt_is_a_prefix_hit_and_shares_blocks():
     m.check_invariants()
 
 
+def test_a_running_sequence_shares_its_computed_prefix():
+    m = kv()
+    m.admit(1, list(range(14)))
+    assert m.cache_computed(1, 9) == 2
+    assert m.admit(2, list(range(14))) == 8
+    assert m.block_table(2)[:2] == m.block_table(1)[:2]
+    m.check_invariants()
+
+
 def test_capacity_error_carries_the_arithmetic_and_changes_nothing():
     m = kv(8, pin_budget=2)
     m.admit(1, list(range(16)))
@@ -308,6 +317,12 @@ class KVMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         (self.m.abort if abort else self.m.free)(sid)
         del self.seqs[sid]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), pct=st.integers(0, 100))
+    def cache_computed(self, data, pct):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.m.cache_computed(sid, self.m.num_tokens(sid) * pct // 100)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), a=st.integers(0, 6), b=st.integers(0, 6))

@@ -28,6 +28,7 @@ enum Op {
     Append { seed: usize, n: usize },
     Free { seed: usize, computed: Option<u8> },
     Abort { seed: usize },
+    Commit { seed: usize, pct: u8 },
     EvictMiddle { seed: usize, a: usize, b: usize },
     Pin { owner: u8, fam: u8, len: usize },
     Unpin { owner: u8 },
@@ -42,6 +43,7 @@ fn op() -> impl Strategy<Value = Op> {
         5 => (any::<usize>(), 1usize..10).prop_map(|(seed, n)| Op::Append { seed, n }),
         3 => (any::<usize>(), proptest::option::of(0u8..=100)).prop_map(|(seed, computed)| Op::Free { seed, computed }),
         2 => any::<usize>().prop_map(|seed| Op::Abort { seed }),
+        2 => (any::<usize>(), 0u8..=100).prop_map(|(seed, pct)| Op::Commit { seed, pct }),
         2 => (any::<usize>(), 0usize..8, 0usize..8).prop_map(|(seed, a, b)| Op::EvictMiddle { seed, a, b }),
         2 => (0u8..3, 0u8..4, 1usize..30).prop_map(|(owner, fam, len)| Op::Pin { owner, fam, len }),
         1 => (0u8..3).prop_map(|owner| Op::Unpin { owner }),
@@ -273,6 +275,16 @@ impl Harness {
                         self.seqs.swap_remove(idx);
                     }
                     r
+                }
+                None => Ok(()),
+            },
+            Op::Commit { seed, pct } => match self.pick(seed) {
+                Some(idx) => {
+                    let id = self.seqs[idx].id;
+                    let n = self.m.num_tokens(id).map_err(fail)?;
+                    self.m
+                        .cache_computed(id, n * pct as usize / 100)
+                        .map(|_| ())
                 }
                 None => Ok(()),
             },

@@ -77,6 +77,10 @@ fn criterion_4_live_blocks_return_to_baseline_under_heavy_cancellation() {
             match m.admit(next_id, &prompt, ExtraKeys::default()) {
                 Ok(_) => {
                     admitted += 1;
+                    if rng.below(2) == 0 {
+                        // Prefill done: its blocks serve concurrent requests.
+                        m.cache_computed(next_id, prompt.len()).unwrap();
+                    }
                     let remaining = 1 + rng.below(40) as u32;
                     let abort_at =
                         (rng.below(10) < 3).then(|| rng.below(remaining as u64 + 1) as u32);

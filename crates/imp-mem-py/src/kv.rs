@@ -381,6 +381,13 @@ impl PyKVCacheManager {
             .py()
     }
 
+    /// Shares `seq_id`'s full blocks inside its first `computed_tokens` with
+    /// the prefix cache now, so concurrent requests hit them; returns the
+    /// blocks newly cached.
+    fn cache_computed(&self, seq_id: u64, computed_tokens: usize) -> PyResult<u32> {
+        self.lock().cache_computed(seq_id, computed_tokens).py()
+    }
+
     /// Releases `seq_id` without caching anything new.
     fn abort(&self, py: Python<'_>, seq_id: u64) -> PyResult<()> {
         py.allow_threads(|| self.lock().abort(seq_id)).py()

@@ -158,8 +158,12 @@ struct Sequence {
     /// Chained hashes of the full blocks (empty with prefix caching off).
     hashes: Vec<BlockHash>,
     blocks: Vec<Option<SharedBlockRef>>,
-    /// The cache entry behind each leading hit block (`NIL` once holed).
+    /// The cache entry each block is shared with — a prefix hit at
+    /// admission, or a block cached while running (`cache_computed`) —
+    /// `NIL` for none (or once holed). May be shorter than `blocks`.
     hits: Vec<u32>,
+    /// Blocks below this were offered to the cache by `cache_computed`.
+    offered: usize,
     /// Blocks at or after this index were (or will be) computed after a
     /// middle eviction and are never cached.
     cacheable: usize,
@@ -555,6 +559,7 @@ impl KVCacheManager {
                 root,
                 hashes,
                 blocks,
+                offered: hit_idx.len(),
                 hits: hit_idx,
                 cacheable: usize::MAX,
                 swa,
@@ -691,6 +696,45 @@ impl KVCacheManager {
         }
         drop(seq.swa);
         refused.map_or(Ok(()), Err)
+    }
+
+    /// Shares the full blocks of sequence `id` that lie inside its first
+    /// `computed_tokens` with the prefix cache now, while it runs, so that
+    /// requests admitted meanwhile hit them (a block is cacheable as soon as
+    /// it is full and its KV computed). The sequence keeps its refs; each
+    /// new cache entry holds a `share()` of one. A block whose hash is
+    /// already cached stays the sequence's own. Returns the blocks cached.
+    pub fn cache_computed(&mut self, id: SeqId, computed_tokens: usize) -> Result<u32, MemError> {
+        let bs = self.config.block_size;
+        let caching = self.config.enable_prefix_caching;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Err(MemError::invalid(format!("no sequence {id} is admitted")));
+        };
+        if !caching {
+            return Ok(0);
+        }
+        let limit = seq
+            .hashes
+            .len()
+            .min(seq.cacheable)
+            .min(computed_tokens.min(seq.len) / bs);
+        if seq.hits.len() < limit {
+            seq.hits.resize(limit, NIL);
+        }
+        let mut added = 0;
+        for i in seq.offered..limit {
+            let Some(block) = &seq.blocks[i] else {
+                continue;
+            };
+            if seq.hits[i] != NIL || self.cache.get(&seq.hashes[i]).is_some() {
+                continue;
+            }
+            let shared = block.share()?;
+            seq.hits[i] = self.cache.insert_in_use(seq.hashes[i], shared)?;
+            added += 1;
+        }
+        seq.offered = seq.offered.max(limit);
+        Ok(added)
     }
 
     /// Aborts sequence `id`: releases everything, caches nothing new (its

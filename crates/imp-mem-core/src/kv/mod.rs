@@ -20,7 +20,8 @@
 //! Pins are not holders: they are per-owner counts that keep an entry off the
 //! LRU. Freeing a sequence moves its full, computed blocks into the cache (a
 //! move of the ref, not an omitted free); a prefix hit is a `share()` of the
-//! cache's ref. No path frees a block by id: every release is a ref going out
+//! cache's ref; `cache_computed` lets the cache `share()` a running
+//! sequence's computed blocks early. No path frees a block by id: every release is a ref going out
 //! of scope, including on every error path, which is what makes V5 (refcounts
 //! balance when an error unwinds) hold by construction.
 //!

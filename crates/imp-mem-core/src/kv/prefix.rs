@@ -281,6 +281,30 @@ impl PrefixCache {
         Ok(None)
     }
 
+    /// Adds an entry for a block a running sequence keeps using: the cache
+    /// owns `block` (a `share()` of the sequence's ref) and the sequence is
+    /// its first user. Returns the entry. The caller has checked that `hash`
+    /// is not cached.
+    pub fn insert_in_use(
+        &mut self,
+        hash: BlockHash,
+        block: SharedBlockRef,
+    ) -> Result<u32, MemError> {
+        if self.insert(hash, block)?.is_some() {
+            return Err(MemError::Invariant(format!(
+                "hash {hash:x} is already cached"
+            )));
+        }
+        let idx = self
+            .get(&hash)
+            .ok_or_else(|| MemError::Invariant("an inserted entry is missing".into()))?;
+        let e = self.entry_mut(idx)?;
+        let was = (e.users, e.pins);
+        e.users = 1;
+        self.transition(idx, was);
+        Ok(idx)
+    }
+
     /// Evicts the least recently used evictable entry; its ref drops, which
     /// frees the block. Returns the evicted hash.
     pub fn evict_one(&mut self) -> Option<BlockHash> {

@@ -532,3 +532,37 @@ fn duplicate_and_unknown_sequences_are_refused() {
     assert_eq!(m.stats().sequences, 1);
     m.check_invariants().unwrap();
 }
+
+#[test]
+fn blocks_cached_while_running_are_hit_by_concurrent_requests() {
+    let mut m = slots(4, 32);
+    m.admit(1, &toks(0..14), none()).unwrap(); // 3 full blocks + 2 tokens
+    assert_eq!(m.admit(2, &toks(0..14), none()).unwrap().cached_tokens, 0);
+    m.abort(2).unwrap();
+    // The engine computed 9 tokens: two full blocks may be cached now.
+    assert_eq!(m.cache_computed(1, 9).unwrap(), 2);
+    assert_eq!(m.cache_computed(1, 9).unwrap(), 0, "offered once");
+    let s = m.stats();
+    assert_eq!(
+        (s.cached, s.evictable, s.active),
+        (2, 0, 4),
+        "in use, not evictable"
+    );
+    let a = m.admit(3, &toks(0..14), none()).unwrap();
+    assert_eq!(a.cached_tokens, 8);
+    let t1 = m.block_table(1).unwrap().to_vec();
+    let t3 = m.block_table(3).unwrap().to_vec();
+    assert_eq!(
+        t1[..2],
+        t3[..2],
+        "running sequences share through the cache"
+    );
+    assert_eq!(m.pool().refcount(t1[0] as u32), 3);
+    m.check_invariants().unwrap();
+    m.free(1, None).unwrap(); // caches block 2 too
+    m.check_invariants().unwrap();
+    m.abort(3).unwrap();
+    let s = m.stats();
+    assert_eq!((s.cached, s.evictable, s.active, s.live), (3, 3, 0, 3));
+    m.check_invariants().unwrap();
+}
