@@ -625,6 +625,7 @@ impl KVCacheManager {
             for slot in seq.swa.iter_mut().take(new_first) {
                 *slot = None;
             }
+            seq.dirty = true;
         }
         let swa_fresh = match &self.swa_pool {
             Some(swa) if swa_need > 0 => swa.allocate_many(swa_need)?.into_refs(),
