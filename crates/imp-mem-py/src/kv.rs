@@ -25,7 +25,8 @@ use crate::errors::{invalid, IntoPyResult};
 static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 
-/// Reinterprets native little-endian integers of `size` bytes as token ids.
+/// Reinterprets integers of `size` bytes (little- or big-endian) as token
+/// ids, refusing any outside `0..=u32::MAX`.
 fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
     let bad = |v: i128| invalid(format!("token id {v} is outside 0..=4294967295"));
     // The common cases: int32 / int64 / uint32, native order.
