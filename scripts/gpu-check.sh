@@ -53,6 +53,8 @@ quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
 "$PYTHON" benches/bench_cuda.py --json "$OUT/bench_cuda.json" "${quick[@]}" 2>&1 | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
+"$PYTHON" benches/bench_gpu_tiers.py --json "$OUT/bench_gpu_tiers.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 
 echo
 echo "==> library reserve and context cost"
@@ -75,7 +77,10 @@ try:
 except (OSError, ET.ParseError, IndexError) as exc:
     rows.append(("gpu tests", f"no report ({exc})", "rc=%d" % tests_rc))
 try:
-    for r in json.loads((out / "bench_cuda.json").read_text()):
+    results = json.loads((out / "bench_cuda.json").read_text())
+    tiers = out / "bench_gpu_tiers.json"
+    results += json.loads(tiers.read_text()) if tiers.exists() else []
+    for r in results:
         rows.append((r["benchmark"] + " vs " + r["peer"],
                      f"{r['ours_us']} us / {r['peer_us']} us = {r['ratio']}x", r["goal"]))
 except (OSError, ValueError) as exc:

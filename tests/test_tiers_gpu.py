@@ -69,7 +69,8 @@ def test_export_keeps_device_memory_alive_and_resets_refuse_old_spans(cuda):
 
 def test_block_pool_on_a_growable_vmm_region(cuda):
     torch = pytest.importorskip("torch")
-    vmm = imp_mem.VmmBackend(device=0)
+    # 2 MiB chunks, so the pool's 2-block start really has to grow for 21.
+    vmm = imp_mem.VmmBackend(device=0, chunk_bytes=2 << 20)
     pool = BlockPool(vmm, 2 << 20, 2, max_blocks=64, grow_blocks=8)
     first = pool.allocate()
     address = first.span().address
@@ -99,9 +100,112 @@ def test_scratch_on_device(cuda):
 def test_pinned_buffer_from_the_driver():
     buf = PinnedBuffer(1 << 20, backend=imp_mem.CudaBackend(device=0))
     span = buf.span()
-    assert span.__dlpack_device__() == (3, 0)
+    # Exported as kDLCPU, as torch exports its own pinned tensors; a consumer
+    # that understands kDLCUDAHost can ask for it.
+    assert span.__dlpack_device__() == (1, 0)
+    assert span.__dlpack__(dl_device=(3, 0)) is not None
     assert buf.address % 4096 == 0
     ctypes.memmove(buf.address, b"\x2a" * 64, 64)
     assert ctypes.string_at(buf.address, 64) == b"\x2a" * 64
     buf.release()
     assert buf.released
+
+
+def test_a_graph_over_a_vmm_block_span_replays_after_the_pool_grows(cuda):
+    """Issue 4: a CUDA graph captured over a tensor that views a VMM-backed
+    StableSpan (through torch.from_dlpack) replays with the right result after
+    the pool has grown by several chunks, with no re-capture."""
+    torch = pytest.importorskip("torch")
+    vmm = imp_mem.VmmBackend(device=0, chunk_bytes=2 << 20)
+    pool = BlockPool(vmm, 2 << 20, 1, max_blocks=64, grow_blocks=4)
+    block = pool.allocate()
+    x = torch.from_dlpack(block.span().view("float32"))
+    x.fill_(1.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        x.mul_(2.0)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.mul_(2.0)
+    torch.cuda.synchronize()
+    x.fill_(1.0)
+    growths = pool.stats()["growths"]
+    grown = [pool.allocate() for _ in range(24)]  # 24 more 2 MiB blocks, 4 per growth
+    assert pool.stats()["growths"] >= growths + 5
+    assert block.span().address == x.data_ptr(), "growth never moves a block"
+    for ref in grown:
+        torch.from_dlpack(ref.span().view("float32")).fill_(-1.0)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(x == 4.0), "the replayed graph must update the same bytes"
+    assert all(torch.all(torch.from_dlpack(r.span().view("float32")) == -1.0) for r in grown)
+    del graph, x
+    for ref in grown:
+        ref.release()
+    block.release()
+    gc.collect()
+    assert pool.free == pool.capacity
+
+
+def _span_of(kind, cuda, keep):
+    if kind == "arena":
+        arena = Arena(cuda, 1 << 20)
+        keep.append(arena)
+        return arena.take(4096)
+    if kind == "block":
+        pool = BlockPool(cuda, 4096, 4)
+        block = pool.allocate()
+        keep += [pool, block]
+        return block.span()
+    if kind == "scratch":
+        stack = ScratchStack(cuda, 1 << 20)
+        mark = stack.mark()
+        keep += [stack, mark]
+        return mark.take(4096)
+    buf = PinnedBuffer(4096, backend=cuda)
+    keep.append(buf)
+    return buf.span()
+
+
+@pytest.mark.parametrize("kind", ["arena", "block", "scratch", "pinned"])
+def test_torch_and_cupy_see_the_same_bytes_from_every_tier(cuda, kind):
+    torch = pytest.importorskip("torch")
+    cupy = pytest.importorskip("cupy")
+    keep = []
+    span = _span_of(kind, cuda, keep)
+    t = torch.from_dlpack(span.view("int32"))
+    t.copy_(torch.arange(1024, dtype=torch.int32))
+    torch.cuda.synchronize()
+    if kind == "pinned":
+        # Pinned host memory: torch sees a pinned CPU tensor, and the device
+        # reaches the same bytes through unified addressing.
+        assert t.device.type == "cpu" and t.is_pinned()
+        c = cupy.ndarray(
+            (1024,),
+            cupy.int32,
+            cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(span.address, 4096, keep[0]), 0),
+        )
+        assert int(c.sum()) == sum(range(1024))
+        return
+    c = cupy.from_dlpack(span.view("int32"))
+    assert c.__cuda_array_interface__["data"][0] == t.data_ptr() == span.address
+    assert int(c.sum()) == sum(range(1024))
+    assert bytes(cupy.asnumpy(c).tobytes()) == t.cpu().numpy().tobytes()
+
+
+def test_an_exported_block_holds_its_own_reference(cuda):
+    torch = pytest.importorskip("torch")
+    pool = BlockPool(cuda, 4096, 4)
+    block = pool.allocate()
+    t = torch.from_dlpack(block.span())
+    assert block.refcount == 2, "the capsule holds a share of the block"
+    block.release()
+    assert pool.live == 1, "the tensor keeps the block out of the free list"
+    t.fill_(7)
+    del t
+    gc.collect()
+    assert pool.live == 0 and pool.free == pool.capacity

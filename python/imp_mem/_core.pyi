@@ -464,7 +464,8 @@ class ScratchStack:
 class PinnedBuffer:
     """Pinned host memory (T5b), freed exactly once; ``or_empty=True`` gives an
     empty buffer instead of raising so a caller can fall back. With a CUDA
-    backend the driver pins it (``cuMemHostAlloc``, exported as kDLCUDAHost);
+    backend the driver pins it (``cuMemHostAlloc``; exported as kDLCPU like torch's own
+    pinned tensors, or as kDLCUDAHost when a consumer asks with ``dl_device=(3, 0)``);
     with ``backend=None`` or a fake it is ordinary host memory (kDLCPU)."""
 
     def __init__(

@@ -45,8 +45,15 @@ pub const REGISTER_FLAGS: u32 = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER
 // Compile-time proof that the allocation flags never ask for write-combined.
 const _: () = assert!(PINNED_ALLOC_FLAGS & CU_MEMHOSTALLOC_WRITECOMBINED == 0);
 
-/// `cuMemHostAlloc` guarantees page alignment.
+/// The alignment every pinned buffer gets: a page. `cuMemHostAlloc` itself
+/// does not promise it — on the H200 machine (driver 580) a 1 MiB buffer came
+/// back at an address ending in `0x800` — so [`pinned_alloc`] over-allocates
+/// one page and aligns up.
 pub const PINNED_ALIGNMENT: usize = 4096;
+
+/// Bytes of the header below an aligned buffer that keep the driver's own
+/// pointer.
+const HEADER: usize = std::mem::size_of::<usize>();
 
 /// Host RAM from `/proc/meminfo`'s `MemTotal`, if it can be read. Pure
 /// parsing in [`parse_mem_total`].
@@ -100,19 +107,44 @@ impl PinnedHostSource {
     }
 }
 
-/// Allocates `bytes` of pinned host memory (portable, not write-combined).
+/// Allocates `bytes` of pinned host memory (portable, not write-combined),
+/// aligned to [`PINNED_ALIGNMENT`].
+///
+/// The driver's pointer is kept in the word just below the returned address,
+/// inside the same allocation, so [`pinned_free`] can give the driver back
+/// exactly what it handed out.
 pub fn pinned_alloc(device: &DeviceContext, bytes: usize) -> Result<*mut c_void, SourceError> {
+    let total = bytes
+        .checked_add(PINNED_ALIGNMENT)
+        .ok_or(SourceError::OutOfMemory)?;
     let _scope = device.bind()?;
-    let mut ptr: *mut c_void = std::ptr::null_mut();
+    let mut raw: *mut c_void = std::ptr::null_mut();
     // SAFETY: writes one pointer; a context is current; the flags are
     // PORTABLE only.
     check("cuMemHostAlloc", unsafe {
-        (device.api().mem_host_alloc)(&mut ptr, bytes, PINNED_ALLOC_FLAGS)
+        (device.api().mem_host_alloc)(&mut raw, total, PINNED_ALLOC_FLAGS)
     })?;
-    if ptr.is_null() {
+    if raw.is_null() {
         return Err(SourceError::OutOfMemory);
     }
-    Ok(ptr)
+    let raw_addr = raw as usize;
+    if raw_addr % HEADER != 0 {
+        // SAFETY: `raw` was just allocated and nothing else has seen it.
+        let _ = unsafe { (device.api().mem_free_host)(raw) };
+        return Err(SourceError::Invariant(format!(
+            "cuMemHostAlloc returned {raw_addr:#x}, not even word-aligned"
+        )));
+    }
+    // `raw` is word-aligned, so the first page boundary at or above
+    // `raw + HEADER` is at most `PINNED_ALIGNMENT` past `raw`: the header fits
+    // below it and `bytes` fit above it inside `total`.
+    let aligned = (raw_addr + HEADER).next_multiple_of(PINNED_ALIGNMENT);
+    debug_assert!(aligned - raw_addr <= PINNED_ALIGNMENT);
+    // SAFETY: `[aligned - HEADER, aligned)` lies inside the `total` bytes just
+    // allocated (see above) and is word-aligned, so one `usize` write is in
+    // bounds and aligned.
+    unsafe { ((aligned - HEADER) as *mut usize).write(raw_addr) };
+    Ok(aligned as *mut c_void)
 }
 
 /// Frees what [`pinned_alloc`] returned.
@@ -121,13 +153,16 @@ pub fn pinned_alloc(device: &DeviceContext, bytes: usize) -> Result<*mut c_void,
 /// `ptr` came from [`pinned_alloc`], is freed once, and nothing (no copy in
 /// flight either) uses it afterwards.
 pub unsafe fn pinned_free(device: &DeviceContext, ptr: *mut c_void) {
+    // SAFETY: `ptr` came from `pinned_alloc`, which wrote the driver's pointer
+    // in the aligned word just below it, inside the allocation.
+    let raw = unsafe { ((ptr as usize - HEADER) as *const usize).read() };
     let Ok(_scope) = device.bind() else { return };
     // SAFETY: the caller's contract; a failure at process exit is ignored.
-    let _ = unsafe { (device.api().mem_free_host)(ptr) };
+    let _ = unsafe { (device.api().mem_free_host)(raw as *mut c_void) };
 }
 
-// SAFETY: (1) `cuMemHostAlloc` returns page-aligned, non-overlapping host
-// memory valid until `cuMemFreeHost`; alignments past a page are refused.
+// SAFETY: (1) `pinned_alloc` returns page-aligned, non-overlapping host
+// memory valid until `pinned_free`; alignments past a page are refused.
 // (2) not growable. (3) failures are returned, nothing panics.
 unsafe impl MemorySource for PinnedHostSource {
     fn info(&self) -> SourceInfo {
@@ -254,7 +289,7 @@ impl CudaPinnedHost {
 }
 
 // SAFETY: every method forwards to the driver call whose contract is the
-// trait's: `cuMemHostAlloc` returns page-aligned host memory, disjoint from
+// trait's: `pinned_alloc` returns page-aligned host memory, disjoint from
 // every other live allocation and readable by the process, until
 // `cuMemFreeHost`; `cuMemHostRegister` pins without owning; failures come back
 // as `SourceError` and nothing panics.

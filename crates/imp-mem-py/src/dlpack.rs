@@ -172,6 +172,8 @@ pub struct Export {
     pub addr: usize,
     /// Where the memory lives.
     pub placement: Placement,
+    /// The DLPack device it is exported as (see [`export_device`]).
+    pub device: (i32, i32),
     /// The element type.
     pub dtype: DType,
     /// The shape (C-contiguous).
@@ -187,7 +189,7 @@ struct Ctx<M> {
 }
 
 fn dl_tensor(e: &Export) -> DLTensor {
-    let (device_type, device_id) = e.placement.dlpack_device();
+    let (device_type, device_id) = e.device;
     DLTensor {
         data: e.addr as *mut c_void,
         device: DLDevice {
@@ -319,15 +321,26 @@ pub fn capsule(py: Python<'_>, e: Export, versioned: bool) -> PyResult<PyObject>
     Ok(unsafe { Bound::from_owned_ptr(py, obj) }.unbind())
 }
 
-/// Checks the keyword arguments of `__dlpack__` against what a span can do
-/// and says whether to make a versioned capsule.
+/// The DLPack device a span is exported as by default. Device memory is
+/// `kDLCUDA`; pinned host memory is exported as `kDLCPU`, as PyTorch exports
+/// its own pinned tensors — torch and NumPy refuse `kDLCUDAHost` — and a
+/// consumer that understands `kDLCUDAHost` can ask for it with `dl_device`.
+pub fn export_device(placement: Placement) -> (i32, i32) {
+    match placement.kind {
+        MemoryKind::PinnedHost => (MemoryKind::Host.dlpack_device_type(), 0),
+        _ => placement.dlpack_device(),
+    }
+}
+
+/// Checks the keyword arguments of `__dlpack__` against what a span can do;
+/// returns whether to make a versioned capsule and the device to export as.
 pub fn negotiate(
     placement: Placement,
     stream: Option<&Bound<'_, PyAny>>,
     max_version: Option<&Bound<'_, PyAny>>,
     dl_device: Option<&Bound<'_, PyAny>>,
     copy: Option<bool>,
-) -> PyResult<bool> {
+) -> PyResult<(bool, (i32, i32))> {
     if copy == Some(true) {
         return Err(PyBufferError::new_err(
             "imp-mem exports zero-copy only; call with copy=None or copy=False and copy on the \
@@ -347,17 +360,18 @@ pub fn negotiate(
             .extract::<i64>()
             .map_err(|_| invalid("stream must be an int or None"))?;
     }
-    if let Some(device) = dl_device.filter(|d| !d.is_none()) {
-        let wanted: (i32, i32) = device
+    let mut device = export_device(placement);
+    if let Some(wanted) = dl_device.filter(|d| !d.is_none()) {
+        let wanted: (i32, i32) = wanted
             .extract()
             .map_err(|_| invalid("dl_device must be a (type, id) tuple"))?;
-        if wanted != placement.dlpack_device() {
+        if wanted != device && wanted != placement.dlpack_device() {
             return Err(PyBufferError::new_err(format!(
-                "this memory lives on DLPack device {:?}, not {wanted:?}; imp-mem does not copy \
-                 between devices",
-                placement.dlpack_device()
+                "this memory lives on DLPack device {device:?}, not {wanted:?}; imp-mem does not \
+                 copy between devices"
             )));
         }
+        device = wanted;
     }
     let versioned = match max_version.filter(|v| !v.is_none()) {
         Some(v) => {
@@ -368,12 +382,12 @@ pub fn negotiate(
         }
         None => false,
     };
-    Ok(versioned)
+    Ok((versioned, device))
 }
 
 /// `__dlpack_device__`.
 pub fn device_tuple<'py>(py: Python<'py>, placement: Placement) -> PyResult<Bound<'py, PyTuple>> {
-    let (kind, id) = placement.dlpack_device();
+    let (kind, id) = export_device(placement);
     PyTuple::new(py, [kind, id])
 }
 

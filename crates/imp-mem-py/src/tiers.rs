@@ -292,7 +292,7 @@ impl SpanInner {
                 r.len
             )));
         }
-        let versioned = dlpack::negotiate(
+        let (versioned, device) = dlpack::negotiate(
             r.placement,
             args.stream,
             args.max_version,
@@ -303,6 +303,7 @@ impl SpanInner {
         let export = Export {
             addr: r.addr + self.offset,
             placement: r.placement,
+            device,
             dtype,
             shape,
             keep: Box::new(keep),
