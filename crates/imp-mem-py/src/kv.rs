@@ -14,6 +14,7 @@ use imp_mem_core::kv::{
     BlockHash, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
+use imp_mem_cuda::CudaBlockIo;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -287,13 +288,27 @@ impl PyKVCacheManager {
             None => None,
         };
         let mut m = KVCacheManager::new(cfg, core.as_ref()).py()?;
-        if let Some(fake) = backend.and_then(|b| b.downcast::<PyFakeBackend>().ok()) {
-            if block_bytes > 0 {
-                m.set_block_io(Box::new(FakeBlockIo::new(
-                    fake.get().fake.clone(),
-                    block_bytes,
-                )))
-                .py()?;
+        if let (Some(b), true) = (backend, block_bytes > 0) {
+            // Block contents travel through the backend: a host copy on the
+            // fake, device -> pinned host -> file on a GPU.
+            let io: Option<Box<dyn imp_mem_core::kv::BlockIo>> =
+                if let Ok(fake) = b.downcast::<PyFakeBackend>() {
+                    Some(Box::new(FakeBlockIo::new(
+                        fake.get().fake.clone(),
+                        block_bytes,
+                    )))
+                } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
+                    Some(Box::new(CudaBlockIo::new(
+                        cuda.get().context(),
+                        block_bytes,
+                    )))
+                } else if let Ok(vmm) = b.downcast::<crate::cuda::PyVmmBackend>() {
+                    Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
+                } else {
+                    None
+                };
+            if let Some(io) = io {
+                m.set_block_io(io).py()?;
             }
         }
         Ok(Self {
