@@ -136,6 +136,108 @@ class FakeBackend(Backend):
     @property
     def device_used(self) -> int: ...
 
+TokenIds: TypeAlias = Any
+"""Token ids: a list or tuple of ints, or any one-dimensional buffer of
+integers (a NumPy integer array, ``array.array``, a ``memoryview``)."""
+
+MmItem = tuple[int, int, int]
+"""``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
+
+class KVCacheManager:
+    """Paged KV: sequence block tables with holes, a prefix cache that owns
+    its blocks, pins as an eviction overlay, an SWA pool, admission control
+    and persistence. Thread-safe; heavy calls release the GIL."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        backend: Backend | None = None,
+        block_bytes: int = 0,
+        swa_blocks: int = 0,
+        swa_window: int = 0,
+        swa_block_bytes: int = 0,
+        enable_prefix_caching: bool = True,
+        hash_seed: int | None = None,
+        pin_budget: int | None = None,
+        model_fingerprint: str = "",
+        dtype: str = "",
+        layout: str = "",
+    ) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    def admit(
+        self,
+        seq_id: int,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> int:
+        """Admits a sequence; returns the cached leading tokens. Raises
+        ``CapacityError`` (``needed``, ``free``, ``evictable``, ``pinned``,
+        ``pool``) and changes nothing when it does not fit."""
+    def can_admit(
+        self,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> bool: ...
+    def probe(
+        self,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> int:
+        """Cached leading tokens now; a hint that takes no refs."""
+    def append(self, seq_id: int, tokens: TokenIds) -> None: ...
+    def can_append(self, seq_id: int, n: int) -> bool: ...
+    def free(self, seq_id: int, computed_tokens: int | None = None) -> None: ...
+    def cache_computed(self, seq_id: int, computed_tokens: int) -> int:
+        """Caches the full computed blocks of a running sequence now."""
+    def abort(self, seq_id: int) -> None: ...
+    def evict_middle(self, seq_id: int, start: int, end: int) -> int: ...
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def block_table_bytes(self, seq_id: int) -> bytes: ...
+    def swa_table(self, seq_id: int) -> list[int]: ...
+    def num_tokens(self, seq_id: int) -> int: ...
+    def sequences(self) -> list[int]: ...
+    def sequence_hashes(self, seq_id: int) -> list[int]: ...
+    def block_span(self, seq_id: int, index: int) -> tuple[int, int] | None: ...
+    def cached_blocks(self) -> list[tuple[int, int, int | None]]: ...
+    def hash_blocks(
+        self,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> bytes:
+        """The chained hashes of the full blocks, 16 little-endian bytes each."""
+    def pin(
+        self,
+        owner: int,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> int: ...
+    def unpin(self, owner: int) -> int: ...
+    def evict(self, n: int) -> int: ...
+    def save_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
+    def load_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...
+
 # ---------------------------------------------------------------- tiers (L2/L3)
 
 DTypeLike: TypeAlias = Any

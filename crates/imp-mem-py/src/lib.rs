@@ -11,6 +11,7 @@ pub mod convert;
 pub mod cuda;
 pub mod dlpack;
 pub mod errors;
+pub mod kv;
 pub mod planner;
 pub mod system;
 pub mod tiers;
@@ -26,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
+    kv::register(m)?;
     tiers::register(m)?;
     cuda::register(m)?;
     planner::register(m)?;
