@@ -11,16 +11,24 @@ from imp_mem import cli
 def test_demo_runs_on_the_fake_backend(capsys):
     assert cli.main(["demo", "--backend", "fake"]) == 0
     out = capsys.readouterr().out
-    assert "[SERVING]" in out and "refused while serving" in out
+    assert "[LOADING] opened in plan order" in out and "[SERVING]" in out
     assert "steady-state allocations while serving: 0" in out
-    assert "released everything: live = 0 B" in out
-    for tag in ("weights", "kv_cache", "scratch", "total"):
+    assert 'imp_mem_steady_state_allocations_total{tag="kv_cache"} 0' in out
+    assert "backend live = 0 B" in out
+    for tag in ("weights", "kv_cache", "scratch", "workspace"):
         assert tag in out
 
 
-def test_demo_scales_to_a_smaller_device(capsys):
-    assert cli.main(["demo", "--backend", "fake", "--capacity", "8GiB"]) == 0
-    assert "live = 0 B" in capsys.readouterr().out
+def test_demo_that_does_not_fit_prints_the_plan_failure(capsys):
+    assert cli.main(["demo", "--backend", "fake", "--capacity", "8GiB"]) == 2
+    out = capsys.readouterr().out
+    assert "Cannot fit this configuration" in out and "levers" in out
+
+
+def test_demo_takes_the_model_and_limits(capsys):
+    argv = ["demo", "--backend", "fake", "--model", "qwen3-8b", "--max-batch", "4"]
+    assert cli.main([*argv, "--max-seq-len", "4096", "--steps", "2"]) == 0
+    assert "qwen3-8b, 4 x 4096 tokens" in capsys.readouterr().out
 
 
 def test_bad_capacity_is_a_clean_error(capsys):

@@ -11,7 +11,8 @@ import imp_mem
 from imp_mem import _core
 
 STUB = Path(__file__).resolve().parents[1] / "python" / "imp_mem" / "_core.pyi"
-STUB_ONLY = {"ByteCount", "TagName", "JournalRow", "DTypeLike"}  # type aliases, not runtime names
+# type aliases, not runtime names
+STUB_ONLY = {"ByteCount", "TagName", "JournalRow", "DTypeLike", "TokenIds", "MmItem"}
 
 
 def _stub_names() -> dict[str, set[str]]:

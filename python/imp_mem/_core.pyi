@@ -136,6 +136,108 @@ class FakeBackend(Backend):
     @property
     def device_used(self) -> int: ...
 
+TokenIds: TypeAlias = Any
+"""Token ids: a list or tuple of ints, or any one-dimensional buffer of
+integers (a NumPy integer array, ``array.array``, a ``memoryview``)."""
+
+MmItem = tuple[int, int, int]
+"""``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
+
+class KVCacheManager:
+    """Paged KV: sequence block tables with holes, a prefix cache that owns
+    its blocks, pins as an eviction overlay, an SWA pool, admission control
+    and persistence. Thread-safe; heavy calls release the GIL."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        backend: Backend | None = None,
+        block_bytes: int = 0,
+        swa_blocks: int = 0,
+        swa_window: int = 0,
+        swa_block_bytes: int = 0,
+        enable_prefix_caching: bool = True,
+        hash_seed: int | None = None,
+        pin_budget: int | None = None,
+        model_fingerprint: str = "",
+        dtype: str = "",
+        layout: str = "",
+    ) -> None: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    def admit(
+        self,
+        seq_id: int,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> int:
+        """Admits a sequence; returns the cached leading tokens. Raises
+        ``CapacityError`` (``needed``, ``free``, ``evictable``, ``pinned``,
+        ``pool``) and changes nothing when it does not fit."""
+    def can_admit(
+        self,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> bool: ...
+    def probe(
+        self,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> int:
+        """Cached leading tokens now; a hint that takes no refs."""
+    def append(self, seq_id: int, tokens: TokenIds) -> None: ...
+    def can_append(self, seq_id: int, n: int) -> bool: ...
+    def free(self, seq_id: int, computed_tokens: int | None = None) -> None: ...
+    def cache_computed(self, seq_id: int, computed_tokens: int) -> int:
+        """Caches the full computed blocks of a running sequence now."""
+    def abort(self, seq_id: int) -> None: ...
+    def evict_middle(self, seq_id: int, start: int, end: int) -> int: ...
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def block_table_bytes(self, seq_id: int) -> bytes: ...
+    def swa_table(self, seq_id: int) -> list[int]: ...
+    def num_tokens(self, seq_id: int) -> int: ...
+    def sequences(self) -> list[int]: ...
+    def sequence_hashes(self, seq_id: int) -> list[int]: ...
+    def block_span(self, seq_id: int, index: int) -> tuple[int, int] | None: ...
+    def cached_blocks(self) -> list[tuple[int, int, int | None]]: ...
+    def hash_blocks(
+        self,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> bytes:
+        """The chained hashes of the full blocks, 16 little-endian bytes each."""
+    def pin(
+        self,
+        owner: int,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> int: ...
+    def unpin(self, owner: int) -> int: ...
+    def evict(self, n: int) -> int: ...
+    def save_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
+    def load_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...
+
 # ---------------------------------------------------------------- tiers (L2/L3)
 
 DTypeLike: TypeAlias = Any
@@ -684,3 +786,66 @@ class MemoryPlan:
 
 def plan_memory(plan_input: PlanInput) -> MemoryPlan:
     """Plan, or raise PlanFailure (report as message; arithmetic as attributes)."""
+
+class MemorySystem:
+    """The tiers of one MemoryPlan opened on one backend, in the seed's order
+    (T2, T1, fixed T3 pools, T4, the KV pool last), with the phases, the memory
+    report and Prometheus metrics. A failed open raises the failing step's
+    exception (with ``step`` and ``step_name``) and leaves nothing acquired."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        plan: MemoryPlan,
+        *,
+        context: ByteCount | None = None,
+        library_reserve: ByteCount | None = None,
+        kv_growable: bool | None = None,
+        kv_initial_blocks: int | None = None,
+        kv_grow_blocks: int | None = None,
+        apply_budget: bool = True,
+    ) -> None: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def plan(self) -> MemoryPlan: ...
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def weights_arena(self) -> Arena | None: ...
+    @property
+    def engine_arena(self) -> Arena | None: ...
+    @property
+    def kv_pool(self) -> BlockPool | None: ...
+    @property
+    def swa_pool(self) -> BlockPool | None: ...
+    @property
+    def state_pools(self) -> list[BlockPool]: ...
+    @property
+    def scratch(self) -> ScratchStack | None: ...
+    @property
+    def tiers(self) -> list[str]: ...
+    def begin_planning(self) -> None: ...
+    def begin_serving(self) -> None: ...
+    def set_charge(self, key: str, nbytes: ByteCount, label: str | None = None) -> None: ...
+    def mem_report(
+        self,
+        device: tuple[int, int] | bool | None = None,
+        other_processes: ByteCount | None = None,
+    ) -> dict[str, Any]: ...
+    def mem_report_text(
+        self,
+        device: tuple[int, int] | bool | None = None,
+        other_processes: ByteCount | None = None,
+    ) -> str: ...
+    def metrics(
+        self,
+        device: tuple[int, int] | bool | None = None,
+        other_processes: ByteCount | None = None,
+    ) -> str: ...
+    def check(self) -> None: ...
+    def close(self) -> dict[str, Any]: ...
+    def __enter__(self) -> MemorySystem: ...
+    def __exit__(self, *args: object) -> bool: ...

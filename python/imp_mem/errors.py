@@ -31,7 +31,12 @@ class OutOfMemory(ImpMemError, MemoryError):
 
 
 class CapacityError(ImpMemError):
-    """A pool cannot admit what was asked; nothing was changed."""
+    """A pool cannot admit what was asked; nothing was changed.
+
+    Raised by ``KVCacheManager`` admission, append and load with the block
+    arithmetic as attributes: ``needed``, ``free``, ``evictable``, ``pinned``
+    and ``pool`` (``"kv"`` or ``"swa"``).
+    """
 
 
 class PhaseViolation(ImpMemError):

@@ -64,6 +64,41 @@ impl std::fmt::Display for OomReport {
     }
 }
 
+/// The block arithmetic of a refused KV admission or append.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvCapacityReport {
+    /// What was refused (e.g. "admit sequence 7").
+    pub what: String,
+    /// Blocks the operation needed from the pool.
+    pub needed: u32,
+    /// Blocks on the free list.
+    pub free: u32,
+    /// Cached blocks that eviction could have freed for it.
+    pub evictable: u32,
+    /// Cached blocks kept by pins (not evictable).
+    pub pinned: u32,
+    /// Which pool refused: "kv" or "swa".
+    pub pool: &'static str,
+}
+
+impl std::fmt::Display for KvCapacityReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cannot {}: it needs {} {} block(s); {} free + {} evictable cached = {} available \
+             ({} more cached block(s) are pinned); nothing was changed — free or abort \
+             sequences, unpin prefixes, or plan a larger pool",
+            self.what,
+            self.needed,
+            self.pool,
+            self.free,
+            self.evictable,
+            self.free as u64 + self.evictable as u64,
+            self.pinned
+        )
+    }
+}
+
 /// Every failure of the core.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MemError {
@@ -88,6 +123,10 @@ pub enum MemError {
     /// A capacity check refused: the pool cannot hold what was asked.
     #[error("{0}")]
     Capacity(String),
+    /// The KV cache manager refused an admission or an append, with the block
+    /// arithmetic; nothing was changed. Python raises it as `CapacityError`.
+    #[error("{0}")]
+    KvCapacity(KvCapacityReport),
     /// The device backend cannot be used on this machine.
     #[error("{0}")]
     BackendUnavailable(String),

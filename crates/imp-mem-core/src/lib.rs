@@ -31,11 +31,13 @@ pub mod block_pool;
 pub mod decommit;
 pub mod error;
 pub mod fake;
+pub mod kv;
 pub mod phase;
 pub mod pinned;
 pub mod planner;
 pub mod scratch;
 pub mod span;
+pub mod system;
 pub mod tag;
 pub mod tier;
 pub mod units;
@@ -52,6 +54,8 @@ pub use block_pool::{
     BlockId, BlockPool, BlockRef, PoolConfig, PoolStats, SharedBlockPool, SharedBlockRef,
     SharedBlockRefs,
 };
+pub use error::KvCapacityReport;
+pub use kv::{Admission, BlockHash, ExtraKeys, KVCacheManager, KvConfig, KvStats};
 pub use pinned::{
     FakePinnedHost, HostRegistration, PinnedBuffer, PinnedHost, PinnedHostOps, PinnedStats,
 };

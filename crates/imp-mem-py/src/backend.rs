@@ -498,7 +498,8 @@ impl PyRegion {
 /// fault injection and growth simulation.
 #[pyclass(extends = PyBackend, frozen, name = "FakeBackend", module = "imp_mem._core")]
 pub struct PyFakeBackend {
-    fake: FakeBackend,
+    /// The core fake (the KV manager copies block bytes through it).
+    pub(crate) fake: FakeBackend,
 }
 
 #[pymethods]

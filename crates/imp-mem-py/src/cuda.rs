@@ -120,6 +120,13 @@ pub struct PyCudaBackend {
     device: Device,
 }
 
+impl PyCudaBackend {
+    /// The device context, for other bindings (block copies).
+    pub(crate) fn context(&self) -> Arc<DeviceContext> {
+        self.device.context.clone()
+    }
+}
+
 #[pymethods]
 impl PyCudaBackend {
     #[new]
@@ -183,6 +190,13 @@ impl PyCudaBackend {
 pub struct PyVmmBackend {
     device: Device,
     source: Arc<VmmSource>,
+}
+
+impl PyVmmBackend {
+    /// The device context, for other bindings (block copies).
+    pub(crate) fn context(&self) -> Arc<DeviceContext> {
+        self.device.context.clone()
+    }
 }
 
 #[pymethods]

@@ -43,6 +43,16 @@ pub fn to_py(err: MemError) -> PyErr {
         MemError::InvalidArgument(_) => InvalidArgument::new_err(message),
         MemError::StaleSpan(_) => StaleSpan::new_err(message),
         MemError::Capacity(_) => CapacityError::new_err(message),
+        MemError::KvCapacity(report) => Python::with_gil(|py| {
+            let exc = CapacityError::new_err(message);
+            let value = exc.value(py);
+            let _ = value.setattr("needed", report.needed);
+            let _ = value.setattr("free", report.free);
+            let _ = value.setattr("evictable", report.evictable);
+            let _ = value.setattr("pinned", report.pinned);
+            let _ = value.setattr("pool", report.pool);
+            exc
+        }),
         MemError::BackendUnavailable(_) => BackendUnavailable::new_err(message),
         MemError::Driver(_) => DriverError::new_err(message),
         MemError::Invariant(_) => ImpMemError::new_err(message),

@@ -11,7 +11,9 @@ pub mod convert;
 pub mod cuda;
 pub mod dlpack;
 pub mod errors;
+pub mod kv;
 pub mod planner;
+pub mod system;
 pub mod tiers;
 
 /// True when a CUDA driver and at least one device are present.
@@ -25,8 +27,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
+    kv::register(m)?;
     tiers::register(m)?;
     cuda::register(m)?;
     planner::register(m)?;
+    system::register(m)?;
     Ok(())
 }

@@ -537,6 +537,13 @@ pub struct PyMemoryPlan {
     inner: core::MemoryPlan,
 }
 
+impl PyMemoryPlan {
+    /// The core plan (for a `MemorySystem`).
+    pub(crate) fn core(&self) -> &core::MemoryPlan {
+        &self.inner
+    }
+}
+
 #[pymethods]
 impl PyMemoryPlan {
     /// Sum of every charge, bytes.

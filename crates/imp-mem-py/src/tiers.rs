@@ -597,6 +597,13 @@ pub struct PyArena {
     exportable: bool,
 }
 
+impl PyArena {
+    /// Wraps an arena opened elsewhere (by a `MemorySystem`).
+    pub(crate) fn wrap(arena: SharedArena, exportable: bool) -> Self {
+        Self { arena, exportable }
+    }
+}
+
 #[pymethods]
 impl PyArena {
     #[new]
@@ -739,7 +746,8 @@ impl FenceLike for FlagFence {
 type CoreFence = Box<dyn FenceLike + Send>;
 
 impl PyBlockPool {
-    fn wrap(pool: SharedBlockPool, exportable: bool) -> Self {
+    /// Wraps a pool (opened here, or elsewhere by a `MemorySystem`).
+    pub(crate) fn wrap(pool: SharedBlockPool, exportable: bool) -> Self {
         Self {
             pool,
             exportable,
@@ -1243,6 +1251,13 @@ impl PyBlockRefs {
 pub struct PyScratchStack {
     stack: SharedScratchStack,
     exportable: bool,
+}
+
+impl PyScratchStack {
+    /// Wraps a stack opened elsewhere (by a `MemorySystem`).
+    pub(crate) fn wrap(stack: SharedScratchStack, exportable: bool) -> Self {
+        Self { stack, exportable }
+    }
 }
 
 #[pymethods]

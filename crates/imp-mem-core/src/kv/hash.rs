@@ -1,0 +1,238 @@
+//! Chained, content-addressed block hashes.
+//!
+//! A full block's hash is `H(parent ‖ extras of this block ‖ tokens)`, where
+//! `parent` is the previous block's hash and, for block 0, a root hash of the
+//! sequence-wide extra keys (LoRA id, cache salt). Chaining makes a hash name
+//! the whole prefix up to and including its block, so two requests share a
+//! cached block only when every token before it (and every extra key) agrees.
+//! Multimodal items are mixed into the blocks whose token range they overlap,
+//! with their position relative to the block: the placeholder tokens of two
+//! different images are equal, their content hashes are not.
+//!
+//! `H` is XXH3-128 with a 64-bit seed ([`HASH_ALGORITHM`]). Why: the chain is
+//! computed for every block of every request, so speed matters (about 14 ns
+//! for a 16-token block against ~1.4 µs for vLLM's SHA-256 over pickle), and
+//! 128 bits make an accidental collision negligible (a birthday bound of
+//! ~2^-64 after 2^32 distinct blocks). XXH3 is not a cryptographic hash: a
+//! deployment whose tenants do not trust each other must give each tenant its
+//! own `cache_salt` (blocks of different salts can never share), which is
+//! what isolates them, not the hash. The seed is part of the persisted file's
+//! identity, so a cache saved under one seed is refused under another.
+
+use xxhash_rust::xxh3::xxh3_128_with_seed;
+
+/// A block's chained hash.
+pub type BlockHash = u128;
+
+/// The name recorded in persisted files.
+pub const HASH_ALGORITHM: &str = "xxh3-128";
+
+/// The default seed (the bytes of "imp-mem"); persisted caches only match a
+/// manager with the same seed.
+pub const DEFAULT_HASH_SEED: u64 = 0x696d_702d_6d65_6d00;
+
+/// A multimodal item inside the token sequence: the tokens `[start, end)` are
+/// its placeholders and `hash` names its content (e.g. the image's hash).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MmSpan {
+    /// First placeholder token.
+    pub start: usize,
+    /// One past the last placeholder token.
+    pub end: usize,
+    /// The content hash of the item.
+    pub hash: u128,
+}
+
+/// Keys beyond the tokens that decide whether two blocks hold the same KV.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct ExtraKeys {
+    /// The LoRA adapter the KV was computed with.
+    pub lora_id: Option<u64>,
+    /// A salt that isolates tenants: blocks of different salts never match.
+    pub cache_salt: Option<Vec<u8>>,
+    /// Multimodal items, sorted by `start`.
+    pub mm: Vec<MmSpan>,
+}
+
+impl ExtraKeys {
+    /// True when there are no extra keys.
+    pub fn is_empty(&self) -> bool {
+        self.lora_id.is_none() && self.cache_salt.is_none() && self.mm.is_empty()
+    }
+}
+
+/// Computes chained block hashes for one block size and seed.
+#[derive(Debug, Clone)]
+pub struct BlockHasher {
+    block_size: usize,
+    seed: u64,
+}
+
+impl BlockHasher {
+    /// A hasher for blocks of `block_size` tokens.
+    pub fn new(block_size: usize, seed: u64) -> Self {
+        Self { block_size, seed }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The parent of block 0: a hash of the sequence-wide extra keys.
+    pub fn root(&self, extras: &ExtraKeys) -> BlockHash {
+        let mut buf = Vec::with_capacity(64);
+        buf.extend_from_slice(b"imp-mem/kv/root/v1\0");
+        match extras.lora_id {
+            Some(id) => {
+                buf.push(1);
+                buf.extend_from_slice(&id.to_le_bytes());
+            }
+            None => buf.push(0),
+        }
+        match &extras.cache_salt {
+            Some(salt) => {
+                buf.push(1);
+                buf.extend_from_slice(&(salt.len() as u64).to_le_bytes());
+                buf.extend_from_slice(salt);
+            }
+            None => buf.push(0),
+        }
+        xxh3_128_with_seed(&buf, self.seed)
+    }
+
+    /// Appends to `out` the hashes of the full blocks of `tokens`, the first
+    /// of which is block `first_block` of its sequence and has parent
+    /// `parent`. A trailing partial block is not hashed.
+    pub fn extend_chain(
+        &self,
+        mut parent: BlockHash,
+        tokens: &[u32],
+        first_block: usize,
+        extras: &ExtraKeys,
+        out: &mut Vec<BlockHash>,
+    ) {
+        let bs = self.block_size;
+        if bs == 0 {
+            return;
+        }
+        let full = tokens.len() / bs;
+        out.reserve(full);
+        let mut buf = Vec::with_capacity(16 + 4 + 4 * bs + 40 * extras.mm.len().min(4));
+        for (k, block) in tokens.chunks_exact(bs).enumerate() {
+            let start = (first_block + k) * bs;
+            buf.clear();
+            buf.extend_from_slice(&parent.to_le_bytes());
+            self.mix_mm(start, extras, &mut buf);
+            let at = buf.len();
+            buf.resize(at + 4 * bs, 0);
+            for (dst, t) in buf[at..].chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            parent = xxh3_128_with_seed(&buf, self.seed);
+            out.push(parent);
+        }
+    }
+
+    /// The hashes of every full block of a sequence's `tokens`.
+    pub fn chain(&self, tokens: &[u32], extras: &ExtraKeys) -> Vec<BlockHash> {
+        let mut out = Vec::new();
+        self.extend_chain(self.root(extras), tokens, 0, extras, &mut out);
+        out
+    }
+
+    /// Multimodal items overlapping the block at token `start`, with their
+    /// offsets relative to it; a count first, so the layout is unambiguous.
+    fn mix_mm(&self, start: usize, extras: &ExtraKeys, buf: &mut Vec<u8>) {
+        let end = start + self.block_size;
+        let count_at = buf.len();
+        buf.extend_from_slice(&0u32.to_le_bytes());
+        if extras.mm.is_empty() {
+            return;
+        }
+        let mut count = 0u32;
+        for item in &extras.mm {
+            if item.start < end && item.end > start {
+                count += 1;
+                buf.extend_from_slice(&(item.start as i64 - start as i64).to_le_bytes());
+                buf.extend_from_slice(&(item.end as i64 - start as i64).to_le_bytes());
+                buf.extend_from_slice(&item.hash.to_le_bytes());
+            }
+        }
+        buf[count_at..count_at + 4].copy_from_slice(&count.to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_chain_names_the_whole_prefix() {
+        let h = BlockHasher::new(4, 7);
+        let none = ExtraKeys::default();
+        let a = h.chain(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &none);
+        assert_eq!(a.len(), 2, "the partial block is not hashed");
+        let b = h.chain(&[1, 2, 3, 4, 5, 6, 7, 8], &none);
+        assert_eq!(a, b);
+        // Same second block, different first block: the second hash differs.
+        let c = h.chain(&[0, 2, 3, 4, 5, 6, 7, 8], &none);
+        assert_ne!(a[0], c[0]);
+        assert_ne!(a[1], c[1]);
+        // Extending a chain equals hashing it whole.
+        let mut d = vec![];
+        h.extend_chain(h.root(&none), &[1, 2, 3, 4], 0, &none, &mut d);
+        h.extend_chain(d[0], &[5, 6, 7, 8], 1, &none, &mut d);
+        assert_eq!(d, a);
+    }
+
+    #[test]
+    fn extra_keys_and_seed_separate_chains() {
+        let h = BlockHasher::new(2, 1);
+        let toks = [5, 6, 7, 8];
+        let base = h.chain(&toks, &ExtraKeys::default());
+        let lora = h.chain(
+            &toks,
+            &ExtraKeys {
+                lora_id: Some(3),
+                ..Default::default()
+            },
+        );
+        let salt = h.chain(
+            &toks,
+            &ExtraKeys {
+                cache_salt: Some(b"tenant-a".to_vec()),
+                ..Default::default()
+            },
+        );
+        let seed = BlockHasher::new(2, 2).chain(&toks, &ExtraKeys::default());
+        for other in [&lora, &salt, &seed] {
+            assert_ne!(base[0], other[0]);
+            assert_ne!(base[1], other[1]);
+        }
+    }
+
+    #[test]
+    fn a_multimodal_item_changes_only_the_blocks_it_touches_and_after() {
+        let h = BlockHasher::new(2, 1);
+        let toks = [9, 9, 9, 9, 9, 9];
+        let img = |hash| ExtraKeys {
+            mm: vec![MmSpan {
+                start: 2,
+                end: 4,
+                hash,
+            }],
+            ..Default::default()
+        };
+        let a = h.chain(&toks, &img(1));
+        let b = h.chain(&toks, &img(2));
+        assert_eq!(a[0], b[0], "block 0 is before the image");
+        assert_ne!(a[1], b[1]);
+        assert_ne!(a[2], b[2], "the chain carries the difference on");
+    }
+}

@@ -1,0 +1,1106 @@
+//! [`KVCacheManager`]: sequences, admission, eviction, pins and stats. The
+//! module docs of [`crate::kv`] state the ownership rules this file follows.
+
+use std::collections::VecDeque;
+
+use crate::backend::Backend;
+use crate::block_pool::{BlockId, PoolConfig, SharedBlockPool, SharedBlockRef};
+use crate::error::{KvCapacityReport, MemError};
+use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
+use crate::kv::persist::BlockIo;
+use crate::kv::prefix::{FastMap, PrefixCache};
+use crate::tag::Tag;
+
+/// A sequence's id, chosen by the caller.
+pub type SeqId = u64;
+
+const NIL: u32 = u32::MAX;
+
+/// How to build a [`KVCacheManager`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvConfig {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the main pool.
+    pub num_blocks: u32,
+    /// Bytes per main block when the pool lays out its memory over a backend
+    /// region; 0 for an id space only (the engine lays the KV out itself,
+    /// seed D10).
+    pub block_bytes: usize,
+    /// Blocks in the SWA pool (0: no SWA pool).
+    pub swa_blocks: u32,
+    /// The sliding window, in tokens (0: no SWA pool).
+    pub swa_window: usize,
+    /// Bytes per SWA block over a backend region; 0 for an id space.
+    pub swa_block_bytes: usize,
+    /// Cache full blocks and serve prefix hits.
+    pub enable_prefix_caching: bool,
+    /// Seed of the chained block hash.
+    pub hash_seed: u64,
+    /// The most cached blocks pinned at once, over all owners.
+    pub pin_budget: u32,
+    /// Names the model (and its weights) the KV belongs to; persisted files
+    /// are refused under another.
+    pub model_fingerprint: String,
+    /// The KV dtype, recorded in persisted files.
+    pub dtype: String,
+    /// The KV layout, recorded in persisted files.
+    pub layout: String,
+}
+
+impl KvConfig {
+    /// `num_blocks` blocks of `block_size` tokens, ids only, prefix caching
+    /// on, no SWA, a pin budget of a quarter of the pool.
+    pub fn new(block_size: usize, num_blocks: u32) -> Self {
+        Self {
+            block_size,
+            num_blocks,
+            block_bytes: 0,
+            swa_blocks: 0,
+            swa_window: 0,
+            swa_block_bytes: 0,
+            enable_prefix_caching: true,
+            hash_seed: DEFAULT_HASH_SEED,
+            pin_budget: num_blocks / 4,
+            model_fingerprint: String::new(),
+            dtype: String::new(),
+            layout: String::new(),
+        }
+    }
+
+    fn check(&self) -> Result<(), MemError> {
+        if self.block_size == 0 {
+            return Err(MemError::invalid("block_size must be at least one token"));
+        }
+        if self.num_blocks == 0 {
+            return Err(MemError::invalid("num_blocks must be positive"));
+        }
+        if (self.swa_blocks == 0) != (self.swa_window == 0) {
+            return Err(MemError::invalid(format!(
+                "an SWA pool needs both swa_blocks and swa_window (got {} blocks, a window of {} \
+                 tokens); set both, or neither",
+                self.swa_blocks, self.swa_window
+            )));
+        }
+        if self.pin_budget > self.num_blocks {
+            return Err(MemError::invalid(format!(
+                "pin_budget={} is above num_blocks={}",
+                self.pin_budget, self.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Counters of a [`KVCacheManager`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvStats {
+    /// Blocks in the main pool.
+    pub capacity: u32,
+    /// Main blocks on the free list. V4: `free + live == capacity`.
+    pub free: u32,
+    /// Main blocks with at least one ref (sequences or cache).
+    pub live: u32,
+    /// Live blocks held by at least one sequence.
+    pub active: u32,
+    /// Prefix-cache entries (each holds one block).
+    pub cached: u32,
+    /// Cached blocks that eviction can free (no sequence, no pin).
+    pub evictable: u32,
+    /// Cached blocks with at least one pin.
+    pub pinned: u32,
+    /// Block pins outstanding, over all owners (what the budget counts).
+    pub pins: u32,
+    /// Sequences admitted and not freed.
+    pub sequences: u32,
+    /// Blocks in the SWA pool (0 without one).
+    pub swa_capacity: u32,
+    /// SWA blocks on the free list.
+    pub swa_free: u32,
+    /// SWA blocks held by sequences.
+    pub swa_live: u32,
+    /// Prefix lookups made by admissions.
+    pub prefix_queries: u64,
+    /// Full blocks those lookups asked for.
+    pub prefix_query_blocks: u64,
+    /// Blocks they found cached.
+    pub prefix_hit_blocks: u64,
+    /// Cache entries evicted.
+    pub evictions: u64,
+}
+
+/// What an admission gave a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    /// Leading tokens whose KV is already in cached blocks (a multiple of the
+    /// block size; at least one token is always left to compute).
+    pub cached_tokens: usize,
+    /// Blocks in the sequence's table.
+    pub blocks: usize,
+    /// Blocks newly allocated for it.
+    pub new_blocks: usize,
+}
+
+/// A block of the SWA pool. No `share()`: SWA blocks are never shared, so
+/// sharing one cannot be written (B2's second trap).
+#[derive(Debug)]
+struct SwaRef(SharedBlockRef);
+
+#[derive(Debug)]
+struct Sequence {
+    /// Tokens in the sequence.
+    len: usize,
+    /// The tokens of the partial last block (the full ones live on only as
+    /// hashes).
+    tail: Vec<u32>,
+    extras: ExtraKeys,
+    root: BlockHash,
+    /// Chained hashes of the full blocks (empty with prefix caching off).
+    hashes: Vec<BlockHash>,
+    blocks: Vec<Option<SharedBlockRef>>,
+    /// The cache entry each block is shared with — a prefix hit at
+    /// admission, or a block cached while running (`cache_computed`) —
+    /// `NIL` for none (or once holed). May be shorter than `blocks`.
+    hits: Vec<u32>,
+    /// Blocks below this were offered to the cache by `cache_computed`.
+    offered: usize,
+    /// Blocks at or after this index were (or will be) computed after a
+    /// middle eviction and are never cached.
+    cacheable: usize,
+    swa: Vec<Option<SwaRef>>,
+    table: Vec<i32>,
+    swa_table: Vec<i32>,
+    dirty: bool,
+}
+
+impl Sequence {
+    fn rebuild(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        self.table.clear();
+        self.table.extend(
+            self.blocks
+                .iter()
+                .map(|b| b.as_ref().map_or(-1, |r| r.id() as i32)),
+        );
+        self.swa_table.clear();
+        self.swa_table.extend(
+            self.swa
+                .iter()
+                .map(|b| b.as_ref().map_or(-1, |r| r.0.id() as i32)),
+        );
+        self.dirty = false;
+    }
+}
+
+/// Pins: owner → the hashes it pinned, oldest owner first for budget
+/// eviction. Not an owner of any block.
+#[derive(Debug, Default)]
+struct Pins {
+    owners: FastMap<u64, Vec<BlockHash>>,
+    order: VecDeque<u64>,
+    total: u32,
+}
+
+/// The paged KV cache manager. Single-threaded (`&mut self`); the Python
+/// binding puts it behind a mutex.
+#[derive(Debug)]
+pub struct KVCacheManager {
+    config: KvConfig,
+    hasher: BlockHasher,
+    pool: SharedBlockPool,
+    swa_pool: Option<SharedBlockPool>,
+    pub(crate) cache: PrefixCache,
+    seqs: FastMap<SeqId, Sequence>,
+    pins: Pins,
+    pub(crate) io: Option<Box<dyn BlockIo>>,
+    stats: KvStats,
+}
+
+fn ceil_div(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+fn to_u32(n: usize, what: &str) -> Result<u32, MemError> {
+    u32::try_from(n).map_err(|_| MemError::invalid(format!("{what}: {n} blocks is too many")))
+}
+
+impl KVCacheManager {
+    /// A manager whose pools are id spaces only, or lay their memory out over
+    /// `backend` when `block_bytes` (and `swa_block_bytes`) are set.
+    pub fn new(config: KvConfig, backend: Option<&Backend>) -> Result<Self, MemError> {
+        config.check()?;
+        let open = |bytes: usize, blocks: u32, tag: Tag| match (bytes, backend) {
+            (0, _) => SharedBlockPool::slots(blocks),
+            (_, Some(b)) => {
+                SharedBlockPool::new(b, &PoolConfig::fixed(bytes, blocks).with_tag(tag))
+            }
+            (_, None) => Err(MemError::invalid(
+                "block_bytes is set but no backend was given to lay the blocks out on",
+            )),
+        };
+        let pool = open(config.block_bytes, config.num_blocks, Tag::KvCache)?;
+        let pool_id = pool.id();
+        let swa_pool = if config.swa_blocks > 0 {
+            Some(open(
+                config.swa_block_bytes,
+                config.swa_blocks,
+                Tag::SwaCache,
+            )?)
+        } else {
+            None
+        };
+        let stats = KvStats {
+            capacity: config.num_blocks,
+            swa_capacity: config.swa_blocks,
+            ..KvStats::default()
+        };
+        Ok(Self {
+            hasher: BlockHasher::new(config.block_size, config.hash_seed),
+            config,
+            pool,
+            swa_pool,
+            cache: PrefixCache::new(pool_id),
+            seqs: FastMap::default(),
+            pins: Pins::default(),
+            io: None,
+            stats,
+        })
+    }
+
+    /// Installs how block bytes are copied out and in (persistence).
+    pub fn set_block_io(&mut self, io: Box<dyn BlockIo>) -> Result<(), MemError> {
+        self.io = Some(io);
+        Ok(())
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &KvConfig {
+        &self.config
+    }
+
+    /// The main pool.
+    pub fn pool(&self) -> &SharedBlockPool {
+        &self.pool
+    }
+
+    /// The SWA pool, if there is one.
+    pub fn swa_pool(&self) -> Option<&SharedBlockPool> {
+        self.swa_pool.as_ref()
+    }
+
+    /// The chained hashes of the full blocks of `tokens`.
+    pub fn hash_blocks(&self, tokens: &[u32], extras: &ExtraKeys) -> Vec<BlockHash> {
+        self.hasher.chain(tokens, extras)
+    }
+
+    /// The hasher.
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Sequence, MemError> {
+        self.seqs
+            .get(&id)
+            .ok_or_else(|| MemError::invalid(format!("no sequence {id} is admitted")))
+    }
+
+    fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence, MemError> {
+        self.seqs
+            .get_mut(&id)
+            .ok_or_else(|| MemError::invalid(format!("no sequence {id} is admitted")))
+    }
+
+    /// Cached prefix blocks of `hashes`, stopping at the first miss and
+    /// leaving at least one token of `n_tokens` to compute.
+    fn match_prefix(&self, hashes: &[BlockHash], n_tokens: usize, out: &mut Vec<u32>) {
+        if !self.config.enable_prefix_caching {
+            return;
+        }
+        let bs = self.config.block_size;
+        let max = if n_tokens > 0 && n_tokens % bs == 0 {
+            hashes.len().saturating_sub(1)
+        } else {
+            hashes.len()
+        };
+        for h in &hashes[..max.min(hashes.len())] {
+            match self.cache.get(h) {
+                Some(idx) => out.push(idx),
+                None => break,
+            }
+        }
+    }
+
+    fn pinned_idle(&self) -> u32 {
+        self.cache.pinned_idle()
+    }
+
+    /// Refuses unless `need` main blocks can be had from the free list plus
+    /// evictable entries (less `taken`, evictable entries the operation
+    /// itself is about to use).
+    fn check_main(
+        &self,
+        what: impl FnOnce() -> String,
+        need: u32,
+        taken: u32,
+    ) -> Result<(), MemError> {
+        let free = self.pool.stats().free;
+        let evictable = self.cache.evictable().saturating_sub(taken);
+        if need as u64 > free as u64 + evictable as u64 {
+            return Err(MemError::KvCapacity(KvCapacityReport {
+                what: what(),
+                needed: need,
+                free,
+                evictable,
+                pinned: self.pinned_idle(),
+                pool: "kv",
+            }));
+        }
+        Ok(())
+    }
+
+    fn check_swa(
+        &self,
+        what: impl FnOnce() -> String,
+        need: u32,
+        released: u32,
+    ) -> Result<(), MemError> {
+        let Some(swa) = &self.swa_pool else {
+            return Ok(());
+        };
+        let free = swa.stats().free;
+        if need as u64 > free as u64 + released as u64 {
+            return Err(MemError::KvCapacity(KvCapacityReport {
+                what: what(),
+                needed: need,
+                free,
+                evictable: released,
+                pinned: 0,
+                pool: "swa",
+            }));
+        }
+        Ok(())
+    }
+
+    /// Evicts until `need` blocks are free, then allocates them.
+    fn take_main(&mut self, need: u32) -> Result<Vec<SharedBlockRef>, MemError> {
+        if need == 0 {
+            return Ok(Vec::new());
+        }
+        let mut free = self.pool.stats().free;
+        while free < need {
+            if self.cache.evict_one().is_none() {
+                break;
+            }
+            self.stats.evictions += 1;
+            free += 1;
+        }
+        Ok(self.pool.allocate_many(need)?.into_refs())
+    }
+
+    fn take_swa(&self, need: u32) -> Result<Vec<Option<SwaRef>>, MemError> {
+        match (&self.swa_pool, need) {
+            (_, 0) | (None, _) => Ok(Vec::new()),
+            (Some(swa), n) => Ok(swa
+                .allocate_many(n)?
+                .into_refs()
+                .into_iter()
+                .map(|r| Some(SwaRef(r)))
+                .collect()),
+        }
+    }
+
+    /// First block index inside the sliding window of a sequence of
+    /// `n_tokens` tokens.
+    fn swa_first(&self, n_tokens: usize) -> usize {
+        n_tokens.saturating_sub(self.config.swa_window) / self.config.block_size
+    }
+
+    /// Main and SWA blocks an admission of `n_tokens` with prefix hits
+    /// `hits` needs now: `(needed, hits that were evictable, swa needed)`.
+    /// The evictable hits stop being evictable once taken, so they do not
+    /// count as room.
+    fn admission_needs(&self, n_tokens: usize, hits: &[u32]) -> (u32, u32, u32) {
+        let total = ceil_div(n_tokens, self.config.block_size);
+        let need = (total - hits.len()) as u32;
+        let taken = hits
+            .iter()
+            .filter(|&&i| {
+                self.cache
+                    .entry(i)
+                    .is_some_and(|e| e.users == 0 && e.pins == 0)
+            })
+            .count() as u32;
+        let swa = if self.swa_pool.is_some() {
+            (total - self.swa_first(n_tokens).min(total)) as u32
+        } else {
+            0
+        };
+        (need, taken, swa)
+    }
+
+    /// True when `tokens` could be admitted now (counting prefix hits and
+    /// evictable blocks). Changes nothing.
+    pub fn can_admit(&self, tokens: &[u32], extras: &ExtraKeys) -> bool {
+        self.check_admit(tokens, extras).is_ok()
+    }
+
+    /// [`Self::can_admit`], with the refusal's arithmetic.
+    pub fn check_admit(&self, tokens: &[u32], extras: &ExtraKeys) -> Result<(), MemError> {
+        let hashes = self.chain_if_caching(tokens, extras);
+        let mut hits = Vec::new();
+        self.match_prefix(&hashes, tokens.len(), &mut hits);
+        let (need, taken, swa) = self.admission_needs(tokens.len(), &hits);
+        let what = || format!("admit {} tokens", tokens.len());
+        self.check_main(what, need, taken)?;
+        self.check_swa(what, swa, 0)
+    }
+
+    fn chain_if_caching(&self, tokens: &[u32], extras: &ExtraKeys) -> Vec<BlockHash> {
+        if self.config.enable_prefix_caching {
+            self.hasher.chain(tokens, extras)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Cached leading blocks for `tokens` now: a hint for a scheduler, no
+    /// refs taken (admission matches again, atomically).
+    pub fn probe(&self, tokens: &[u32], extras: &ExtraKeys) -> usize {
+        let hashes = self.chain_if_caching(tokens, extras);
+        let mut hits = Vec::new();
+        self.match_prefix(&hashes, tokens.len(), &mut hits);
+        hits.len()
+    }
+
+    /// Admits sequence `id` with its prompt: matches the cached prefix, takes
+    /// refs to the hit blocks, and allocates the rest (evicting LRU cached
+    /// blocks as needed). All or nothing: a refusal is
+    /// [`MemError::KvCapacity`] and changes nothing.
+    pub fn admit(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        extras: ExtraKeys,
+    ) -> Result<Admission, MemError> {
+        if self.seqs.contains_key(&id) {
+            return Err(MemError::invalid(format!(
+                "sequence {id} is already admitted; free it first or use another id"
+            )));
+        }
+        let bs = self.config.block_size;
+        let root = self.hasher.root(&extras);
+        let mut hashes = Vec::new();
+        if self.config.enable_prefix_caching {
+            self.hasher
+                .extend_chain(root, tokens, 0, &extras, &mut hashes);
+        }
+        let mut hit_idx = Vec::new();
+        self.match_prefix(&hashes, tokens.len(), &mut hit_idx);
+        let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
+        let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
+        self.check_main(what, need, taken)?;
+        self.check_swa(what, swa_need, 0)?;
+
+        // Take the hit refs first: once users > 0 they are off the LRU, so
+        // the evictions below cannot pick them.
+        let mut blocks: Vec<Option<SharedBlockRef>> =
+            Vec::with_capacity(ceil_div(tokens.len(), bs));
+        for (done, &idx) in hit_idx.iter().enumerate() {
+            match self.cache.acquire(idx) {
+                Ok(r) => blocks.push(Some(r)),
+                Err(e) => {
+                    drop(blocks);
+                    for &undo in &hit_idx[..done] {
+                        self.cache.release_user(undo);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let fresh = self
+            .take_main(need)
+            .and_then(|f| Ok((f, self.take_swa(swa_need)?)));
+        let (fresh, swa_fresh) = match fresh {
+            Ok(v) => v,
+            Err(e) => {
+                drop(blocks);
+                for &undo in &hit_idx {
+                    self.cache.release_user(undo);
+                }
+                return Err(e);
+            }
+        };
+        blocks.extend(fresh.into_iter().map(Some));
+        let total = blocks.len();
+        let mut swa: Vec<Option<SwaRef>> = Vec::new();
+        if self.swa_pool.is_some() {
+            let first = self.swa_first(tokens.len()).min(total);
+            swa.resize_with(first, || None);
+            swa.extend(swa_fresh);
+        }
+        if self.config.enable_prefix_caching {
+            self.stats.prefix_queries += 1;
+            self.stats.prefix_query_blocks += hashes.len() as u64;
+            self.stats.prefix_hit_blocks += hit_idx.len() as u64;
+        }
+        let admission = Admission {
+            cached_tokens: hit_idx.len() * bs,
+            blocks: total,
+            new_blocks: need as usize,
+        };
+        self.seqs.insert(
+            id,
+            Sequence {
+                len: tokens.len(),
+                tail: tokens[tokens.len() / bs * bs..].to_vec(),
+                extras,
+                root,
+                hashes,
+                blocks,
+                offered: hit_idx.len(),
+                hits: hit_idx,
+                cacheable: usize::MAX,
+                swa,
+                table: Vec::new(),
+                swa_table: Vec::new(),
+                dirty: true,
+            },
+        );
+        Ok(admission)
+    }
+
+    /// Blocks (main, SWA) an append of `n` tokens to `id` needs, and the SWA
+    /// blocks it would release.
+    fn append_needs(&self, seq: &Sequence, n: usize) -> (u32, u32, u32) {
+        let bs = self.config.block_size;
+        let old_n = seq.len;
+        let new_n = old_n + n;
+        let old_total = ceil_div(old_n, bs);
+        let new_total = ceil_div(new_n, bs);
+        let need = (new_total - old_total) as u32;
+        if self.swa_pool.is_none() {
+            return (need, 0, 0);
+        }
+        let old_first = self.swa_first(old_n).min(old_total);
+        let new_first = self.swa_first(new_n);
+        let released = new_first.min(old_total).saturating_sub(old_first) as u32;
+        let swa_need = new_total.saturating_sub(old_total.max(new_first)) as u32;
+        (need, swa_need, released)
+    }
+
+    /// True when `n` more tokens fit sequence `id` now.
+    pub fn can_append(&self, id: SeqId, n: usize) -> Result<bool, MemError> {
+        let seq = self.seq(id)?;
+        let (need, swa_need, released) = self.append_needs(seq, n);
+        let what = || String::new();
+        Ok(self.check_main(what, need, 0).is_ok()
+            && self.check_swa(what, swa_need, released).is_ok())
+    }
+
+    /// Appends `tokens` to sequence `id`, allocating the blocks they need.
+    /// All or nothing: a refusal changes nothing.
+    pub fn append(&mut self, id: SeqId, tokens: &[u32]) -> Result<(), MemError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        let (need, swa_need, released) = self.append_needs(seq, tokens.len());
+        let old_n = seq.len;
+        let what = || {
+            format!(
+                "append {} tokens to sequence {id} ({old_n} tokens)",
+                tokens.len()
+            )
+        };
+        self.check_main(what, need, 0)?;
+        self.check_swa(what, swa_need, released)?;
+        let fresh = self.take_main(need)?;
+        let new_first = self.swa_first(old_n + tokens.len());
+        let caching = self.config.enable_prefix_caching;
+        let has_swa = self.swa_pool.is_some();
+        let seq = self.seq_mut(id)?;
+        // Release the SWA blocks that slide out before allocating, so the
+        // window's own turnover can serve the append.
+        if has_swa {
+            for slot in seq.swa.iter_mut().take(new_first) {
+                *slot = None;
+            }
+            seq.dirty = true;
+        }
+        let swa_fresh = match &self.swa_pool {
+            Some(swa) if swa_need > 0 => swa.allocate_many(swa_need)?.into_refs(),
+            _ => Vec::new(),
+        };
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Err(MemError::Invariant(format!("sequence {id} vanished")));
+        };
+        let old_full = seq.len / bs;
+        seq.tail.extend_from_slice(tokens);
+        seq.len += tokens.len();
+        let filled = (seq.len / bs - old_full) * bs;
+        if caching {
+            let parent = seq.hashes.last().copied().unwrap_or(seq.root);
+            self.hasher.extend_chain(
+                parent,
+                &seq.tail[..filled],
+                old_full,
+                &seq.extras,
+                &mut seq.hashes,
+            );
+        }
+        seq.tail.drain(..filled);
+        seq.blocks.extend(fresh.into_iter().map(Some));
+        if has_swa {
+            let total = seq.blocks.len();
+            let target_first = new_first.min(total);
+            while seq.swa.len() < target_first {
+                seq.swa.push(None);
+            }
+            seq.swa
+                .extend(swa_fresh.into_iter().map(|r| Some(SwaRef(r))));
+        }
+        seq.dirty = true;
+        Ok(())
+    }
+
+    /// Frees sequence `id`: its full, computed blocks move into the prefix
+    /// cache (a block already cached under the same hash is dropped instead),
+    /// the rest are released. `computed_tokens` (default: all) bounds what
+    /// is cached: a block whose KV was not computed must not be.
+    pub fn free(&mut self, id: SeqId, computed_tokens: Option<usize>) -> Result<(), MemError> {
+        let seq = self
+            .seqs
+            .remove(&id)
+            .ok_or_else(|| MemError::invalid(format!("no sequence {id} is admitted")))?;
+        let bs = self.config.block_size;
+        let computed = computed_tokens.unwrap_or(seq.len).min(seq.len);
+        let limit = seq.hashes.len().min(seq.cacheable).min(computed / bs);
+        let caching = self.config.enable_prefix_caching;
+        let mut refused = None;
+        for (i, slot) in seq.blocks.into_iter().enumerate() {
+            let Some(block) = slot else { continue };
+            if let Some(&entry) = seq.hits.get(i) {
+                if entry != NIL {
+                    drop(block);
+                    self.cache.release_user(entry);
+                    continue;
+                }
+            }
+            if caching && i < limit {
+                match self.cache.insert(seq.hashes[i], block) {
+                    Ok(dup) => drop(dup),
+                    Err(e) => refused = Some(e),
+                }
+            } else {
+                drop(block);
+            }
+        }
+        drop(seq.swa);
+        refused.map_or(Ok(()), Err)
+    }
+
+    /// Shares the full blocks of sequence `id` that lie inside its first
+    /// `computed_tokens` with the prefix cache now, while it runs, so that
+    /// requests admitted meanwhile hit them (a block is cacheable as soon as
+    /// it is full and its KV computed). The sequence keeps its refs; each
+    /// new cache entry holds a `share()` of one. A block whose hash is
+    /// already cached stays the sequence's own. Returns the blocks cached.
+    pub fn cache_computed(&mut self, id: SeqId, computed_tokens: usize) -> Result<u32, MemError> {
+        let bs = self.config.block_size;
+        let caching = self.config.enable_prefix_caching;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Err(MemError::invalid(format!("no sequence {id} is admitted")));
+        };
+        if !caching {
+            return Ok(0);
+        }
+        let limit = seq
+            .hashes
+            .len()
+            .min(seq.cacheable)
+            .min(computed_tokens.min(seq.len) / bs);
+        if seq.hits.len() < limit {
+            seq.hits.resize(limit, NIL);
+        }
+        let mut added = 0;
+        for i in seq.offered..limit {
+            let Some(block) = &seq.blocks[i] else {
+                continue;
+            };
+            if seq.hits[i] != NIL || self.cache.get(&seq.hashes[i]).is_some() {
+                continue;
+            }
+            let shared = block.share()?;
+            seq.hits[i] = self.cache.insert_in_use(seq.hashes[i], shared)?;
+            added += 1;
+        }
+        seq.offered = seq.offered.max(limit);
+        Ok(added)
+    }
+
+    /// Aborts sequence `id`: releases everything, caches nothing new (its
+    /// KV may not have been computed).
+    pub fn abort(&mut self, id: SeqId) -> Result<(), MemError> {
+        self.free(id, Some(0))
+    }
+
+    /// StreamingLLM: drops the blocks `[start, end)` of sequence `id`,
+    /// leaving holes (the table keeps its length). Only full blocks can be
+    /// evicted. Returns the blocks released. Blocks filled from now on are
+    /// computed without the evicted context and are never cached.
+    pub fn evict_middle(&mut self, id: SeqId, start: usize, end: usize) -> Result<u32, MemError> {
+        let bs = self.config.block_size;
+        let seq = self.seq(id)?;
+        let full = seq.len / bs;
+        if start > end || end > full {
+            return Err(MemError::invalid(format!(
+                "evict_middle of blocks [{start}, {end}) of sequence {id}: only its {full} full \
+                 block(s) can be evicted, as a range start <= end <= {full}"
+            )));
+        }
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Err(MemError::invalid(format!("no sequence {id} is admitted")));
+        };
+        let mut released = 0;
+        for i in start..end {
+            if let Some(block) = seq.blocks[i].take() {
+                drop(block);
+                released += 1;
+                if let Some(entry) = seq.hits.get_mut(i) {
+                    if *entry != NIL {
+                        self.cache.release_user(*entry);
+                        *entry = NIL;
+                    }
+                }
+            }
+        }
+        if end > start {
+            seq.cacheable = seq.cacheable.min(full);
+            seq.dirty = true;
+        }
+        Ok(released)
+    }
+
+    /// The kernel-facing block table of sequence `id`: block ids, `-1` for a
+    /// hole. Rebuilt from the refs when the table changed.
+    pub fn block_table(&mut self, id: SeqId) -> Result<&[i32], MemError> {
+        let seq = self.seq_mut(id)?;
+        seq.rebuild();
+        Ok(&seq.table)
+    }
+
+    /// The SWA table of sequence `id`: positional like [`Self::block_table`],
+    /// `-1` outside the trailing window. Empty without an SWA pool.
+    pub fn swa_table(&mut self, id: SeqId) -> Result<&[i32], MemError> {
+        let seq = self.seq_mut(id)?;
+        seq.rebuild();
+        Ok(&seq.swa_table)
+    }
+
+    /// Tokens of sequence `id`.
+    pub fn num_tokens(&self, id: SeqId) -> Result<usize, MemError> {
+        Ok(self.seq(id)?.len)
+    }
+
+    /// The chained hashes of sequence `id`'s full blocks.
+    pub fn sequence_hashes(&self, id: SeqId) -> Result<&[BlockHash], MemError> {
+        Ok(&self.seq(id)?.hashes)
+    }
+
+    /// Blocks of sequence `id` at or past which nothing is cached (after a
+    /// middle eviction); `None` when all full blocks are cacheable.
+    pub fn cacheable_limit(&self, id: SeqId) -> Result<Option<usize>, MemError> {
+        let c = self.seq(id)?.cacheable;
+        Ok((c != usize::MAX).then_some(c))
+    }
+
+    /// The ids of the admitted sequences.
+    pub fn sequences(&self) -> Vec<SeqId> {
+        self.seqs.keys().copied().collect()
+    }
+
+    /// `(address, bytes)` of block `index` of sequence `id`; `None` for a
+    /// hole. Refused in slots mode.
+    pub fn block_span(&self, id: SeqId, index: usize) -> Result<Option<(usize, usize)>, MemError> {
+        let seq = self.seq(id)?;
+        match seq.blocks.get(index) {
+            None => Err(MemError::invalid(format!(
+                "sequence {id} has {} blocks; {index} is out of range",
+                seq.blocks.len()
+            ))),
+            Some(None) => Ok(None),
+            Some(Some(r)) => {
+                let span = r.span()?;
+                Ok(Some((span.addr(), span.len())))
+            }
+        }
+    }
+
+    /// `(hash, block id, address)` of every cache entry (address `None` in
+    /// slots mode).
+    pub fn cached_blocks(&self) -> Vec<(BlockHash, BlockId, Option<usize>)> {
+        self.cache
+            .entries_in_order()
+            .into_iter()
+            .map(|e| (e.hash, e.block.id(), e.block.span().ok().map(|s| s.addr())))
+            .collect()
+    }
+
+    /// Pins the cached leading blocks of `tokens` for `owner`, so eviction
+    /// skips them. Pins are counted against the budget over all owners; when
+    /// it would overflow, the oldest owners are unpinned first. Returns the
+    /// blocks pinned (0 when the prefix is not cached).
+    pub fn pin(&mut self, owner: u64, tokens: &[u32], extras: &ExtraKeys) -> Result<u32, MemError> {
+        if !self.config.enable_prefix_caching {
+            return Err(MemError::invalid("pinning needs prefix caching enabled"));
+        }
+        let hashes = self.hasher.chain(tokens, extras);
+        let mut idxs = Vec::new();
+        for h in &hashes {
+            match self.cache.get(h) {
+                Some(i) => idxs.push(i),
+                None => break,
+            }
+        }
+        let n = to_u32(idxs.len(), "pin")?;
+        if n == 0 {
+            return Ok(0);
+        }
+        if n > self.config.pin_budget {
+            return Err(MemError::Capacity(format!(
+                "pinning {n} blocks for owner {owner} exceeds the pin budget of {} blocks; pin a \
+                 shorter prefix or raise pin_budget",
+                self.config.pin_budget
+            )));
+        }
+        while self.pins.total + n > self.config.pin_budget {
+            let Some(front) = self.pins.order.front().copied() else {
+                return Err(MemError::Invariant("pin total without owners".into()));
+            };
+            self.unpin(front);
+        }
+        let list = self.pins.owners.entry(owner).or_default();
+        if list.is_empty() && !self.pins.order.contains(&owner) {
+            self.pins.order.push_back(owner);
+        }
+        for (&idx, &h) in idxs.iter().zip(&hashes) {
+            self.cache.pin(idx);
+            list.push(h);
+        }
+        self.pins.total += n;
+        Ok(n)
+    }
+
+    /// Drops every pin of `owner`; its blocks become evictable again (when no
+    /// sequence uses them). Returns the pins dropped.
+    pub fn unpin(&mut self, owner: u64) -> u32 {
+        let Some(list) = self.pins.owners.remove(&owner) else {
+            return 0;
+        };
+        self.pins.order.retain(|&o| o != owner);
+        for h in &list {
+            if let Some(idx) = self.cache.get(h) {
+                self.cache.unpin(idx);
+            }
+        }
+        let n = list.len() as u32;
+        self.pins.total -= n;
+        n
+    }
+
+    /// Evicts up to `n` LRU cached blocks (pinned and in-use ones are
+    /// skipped). Returns the blocks freed.
+    pub fn evict(&mut self, n: u32) -> u32 {
+        let mut done = 0;
+        while done < n && self.cache.evict_one().is_some() {
+            done += 1;
+        }
+        self.stats.evictions += done as u64;
+        done
+    }
+
+    pub(crate) fn record_evictions(&mut self, n: u32) {
+        self.stats.evictions += n as u64;
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> KvStats {
+        let p = self.pool.stats();
+        let idle = self.cache.evictable() + self.cache.pinned_idle();
+        let (swa_free, swa_live) = match &self.swa_pool {
+            Some(s) => {
+                let st = s.stats();
+                (st.free, st.live)
+            }
+            None => (0, 0),
+        };
+        KvStats {
+            capacity: p.capacity,
+            free: p.free,
+            live: p.live,
+            active: p.live.saturating_sub(idle),
+            cached: self.cache.len(),
+            evictable: self.cache.evictable(),
+            pinned: self.cache.pinned(),
+            pins: self.pins.total,
+            sequences: self.seqs.len() as u32,
+            swa_free,
+            swa_live,
+            ..self.stats
+        }
+    }
+
+    /// Walks everything and checks the ownership invariants: V4 on both
+    /// pools; every ref accounted for (cache entries + sequence slots); a
+    /// block reachable from two sequences only through a prefix hit on the
+    /// same hash; the cache's LRU and counters; the pins; and that each
+    /// kernel-facing table matches its refs.
+    pub fn check_invariants(&self) -> Result<(), MemError> {
+        let broken = |what: String| Err(MemError::Invariant(format!("kv manager: {what}")));
+        self.pool.check_invariants()?;
+        self.cache.check(|id| self.pool.refcount(id))?;
+        let mut holders: FastMap<BlockId, Vec<(SeqId, usize)>> = FastMap::default();
+        let mut seq_refs = 0u64;
+        let mut users: FastMap<u32, u32> = FastMap::default();
+        let mut swa_ids: FastMap<BlockId, SeqId> = FastMap::default();
+        let bs = self.config.block_size;
+        for (&sid, seq) in &self.seqs {
+            if seq.blocks.len() != ceil_div(seq.len, bs) || seq.tail.len() != seq.len % bs {
+                return broken(format!(
+                    "sequence {sid} has {} blocks for {} tokens",
+                    seq.blocks.len(),
+                    seq.len
+                ));
+            }
+            if self.config.enable_prefix_caching && seq.hashes.len() != seq.len / bs {
+                return broken(format!("sequence {sid} has {} hashes", seq.hashes.len()));
+            }
+            for (i, slot) in seq.blocks.iter().enumerate() {
+                let Some(r) = slot else { continue };
+                if r.pool().id() != self.pool.id() {
+                    return broken(format!("sequence {sid} block {i} is from a foreign pool"));
+                }
+                seq_refs += 1;
+                holders.entry(r.id()).or_default().push((sid, i));
+                if let Some(&entry) = seq.hits.get(i) {
+                    if entry != NIL {
+                        let Some(e) = self.cache.entry(entry) else {
+                            return broken(format!("sequence {sid} hit {i} names no entry"));
+                        };
+                        if e.block.id() != r.id() || seq.hashes.get(i) != Some(&e.hash) {
+                            return broken(format!(
+                                "sequence {sid} block {i} ({}) is a hit on entry of block {} \
+                                 with another hash — a cross-request KV bleed",
+                                r.id(),
+                                e.block.id()
+                            ));
+                        }
+                        *users.entry(entry).or_default() += 1;
+                    }
+                }
+            }
+            if !seq.dirty {
+                let want: Vec<i32> = seq
+                    .blocks
+                    .iter()
+                    .map(|b| b.as_ref().map_or(-1, |r| r.id() as i32))
+                    .collect();
+                if want != seq.table {
+                    return broken(format!("sequence {sid}'s table drifted from its refs"));
+                }
+            }
+            if let Some(swa) = &self.swa_pool {
+                let first = self.swa_first(seq.len).min(seq.blocks.len());
+                if seq.swa.len() != seq.blocks.len() {
+                    return broken(format!("sequence {sid}'s SWA table has the wrong length"));
+                }
+                for (i, slot) in seq.swa.iter().enumerate() {
+                    if (i >= first) != slot.is_some() {
+                        return broken(format!(
+                            "sequence {sid}'s SWA slot {i} is wrong for window start {first}"
+                        ));
+                    }
+                    if let Some(r) = slot {
+                        if r.0.pool().id() != swa.id() || r.0.refcount() != 1 {
+                            return broken(format!(
+                                "sequence {sid}'s SWA block {i} is shared or foreign"
+                            ));
+                        }
+                        if swa_ids.insert(r.0.id(), sid).is_some() {
+                            return broken(format!("SWA block {} is in two places", r.0.id()));
+                        }
+                    }
+                }
+            } else if !seq.swa.is_empty() {
+                return broken(format!("sequence {sid} has SWA blocks without an SWA pool"));
+            }
+        }
+        for (id, list) in &holders {
+            if list.len() < 2 {
+                continue;
+            }
+            // Shared: each holder must reach it as a prefix hit on one entry.
+            for &(sid, i) in list {
+                let hit = self.seqs.get(&sid).and_then(|s| s.hits.get(i)).copied();
+                if hit.is_none() || hit == Some(NIL) {
+                    return broken(format!(
+                        "block {id} is held by {} sequence slots but slot {i} of sequence {sid} \
+                         is not a prefix hit",
+                        list.len()
+                    ));
+                }
+            }
+        }
+        for e in self.cache.entries_in_order() {
+            let counted = self
+                .cache
+                .get(&e.hash)
+                .and_then(|i| users.get(&i))
+                .copied()
+                .unwrap_or(0);
+            if counted != e.users {
+                return broken(format!(
+                    "cache entry of block {} has {} users but {counted} sequences hit it",
+                    e.block.id(),
+                    e.users
+                ));
+            }
+        }
+        let refs = self.pool.stats().refs;
+        if refs != seq_refs + self.cache.len() as u64 {
+            return broken(format!(
+                "{refs} refs outstanding but sequences hold {seq_refs} and the cache {}",
+                self.cache.len()
+            ));
+        }
+        if let Some(swa) = &self.swa_pool {
+            swa.check_invariants()?;
+            if swa.stats().refs != swa_ids.len() as u64 {
+                return broken("SWA refs are not all held by sequences".into());
+            }
+        }
+        let mut pins: FastMap<BlockHash, u32> = FastMap::default();
+        let mut total = 0u32;
+        for list in self.pins.owners.values() {
+            for h in list {
+                *pins.entry(*h).or_default() += 1;
+                total += 1;
+            }
+        }
+        if total != self.pins.total || total > self.config.pin_budget {
+            return broken(format!("{total} pins, counter {}", self.pins.total));
+        }
+        for e in self.cache.entries_in_order() {
+            if pins.get(&e.hash).copied().unwrap_or(0) != e.pins {
+                return broken(format!(
+                    "entry of block {} has a drifted pin count",
+                    e.block.id()
+                ));
+            }
+        }
+        if pins.keys().any(|h| self.cache.get(h).is_none()) {
+            return broken("a pinned hash is not cached".into());
+        }
+        Ok(())
+    }
+}

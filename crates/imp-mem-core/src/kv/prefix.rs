@@ -1,0 +1,395 @@
+//! The prefix cache: content hash → one block ref it owns, with an O(1) LRU
+//! of the entries that can be evicted.
+//!
+//! Each entry holds its own [`SharedBlockRef`] (A5.1: the cache is an owner,
+//! not a convention). An entry is in one of three states, derived from two
+//! counters the manager keeps:
+//!
+//! * in use — `users > 0`: sequences hold it through a prefix hit; not
+//!   evictable (evicting would only drop the cache's ref and free nothing);
+//! * pinned — `users == 0, pins > 0`: the pin overlay keeps it off the LRU;
+//! * evictable — `users == 0, pins == 0`: on the intrusive LRU list, whose
+//!   head is evicted first.
+//!
+//! Evicting drops the entry's ref. Because only evictable entries are on the
+//! list, that ref is the block's last, so each eviction frees exactly one
+//! block; the manager's capacity arithmetic relies on it and
+//! `check_invariants` verifies it.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::block_pool::{BlockId, SharedBlockRef};
+use crate::error::MemError;
+use crate::kv::hash::BlockHash;
+
+const NIL: u32 = u32::MAX;
+
+/// The keys are already uniform 128-bit hashes: fold them, do not rehash.
+#[derive(Default)]
+pub(crate) struct FoldHasher(u64);
+
+impl Hasher for FoldHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(29) ^ u64::from_le_bytes(word);
+        }
+    }
+
+    fn write_u128(&mut self, v: u128) {
+        self.0 ^= (v as u64) ^ ((v >> 64) as u64).rotate_left(32);
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        // Sequence ids are small and sequential: spread them over the top
+        // bits too, which hashbrown uses as its tag.
+        self.0 ^= v.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(v as u64);
+    }
+}
+
+pub(crate) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
+
+#[derive(Debug)]
+pub(crate) struct Entry {
+    pub hash: BlockHash,
+    pub block: SharedBlockRef,
+    pub users: u32,
+    pub pins: u32,
+    prev: u32,
+    next: u32,
+    on_lru: bool,
+}
+
+impl Entry {
+    fn evictable(&self) -> bool {
+        self.users == 0 && self.pins == 0
+    }
+}
+
+/// See the module docs.
+#[derive(Debug, Default)]
+pub(crate) struct PrefixCache {
+    pool_id: u64,
+    map: FastMap<BlockHash, u32>,
+    slab: Vec<Option<Entry>>,
+    vacant: Vec<u32>,
+    head: u32,
+    tail: u32,
+    lru_len: u32,
+    pinned: u32,
+    pinned_idle: u32,
+}
+
+impl PrefixCache {
+    /// An empty cache of blocks of pool `pool_id`.
+    pub fn new(pool_id: u64) -> Self {
+        Self {
+            pool_id,
+            head: NIL,
+            tail: NIL,
+            ..Default::default()
+        }
+    }
+
+    pub fn len(&self) -> u32 {
+        self.map.len() as u32
+    }
+
+    /// Entries on the LRU (each frees one block when evicted).
+    pub fn evictable(&self) -> u32 {
+        self.lru_len
+    }
+
+    /// Entries with at least one pin.
+    pub fn pinned(&self) -> u32 {
+        self.pinned
+    }
+
+    /// Pinned entries no sequence uses (held only by the cache, not evictable).
+    pub fn pinned_idle(&self) -> u32 {
+        self.pinned_idle
+    }
+
+    pub fn get(&self, hash: &BlockHash) -> Option<u32> {
+        self.map.get(hash).copied()
+    }
+
+    pub fn entry(&self, idx: u32) -> Option<&Entry> {
+        self.slab.get(idx as usize).and_then(Option::as_ref)
+    }
+
+    fn entry_mut(&mut self, idx: u32) -> Result<&mut Entry, MemError> {
+        self.slab
+            .get_mut(idx as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| MemError::Invariant(format!("prefix cache entry {idx} is vacant")))
+    }
+
+    fn unlink(&mut self, idx: u32) {
+        let (prev, next) = match self.entry(idx) {
+            Some(e) if e.on_lru => (e.prev, e.next),
+            _ => return,
+        };
+        if let Some(Some(p)) = self.slab.get_mut(prev as usize) {
+            p.next = next;
+        } else {
+            self.head = next;
+        }
+        if let Some(Some(n)) = self.slab.get_mut(next as usize) {
+            n.prev = prev;
+        } else {
+            self.tail = prev;
+        }
+        if let Some(Some(e)) = self.slab.get_mut(idx as usize) {
+            e.on_lru = false;
+            e.prev = NIL;
+            e.next = NIL;
+        }
+        self.lru_len -= 1;
+    }
+
+    fn link_tail(&mut self, idx: u32) {
+        let tail = self.tail;
+        match self.slab.get_mut(idx as usize) {
+            Some(Some(e)) if !e.on_lru => {
+                e.on_lru = true;
+                e.prev = tail;
+                e.next = NIL;
+            }
+            _ => return,
+        }
+        if let Some(Some(t)) = self.slab.get_mut(tail as usize) {
+            t.next = idx;
+        } else {
+            self.head = idx;
+        }
+        self.tail = idx;
+        self.lru_len += 1;
+    }
+
+    /// Applies a change of `users`/`pins` to an entry and moves it between
+    /// the states. `was` are the counters before.
+    fn transition(&mut self, idx: u32, was: (u32, u32)) {
+        let Some(e) = self.entry(idx) else { return };
+        let now = (e.users, e.pins);
+        let evictable = e.evictable();
+        let pinned_idle = |(u, p): (u32, u32)| u == 0 && p > 0;
+        match (was.1 > 0, now.1 > 0) {
+            (false, true) => self.pinned += 1,
+            (true, false) => self.pinned -= 1,
+            _ => {}
+        }
+        match (pinned_idle(was), pinned_idle(now)) {
+            (false, true) => self.pinned_idle += 1,
+            (true, false) => self.pinned_idle -= 1,
+            _ => {}
+        }
+        if evictable {
+            self.link_tail(idx);
+        } else {
+            self.unlink(idx);
+        }
+    }
+
+    /// A sequence takes a ref to entry `idx` (a prefix hit).
+    pub fn acquire(&mut self, idx: u32) -> Result<SharedBlockRef, MemError> {
+        let e = self.entry_mut(idx)?;
+        let block = e.block.share()?;
+        let was = (e.users, e.pins);
+        e.users += 1;
+        self.transition(idx, was);
+        Ok(block)
+    }
+
+    /// A sequence gave back its ref to entry `idx` (the caller drops it).
+    pub fn release_user(&mut self, idx: u32) {
+        if let Ok(e) = self.entry_mut(idx) {
+            let was = (e.users, e.pins);
+            e.users = e.users.saturating_sub(1);
+            self.transition(idx, was);
+        }
+    }
+
+    pub fn pin(&mut self, idx: u32) {
+        if let Ok(e) = self.entry_mut(idx) {
+            let was = (e.users, e.pins);
+            e.pins += 1;
+            self.transition(idx, was);
+        }
+    }
+
+    pub fn unpin(&mut self, idx: u32) {
+        if let Ok(e) = self.entry_mut(idx) {
+            let was = (e.users, e.pins);
+            e.pins = e.pins.saturating_sub(1);
+            self.transition(idx, was);
+        }
+    }
+
+    /// Adds an entry that owns `block`, most recently used. If `hash` is
+    /// already cached the block is handed back (the caller drops it: a
+    /// duplicate of content the cache already holds).
+    /// A ref from another pool (an SWA block) is refused, and dropped.
+    pub fn insert(
+        &mut self,
+        hash: BlockHash,
+        block: SharedBlockRef,
+    ) -> Result<Option<SharedBlockRef>, MemError> {
+        if block.pool().id() != self.pool_id {
+            return Err(MemError::invalid(format!(
+                "the prefix cache holds blocks of pool #{} only; block {} is from pool #{} (an \
+                 SWA block is never cached)",
+                self.pool_id,
+                block.id(),
+                block.pool().id()
+            )));
+        }
+        if self.map.contains_key(&hash) {
+            return Ok(Some(block));
+        }
+        let entry = Entry {
+            hash,
+            block,
+            users: 0,
+            pins: 0,
+            prev: NIL,
+            next: NIL,
+            on_lru: false,
+        };
+        let idx = match self.vacant.pop() {
+            Some(i) => {
+                self.slab[i as usize] = Some(entry);
+                i
+            }
+            None => {
+                self.slab.push(Some(entry));
+                (self.slab.len() - 1) as u32
+            }
+        };
+        self.map.insert(hash, idx);
+        self.link_tail(idx);
+        Ok(None)
+    }
+
+    /// Adds an entry for a block a running sequence keeps using: the cache
+    /// owns `block` (a `share()` of the sequence's ref) and the sequence is
+    /// its first user. Returns the entry. The caller has checked that `hash`
+    /// is not cached.
+    pub fn insert_in_use(
+        &mut self,
+        hash: BlockHash,
+        block: SharedBlockRef,
+    ) -> Result<u32, MemError> {
+        if self.insert(hash, block)?.is_some() {
+            return Err(MemError::Invariant(format!(
+                "hash {hash:x} is already cached"
+            )));
+        }
+        let idx = self
+            .get(&hash)
+            .ok_or_else(|| MemError::Invariant("an inserted entry is missing".into()))?;
+        let e = self.entry_mut(idx)?;
+        let was = (e.users, e.pins);
+        e.users = 1;
+        self.transition(idx, was);
+        Ok(idx)
+    }
+
+    /// Evicts the least recently used evictable entry; its ref drops, which
+    /// frees the block. Returns the evicted hash.
+    pub fn evict_one(&mut self) -> Option<BlockHash> {
+        let idx = self.head;
+        if idx == NIL {
+            return None;
+        }
+        self.unlink(idx);
+        let entry = self.slab.get_mut(idx as usize)?.take()?;
+        self.vacant.push(idx);
+        self.map.remove(&entry.hash);
+        let hash = entry.hash;
+        drop(entry);
+        Some(hash)
+    }
+
+    /// Every entry, in-use and pinned ones first, then the LRU oldest first
+    /// (so that reloading in this order keeps the recency).
+    pub fn entries_in_order(&self) -> Vec<&Entry> {
+        let mut out: Vec<&Entry> = self.slab.iter().flatten().filter(|e| !e.on_lru).collect();
+        let mut cursor = self.head;
+        while let Some(e) = self.entry(cursor) {
+            out.push(e);
+            cursor = e.next;
+        }
+        out
+    }
+
+    /// Checks the LRU list, the counters, and that every entry's ref count
+    /// is one (the cache's) plus its users.
+    pub fn check(&self, refcount: impl Fn(BlockId) -> u32) -> Result<(), MemError> {
+        let broken = |what: String| Err(MemError::Invariant(format!("prefix cache: {what}")));
+        let mut on_list = 0u32;
+        let mut cursor = self.head;
+        let mut prev = NIL;
+        while cursor != NIL {
+            let Some(e) = self.entry(cursor) else {
+                return broken(format!("LRU link {cursor} is vacant"));
+            };
+            if !e.on_lru || !e.evictable() || e.prev != prev {
+                return broken(format!("LRU entry {cursor} is inconsistent: {e:?}"));
+            }
+            on_list += 1;
+            if on_list > self.len() {
+                return broken("the LRU list has a cycle".into());
+            }
+            prev = cursor;
+            cursor = e.next;
+        }
+        if prev != self.tail || on_list != self.lru_len {
+            return broken(format!(
+                "LRU length {on_list} / tail {prev} disagree with {} / {}",
+                self.lru_len, self.tail
+            ));
+        }
+        let (mut pinned, mut pinned_idle) = (0, 0);
+        for (idx, e) in self.slab.iter().enumerate() {
+            let Some(e) = e else { continue };
+            if self.map.get(&e.hash) != Some(&(idx as u32)) {
+                return broken(format!("entry {idx} is not indexed by its hash"));
+            }
+            if e.on_lru != e.evictable() {
+                return broken(format!(
+                    "entry {idx} is evictable={} but on_lru={}",
+                    e.evictable(),
+                    e.on_lru
+                ));
+            }
+            let refs = refcount(e.block.id());
+            if refs != 1 + e.users {
+                return broken(format!(
+                    "block {} has {refs} refs but the cache accounts for 1 + {} users",
+                    e.block.id(),
+                    e.users
+                ));
+            }
+            pinned += u32::from(e.pins > 0);
+            pinned_idle += u32::from(e.pins > 0 && e.users == 0);
+        }
+        if (pinned, pinned_idle) != (self.pinned, self.pinned_idle) {
+            return broken("pin counters drifted".into());
+        }
+        if self.map.len() != self.slab.len() - self.vacant.len() {
+            return broken("map and slab sizes disagree".into());
+        }
+        Ok(())
+    }
+}

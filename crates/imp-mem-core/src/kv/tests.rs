@@ -1,0 +1,568 @@
+use std::path::PathBuf;
+
+use super::*;
+use crate::error::MemError;
+use crate::fake::{FakeBackend, FakeConfig};
+
+fn none() -> ExtraKeys {
+    ExtraKeys::default()
+}
+
+fn toks(range: std::ops::Range<u32>) -> Vec<u32> {
+    range.collect()
+}
+
+fn slots(block_size: usize, blocks: u32) -> KVCacheManager {
+    KVCacheManager::new(KvConfig::new(block_size, blocks), None).unwrap()
+}
+
+/// A manager over a fake backend, with bytes per block and a BlockIo.
+fn backed(blocks: u32, block_bytes: usize) -> (KVCacheManager, FakeBackend) {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, blocks);
+    cfg.block_bytes = block_bytes;
+    cfg.model_fingerprint = "test-model".into();
+    cfg.dtype = "bf16".into();
+    cfg.layout = "block-major".into();
+    let mut m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    m.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), block_bytes)))
+        .unwrap();
+    (m, fake)
+}
+
+#[test]
+fn a_freed_prefix_is_cached_and_hit_by_the_next_request() {
+    let mut m = slots(4, 16);
+    let a = m.admit(1, &toks(0..10), none()).unwrap();
+    assert_eq!((a.cached_tokens, a.blocks, a.new_blocks), (0, 3, 3));
+    let t1 = m.block_table(1).unwrap().to_vec();
+    m.free(1, None).unwrap();
+    let s = m.stats();
+    assert_eq!(
+        (s.cached, s.live, s.active, s.evictable),
+        (2, 2, 0, 2),
+        "{s:?}"
+    );
+
+    let b = m.admit(2, &toks(0..12), none()).unwrap();
+    assert_eq!((b.cached_tokens, b.new_blocks), (8, 1));
+    let t2 = m.block_table(2).unwrap().to_vec();
+    assert_eq!(&t2[..2], &t1[..2], "the hit blocks are the cached ones");
+    assert_eq!(m.pool().refcount(t2[0] as u32), 2, "cache + sequence");
+    let s = m.stats();
+    assert_eq!((s.evictable, s.active, s.prefix_hit_blocks), (0, 3, 2));
+    m.check_invariants().unwrap();
+    m.free(2, None).unwrap();
+    assert_eq!(m.stats().cached, 3);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_full_hit_still_leaves_one_token_to_compute() {
+    let mut m = slots(4, 16);
+    m.admit(1, &toks(0..8), none()).unwrap();
+    m.free(1, None).unwrap();
+    let a = m.admit(2, &toks(0..8), none()).unwrap();
+    assert_eq!(a.cached_tokens, 4);
+    assert_eq!(a.new_blocks, 1);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn extra_keys_keep_prefixes_apart() {
+    let mut m = slots(4, 16);
+    let salt = |s: &str| ExtraKeys {
+        cache_salt: Some(s.as_bytes().to_vec()),
+        ..ExtraKeys::default()
+    };
+    m.admit(1, &toks(0..9), salt("a")).unwrap();
+    m.free(1, None).unwrap();
+    assert_eq!(m.admit(2, &toks(0..9), salt("b")).unwrap().cached_tokens, 0);
+    assert_eq!(m.admit(3, &toks(0..9), salt("a")).unwrap().cached_tokens, 8);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_refused_admission_reports_the_arithmetic_and_changes_nothing() {
+    let mut m = slots(4, 8);
+    m.admit(1, &toks(0..16), none()).unwrap(); // 4 blocks
+    m.admit(2, &toks(100..108), none()).unwrap(); // 2 blocks
+    m.free(2, None).unwrap(); // 2 cached, evictable
+    m.pin(9, &toks(100..104), &none()).unwrap(); // 1 of them pinned
+    let before = m.stats();
+    let err = m.admit(3, &toks(200..220), none()).unwrap_err(); // 5 blocks
+    match &err {
+        MemError::KvCapacity(r) => {
+            assert_eq!(
+                (r.needed, r.free, r.evictable, r.pinned),
+                (5, 2, 1, 1),
+                "{err}"
+            );
+        }
+        other => panic!("expected KvCapacity, got {other:?}"),
+    }
+    assert!(err.to_string().contains("nothing was changed"), "{err}");
+    assert_eq!(m.stats(), before);
+    assert!(!m.can_admit(&toks(200..220), &none()));
+    assert!(m.can_admit(&toks(200..212), &none()));
+    m.check_invariants().unwrap();
+    // An append that does not fit is refused whole, too.
+    let err = m.append(1, &toks(0..20)).unwrap_err();
+    assert!(matches!(err, MemError::KvCapacity(_)), "{err}");
+    assert_eq!(m.num_tokens(1).unwrap(), 16);
+    assert_eq!(m.stats(), before);
+}
+
+#[test]
+fn allocation_evicts_lru_and_skips_pinned_and_in_use() {
+    let mut cfg = KvConfig::new(2, 6);
+    cfg.pin_budget = 4;
+    let mut m = KVCacheManager::new(cfg, None).unwrap();
+    for (id, start) in [(1u64, 0u32), (2, 10), (3, 20)] {
+        m.admit(id, &toks(start..start + 4), none()).unwrap();
+        m.free(id, None).unwrap();
+    }
+    assert_eq!(m.stats().cached, 6);
+    assert_eq!(m.pin(7, &toks(0..4), &none()).unwrap(), 2);
+    // Sequence 1's prefix (oldest) is pinned; 2 is older than 3.
+    m.admit(4, &toks(50..54), none()).unwrap();
+    let hashes_2 = m.hash_blocks(&toks(10..14), &none());
+    let cached: Vec<_> = m.cached_blocks().iter().map(|c| c.0).collect();
+    assert!(
+        !cached.contains(&hashes_2[0]),
+        "the LRU unpinned prefix went first"
+    );
+    assert_eq!(m.probe(&toks(0..5), &none()), 2, "the pinned one stayed");
+    assert_eq!(m.unpin(7), 2);
+    assert_eq!(m.stats().evictable, 4);
+    assert_eq!(m.evict(10), 4);
+    assert_eq!(m.stats().cached, 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn the_pin_budget_unpins_the_oldest_owner() {
+    let mut cfg = KvConfig::new(2, 16);
+    cfg.pin_budget = 3;
+    let mut m = KVCacheManager::new(cfg, None).unwrap();
+    for (id, start) in [(1u64, 0u32), (2, 10)] {
+        m.admit(id, &toks(start..start + 5), none()).unwrap();
+        m.free(id, None).unwrap();
+    }
+    assert_eq!(m.pin(1, &toks(0..4), &none()).unwrap(), 2);
+    assert_eq!(m.pin(2, &toks(10..14), &none()).unwrap(), 2);
+    let s = m.stats();
+    assert_eq!((s.pins, s.pinned), (2, 2), "owner 1 made room");
+    assert_eq!(m.unpin(1), 0);
+    assert!(matches!(
+        m.pin(3, &toks(0..6), &none()),
+        Ok(2) // only two blocks of that prefix are cached
+    ));
+    m.check_invariants().unwrap();
+    let mut tight = KvConfig::new(2, 16);
+    tight.pin_budget = 1;
+    let mut m = KVCacheManager::new(tight, None).unwrap();
+    m.admit(1, &toks(0..5), none()).unwrap();
+    m.free(1, None).unwrap();
+    assert!(matches!(
+        m.pin(1, &toks(0..4), &none()),
+        Err(MemError::Capacity(_))
+    ));
+}
+
+#[test]
+fn evict_middle_leaves_holes_and_keeps_post_hole_blocks_out_of_the_cache() {
+    let mut m = slots(2, 16);
+    m.admit(1, &toks(0..9), none()).unwrap(); // 5 blocks, 4 full
+    assert_eq!(m.evict_middle(1, 1, 3).unwrap(), 2);
+    assert_eq!(m.block_table(1).unwrap().len(), 5);
+    let t = m.block_table(1).unwrap().to_vec();
+    assert_eq!((t[1], t[2]), (-1, -1));
+    assert!(t[0] >= 0 && t[3] >= 0);
+    assert_eq!(m.cacheable_limit(1).unwrap(), Some(4));
+    m.append(1, &toks(9..13)).unwrap(); // fills block 4, adds block 5 (full) and 6
+    m.check_invariants().unwrap();
+    assert!(m.evict_middle(1, 0, 9).is_err(), "only full blocks");
+    m.free(1, None).unwrap();
+    // Blocks 0 and 3 (computed before the eviction) are cached; 4 and 5 are not.
+    let cached: Vec<_> = m.cached_blocks().iter().map(|c| c.0).collect();
+    let h = m.hash_blocks(&toks(0..13), &none());
+    assert!(cached.contains(&h[0]) && cached.contains(&h[3]));
+    assert!(!cached.contains(&h[4]) && !cached.contains(&h[5]));
+    assert_eq!(cached.len(), 2);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn abort_and_partial_compute_cache_nothing_uncomputed() {
+    let mut m = slots(2, 16);
+    m.admit(1, &toks(0..8), none()).unwrap();
+    m.abort(1).unwrap();
+    assert_eq!(m.stats().cached, 0);
+    m.admit(2, &toks(0..8), none()).unwrap();
+    m.free(2, Some(5)).unwrap();
+    assert_eq!(m.stats().cached, 2, "two full blocks were computed");
+    assert_eq!(m.stats().live, 2);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn swa_keeps_only_the_trailing_window_in_its_own_id_space() {
+    let mut cfg = KvConfig::new(4, 32);
+    cfg.swa_blocks = 6;
+    cfg.swa_window = 8;
+    let mut m = KVCacheManager::new(cfg, None).unwrap();
+    m.admit(1, &toks(0..10), none()).unwrap(); // blocks 0..3; window [2, 10) → blocks 0..3
+    assert_eq!(
+        m.swa_table(1).unwrap().iter().filter(|&&b| b >= 0).count(),
+        3
+    );
+    m.append(1, &toks(10..30)).unwrap(); // 30 tokens, 8 blocks; window [22, 30) → blocks 5..8
+    let swa = m.swa_table(1).unwrap().to_vec();
+    assert_eq!(swa.len(), 8);
+    assert_eq!(&swa[..5], &[-1; 5]);
+    assert!(swa[5..].iter().all(|&b| b >= 0));
+    assert_eq!(m.stats().swa_live, 3);
+    m.check_invariants().unwrap();
+    // The SWA pool is its own id space: 6 blocks, and a second sequence
+    // whose window needs 3 more fits, a third does not.
+    m.admit(2, &toks(100..130), none()).unwrap();
+    let err = m.admit(3, &toks(200..212), none()).unwrap_err();
+    match err {
+        MemError::KvCapacity(r) => assert_eq!(r.pool, "swa"),
+        other => panic!("{other:?}"),
+    }
+    m.free(1, None).unwrap();
+    m.free(2, None).unwrap();
+    let s = m.stats();
+    assert_eq!((s.swa_live, s.swa_free), (0, 6));
+    // Cached main blocks never include an SWA block: SWA refs cannot reach
+    // the cache (the type has no share(), the cache refuses foreign pools).
+    let swa_pool = m.swa_pool().unwrap().clone();
+    let stray = swa_pool.allocate().unwrap();
+    let mut cache = prefix::PrefixCache::new(m.pool().id());
+    assert!(cache.insert(1, stray).is_err());
+    assert_eq!(swa_pool.stats().live, 0, "the refused ref was dropped");
+    m.check_invariants().unwrap();
+}
+
+fn tmp(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(name);
+    (dir, path)
+}
+
+/// Writes a pattern derived from the block's hash into every full block of
+/// sequence `id` (what an engine's forward pass would put there).
+fn fill(m: &KVCacheManager, fake: &FakeBackend, id: SeqId) {
+    let hashes = m.sequence_hashes(id).unwrap().to_vec();
+    for (i, h) in hashes.iter().enumerate() {
+        if let Some((addr, len)) = m.block_span(id, i).unwrap() {
+            let bytes: Vec<u8> = (0..len)
+                .map(|k| (h.wrapping_shr(k as u32 % 128) as u8) ^ k as u8)
+                .collect();
+            fake.write(addr, &bytes).unwrap();
+        }
+    }
+}
+
+fn pattern(h: BlockHash, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|k| (h.wrapping_shr(k as u32 % 128) as u8) ^ k as u8)
+        .collect()
+}
+
+#[test]
+fn save_and_load_restore_hashes_and_bytes() {
+    let (mut m, fake) = backed(16, 64);
+    m.admit(1, &toks(0..13), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("cache.bin");
+    assert_eq!(m.save_prefix_cache(&path).unwrap(), 3);
+    let saved: Vec<_> = m.cached_blocks().iter().map(|c| c.0).collect();
+    assert_eq!(m.evict(100), 3);
+    assert_eq!(m.load_prefix_cache(&path).unwrap(), 3);
+    assert_eq!(m.load_prefix_cache(&path).unwrap(), 0, "already cached");
+    let loaded = m.cached_blocks();
+    assert_eq!(loaded.iter().map(|c| c.0).collect::<Vec<_>>(), saved);
+    for (h, _, addr) in &loaded {
+        assert_eq!(fake.read(addr.unwrap(), 64).unwrap(), pattern(*h, 64));
+    }
+    assert_eq!(m.admit(2, &toks(0..13), none()).unwrap().cached_tokens, 12);
+    m.check_invariants().unwrap();
+
+    // A fresh manager of the same configuration loads it too.
+    let (mut other, _f) = backed(16, 64);
+    assert_eq!(other.load_prefix_cache(&path).unwrap(), 3);
+    other.check_invariants().unwrap();
+}
+
+#[test]
+fn bad_files_are_refused_and_nothing_is_loaded() {
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..9), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (dir, path) = tmp("cache.bin");
+    m.save_prefix_cache(&path).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    m.evict(100);
+    let before = m.stats();
+
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("truncated", good[..good.len() - 7].to_vec()),
+        ("checksum", {
+            let mut b = good.clone();
+            let at = b.len() - 30;
+            b[at] ^= 1;
+            b
+        }),
+        ("magic", {
+            let mut b = good.clone();
+            b[0] = b'X';
+            b
+        }),
+        ("version", {
+            let mut b = good.clone();
+            b[8] = 9;
+            b
+        }),
+        ("empty", vec![]),
+    ];
+    for (what, bytes) in cases {
+        let p = dir.path().join(what);
+        std::fs::write(&p, bytes).unwrap();
+        let err = m.load_prefix_cache(&p).unwrap_err();
+        assert!(
+            err.to_string().contains("nothing was loaded"),
+            "{what}: {err}"
+        );
+        assert_eq!(m.stats(), before, "{what}");
+    }
+    // Another model's manager refuses it, naming the field.
+    let fake2 = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = m.config().clone();
+    cfg.model_fingerprint = "another-model".into();
+    let mut other = KVCacheManager::new(cfg, Some(fake2.backend())).unwrap();
+    other
+        .set_block_io(Box::new(FakeBlockIo::new(fake2.clone(), 32)))
+        .unwrap();
+    let err = other.load_prefix_cache(&path).unwrap_err();
+    assert!(err.to_string().contains("model_fingerprint"), "{err}");
+    assert_eq!(other.stats().cached, 0);
+    // A file that does not fit is refused whole.
+    let (mut small, _f) = backed(1, 32);
+    assert!(matches!(
+        small.load_prefix_cache(&path),
+        Err(MemError::KvCapacity(_))
+    ));
+    assert_eq!(small.stats().cached, 0);
+    small.check_invariants().unwrap();
+}
+
+#[derive(Debug)]
+struct FailingIo {
+    inner: FakeBlockIo,
+    fail_at: std::sync::atomic::AtomicU32,
+}
+
+impl BlockIo for FailingIo {
+    fn block_bytes(&self) -> usize {
+        self.inner.block_bytes()
+    }
+    fn read_block(&self, b: &crate::SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
+        self.inner.read_block(b, dst)
+    }
+    fn write_block(&self, b: &crate::SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
+        use std::sync::atomic::Ordering;
+        if self.fail_at.fetch_sub(1, Ordering::SeqCst) == 1 {
+            return Err(MemError::Driver("injected copy failure".into()));
+        }
+        self.inner.write_block(b, src)
+    }
+}
+
+#[test]
+fn a_copy_failure_during_load_unwinds_every_ref() {
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..17), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("c.bin");
+    m.save_prefix_cache(&path).unwrap();
+    m.evict(100);
+    m.set_block_io(Box::new(FailingIo {
+        inner: FakeBlockIo::new(fake.clone(), 32),
+        fail_at: 3.into(),
+    }))
+    .unwrap();
+    let before = m.stats();
+    assert!(matches!(
+        m.load_prefix_cache(&path),
+        Err(MemError::Driver(_))
+    ));
+    assert_eq!(m.stats(), before);
+    m.check_invariants().unwrap();
+}
+
+#[derive(Debug)]
+struct FailingRead(FakeBlockIo);
+
+impl BlockIo for FailingRead {
+    fn block_bytes(&self) -> usize {
+        self.0.block_bytes()
+    }
+    fn read_block(&self, _: &crate::SharedBlockRef, _: &mut [u8]) -> Result<(), MemError> {
+        Err(MemError::Driver("injected read failure".into()))
+    }
+    fn write_block(&self, b: &crate::SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
+        self.0.write_block(b, src)
+    }
+}
+
+#[test]
+fn a_failed_save_leaves_the_previous_file_and_no_temporary() {
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..9), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (dir, path) = tmp("cache.bin");
+    m.save_prefix_cache(&path).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    m.admit(2, &toks(50..59), none()).unwrap();
+    m.free(2, None).unwrap();
+    m.set_block_io(Box::new(FailingRead(FakeBlockIo::new(fake.clone(), 32))))
+        .unwrap();
+    assert!(matches!(
+        m.save_prefix_cache(&path),
+        Err(MemError::Driver(_))
+    ));
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        good,
+        "the old file is intact"
+    );
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(names.len(), 1, "no temporary left behind");
+}
+
+#[test]
+fn a_file_saved_under_another_hash_seed_is_refused() {
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..9), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("cache.bin");
+    m.save_prefix_cache(&path).unwrap();
+    let fake2 = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = m.config().clone();
+    cfg.hash_seed ^= 1;
+    cfg.block_size = 8;
+    let mut other = KVCacheManager::new(cfg, Some(fake2.backend())).unwrap();
+    other
+        .set_block_io(Box::new(FakeBlockIo::new(fake2.clone(), 32)))
+        .unwrap();
+    let err = other.load_prefix_cache(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("hash_seed") && err.contains("block_size"),
+        "{err}"
+    );
+    assert_eq!(other.stats().cached, 0);
+}
+
+#[test]
+fn a_failed_construction_releases_what_it_acquired() {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, 8);
+    cfg.block_bytes = 64;
+    cfg.swa_blocks = 4;
+    cfg.swa_window = 8;
+    cfg.swa_block_bytes = 64;
+    fake.fail_nth(Some(2)).unwrap(); // the SWA pool's region
+    assert!(matches!(
+        KVCacheManager::new(cfg.clone(), Some(fake.backend())),
+        Err(MemError::OutOfMemory(_))
+    ));
+    assert_eq!(fake.live(), 0, "the main pool's region was released");
+    let m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    assert!(fake.live() >= 12 * 64);
+    drop(m);
+    assert_eq!(fake.live(), 0);
+}
+
+#[test]
+fn bad_configs_say_what_to_change() {
+    for cfg in [
+        KvConfig::new(0, 8),
+        KvConfig::new(4, 0),
+        KvConfig {
+            swa_blocks: 4,
+            ..KvConfig::new(4, 8)
+        },
+        KvConfig {
+            pin_budget: 9,
+            ..KvConfig::new(4, 8)
+        },
+        KvConfig {
+            block_bytes: 64,
+            ..KvConfig::new(4, 8)
+        },
+    ] {
+        assert!(
+            matches!(
+                KVCacheManager::new(cfg.clone(), None),
+                Err(MemError::InvalidArgument(_))
+            ),
+            "{cfg:?}"
+        );
+    }
+}
+
+#[test]
+fn duplicate_and_unknown_sequences_are_refused() {
+    let mut m = slots(4, 8);
+    m.admit(1, &toks(0..5), none()).unwrap();
+    assert!(matches!(
+        m.admit(1, &toks(0..5), none()),
+        Err(MemError::InvalidArgument(_))
+    ));
+    assert!(m.free(2, None).is_err());
+    assert!(m.block_table(2).is_err());
+    assert_eq!(m.stats().sequences, 1);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn blocks_cached_while_running_are_hit_by_concurrent_requests() {
+    let mut m = slots(4, 32);
+    m.admit(1, &toks(0..14), none()).unwrap(); // 3 full blocks + 2 tokens
+    assert_eq!(m.admit(2, &toks(0..14), none()).unwrap().cached_tokens, 0);
+    m.abort(2).unwrap();
+    // The engine computed 9 tokens: two full blocks may be cached now.
+    assert_eq!(m.cache_computed(1, 9).unwrap(), 2);
+    assert_eq!(m.cache_computed(1, 9).unwrap(), 0, "offered once");
+    let s = m.stats();
+    assert_eq!(
+        (s.cached, s.evictable, s.active),
+        (2, 0, 4),
+        "in use, not evictable"
+    );
+    let a = m.admit(3, &toks(0..14), none()).unwrap();
+    assert_eq!(a.cached_tokens, 8);
+    let t1 = m.block_table(1).unwrap().to_vec();
+    let t3 = m.block_table(3).unwrap().to_vec();
+    assert_eq!(
+        t1[..2],
+        t3[..2],
+        "running sequences share through the cache"
+    );
+    assert_eq!(m.pool().refcount(t1[0] as u32), 3);
+    m.check_invariants().unwrap();
+    m.free(1, None).unwrap(); // caches block 2 too
+    m.check_invariants().unwrap();
+    m.abort(3).unwrap();
+    let s = m.stats();
+    assert_eq!((s.cached, s.evictable, s.active, s.live), (3, 3, 0, 3));
+    m.check_invariants().unwrap();
+}

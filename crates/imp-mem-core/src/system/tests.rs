@@ -1,0 +1,585 @@
+//! MemorySystem on the fake backend: the open order in the journal, a clean
+//! failure at every step, the attribution arithmetic, the metrics format,
+//! V8 against a journal, and close.
+
+use serde_json::json;
+
+use super::*;
+use crate::accounting::JournalOp;
+use crate::fake::{FakeBackend, FakeConfig};
+use crate::phase::PhaseMode;
+use crate::planner::{
+    plan_memory, Features, KvPlan, KvPolicy, Limits, ModelShape, PlanInput, PoolPlan,
+};
+
+/// A small Llama-shaped model: 2 KiB of KV per token.
+fn shape() -> ModelShape {
+    ModelShape::from_hf_config(&json!({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 1000, "max_position_embeddings": 4096,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16"
+    }))
+    .unwrap()
+}
+
+fn plan(budget: u64) -> MemoryPlan {
+    let mut limits = Limits::new(4, 1024);
+    limits.kv_policy = KvPolicy::Fit;
+    plan_memory(&PlanInput {
+        model: shape(),
+        limits,
+        features: Features::default(),
+        tp: 1,
+        budget,
+        context_bytes: 8 * MIB,
+        library_reserve_bytes: 4 * MIB,
+    })
+    .unwrap()
+}
+
+/// The plan plus an SWA pool and a state pool, so every step exists.
+fn full_plan() -> MemoryPlan {
+    let mut p = plan(256 * MIB);
+    p.swa = Some(KvPlan {
+        window: Some(128),
+        blocks: 40,
+        target_blocks: 40,
+        block_bytes: 16 * 1024,
+        bytes: MIB,
+        ..p.kv.clone()
+    });
+    p.pools = vec![PoolPlan {
+        name: "linear/SSM state".into(),
+        slots: 4,
+        bytes_per_slot: 64 * 1024,
+        bytes: MIB,
+    }];
+    p
+}
+
+fn fake(capacity: u64, backed: bool) -> FakeBackend {
+    FakeBackend::new(FakeConfig {
+        capacity,
+        backed,
+        ..FakeConfig::default()
+    })
+    .unwrap()
+}
+
+const ORDER: [Tag; 6] = [
+    Tag::Workspace,
+    Tag::Weights,
+    Tag::SwaCache,
+    Tag::State,
+    Tag::Scratch,
+    Tag::KvCache,
+];
+
+#[test]
+fn tiers_open_in_the_seed_order_and_the_journal_shows_it() {
+    let fb = fake(GIB_TEST, false);
+    let p = full_plan();
+    let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    let acquired: Vec<Tag> = fb
+        .journal()
+        .unwrap()
+        .iter()
+        .filter(|e| e.op == JournalOp::Acquire)
+        .map(|e| e.tag)
+        .collect();
+    assert_eq!(acquired, ORDER);
+    assert_eq!(
+        system.tier_keys(),
+        [
+            "engine_persistent",
+            "model_resident",
+            "swa_pool",
+            "state",
+            "scratch",
+            "kv_pool"
+        ]
+    );
+    // The fake is growable: the KV pool reserves the plan and commits a part.
+    let kv = system.kv_pool().unwrap().stats();
+    assert_eq!(u64::from(kv.max_blocks), p.kv.blocks);
+    assert!(kv.capacity < kv.max_blocks, "{kv:?}");
+    assert!(u64::from(kv.capacity) >= p.kv.blocks_per_sequence);
+    let tags = fb.stats().tags;
+    assert!(tags[&Tag::KvCache].reserved >= p.kv.blocks * p.kv.block_bytes);
+    assert!(tags[&Tag::KvCache].committed < tags[&Tag::KvCache].reserved);
+    assert_eq!(tags[&Tag::Weights].committed, p.model_resident);
+    assert_eq!(tags[&Tag::Workspace].committed, p.engine_persistent);
+    assert_eq!(tags[&Tag::Scratch].committed, p.scratch);
+    system.check().unwrap();
+}
+
+const GIB_TEST: u64 = 1 << 30;
+
+#[test]
+fn a_failure_at_every_step_leaves_nothing_acquired() {
+    let p = full_plan();
+    for n in 1..=ORDER.len() as u64 {
+        let fb = fake(GIB_TEST, true);
+        let budget = fb.budget();
+        fb.fail_nth(Some(n)).unwrap();
+        let err = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap_err();
+        assert_eq!(err.step, n as usize, "{err}");
+        assert!(matches!(err.error, MemError::OutOfMemory(_)), "{err}");
+        assert!(err.to_string().contains("released"), "{err}");
+        assert_eq!(fb.live(), 0, "step {n}");
+        assert_eq!(fb.device_used(), 0, "step {n}");
+        assert_eq!(fb.budget(), budget, "the budget is restored");
+        fb.check_invariants().unwrap();
+        // What was opened before the failing step was acquired, then released.
+        let journal = fb.journal().unwrap();
+        let acquired = journal
+            .iter()
+            .filter(|e| e.op == JournalOp::Acquire)
+            .count();
+        assert_eq!(acquired, n as usize - 1);
+    }
+    // A growable KV pool's first commit failing is the last step's failure.
+    let fb = fake(GIB_TEST, true);
+    fb.fail_commits(1);
+    let err = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap_err();
+    assert_eq!(err.step, ORDER.len());
+    assert_eq!(fb.live(), 0);
+}
+
+#[test]
+fn a_plan_larger_than_the_backend_is_refused_before_anything_is_acquired() {
+    let fb = fake(32 * MIB, false);
+    let err = MemorySystem::open(&fb, &plan(256 * MIB), SystemOptions::default()).unwrap_err();
+    assert_eq!(err.step, 0);
+    assert!(matches!(err.error, MemError::InvalidArgument(_)), "{err}");
+    assert!(err.to_string().contains("plan with this backend"), "{err}");
+    assert!(fb.journal().unwrap().is_empty());
+    assert_eq!(fb.budget(), 32 * MIB);
+}
+
+#[test]
+fn opening_while_serving_is_a_phase_violation() {
+    let fb = fake(GIB_TEST, false);
+    fb.begin_planning().unwrap();
+    fb.begin_serving().unwrap();
+    let err = MemorySystem::open(&fb, &plan(256 * MIB), SystemOptions::default()).unwrap_err();
+    assert!(
+        matches!(err.error, MemError::PhaseViolation { .. }),
+        "{err}"
+    );
+    assert!(fb.journal().unwrap().is_empty());
+}
+
+#[test]
+fn the_budget_becomes_the_plans_and_is_restored_on_close() {
+    let fb = fake(GIB_TEST, false);
+    let p = plan(256 * MIB);
+    let mut system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    assert_eq!(fb.budget(), p.budget - p.context - p.library_reserve);
+    // The cap binds: one byte past it is refused, though the device has room.
+    let room = fb.budget() - fb.stats().total.committed;
+    let err = fb.acquire(room + 1, 256, Tag::Other).unwrap_err();
+    assert!(
+        matches!(err, MemError::OutOfMemory(r) if !r.device_refused),
+        "{err}"
+    );
+    let closed = system.close();
+    assert!(closed.still_held.is_empty(), "{closed:?}");
+    assert_eq!(fb.budget(), GIB_TEST);
+    assert_eq!(fb.live(), 0);
+    assert!(system.is_closed());
+}
+
+/// Serves a small workload and checks every tier stays within its plan.
+fn serve(system: &MemorySystem) -> Vec<SharedBlockRefsHolder> {
+    let weights = system.weights_arena().unwrap();
+    let cap = weights.stats().capacity;
+    weights.take(cap / 2, 256).unwrap();
+    weights.take(cap / 4, 256).unwrap();
+    system.engine_arena().unwrap().take(1 << 20, 256).unwrap();
+    system.begin_serving().unwrap();
+    let scratch = system.scratch().unwrap();
+    let kv = system.kv_pool().unwrap();
+    let mut held = Vec::new();
+    for step in 0..4u32 {
+        let mark = scratch.mark().unwrap();
+        mark.take(4096 * (step as usize + 1), 256).unwrap();
+        held.push(SharedBlockRefsHolder(
+            kv.allocate_many(kv.stats().max_blocks / 5).unwrap(),
+        ));
+        mark.rewind().unwrap();
+    }
+    held
+}
+
+/// Keeps refs alive in the tests without naming the block-pool type twice.
+struct SharedBlockRefsHolder(#[allow(dead_code)] crate::SharedBlockRefs);
+
+#[test]
+fn serving_grows_the_kv_pool_inside_the_plan_and_acquires_nothing() {
+    let fb = FakeBackend::new(FakeConfig {
+        capacity: GIB_TEST,
+        backed: false,
+        mode: PhaseMode::Strict,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let p = plan(256 * MIB);
+    let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    let acquisitions = fb.stats().total.acquisitions;
+    let held = serve(&system);
+    assert_eq!(fb.phase(), Phase::Serving);
+    assert_eq!(fb.stats().total.acquisitions, acquisitions);
+    let kv = system.kv_pool().unwrap().stats();
+    assert!(kv.growths > 0, "{kv:?}");
+    system.check().unwrap();
+    // V8: replay the journal; no tier's tag ever exceeds what the plan gave it.
+    let granule = fb.info().granularity as u64;
+    let planned: BTreeMap<Tag, u64> = [
+        (Tag::Workspace, p.engine_persistent),
+        (Tag::Weights, p.model_resident),
+        (Tag::Scratch, p.scratch),
+        (Tag::KvCache, p.kv.bytes),
+    ]
+    .into_iter()
+    .collect();
+    let mut running: BTreeMap<Tag, i128> = BTreeMap::new();
+    let mut total: i128 = 0;
+    for e in fb.journal().unwrap() {
+        let delta = e.op.sign() as i128 * e.bytes as i128;
+        *running.entry(e.tag).or_insert(0) += delta;
+        total += delta;
+        let limit = planned[&e.tag].div_ceil(granule) * granule;
+        assert!(running[&e.tag] <= limit as i128, "{e:?}");
+        assert!(total <= (p.budget - p.context - p.library_reserve) as i128);
+    }
+    let report = system.report(&ReportInput::default());
+    assert_eq!(report.steady_state_allocations_total, 0);
+    assert_eq!(report.phase, "SERVING");
+    drop(held);
+}
+
+#[test]
+fn attribution_is_backend_committed_plus_charges_against_the_device() {
+    let fb = fake(GIB_TEST, false);
+    let p = plan(256 * MIB);
+    let options = SystemOptions {
+        context_bytes: Some(10 * MIB),
+        library_reserve_bytes: Some(6 * MIB),
+        ..SystemOptions::default()
+    };
+    let mut system = MemorySystem::open(&fb, &p, options).unwrap();
+    // Something outside the tiers, through the backend: attributed by tag.
+    let _other = fb.acquire(MIB, 256, Tag::Other).unwrap();
+    let _held = serve(&system);
+    system
+        .set_charge("torch", "torch caching allocator", 3 * MIB)
+        .unwrap();
+    let committed = fb.stats().total.committed;
+    let attributed = committed + 10 * MIB + 6 * MIB + 3 * MIB;
+    // The device: ours, 2 MiB no one names, and 100 MiB of another process.
+    let used = attributed + 2 * MIB + 100 * MIB;
+    let input = ReportInput {
+        device: Some(DeviceReading {
+            free: GIB_TEST - used,
+            total: GIB_TEST,
+        }),
+        other_processes: 100 * MIB,
+        extra: vec![],
+    };
+    let r = system.report(&input);
+    assert_eq!(r.backend_committed, committed);
+    assert_eq!(r.attributed, attributed);
+    assert_eq!(
+        r.outside,
+        vec![OutsideLine {
+            tag: "other",
+            committed: MIB
+        }]
+    );
+    let d = r.device.as_ref().unwrap();
+    assert_eq!(d.used, used);
+    assert_eq!(d.own_used, attributed + 2 * MIB);
+    assert_eq!(d.unattributed, 2 * MIB as i64);
+    let expected = attributed as f64 * 100.0 / (attributed + 2 * MIB) as f64;
+    assert!((d.attribution_pct - expected).abs() < 1e-9);
+    assert!(d.meets_target);
+    let keys: Vec<&str> = r.charges.iter().map(|c| c.key.as_str()).collect();
+    assert_eq!(keys, ["context", "library_reserve", "torch"]);
+    assert!(r.charges.iter().all(|c| c.measured));
+    // An unnamed 20 % breaks criterion 6, and the report says so.
+    let big = ReportInput {
+        device: Some(DeviceReading {
+            free: GIB_TEST - attributed * 5 / 4,
+            total: GIB_TEST,
+        }),
+        ..ReportInput::default()
+    };
+    let r = system.report(&big);
+    assert!(!r.device.as_ref().unwrap().meets_target);
+    assert!(r.text().contains("NOT met"), "{}", r.text());
+    // The plan's per-tier figures are in the report, in open order.
+    let keys: Vec<&str> = r.tiers.iter().map(|t| t.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        ["engine_persistent", "model_resident", "scratch", "kv_pool"]
+    );
+    let t1 = &r.tiers[1];
+    assert_eq!(
+        (t1.tier, t1.tag, t1.planned, t1.committed),
+        ("T1", "weights", p.model_resident, p.model_resident)
+    );
+    assert_eq!(t1.in_use, t1.high_water);
+    let kv = r.tiers[3].blocks.unwrap();
+    assert_eq!(kv.live, 4 * (kv.max_blocks / 5));
+    assert_eq!(r.tiers[3].in_use, u64::from(kv.live) * kv.block_bytes);
+}
+
+#[test]
+fn without_measured_charges_the_plans_are_reported_as_estimates() {
+    let fb = fake(GIB_TEST, false);
+    let p = plan(256 * MIB);
+    let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    let r = system.report(&ReportInput::default());
+    assert!(r.device.is_none());
+    assert_eq!(r.charges[0].bytes, p.context);
+    assert!(!r.charges[0].measured);
+    let text = r.text();
+    for needle in [
+        "model-resident arena",
+        "KV pool (growable)",
+        "CUDA context + driver (plan)",
+        "no device reading",
+        "steady-state allocations while serving: 0",
+    ] {
+        assert!(text.contains(needle), "{needle}\n{text}");
+    }
+    let json: serde_json::Value = serde_json::from_str(&r.to_json().unwrap()).unwrap();
+    assert_eq!(json["tiers"][1]["key"], "model_resident");
+    assert_eq!(json["plan_total"], p.total);
+}
+
+/// Parses one exposition: every line is `# HELP name text`, `# TYPE name
+/// kind`, or `name{labels} value` of a declared family.
+fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
+    let mut families: BTreeMap<String, String> = BTreeMap::new();
+    let mut samples = BTreeMap::new();
+    let ident = |s: &str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+            && !s.starts_with(|c: char| c.is_ascii_digit())
+    };
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap();
+            assert!(ident(name) && !help.is_empty(), "{line}");
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            assert!(ident(name), "{line}");
+            assert!(kind == "gauge" || kind == "counter", "{line}");
+            assert_eq!(kind == "counter", name.ends_with("_total"), "{line}");
+            assert!(
+                families.insert(name.into(), kind.into()).is_none(),
+                "{line}"
+            );
+        } else {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            let value: f64 = value.parse().unwrap_or_else(|_| panic!("{line}"));
+            let name = match series.split_once('{') {
+                Some((name, labels)) => {
+                    let labels = labels.strip_suffix('}').unwrap();
+                    let (key, v) = labels.split_once('=').unwrap();
+                    assert!(key == "tier" || key == "tag", "{line}");
+                    assert!(
+                        v.starts_with('"') && v.ends_with('"') && v.len() > 2,
+                        "{line}"
+                    );
+                    name
+                }
+                None => series,
+            };
+            assert!(families.contains_key(name), "undeclared: {line}");
+            assert!(
+                name.ends_with("_bytes")
+                    || name.ends_with("_total")
+                    || name.ends_with("_blocks")
+                    || name.ends_with("_ratio"),
+                "{line}"
+            );
+            assert!(
+                samples.insert(series.to_string(), value).is_none(),
+                "dup: {line}"
+            );
+        }
+    }
+    samples
+}
+
+#[test]
+fn metrics_are_prometheus_text_from_one_snapshot() {
+    let fb = fake(GIB_TEST, false);
+    let p = full_plan();
+    let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    let _held = serve(&system);
+    let input = ReportInput {
+        device: Some(DeviceReading {
+            free: GIB_TEST / 2,
+            total: GIB_TEST,
+        }),
+        ..ReportInput::default()
+    };
+    let report = system.report(&input);
+    let m = parse_metrics(&report.metrics());
+    let kv = system.kv_pool().unwrap().stats();
+    assert_eq!(
+        m["imp_mem_pool_live_blocks{tag=\"kv_cache\"}"],
+        f64::from(kv.live)
+    );
+    assert_eq!(
+        m["imp_mem_pool_free_blocks{tag=\"kv_cache\"}"],
+        f64::from(kv.free)
+    );
+    assert_eq!(
+        m["imp_mem_pool_capacity_blocks{tag=\"kv_cache\"}"],
+        f64::from(kv.capacity)
+    );
+    assert_eq!(m["imp_mem_pool_capacity_blocks{tag=\"swa_cache\"}"], 40.0);
+    assert_eq!(
+        m["imp_mem_steady_state_allocations_total{tag=\"kv_cache\"}"],
+        0.0
+    );
+    assert_eq!(m["imp_mem_budget_bytes"], fb.budget() as f64);
+    assert_eq!(
+        m["imp_mem_tier_committed_bytes{tier=\"model_resident\"}"],
+        p.model_resident as f64
+    );
+    assert_eq!(
+        m["imp_mem_tier_planned_bytes{tier=\"pooled\"}"],
+        (p.kv.bytes + MIB + MIB) as f64
+    );
+    assert_eq!(
+        m["imp_mem_live_bytes{tag=\"weights\"}"],
+        p.model_resident as f64
+    );
+    assert_eq!(m["imp_mem_acquisitions_total{tag=\"kv_cache\"}"], 1.0);
+    assert_eq!(m["imp_mem_attributed_bytes"], report.attributed as f64);
+    let ratio = m["imp_mem_attribution_ratio"];
+    assert!((ratio - report.attributed as f64 / (GIB_TEST / 2) as f64).abs() < 1e-9);
+    // Every tag has its steady-state series, so criterion 3 reads as 0.
+    for tag in Tag::ALL {
+        assert!(m.contains_key(&format!(
+            "imp_mem_steady_state_allocations_total{{tag=\"{tag}\"}}"
+        )));
+    }
+}
+
+#[test]
+fn production_mode_counts_an_acquisition_while_serving() {
+    let fb = FakeBackend::new(FakeConfig {
+        capacity: GIB_TEST,
+        backed: false,
+        mode: PhaseMode::Production,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let system = MemorySystem::open(&fb, &plan(256 * MIB), SystemOptions::default()).unwrap();
+    system.begin_serving().unwrap();
+    system.begin_serving().unwrap();
+    let _late = fb.acquire(4096, 256, Tag::Workspace).unwrap();
+    let r = system.report(&ReportInput::default());
+    assert_eq!(r.steady_state_allocations_total, 1);
+    let m = parse_metrics(&r.metrics());
+    assert_eq!(
+        m["imp_mem_steady_state_allocations_total{tag=\"workspace\"}"],
+        1.0
+    );
+}
+
+#[test]
+fn a_fixed_kv_pool_commits_the_whole_plan_at_open() {
+    let fb = fake(GIB_TEST, false);
+    let p = plan(256 * MIB);
+    let options = SystemOptions {
+        kv_growable: Some(false),
+        ..SystemOptions::default()
+    };
+    let system = MemorySystem::open(&fb, &p, options).unwrap();
+    let kv = system.kv_pool().unwrap().stats();
+    assert_eq!(u64::from(kv.capacity), p.kv.blocks);
+    let t = fb.stats().tags[&Tag::KvCache];
+    assert_eq!(t.committed, p.kv.blocks * p.kv.block_bytes);
+    assert_eq!(t.reserved, t.committed);
+}
+
+#[test]
+fn close_reports_what_a_ref_still_holds_and_frees_it_when_dropped() {
+    let fb = fake(GIB_TEST, true);
+    let mut system = MemorySystem::open(&fb, &plan(256 * MIB), SystemOptions::default()).unwrap();
+    let block = system.kv_pool().unwrap().allocate().unwrap();
+    let closed = system.close();
+    assert_eq!(closed.still_held.len(), 1);
+    assert_eq!(closed.still_held[0].0, Tag::KvCache);
+    assert!(closed.released > 0);
+    assert!(system.kv_pool().is_none());
+    assert!(system.begin_serving().is_err());
+    drop(block);
+    assert_eq!(fb.live(), 0);
+    fb.check_invariants().unwrap();
+    // A second close is harmless.
+    assert_eq!(system.close(), CloseReport::default());
+}
+
+#[test]
+fn dropping_the_system_releases_everything() {
+    let fb = fake(GIB_TEST, true);
+    let system = MemorySystem::open(&fb, &full_plan(), SystemOptions::default()).unwrap();
+    assert!(fb.live() > 0);
+    drop(system);
+    assert_eq!(fb.live(), 0);
+    assert_eq!(fb.budget(), GIB_TEST);
+}
+
+#[test]
+fn a_kv_pool_grows_only_where_the_headroom_covers_the_granule_rounding() {
+    // 96 blocks of 32 KiB = 3 MiB; a 2 MiB granule rounds the reservation
+    // to 4 MiB, one more than the plan charged.
+    let mut p = plan(256 * MIB);
+    p.kv.blocks = 96;
+    p.kv.bytes = 3 * MIB;
+    let open = |headroom: u64| {
+        let mut p = p.clone();
+        p.budget = p.budget - p.headroom + headroom;
+        p.headroom = headroom;
+        let fb = FakeBackend::new(FakeConfig {
+            capacity: GIB_TEST,
+            backed: false,
+            granularity: 2 << 20,
+            ..FakeConfig::default()
+        })
+        .unwrap();
+        let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+        let kv = system.kv_pool().unwrap();
+        // Every planned block is reachable within the budget either way.
+        let all = kv.allocate_many(96).unwrap();
+        system.check().unwrap();
+        let stats = kv.stats();
+        drop(all);
+        (
+            stats.capacity,
+            stats.growths,
+            fb.stats().tags[&Tag::KvCache].reserved,
+        )
+    };
+    let (capacity, growths, reserved) = open(0);
+    assert_eq!(
+        (capacity, growths, reserved),
+        (96, 0, 3 * MIB),
+        "fixed: exact bytes"
+    );
+    let (capacity, growths, reserved) = open(MIB);
+    assert_eq!(capacity, 96);
+    assert!(growths > 0);
+    assert_eq!(reserved, 4 * MIB, "growable: whole granules");
+}

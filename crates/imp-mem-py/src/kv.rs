@@ -1,0 +1,557 @@
+//! Python face of the KV cache manager: `KVCacheManager`.
+//!
+//! Conversions only. Token ids arrive as any buffer of integers (a NumPy
+//! array, `array('i')`, a `memoryview`) or a list/tuple of ints; a buffer is
+//! copied once to bytes in the binding (the buffer protocol itself is not in
+//! the abi3-py39 limited API) and reinterpreted in Rust, so there is no
+//! per-token Python work. Hashing, matching and allocation run with the GIL
+//! released.
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+use imp_mem_core::kv::{
+    BlockHash, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan, DEFAULT_HASH_SEED,
+};
+use imp_mem_core::Backend;
+use imp_mem_cuda::CudaBlockIo;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+
+use crate::backend::{PyBackend, PyFakeBackend};
+use crate::errors::{invalid, IntoPyResult};
+
+static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+
+/// Reinterprets integers of `size` bytes (little- or big-endian) as token
+/// ids, refusing any outside `0..=u32::MAX`.
+fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
+    let bad = |v: i128| invalid(format!("token id {v} is outside 0..=4294967295"));
+    // The common cases: int32 / int64 / uint32, native order.
+    if !big {
+        match (size, signed) {
+            (4, true) => {
+                let out: Vec<u32> = bytes
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                return match out.iter().find(|&&v| v > i32::MAX as u32) {
+                    Some(&v) => Err(bad(v as i32 as i128)),
+                    None => Ok(out),
+                };
+            }
+            (4, false) => {
+                return Ok(bytes
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect())
+            }
+            (8, _) => {
+                let mut out = Vec::with_capacity(bytes.len() / 8);
+                let mut high = 0u64;
+                for c in bytes.chunks_exact(8) {
+                    let v = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+                    high |= v >> 32;
+                    out.push(v as u32);
+                }
+                if high != 0 {
+                    let v = bytes
+                        .chunks_exact(8)
+                        .map(|c| {
+                            let v = u64::from_le_bytes([
+                                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+                            ]);
+                            if signed {
+                                v as i64 as i128
+                            } else {
+                                v as i128
+                            }
+                        })
+                        .find(|&v| !(0..=u32::MAX as i128).contains(&v))
+                        .unwrap_or(-1);
+                    return Err(bad(v));
+                }
+                return Ok(out);
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::with_capacity(bytes.len() / size);
+    for chunk in bytes.chunks_exact(size) {
+        let mut word = [0u8; 8];
+        let u = if big {
+            word[8 - size..].copy_from_slice(chunk);
+            u64::from_be_bytes(word)
+        } else {
+            word[..size].copy_from_slice(chunk);
+            u64::from_le_bytes(word)
+        };
+        let shift = 64 - 8 * size as u32;
+        let v: i128 = if signed {
+            ((u << shift) as i64 >> shift) as i128
+        } else {
+            u as i128
+        };
+        out.push(u32::try_from(v).map_err(|_| bad(v))?);
+    }
+    Ok(out)
+}
+
+/// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
+pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        // `array('q', seq)` converts in C, about 5x faster than extracting
+        // each int here; it refuses non-integers and values beyond int64.
+        let array = ARRAY.get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("array")?.getattr("array")?.unbind())
+        })?;
+        let packed = array.bind(py).call1(("q", obj)).map_err(|e| {
+            invalid(format!(
+                "tokens must be integers in 0..=4294967295 ({})",
+                e.value(py)
+            ))
+        })?;
+        let raw = packed.call_method0(intern!(py, "tobytes"))?;
+        return ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), 8, true, false);
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(invalid(
+            "tokens must be integers (a list, a NumPy array, array('i')), not str or bytes",
+        ));
+    }
+    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
+    })?;
+    let view = memoryview.bind(py).call1((obj,)).map_err(|_| {
+        invalid(format!(
+            "tokens must be a list of ints or a buffer of integers, got {}",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    })?;
+    let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
+    if ndim > 1 {
+        return Err(invalid(format!(
+            "tokens must be one-dimensional, got {ndim} dimensions"
+        )));
+    }
+    let format = view.getattr(intern!(py, "format"))?;
+    let format = format.downcast::<PyString>()?.to_cow()?;
+    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
+    let (big, code) = match format.as_bytes() {
+        [b'>' | b'!', c] => (true, *c),
+        [b'<' | b'=' | b'@', c] | [c] => (cfg!(target_endian = "big"), *c),
+        _ => (false, b'?'),
+    };
+    let signed = match code {
+        b'b' | b'h' | b'i' | b'l' | b'q' | b'n' => true,
+        b'B' | b'H' | b'I' | b'L' | b'Q' | b'N' => false,
+        _ => {
+            return Err(invalid(format!(
+                "tokens must be integers; the buffer's format is {format:?}"
+            )))
+        }
+    };
+    if !matches!(itemsize, 1 | 2 | 4 | 8) {
+        return Err(invalid(format!("unsupported integer size {itemsize}")));
+    }
+    let raw = view.call_method0(intern!(py, "tobytes"))?;
+    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), itemsize, signed, big)
+}
+
+fn extras(
+    lora_id: Option<u64>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+    mm: Option<&Bound<'_, PyAny>>,
+) -> PyResult<ExtraKeys> {
+    let cache_salt = match cache_salt.filter(|s| !s.is_none()) {
+        None => None,
+        Some(s) => {
+            if let Ok(text) = s.downcast::<PyString>() {
+                Some(text.to_cow()?.as_bytes().to_vec())
+            } else if let Ok(b) = s.downcast::<PyBytes>() {
+                Some(b.as_bytes().to_vec())
+            } else {
+                return Err(invalid("cache_salt must be str or bytes"));
+            }
+        }
+    };
+    let mut spans = Vec::new();
+    if let Some(items) = mm.filter(|m| !m.is_none()) {
+        for item in items.try_iter()? {
+            let (start, end, hash): (usize, usize, u128) = item?.extract().map_err(|_| {
+                invalid("mm must be a sequence of (start, end, content_hash) integer triples")
+            })?;
+            if start >= end {
+                return Err(invalid(format!("mm span [{start}, {end}) is empty")));
+            }
+            spans.push(MmSpan { start, end, hash });
+        }
+        spans.sort_by_key(|s| s.start);
+    }
+    Ok(ExtraKeys {
+        lora_id,
+        cache_salt,
+        mm: spans,
+    })
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("capacity", s.capacity)?;
+    d.set_item("free", s.free)?;
+    d.set_item("live", s.live)?;
+    d.set_item("active", s.active)?;
+    d.set_item("cached", s.cached)?;
+    d.set_item("evictable", s.evictable)?;
+    d.set_item("pinned", s.pinned)?;
+    d.set_item("pins", s.pins)?;
+    d.set_item("sequences", s.sequences)?;
+    d.set_item("swa_capacity", s.swa_capacity)?;
+    d.set_item("swa_free", s.swa_free)?;
+    d.set_item("swa_live", s.swa_live)?;
+    d.set_item("prefix_queries", s.prefix_queries)?;
+    d.set_item("prefix_query_blocks", s.prefix_query_blocks)?;
+    d.set_item("prefix_hit_blocks", s.prefix_hit_blocks)?;
+    d.set_item("evictions", s.evictions)?;
+    Ok(d)
+}
+
+/// The paged KV cache manager: sequence block tables (with holes), a prefix
+/// cache that owns its blocks, pins, an SWA pool, admission control and
+/// persistence. Thread-safe: one lock around the core.
+#[pyclass(frozen, name = "KVCacheManager", module = "imp_mem._core")]
+pub struct PyKVCacheManager {
+    inner: Mutex<KVCacheManager>,
+    block_size: usize,
+}
+
+impl PyKVCacheManager {
+    fn lock(&self) -> MutexGuard<'_, KVCacheManager> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyKVCacheManager {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks, block_size, *, backend = None, block_bytes = 0, swa_blocks = 0,
+        swa_window = 0, swa_block_bytes = 0, enable_prefix_caching = true, hash_seed = None,
+        pin_budget = None, model_fingerprint = String::new(), dtype = String::new(),
+        layout = String::new()
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: u32,
+        block_size: usize,
+        backend: Option<&Bound<'_, PyAny>>,
+        block_bytes: usize,
+        swa_blocks: u32,
+        swa_window: usize,
+        swa_block_bytes: usize,
+        enable_prefix_caching: bool,
+        hash_seed: Option<u64>,
+        pin_budget: Option<u32>,
+        model_fingerprint: String,
+        dtype: String,
+        layout: String,
+    ) -> PyResult<Self> {
+        let mut cfg = KvConfig::new(block_size, num_blocks);
+        cfg.block_bytes = block_bytes;
+        cfg.swa_blocks = swa_blocks;
+        cfg.swa_window = swa_window;
+        cfg.swa_block_bytes = swa_block_bytes;
+        cfg.enable_prefix_caching = enable_prefix_caching;
+        cfg.hash_seed = hash_seed.unwrap_or(DEFAULT_HASH_SEED);
+        if let Some(b) = pin_budget {
+            cfg.pin_budget = b;
+        }
+        cfg.model_fingerprint = model_fingerprint;
+        cfg.dtype = dtype;
+        cfg.layout = layout;
+        let backend = backend.filter(|b| !b.is_none());
+        let core: Option<Backend> = match backend {
+            Some(b) => Some(
+                b.downcast::<PyBackend>()
+                    .map_err(|_| invalid("backend must be an imp_mem Backend"))?
+                    .get()
+                    .inner
+                    .clone(),
+            ),
+            None => None,
+        };
+        let mut m = KVCacheManager::new(cfg, core.as_ref()).py()?;
+        if let (Some(b), true) = (backend, block_bytes > 0) {
+            // Block contents travel through the backend: a host copy on the
+            // fake, device -> pinned host -> file on a GPU.
+            let io: Option<Box<dyn imp_mem_core::kv::BlockIo>> =
+                if let Ok(fake) = b.downcast::<PyFakeBackend>() {
+                    Some(Box::new(FakeBlockIo::new(
+                        fake.get().fake.clone(),
+                        block_bytes,
+                    )))
+                } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
+                    Some(Box::new(CudaBlockIo::new(
+                        cuda.get().context(),
+                        block_bytes,
+                    )))
+                } else if let Ok(vmm) = b.downcast::<crate::cuda::PyVmmBackend>() {
+                    Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
+                } else {
+                    None
+                };
+            if let Some(io) = io {
+                m.set_block_io(io).py()?;
+            }
+        }
+        Ok(Self {
+            inner: Mutex::new(m),
+            block_size,
+        })
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the main pool.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.lock().config().num_blocks
+    }
+
+    /// Admits `seq_id` with its prompt; returns the leading tokens already
+    /// cached. Raises CapacityError (with needed/free/evictable/pinned) and
+    /// changes nothing when it does not fit.
+    #[pyo3(signature = (seq_id, tokens, *, lora_id = None, cache_salt = None, mm = None))]
+    fn admit(
+        &self,
+        py: Python<'_>,
+        seq_id: u64,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let toks = self::tokens(tokens)?;
+        let extras = extras(lora_id, cache_salt, mm)?;
+        py.allow_threads(|| self.lock().admit(seq_id, &toks, extras))
+            .py()
+            .map(|a| a.cached_tokens)
+    }
+
+    /// True when `tokens` could be admitted now.
+    #[pyo3(signature = (tokens, *, lora_id = None, cache_salt = None, mm = None))]
+    fn can_admit(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let toks = self::tokens(tokens)?;
+        let extras = extras(lora_id, cache_salt, mm)?;
+        Ok(py.allow_threads(|| self.lock().can_admit(&toks, &extras)))
+    }
+
+    /// Cached leading tokens for `tokens` now (a hint; takes no refs).
+    #[pyo3(signature = (tokens, *, lora_id = None, cache_salt = None, mm = None))]
+    fn probe(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let toks = self::tokens(tokens)?;
+        let extras = extras(lora_id, cache_salt, mm)?;
+        Ok(py.allow_threads(|| self.lock().probe(&toks, &extras)) * self.block_size)
+    }
+
+    /// Appends tokens to `seq_id`; all or nothing.
+    fn append(&self, py: Python<'_>, seq_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let toks = self::tokens(tokens)?;
+        py.allow_threads(|| self.lock().append(seq_id, &toks)).py()
+    }
+
+    /// True when `n` more tokens fit `seq_id` now.
+    fn can_append(&self, seq_id: u64, n: usize) -> PyResult<bool> {
+        self.lock().can_append(seq_id, n).py()
+    }
+
+    /// Frees `seq_id`; its full computed blocks move into the prefix cache.
+    #[pyo3(signature = (seq_id, computed_tokens = None))]
+    fn free(&self, py: Python<'_>, seq_id: u64, computed_tokens: Option<usize>) -> PyResult<()> {
+        py.allow_threads(|| self.lock().free(seq_id, computed_tokens))
+            .py()
+    }
+
+    /// Shares `seq_id`'s full blocks inside its first `computed_tokens` with
+    /// the prefix cache now, so concurrent requests hit them; returns the
+    /// blocks newly cached.
+    fn cache_computed(&self, seq_id: u64, computed_tokens: usize) -> PyResult<u32> {
+        self.lock().cache_computed(seq_id, computed_tokens).py()
+    }
+
+    /// Releases `seq_id` without caching anything new.
+    fn abort(&self, py: Python<'_>, seq_id: u64) -> PyResult<()> {
+        py.allow_threads(|| self.lock().abort(seq_id)).py()
+    }
+
+    /// StreamingLLM: drops blocks `[start, end)` of `seq_id`, leaving holes.
+    fn evict_middle(&self, seq_id: u64, start: usize, end: usize) -> PyResult<u32> {
+        self.lock().evict_middle(seq_id, start, end).py()
+    }
+
+    /// The kernel-facing block table: block ids, -1 for a hole.
+    fn block_table(&self, seq_id: u64) -> PyResult<Vec<i32>> {
+        Ok(self.lock().block_table(seq_id).py()?.to_vec())
+    }
+
+    /// The block table as native-endian int32 bytes (for
+    /// `numpy.frombuffer(..., dtype=numpy.int32)` or a device copy).
+    fn block_table_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut m = self.lock();
+        let table = m.block_table(seq_id).py()?;
+        let mut raw = Vec::with_capacity(table.len() * 4);
+        for id in table {
+            raw.extend_from_slice(&id.to_ne_bytes());
+        }
+        Ok(PyBytes::new(py, &raw))
+    }
+
+    /// The SWA table: positional, -1 outside the trailing window.
+    fn swa_table(&self, seq_id: u64) -> PyResult<Vec<i32>> {
+        Ok(self.lock().swa_table(seq_id).py()?.to_vec())
+    }
+
+    /// Tokens of `seq_id`.
+    fn num_tokens(&self, seq_id: u64) -> PyResult<usize> {
+        self.lock().num_tokens(seq_id).py()
+    }
+
+    /// The admitted sequence ids.
+    fn sequences(&self) -> Vec<u64> {
+        self.lock().sequences()
+    }
+
+    /// The chained hashes of `seq_id`'s full blocks.
+    fn sequence_hashes(&self, seq_id: u64) -> PyResult<Vec<u128>> {
+        Ok(self.lock().sequence_hashes(seq_id).py()?.to_vec())
+    }
+
+    /// `(address, nbytes)` of block `index` of `seq_id`, or None for a hole.
+    fn block_span(&self, seq_id: u64, index: usize) -> PyResult<Option<(usize, usize)>> {
+        self.lock().block_span(seq_id, index).py()
+    }
+
+    /// `(hash, block_id, address or None)` of every cached block.
+    fn cached_blocks(&self) -> Vec<(BlockHash, u32, Option<usize>)> {
+        self.lock().cached_blocks()
+    }
+
+    /// The chained hashes of the full blocks of `tokens`, computed in Rust
+    /// without the GIL, as one `bytes` of 16 little-endian bytes per block
+    /// (`int.from_bytes(h[16 * i : 16 * i + 16], "little")` is block i's).
+    #[pyo3(signature = (tokens, *, lora_id = None, cache_salt = None, mm = None))]
+    fn hash_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let toks = self::tokens(tokens)?;
+        let extras = extras(lora_id, cache_salt, mm)?;
+        let hasher = self.lock().hasher().clone();
+        let raw = py.allow_threads(|| {
+            let hashes = hasher.chain(&toks, &extras);
+            let mut raw = Vec::with_capacity(hashes.len() * 16);
+            for h in hashes {
+                raw.extend_from_slice(&h.to_le_bytes());
+            }
+            raw
+        });
+        Ok(PyBytes::new(py, &raw))
+    }
+
+    /// Pins the cached prefix of `tokens` for `owner`; returns blocks pinned.
+    #[pyo3(signature = (owner, tokens, *, lora_id = None, cache_salt = None, mm = None))]
+    fn pin(
+        &self,
+        py: Python<'_>,
+        owner: u64,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u32> {
+        let toks = self::tokens(tokens)?;
+        let extras = extras(lora_id, cache_salt, mm)?;
+        py.allow_threads(|| self.lock().pin(owner, &toks, &extras))
+            .py()
+    }
+
+    /// Drops every pin of `owner`; returns the pins dropped.
+    fn unpin(&self, owner: u64) -> u32 {
+        self.lock().unpin(owner)
+    }
+
+    /// Evicts up to `n` least recently used cached blocks; returns how many.
+    fn evict(&self, n: u32) -> u32 {
+        self.lock().evict(n)
+    }
+
+    /// Writes the prefix cache to `path` atomically; returns entries written.
+    fn save_prefix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<u64> {
+        py.allow_threads(|| self.lock().save_prefix_cache(&path))
+            .py()
+    }
+
+    /// Loads a saved prefix cache; refuses a bad or mismatched file whole.
+    fn load_prefix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<u64> {
+        py.allow_threads(|| self.lock().load_prefix_cache(&path))
+            .py()
+    }
+
+    /// The counters, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.lock().stats();
+        stats_dict(py, &s)
+    }
+
+    /// Walks every block and ref; raises ImpMemError if an invariant broke.
+    fn check_invariants(&self) -> PyResult<()> {
+        self.lock().check_invariants().py()
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.lock().stats();
+        format!(
+            "<KVCacheManager {} blocks of {} tokens: {} free, {} active, {} cached, {} sequences>",
+            s.capacity, self.block_size, s.free, s.active, s.cached, s.sequences
+        )
+    }
+}
+
+/// Registers this file's classes.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyKVCacheManager>()?;
+    Ok(())
+}

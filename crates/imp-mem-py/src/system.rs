@@ -1,0 +1,426 @@
+//! Python face of the memory system: `MemorySystem`.
+//!
+//! Every rule is the core's (`imp_mem_core::system`): the open order, the
+//! clean failure, the budget, the report and the metrics. This file converts
+//! arguments, hands out the opened tiers as the same Python classes
+//! (`Arena`, `BlockPool`, `ScratchStack`) a caller would build by hand, and
+//! takes the device reading the core never takes itself: a backend with
+//! `mem_get_info()` (`CudaBackend`, `VmmBackend`) is read on every report,
+//! and a `VmmBackend`'s handle cache is named as a charge.
+
+use std::sync::{Mutex, MutexGuard};
+
+use imp_mem_core::system::{
+    DeviceReading, MemReport, MemorySystem, OpenError, ReportInput, SystemOptions,
+};
+use imp_mem_core::MemError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyTuple};
+
+use crate::backend::{PyBackend, PyPhase};
+use crate::convert;
+use crate::errors::{invalid, to_py, ImpMemWarning, IntoPyResult};
+use crate::planner::PyMemoryPlan;
+use crate::tiers::{PyArena, PyBlockPool, PyScratchStack};
+
+/// Raises the exception of the step's error, with the step in the message
+/// and as attributes (`step`, `step_name`).
+fn open_error(py: Python<'_>, err: OpenError) -> PyErr {
+    let message = err.to_string();
+    let exc = to_py(err.error.clone());
+    let value = exc.value(py);
+    // Setting attributes on a fresh exception cannot fail in practice; if it
+    // did, the exception still has the right class and the error's message.
+    if let Ok(args) = PyTuple::new(py, [message]) {
+        let _ = value.setattr("args", args);
+    }
+    let _ = value.setattr("step", err.step);
+    let _ = value.setattr("step_name", err.what);
+    exc
+}
+
+fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>> {
+    value
+        .filter(|v| !v.is_none())
+        .map(|v| {
+            let n = convert::index(v, what)?;
+            u32::try_from(n).map_err(|_| invalid(format!("{what}={n} is too large")))
+        })
+        .transpose()
+}
+
+/// The tiers of one `MemoryPlan`, opened on one backend in the plan's
+/// order, with the phases, the memory report and the metrics.
+#[pyclass(frozen, name = "MemorySystem", module = "imp_mem._core")]
+pub struct PyMemorySystem {
+    inner: Mutex<MemorySystem>,
+    backend: Py<PyBackend>,
+    plan: Py<PyMemoryPlan>,
+    exportable: bool,
+}
+
+impl PyMemorySystem {
+    fn lock(&self) -> MutexGuard<'_, MemorySystem> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn open(&self) -> PyResult<MutexGuard<'_, MemorySystem>> {
+        let guard = self.lock();
+        if guard.is_closed() {
+            return Err(invalid(
+                "this MemorySystem is closed; its tiers were released — open a new one",
+            ));
+        }
+        Ok(guard)
+    }
+
+    fn emit(&self, py: Python<'_>) -> PyResult<()> {
+        self.backend.get().notices.emit(py)
+    }
+
+    /// The device reading and the backend's own charges for one report.
+    fn input(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        other_processes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<ReportInput> {
+        let backend = self.backend.bind(py);
+        let reading = match device.filter(|d| !d.is_none()) {
+            Some(d) if d.is_instance_of::<PyBool>() => {
+                if d.extract::<bool>()? {
+                    read_device(backend.as_any())?
+                } else {
+                    None
+                }
+            }
+            Some(d) => {
+                let (free, total): (u64, u64) = d.extract().map_err(|_| {
+                    invalid("device: expected a (free, total) pair of byte counts, or False")
+                })?;
+                if free > total {
+                    return Err(invalid(format!(
+                        "device: free {free} B is larger than total {total} B; pass (free, total)"
+                    )));
+                }
+                Some(DeviceReading { free, total })
+            }
+            None => read_device(backend.as_any())?,
+        };
+        let other_processes = convert::opt_bytes(other_processes, "other_processes")?.unwrap_or(0);
+        let mut extra = Vec::new();
+        if let Ok(cached) = backend.getattr("cached_bytes") {
+            extra.push((
+                "vmm_handle_cache".to_string(),
+                "VMM handle cache (kept for reuse)".to_string(),
+                cached.extract::<u64>()?,
+            ));
+        }
+        if let Ok(mapped) = backend.getattr("mapped_bytes") {
+            let mapped: u64 = mapped.extract()?;
+            let committed = self.backend.get().inner.stats().total.committed;
+            extra.push((
+                "vmm_rounding".to_string(),
+                "VMM mapping past the ledger (chunk rounding)".to_string(),
+                mapped.saturating_sub(committed),
+            ));
+        }
+        Ok(ReportInput {
+            device: reading,
+            other_processes,
+            extra,
+        })
+    }
+
+    fn report(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        other_processes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<MemReport> {
+        let input = self.input(py, device, other_processes)?;
+        Ok(self.lock().report(&input))
+    }
+}
+
+/// `mem_get_info()` of a device backend; `None` for one without it.
+fn read_device(backend: &Bound<'_, PyAny>) -> PyResult<Option<DeviceReading>> {
+    if !backend.hasattr("mem_get_info")? {
+        return Ok(None);
+    }
+    let (free, total): (u64, u64) = backend.call_method0("mem_get_info")?.extract()?;
+    Ok(Some(DeviceReading { free, total }))
+}
+
+fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<PyObject> {
+    let text = serde_json::to_string(value)
+        .map_err(|err| MemError::Invariant(format!("memory report does not serialise: {err}")))
+        .py()?;
+    Ok(py.import("json")?.call_method1("loads", (text,))?.unbind())
+}
+
+#[pymethods]
+impl PyMemorySystem {
+    /// Opens every tier `plan` sizes on `backend`: T2, T1, the fixed T3
+    /// pools, T4, then the KV pool (growable where the backend is). Raises
+    /// the failing step's exception (with `step` and `step_name`) and leaves
+    /// nothing acquired. `context` / `library_reserve` are the measured
+    /// charges (default: the plan's figures).
+    #[new]
+    #[pyo3(signature = (
+        backend, plan, *, context = None, library_reserve = None, kv_growable = None,
+        kv_initial_blocks = None, kv_grow_blocks = None, apply_budget = true
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        backend: &Bound<'_, PyBackend>,
+        plan: &Bound<'_, PyMemoryPlan>,
+        context: Option<&Bound<'_, PyAny>>,
+        library_reserve: Option<&Bound<'_, PyAny>>,
+        kv_growable: Option<bool>,
+        kv_initial_blocks: Option<&Bound<'_, PyAny>>,
+        kv_grow_blocks: Option<&Bound<'_, PyAny>>,
+        apply_budget: bool,
+    ) -> PyResult<Self> {
+        let options = SystemOptions {
+            context_bytes: convert::opt_bytes(context, "context")?,
+            library_reserve_bytes: convert::opt_bytes(library_reserve, "library_reserve")?,
+            kv_growable,
+            kv_initial_blocks: u32_opt(kv_initial_blocks, "kv_initial_blocks")?,
+            kv_grow_blocks: u32_opt(kv_grow_blocks, "kv_grow_blocks")?,
+            apply_budget,
+        };
+        let core_backend = backend.get().inner.clone();
+        let result = MemorySystem::open(&core_backend, plan.get().core(), options);
+        backend.get().notices.emit(py)?;
+        let system = result.map_err(|err| open_error(py, err))?;
+        Ok(Self {
+            inner: Mutex::new(system),
+            backend: backend.clone().unbind(),
+            plan: plan.clone().unbind(),
+            exportable: core_backend.addressable(),
+        })
+    }
+
+    /// The backend the tiers were acquired from.
+    #[getter]
+    fn backend(&self, py: Python<'_>) -> Py<PyBackend> {
+        self.backend.clone_ref(py)
+    }
+
+    /// The plan the tiers were sized from.
+    #[getter]
+    fn plan(&self, py: Python<'_>) -> Py<PyMemoryPlan> {
+        self.plan.clone_ref(py)
+    }
+
+    /// The backend's phase.
+    #[getter]
+    fn phase(&self) -> PyPhase {
+        self.backend.get().inner.phase().into()
+    }
+
+    /// Whether `close()` ran.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.lock().is_closed()
+    }
+
+    /// T1: the model-resident arena the weights are loaded into.
+    #[getter]
+    fn weights_arena(&self) -> PyResult<Option<PyArena>> {
+        let system = self.open()?;
+        Ok(system
+            .weights_arena()
+            .map(|a| PyArena::wrap(a, self.exportable)))
+    }
+
+    /// T2: the engine-persistent arena (workspaces, logits, block tables).
+    #[getter]
+    fn engine_arena(&self) -> PyResult<Option<PyArena>> {
+        let system = self.open()?;
+        Ok(system
+            .engine_arena()
+            .map(|a| PyArena::wrap(a, self.exportable)))
+    }
+
+    /// T3: the paged KV pool.
+    #[getter]
+    fn kv_pool(&self) -> PyResult<Option<PyBlockPool>> {
+        let system = self.open()?;
+        Ok(system
+            .kv_pool()
+            .map(|p| PyBlockPool::wrap(p, self.exportable)))
+    }
+
+    /// T3: the sliding-window KV pool, or None.
+    #[getter]
+    fn swa_pool(&self) -> PyResult<Option<PyBlockPool>> {
+        let system = self.open()?;
+        Ok(system
+            .swa_pool()
+            .map(|p| PyBlockPool::wrap(p, self.exportable)))
+    }
+
+    /// T3: the per-sequence state pools (linear attention / SSM).
+    #[getter]
+    fn state_pools(&self) -> PyResult<Vec<PyBlockPool>> {
+        let system = self.open()?;
+        Ok(system
+            .state_pools()
+            .into_iter()
+            .map(|p| PyBlockPool::wrap(p, self.exportable))
+            .collect())
+    }
+
+    /// T4: the forward-pass scratch stack.
+    #[getter]
+    fn scratch(&self) -> PyResult<Option<PyScratchStack>> {
+        let system = self.open()?;
+        Ok(system
+            .scratch()
+            .map(|s| PyScratchStack::wrap(s, self.exportable)))
+    }
+
+    /// The opened tiers' keys, in open order.
+    #[getter]
+    fn tiers(&self) -> Vec<String> {
+        self.lock()
+            .tier_keys()
+            .into_iter()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// `LOADING -> PLANNING` (a no-op if already planning).
+    fn begin_planning(&self, py: Python<'_>) -> PyResult<()> {
+        let result = self.open()?.begin_planning();
+        self.emit(py)?;
+        result.py()
+    }
+
+    /// Through `PLANNING` to `SERVING`: from here on nothing is acquired.
+    fn begin_serving(&self, py: Python<'_>) -> PyResult<()> {
+        let result = self.open()?.begin_serving();
+        self.emit(py)?;
+        result.py()
+    }
+
+    /// Names memory in use outside the backend (another allocator's pool,
+    /// a library workspace) so it is attributed; `nbytes=0` removes it.
+    /// `context` / `library_reserve` replace those measured charges.
+    #[pyo3(signature = (key, nbytes, label = None))]
+    fn set_charge(
+        &self,
+        key: &str,
+        nbytes: &Bound<'_, PyAny>,
+        label: Option<&str>,
+    ) -> PyResult<()> {
+        let bytes = convert::bytes(nbytes, "nbytes")?;
+        self.lock().set_charge(key, label.unwrap_or(""), bytes).py()
+    }
+
+    /// Every named charge, plan against actual, per tier and per tag, as
+    /// plain data. `device` is a `(free, total)` reading; by default a
+    /// backend with `mem_get_info()` is read (False: no reading).
+    /// `other_processes` is left out of the attribution's denominator.
+    #[pyo3(signature = (device = None, other_processes = None))]
+    fn mem_report(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        other_processes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyObject> {
+        let report = self.report(py, device, other_processes)?;
+        to_py_object(py, &report)
+    }
+
+    /// The memory report as a text table (MiB).
+    #[pyo3(signature = (device = None, other_processes = None))]
+    fn mem_report_text(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        other_processes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<String> {
+        Ok(self.report(py, device, other_processes)?.text())
+    }
+
+    /// Prometheus text exposition of one snapshot.
+    #[pyo3(signature = (device = None, other_processes = None))]
+    fn metrics(
+        &self,
+        py: Python<'_>,
+        device: Option<&Bound<'_, PyAny>>,
+        other_processes: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<String> {
+        Ok(self.report(py, device, other_processes)?.metrics())
+    }
+
+    /// Checks the invariants of the whole system (backend, every pool, no
+    /// tier past its plan); raises on the first broken one.
+    fn check(&self) -> PyResult<()> {
+        self.lock().check().py()
+    }
+
+    /// Releases every tier and restores the backend's budget. Memory a
+    /// block ref, an export or a tier object still holds is released when
+    /// that is dropped; an `ImpMemWarning` names it. Returns
+    /// `{"released": bytes, "still_held": {tag: bytes}}`.
+    fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let closed = self.lock().close();
+        let out = PyDict::new(py);
+        out.set_item("released", closed.released)?;
+        let held = PyDict::new(py);
+        for (tag, bytes) in &closed.still_held {
+            held.set_item(tag.name(), bytes)?;
+        }
+        out.set_item("still_held", held)?;
+        if !closed.still_held.is_empty() {
+            let names: Vec<String> = closed
+                .still_held
+                .iter()
+                .map(|(tag, bytes)| format!("{tag} {bytes} B"))
+                .collect();
+            let message = format!(
+                "MemorySystem closed while its memory is still referenced ({}); it is released \
+                 when the last BlockRef, span export or tier object is dropped",
+                names.join(", ")
+            );
+            let category = py.get_type::<ImpMemWarning>();
+            PyErr::warn(py, &category, &std::ffi::CString::new(message)?, 1)?;
+        }
+        Ok(out)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
+    }
+
+    fn __str__(&self, py: Python<'_>) -> PyResult<String> {
+        self.mem_report_text(py, None, None)
+    }
+
+    fn __repr__(&self) -> String {
+        let system = self.lock();
+        format!(
+            "<MemorySystem {} tiers=[{}] phase={}{}>",
+            self.backend.get().inner.info().name,
+            system.tier_keys().join(", "),
+            self.backend.get().inner.phase(),
+            if system.is_closed() { " closed" } else { "" }
+        )
+    }
+}
+
+/// Adds `MemorySystem` to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyMemorySystem>()
+}

@@ -1,0 +1,136 @@
+"""The memory system end to end: plan a model, open its tiers, load, serve.
+
+``MemorySystem`` itself is compiled (``imp_mem._core``); every rule —
+the open order, the clean failure, the budget, the report, the metrics —
+lives in the Rust core (``crates/imp-mem-core/src/system.rs``). This module
+holds :func:`run_demo`, the walk-through ``imp-mem demo`` prints.
+
+Typical use::
+
+    plan = imp_mem.plan_memory(plan_input)
+    with imp_mem.MemorySystem(backend, plan, context=measured_context) as system:
+        weights = system.weights_arena        # T1: load the weights here
+        ...
+        system.begin_serving()                # nothing is acquired after this
+        kv, scratch = system.kv_pool, system.scratch
+        ...
+        print(system.mem_report_text())       # plan vs actual, attribution
+        body = system.metrics()               # Prometheus text for /metrics
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from imp_mem._core import Features, Limits, MemorySystem, ModelShape, PlanInput, plan_memory
+from imp_mem._format import human_bytes
+
+__all__ = ["DEMO_METRICS", "MemorySystem", "run_demo"]
+
+# The metric families the demo prints: per-tier reserved / live, the KV
+# pool's blocks, and criterion 3's counter.
+DEMO_METRICS = (
+    "imp_mem_tier_committed_bytes",
+    "imp_mem_tier_live_bytes",
+    "imp_mem_pool_live_blocks",
+    "imp_mem_pool_capacity_blocks",
+    "imp_mem_steady_state_allocations_total",
+    "imp_mem_attribution_ratio",
+)
+
+
+def _load_and_serve(system: MemorySystem, shape: ModelShape, steps: int, out) -> None:
+    """LOADING: the weights go into T1 and a workspace into T2; SERVING: each
+    step admits a request (KV blocks), runs a forward pass on scratch marks,
+    and retires the oldest request; the report is printed with requests in
+    flight. Every handle dies with this frame, so the system can release
+    everything when it closes."""
+    weights = system.weights_arena
+    tensors = shape.num_layers + 2  # layers, embeddings, LM head
+    chunk = weights.capacity // tensors // 256 * 256
+    loaded = [weights.take(chunk) for _ in range(tensors)]
+    out(
+        f"[{system.phase}] loaded {len(loaded)} weight tensors into T1: "
+        f"{human_bytes(weights.used)} of {human_bytes(weights.capacity)}"
+    )
+    engine = system.engine_arena
+    if engine is not None:
+        engine.take(min(32 << 20, engine.capacity))
+        out(f"[{system.phase}] T2 workspace: {human_bytes(engine.used)}")
+
+    system.begin_serving()
+    out(f"[{system.phase}] serving {steps} steps; the tiers are fixed from here on")
+    kv, scratch = system.kv_pool, system.scratch
+    per_sequence = system.plan.kv["blocks_per_sequence"]
+    running = []
+    start_capacity = kv.capacity
+    for step in range(steps):
+        # Requests of a quarter to a whole sequence; at most six in flight.
+        running.append(kv.allocate_many(max(1, per_sequence * (step % 4 + 1) // 4)))
+        if scratch is not None:
+            with scratch.mark() as forward:
+                forward.take(scratch.capacity // 4)  # attention
+                with scratch.mark() as ffn:
+                    ffn.take(scratch.capacity // 4)
+        if len(running) > 6:
+            running.pop(0).release()
+    out(
+        f"  KV pool: {kv.live} blocks live, capacity {start_capacity} -> {kv.capacity} of "
+        f"{system.plan.kv_blocks} planned (growth commits inside the reservation; it is not "
+        f"an acquisition); scratch high-water {human_bytes(scratch.high_water if scratch else 0)}"
+    )
+    system.check()
+    out("")
+    out(system.mem_report_text())
+    out("metrics (excerpt):")
+    for line in system.metrics().splitlines():
+        if line.startswith(DEMO_METRICS) and (
+            "steady_state" not in line or 'tag="kv_cache"' in line
+        ):
+            out(f"  {line}")
+    for refs in running:
+        refs.release()
+
+
+def run_demo(
+    backend: Any = None,
+    out: Callable[[str], Any] = print,
+    *,
+    model: str = "llama-3-8b",
+    max_batch: int = 16,
+    max_seq_len: int = 8192,
+    steps: int = 8,
+    context: int | None = None,
+    library_reserve: int | None = None,
+) -> int:
+    """Plans ``model`` (a preset) for the backend's budget, opens the
+    memory system, loads the weights into T1, serves ``steps`` simulated
+    steps, prints the memory report and a few metrics, and closes. The
+    backend defaults to ``FakeBackend(capacity="80GiB", backed=False)``.
+    ``context`` / ``library_reserve`` are measured charges (default: the
+    H200 figures the planner uses). Returns 0."""
+    import imp_mem
+    from imp_mem._presets import preset
+
+    if backend is None:
+        backend = imp_mem.FakeBackend(capacity="80GiB", backed=False)
+    shape = ModelShape.from_hf_config(preset(model))
+    plan = plan_memory(
+        PlanInput(
+            shape,
+            Limits(max_batch, max_seq_len, kv_policy="fit"),
+            Features(),
+            budget=backend.budget,
+            context=context,
+            library_reserve=library_reserve,
+        )
+    )
+    out(f"backend: {backend!r}")
+    out(f"plan: {model}, {max_batch} x {max_seq_len} tokens, budget {human_bytes(plan.budget)}")
+    out(plan.table())
+    with MemorySystem(backend, plan, context=context, library_reserve=library_reserve) as system:
+        out(f"[{system.phase}] opened in plan order: {' -> '.join(system.tiers)}")
+        _load_and_serve(system, shape, steps, out)
+    out(f"closed: every tier released, backend live = {backend.live} B")
+    return 0
