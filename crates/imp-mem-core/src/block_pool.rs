@@ -715,7 +715,7 @@ impl PoolCore {
     /// Withdraws the free tail above `to_blocks` (never below the floor or
     /// the highest live block; rounded up to the region's granularity) and
     /// schedules its decommit behind `fence`. Returns whether anything was
-    /// scheduled. O(blocks of the cut chunk).
+    /// scheduled. O(withdrawn blocks + one chunk).
     fn withdraw(&mut self, to_blocks: u64, fence: PoolFence) -> Result<bool, MemError> {
         if !self.shrinkable() {
             return Ok(false);
@@ -1247,7 +1247,7 @@ impl SharedBlockPool {
     /// `fence` completes. An allocation that needs the withdrawn blocks
     /// first cancels the decommit and takes them back, with no driver call.
     /// Returns the bytes decommitted during this call. O(1) on most steps;
-    /// O(blocks of one chunk) on the step that withdraws. A fixed pool or a
+    /// O(withdrawn blocks + one chunk) on the step that withdraws. A fixed pool or a
     /// slots pool never shrinks (the fence is dropped).
     pub fn step<F: FenceLike + Send + 'static>(&self, fence: F) -> Result<u64, MemError> {
         self.core().step(PoolFence(Box::new(fence)))
