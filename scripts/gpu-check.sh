@@ -48,6 +48,12 @@ echo "==> pytest -m gpu"
 tests_rc=${PIPESTATUS[0]}
 
 echo
+echo "==> imp-mem demo on the GPU"
+"$PYTHON" -m imp_mem demo 2>&1 | tee "$OUT/demo.txt"
+demo_rc=${PIPESTATUS[0]}
+[ "$demo_rc" -eq 0 ] || tests_rc=1
+
+echo
 echo "==> benchmarks"
 quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
