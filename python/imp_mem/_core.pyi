@@ -510,13 +510,9 @@ class PinnedBuffer:
 def pinned_stats() -> dict[str, int]:
     """Live bytes, buffers and failures of the host-memory pinned allocator."""
 
-class CudaBackend(Backend):
-    """Device memory through ``cuMemAlloc``. Raises ``BackendUnavailable`` where
-    there is no CUDA driver or device."""
+class DeviceBackend(Backend):
+    """What CudaBackend and VmmBackend add to Backend; not constructed itself."""
 
-    def __init__(
-        self, device: int = 0, budget: ByteCount | None = None, strict: bool = False
-    ) -> None: ...
     @property
     def device_name(self) -> str: ...
     def mem_get_info(self) -> tuple[int, int]:
@@ -526,7 +522,15 @@ class CudaBackend(Backend):
     def write(self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0) -> None:
         """Copy host bytes into a live region of this backend."""
 
-class VmmBackend(Backend):
+class CudaBackend(DeviceBackend):
+    """Device memory through ``cuMemAlloc``. Raises ``BackendUnavailable`` where
+    there is no CUDA driver or device."""
+
+    def __init__(
+        self, device: int = 0, budget: ByteCount | None = None, strict: bool = False
+    ) -> None: ...
+
+class VmmBackend(DeviceBackend):
     """Growable device regions over the CUDA VMM API: address space reserved for
     the maximum, physical memory committed in chunks, the base never moves."""
 
@@ -538,8 +542,6 @@ class VmmBackend(Backend):
         chunk_bytes: ByteCount | None = None,
         cache_chunks: int | None = None,
     ) -> None: ...
-    @property
-    def device_name(self) -> str: ...
     @property
     def chunk_bytes(self) -> int:
         """Bytes per physical handle; growable regions commit in these."""
@@ -557,11 +559,6 @@ class VmmBackend(Backend):
     def counters(self) -> dict[str, int]: ...
     def record_fence(self, stream: int = 0) -> Fence:
         """Record a fence on a raw ``CUstream`` (0: the legacy default stream)."""
-    def mem_get_info(self) -> tuple[int, int]: ...
-    def read(self, region: Region, offset: int = 0, nbytes: int | None = None) -> bytes: ...
-    def write(
-        self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0
-    ) -> None: ...
 
 class Fence:
     """A CUDA event recorded on a stream; decommit only after it completed."""

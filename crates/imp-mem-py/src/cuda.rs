@@ -1,13 +1,14 @@
-//! Python face of the CUDA backends: `CudaBackend`, `VmmBackend`, `Fence`,
-//! and the measured-reserve cache functions.
+//! Python face of the CUDA backends: `DeviceBackend`, `CudaBackend`,
+//! `VmmBackend`, `Fence`, and the measured-reserve cache functions.
 //!
-//! Both backends subclass `Backend`, so they share every method of
-//! `FakeBackend` (acquire, stats, phases, budget). On a machine without a
-//! driver their constructors raise `BackendUnavailable`. The extras are for
-//! tests and benchmarks on a GPU: `read` / `write` copy through the driver
-//! (bounds-checked against a live region of this backend), `mem_get_info`
-//! reads the device, and `VmmBackend` exposes its handle cache and counters.
-//! Blocking driver waits release the GIL.
+//! Both backends subclass `DeviceBackend`, which subclasses `Backend`, so they
+//! share every method of `FakeBackend` (acquire, stats, phases, budget). On a
+//! machine without a driver their constructors raise `BackendUnavailable`.
+//! The extras are for tests and benchmarks on a GPU, written once in
+//! `DeviceBackend`: `read` / `write` copy through the driver (bounds-checked
+//! against a live region of this backend), `mem_get_info` reads the device;
+//! `VmmBackend` adds its handle cache and counters. Blocking driver waits
+//! release the GIL.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -66,13 +67,44 @@ fn with_range<T>(
     })
 }
 
-/// What every CUDA backend adds to `Backend`.
-struct Device {
+/// What every CUDA backend adds to `Backend`: the GPU's name, its free
+/// memory, and copies in and out of a live region. `CudaBackend` and
+/// `VmmBackend` subclass it; it has no constructor of its own.
+#[pyclass(
+    extends = PyBackend,
+    subclass,
+    frozen,
+    name = "DeviceBackend",
+    module = "imp_mem._core"
+)]
+pub struct PyDeviceBackend {
     backend: Backend,
     context: Arc<DeviceContext>,
 }
 
-impl Device {
+impl PyDeviceBackend {
+    /// The initializer of a subclass over `backend` on `context`.
+    fn init(backend: Backend, context: Arc<DeviceContext>) -> PyClassInitializer<Self> {
+        PyClassInitializer::from(PyBackend::wrap(backend.clone()))
+            .add_subclass(Self { backend, context })
+    }
+}
+
+#[pymethods]
+impl PyDeviceBackend {
+    /// The GPU's name (`cuDeviceGetName`).
+    #[getter]
+    fn device_name(&self) -> String {
+        self.context.props().name.clone()
+    }
+
+    /// Device `(free, total)` bytes right now (`cuMemGetInfo`).
+    fn mem_get_info(&self) -> PyResult<(u64, u64)> {
+        self.context.mem_info().py()
+    }
+
+    /// Copies `nbytes` (default: to the end) at `offset` of `region` to host.
+    #[pyo3(signature = (region, offset = 0, nbytes = None))]
     fn read<'py>(
         &self,
         py: Python<'py>,
@@ -89,6 +121,8 @@ impl Device {
         Ok(PyBytes::new(py, &data))
     }
 
+    /// Copies a bytes-like object to `offset` of `region`.
+    #[pyo3(signature = (region, data, offset = 0))]
     fn write(
         &self,
         py: Python<'_>,
@@ -108,22 +142,19 @@ impl Device {
             },
         )
     }
-
-    fn mem_get_info(&self) -> PyResult<(u64, u64)> {
-        self.context.mem_info().py()
-    }
 }
 
 /// Device memory through `cuMemAlloc`.
-#[pyclass(extends = PyBackend, frozen, name = "CudaBackend", module = "imp_mem._core")]
+#[pyclass(extends = PyDeviceBackend, frozen, name = "CudaBackend", module = "imp_mem._core")]
 pub struct PyCudaBackend {
-    device: Device,
+    /// The base's context, reachable from a `PyCudaBackend` alone.
+    context: Arc<DeviceContext>,
 }
 
 impl PyCudaBackend {
     /// The device context, for other bindings (block copies).
     pub(crate) fn context(&self) -> Arc<DeviceContext> {
-        self.device.context.clone()
+        self.context.clone()
     }
 }
 
@@ -135,67 +166,27 @@ impl PyCudaBackend {
         device: i32,
         budget: Option<&Bound<'_, PyAny>>,
         strict: bool,
-    ) -> PyResult<(Self, PyBackend)> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let budget = convert::opt_bytes(budget, "budget")?;
         let source = CudaSource::new(device).py()?;
         let context = source.device().clone();
         let backend = Backend::new(Arc::new(source), mode(strict), budget).py()?;
-        let base = PyBackend::wrap(backend.clone());
-        Ok((
-            Self {
-                device: Device { backend, context },
-            },
-            base,
-        ))
-    }
-
-    /// The GPU's name (`cuDeviceGetName`).
-    #[getter]
-    fn device_name(&self) -> String {
-        self.device.context.props().name.clone()
-    }
-
-    /// Device `(free, total)` bytes right now (`cuMemGetInfo`).
-    fn mem_get_info(&self) -> PyResult<(u64, u64)> {
-        self.device.mem_get_info()
-    }
-
-    /// Copies `nbytes` (default: to the end) at `offset` of `region` to host.
-    #[pyo3(signature = (region, offset = 0, nbytes = None))]
-    fn read<'py>(
-        &self,
-        py: Python<'py>,
-        region: &Bound<'_, PyAny>,
-        offset: u64,
-        nbytes: Option<u64>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        self.device.read(py, region, offset, nbytes)
-    }
-
-    /// Copies a bytes-like object to `offset` of `region`.
-    #[pyo3(signature = (region, data, offset = 0))]
-    fn write(
-        &self,
-        py: Python<'_>,
-        region: &Bound<'_, PyAny>,
-        data: &Bound<'_, PyAny>,
-        offset: u64,
-    ) -> PyResult<()> {
-        self.device.write(py, region, data, offset)
+        Ok(PyDeviceBackend::init(backend, context.clone()).add_subclass(Self { context }))
     }
 }
 
 /// Growable device regions over the CUDA VMM API.
-#[pyclass(extends = PyBackend, frozen, name = "VmmBackend", module = "imp_mem._core")]
+#[pyclass(extends = PyDeviceBackend, frozen, name = "VmmBackend", module = "imp_mem._core")]
 pub struct PyVmmBackend {
-    device: Device,
+    /// The base's context, reachable from a `PyVmmBackend` alone.
+    context: Arc<DeviceContext>,
     source: Arc<VmmSource>,
 }
 
 impl PyVmmBackend {
     /// The device context, for other bindings (block copies).
     pub(crate) fn context(&self) -> Arc<DeviceContext> {
-        self.device.context.clone()
+        self.context.clone()
     }
 }
 
@@ -209,7 +200,7 @@ impl PyVmmBackend {
         strict: bool,
         chunk_bytes: Option<&Bound<'_, PyAny>>,
         cache_chunks: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<(Self, PyBackend)> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let budget = convert::opt_bytes(budget, "budget")?;
         let chunk_bytes = convert::opt_bytes(chunk_bytes, "chunk_bytes")?
             .map(|c| usize::try_from(c).map_err(|_| invalid("chunk_bytes does not fit this host")))
@@ -226,20 +217,7 @@ impl PyVmmBackend {
         let context = driver.context().clone();
         let source = Arc::new(VmmCore::with_driver(driver, config).py()?);
         let backend = Backend::new(source.clone(), mode(strict), budget).py()?;
-        let base = PyBackend::wrap(backend.clone());
-        Ok((
-            Self {
-                device: Device { backend, context },
-                source,
-            },
-            base,
-        ))
-    }
-
-    /// The GPU's name.
-    #[getter]
-    fn device_name(&self) -> String {
-        self.device.context.props().name.clone()
+        Ok(PyDeviceBackend::init(backend, context.clone()).add_subclass(Self { context, source }))
     }
 
     /// Bytes per physical handle (= `granularity`, what growable regions
@@ -300,37 +278,8 @@ impl PyVmmBackend {
     #[pyo3(signature = (stream = 0))]
     fn record_fence(&self, stream: u64) -> PyResult<PyFence> {
         Ok(PyFence {
-            inner: Arc::new(Fence::record_on(self.device.context.clone(), stream).py()?),
+            inner: Arc::new(Fence::record_on(self.context.clone(), stream).py()?),
         })
-    }
-
-    /// Device `(free, total)` bytes right now.
-    fn mem_get_info(&self) -> PyResult<(u64, u64)> {
-        self.device.mem_get_info()
-    }
-
-    /// Copies `nbytes` (default: to the end) at `offset` of `region` to host.
-    #[pyo3(signature = (region, offset = 0, nbytes = None))]
-    fn read<'py>(
-        &self,
-        py: Python<'py>,
-        region: &Bound<'_, PyAny>,
-        offset: u64,
-        nbytes: Option<u64>,
-    ) -> PyResult<Bound<'py, PyBytes>> {
-        self.device.read(py, region, offset, nbytes)
-    }
-
-    /// Copies a bytes-like object to `offset` of `region`.
-    #[pyo3(signature = (region, data, offset = 0))]
-    fn write(
-        &self,
-        py: Python<'_>,
-        region: &Bound<'_, PyAny>,
-        data: &Bound<'_, PyAny>,
-        offset: u64,
-    ) -> PyResult<()> {
-        self.device.write(py, region, data, offset)
     }
 }
 
@@ -567,6 +516,7 @@ fn reserve_self_check<'py>(
 
 /// Registers this file's classes and functions.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyDeviceBackend>()?;
     m.add_class::<PyCudaBackend>()?;
     m.add_class::<PyVmmBackend>()?;
     m.add_class::<PyFence>()?;
