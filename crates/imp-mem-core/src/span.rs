@@ -83,37 +83,6 @@ impl<'a> StableSpan<'a> {
         }
     }
 
-    /// The first address.
-    pub fn addr(&self) -> usize {
-        self.addr
-    }
-
-    /// Bytes in the span.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for a zero-length span.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Where the memory lives.
-    pub fn placement(&self) -> Placement {
-        self.placement
-    }
-
-    /// A sub-range, which is as stable as the span it comes from.
-    pub fn subspan(&self, offset: usize, len: usize) -> Result<StableSpan<'a>, MemError> {
-        check_subrange(self.len, offset, len)?;
-        Ok(Self {
-            addr: self.addr + offset,
-            len,
-            placement: self.placement,
-            _borrow: PhantomData,
-        })
-    }
-
     /// Widens to a [`DeviceSpan`] with the same borrow.
     pub fn as_device(&self) -> DeviceSpan<'a> {
         DeviceSpan {
@@ -155,38 +124,49 @@ impl<'a> DeviceSpan<'a> {
             _borrow: PhantomData,
         }
     }
-
-    /// The first address.
-    pub fn addr(&self) -> usize {
-        self.addr
-    }
-
-    /// Bytes in the span.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True for a zero-length span.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Where the memory lives.
-    pub fn placement(&self) -> Placement {
-        self.placement
-    }
-
-    /// A sub-range.
-    pub fn subspan(&self, offset: usize, len: usize) -> Result<DeviceSpan<'a>, MemError> {
-        check_subrange(self.len, offset, len)?;
-        Ok(Self {
-            addr: self.addr + offset,
-            len,
-            placement: self.placement,
-            _borrow: PhantomData,
-        })
-    }
 }
+
+/// What both kinds of span answer in the same way: their parts, and a
+/// sub-range of the same kind (as stable as the span it comes from).
+macro_rules! span_parts {
+    ($span:ident) => {
+        impl<'a> $span<'a> {
+            /// The first address.
+            pub fn addr(&self) -> usize {
+                self.addr
+            }
+
+            /// Bytes in the span.
+            pub fn len(&self) -> usize {
+                self.len
+            }
+
+            /// True for a zero-length span.
+            pub fn is_empty(&self) -> bool {
+                self.len == 0
+            }
+
+            /// Where the memory lives.
+            pub fn placement(&self) -> Placement {
+                self.placement
+            }
+
+            /// A sub-range, of the same kind as this span.
+            pub fn subspan(&self, offset: usize, len: usize) -> Result<$span<'a>, MemError> {
+                check_subrange(self.len, offset, len)?;
+                Ok(Self {
+                    addr: self.addr + offset,
+                    len,
+                    placement: self.placement,
+                    _borrow: PhantomData,
+                })
+            }
+        }
+    };
+}
+
+span_parts!(StableSpan);
+span_parts!(DeviceSpan);
 
 fn check_subrange(total: usize, offset: usize, len: usize) -> Result<(), MemError> {
     match offset.checked_add(len) {
