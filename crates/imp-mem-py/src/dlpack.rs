@@ -25,9 +25,6 @@ use pyo3::{ffi, IntoPyObjectExt};
 
 use crate::errors::invalid;
 
-const NAME: &CStr = c"dltensor";
-const NAME_VERSIONED: &CStr = c"dltensor_versioned";
-
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct DLDevice {
@@ -204,117 +201,131 @@ fn dl_tensor(e: &Export) -> DLTensor {
     }
 }
 
-unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
-    let _ = catch_unwind(AssertUnwindSafe(|| {
-        if managed.is_null() {
-            return;
-        }
-        // SAFETY: `managed` points into a live `Ctx` made by `export` (the
-        // consumer calls the deleter once), whose address is its manager_ctx.
-        let ctx = unsafe { (*managed).manager_ctx } as *mut Ctx<DLManagedTensor>;
-        // SAFETY: `ctx` came from `Box::into_raw` in `export` and is freed here
-        // only, once.
-        drop(unsafe { Box::from_raw(ctx) });
-    }));
+/// The two managed-tensor structs a capsule can hold (legacy and
+/// versioned): everything `capsule` does, it does to either one the same way.
+trait Managed: Sized {
+    /// The capsule name a consumer looks for (and renames once it took it).
+    const NAME: &'static CStr;
+    /// The struct, pointing at `tensor` and at nothing yet (its context and
+    /// shape are filled in once it is boxed).
+    fn new(tensor: DLTensor) -> Self;
+    /// The `manager_ctx` field.
+    fn ctx(&self) -> *mut c_void;
+    /// Points the struct at its context and at its shape.
+    fn link(&mut self, ctx: *mut c_void, shape: *mut i64);
 }
 
-unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+impl Managed for DLManagedTensor {
+    const NAME: &'static CStr = c"dltensor";
+
+    fn new(tensor: DLTensor) -> Self {
+        DLManagedTensor {
+            dl_tensor: tensor,
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete::<Self>),
+        }
+    }
+
+    fn ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+
+    fn link(&mut self, ctx: *mut c_void, shape: *mut i64) {
+        self.manager_ctx = ctx;
+        self.dl_tensor.shape = shape;
+    }
+}
+
+impl Managed for DLManagedTensorVersioned {
+    const NAME: &'static CStr = c"dltensor_versioned";
+
+    fn new(tensor: DLTensor) -> Self {
+        DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 0 },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete::<Self>),
+            flags: 0,
+            dl_tensor: tensor,
+        }
+    }
+
+    fn ctx(&self) -> *mut c_void {
+        self.manager_ctx
+    }
+
+    fn link(&mut self, ctx: *mut c_void, shape: *mut i64) {
+        self.manager_ctx = ctx;
+        self.dl_tensor.shape = shape;
+    }
+}
+
+/// The deleter a consumer calls once it is done with the tensor.
+unsafe extern "C" fn delete<M: Managed>(managed: *mut M) {
     let _ = catch_unwind(AssertUnwindSafe(|| {
         if managed.is_null() {
             return;
         }
-        // SAFETY: as in `delete_legacy`, for the versioned struct.
-        let ctx = unsafe { (*managed).manager_ctx } as *mut Ctx<DLManagedTensorVersioned>;
-        // SAFETY: as in `delete_legacy`.
+        // SAFETY: `managed` points into a live `Ctx` made by `into_capsule`
+        // (the consumer calls the deleter once), whose address is its
+        // manager_ctx.
+        let ctx = unsafe { (*managed).ctx() } as *mut Ctx<M>;
+        // SAFETY: `ctx` came from `Box::into_raw` in `into_capsule` and is
+        // freed here only, once.
         drop(unsafe { Box::from_raw(ctx) });
     }));
 }
 
 /// Runs when the capsule is collected: if no consumer took the tensor (the
 /// capsule still has its original name), the tensor is ours to delete.
-unsafe extern "C" fn capsule_legacy(capsule: *mut ffi::PyObject) {
+unsafe extern "C" fn capsule_destructor<M: Managed>(capsule: *mut ffi::PyObject) {
     // SAFETY: `capsule` is the capsule being destroyed; `PyCapsule_IsValid`
     // checks its name without raising.
-    if unsafe { ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) } == 1 {
-        // SAFETY: the name matched, so the pointer is our `DLManagedTensor`.
-        let managed =
-            unsafe { ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()) } as *mut DLManagedTensor;
+    if unsafe { ffi::PyCapsule_IsValid(capsule, M::NAME.as_ptr()) } == 1 {
+        // SAFETY: the name matched, so the pointer is our managed struct.
+        let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, M::NAME.as_ptr()) } as *mut M;
         // SAFETY: unconsumed, so nobody else will call the deleter.
-        unsafe { delete_legacy(managed) };
-    }
-}
-
-unsafe extern "C" fn capsule_versioned(capsule: *mut ffi::PyObject) {
-    // SAFETY: as in `capsule_legacy`.
-    if unsafe { ffi::PyCapsule_IsValid(capsule, NAME_VERSIONED.as_ptr()) } == 1 {
-        // SAFETY: the name matched, so the pointer is ours.
-        let managed = unsafe { ffi::PyCapsule_GetPointer(capsule, NAME_VERSIONED.as_ptr()) }
-            as *mut DLManagedTensorVersioned;
-        // SAFETY: unconsumed, so nobody else will call the deleter.
-        unsafe { delete_versioned(managed) };
+        unsafe { delete(managed) };
     }
 }
 
 /// Wraps `e` in a DLPack capsule (versioned when `versioned`).
 pub fn capsule(py: Python<'_>, e: Export, versioned: bool) -> PyResult<PyObject> {
-    let tensor = dl_tensor(&e);
+    if versioned {
+        into_capsule::<DLManagedTensorVersioned>(py, e)
+    } else {
+        into_capsule::<DLManagedTensor>(py, e)
+    }
+}
+
+fn into_capsule<M: Managed>(py: Python<'_>, e: Export) -> PyResult<PyObject> {
+    let managed = M::new(dl_tensor(&e));
     let Export { shape, keep, .. } = e;
-    let (ptr, name, destructor): (*mut c_void, &CStr, Option<ffi::PyCapsule_Destructor>) =
-        if versioned {
-            let managed = DLManagedTensorVersioned {
-                version: DLPackVersion { major: 1, minor: 0 },
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_versioned),
-                flags: 0,
-                dl_tensor: tensor,
-            };
-            let raw = Box::into_raw(Box::new(Ctx {
-                managed,
-                shape,
-                _keep: keep,
-            }));
-            // SAFETY: `raw` is a fresh, unique, live allocation; the shape vector's
-            // buffer does not move while the context lives (it is never resized).
-            unsafe {
-                (*raw).managed.manager_ctx = raw as *mut c_void;
-                (*raw).managed.dl_tensor.shape = (*raw).shape.as_mut_ptr();
-            }
-            // SAFETY: `managed` is a field of the live context.
-            let ptr = unsafe { std::ptr::addr_of_mut!((*raw).managed) } as *mut c_void;
-            (ptr, NAME_VERSIONED, Some(capsule_versioned))
-        } else {
-            let managed = DLManagedTensor {
-                dl_tensor: tensor,
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_legacy),
-            };
-            let raw = Box::into_raw(Box::new(Ctx {
-                managed,
-                shape,
-                _keep: keep,
-            }));
-            // SAFETY: as above.
-            unsafe {
-                (*raw).managed.manager_ctx = raw as *mut c_void;
-                (*raw).managed.dl_tensor.shape = (*raw).shape.as_mut_ptr();
-            }
-            // SAFETY: as above.
-            let ptr = unsafe { std::ptr::addr_of_mut!((*raw).managed) } as *mut c_void;
-            (ptr, NAME, Some(capsule_legacy))
-        };
+    let raw = Box::into_raw(Box::new(Ctx {
+        managed,
+        shape,
+        _keep: keep,
+    }));
+    // SAFETY: `raw` is a fresh, unique, live allocation; the shape vector's
+    // buffer does not move while the context lives (it is never resized).
+    unsafe {
+        let shape = (*raw).shape.as_mut_ptr();
+        (*raw).managed.link(raw as *mut c_void, shape);
+    }
+    // SAFETY: `managed` is a field of the live context.
+    let ptr = unsafe { std::ptr::addr_of_mut!((*raw).managed) };
     // SAFETY: `ptr` is non-null and stays valid until the destructor or the
-    // consumer's deleter frees it; `name` is a static C string.
-    let obj = unsafe { ffi::PyCapsule_New(ptr, name.as_ptr(), destructor) };
+    // consumer's deleter frees it; the name is a static C string.
+    let obj = unsafe {
+        ffi::PyCapsule_New(
+            ptr as *mut c_void,
+            M::NAME.as_ptr(),
+            Some(capsule_destructor::<M>),
+        )
+    };
     if obj.is_null() {
         // The capsule was not made, so the context is still ours to free.
         // SAFETY: `ptr` is the managed struct made above, not handed out.
-        unsafe {
-            if versioned {
-                delete_versioned(ptr as *mut DLManagedTensorVersioned);
-            } else {
-                delete_legacy(ptr as *mut DLManagedTensor);
-            }
-        }
+        unsafe { delete(ptr) };
         return Err(PyErr::fetch(py));
     }
     // SAFETY: `obj` is a new, owned reference.
