@@ -818,6 +818,24 @@ impl PyBlockPool {
         lock(&self.watched).extend(kept);
         failed.map_or(Ok(()), Err)
     }
+
+    /// Runs a shrink step `op` of the pool without the GIL, under `fence`:
+    /// first queries the Python fences still held, then converts `fence`
+    /// (which may watch a new one), and afterwards drops the fences the pool
+    /// no longer holds.
+    fn fenced(
+        &self,
+        py: Python<'_>,
+        fence: Option<&Bound<'_, PyAny>>,
+        op: impl FnOnce(&SharedBlockPool, CoreFence) -> Result<u64, MemError> + Send,
+    ) -> PyResult<u64> {
+        self.poll_watched(py, false, true)?;
+        let fence = self.core_fence(fence)?;
+        let pool = &self.pool;
+        let done = py.allow_threads(move || op(pool, fence));
+        self.poll_watched(py, false, false)?;
+        done.py()
+    }
 }
 
 fn count32(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
@@ -892,12 +910,7 @@ impl PyBlockPool {
     /// Returns the bytes decommitted during this call.
     #[pyo3(signature = (fence = None))]
     fn step(&self, py: Python<'_>, fence: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-        self.poll_watched(py, false, true)?;
-        let fence = self.core_fence(fence)?;
-        let pool = &self.pool;
-        let done = py.allow_threads(move || pool.step(fence));
-        self.poll_watched(py, false, false)?;
-        done.py()
+        self.fenced(py, fence, |pool, fence| pool.step(fence))
     }
 
     /// Shrinks to the highest live block now (never below the initial
@@ -905,12 +918,7 @@ impl PyBlockPool {
     /// `fence`. Returns the bytes decommitted during this call.
     #[pyo3(signature = (fence = None))]
     fn shrink(&self, py: Python<'_>, fence: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-        self.poll_watched(py, false, true)?;
-        let fence = self.core_fence(fence)?;
-        let pool = &self.pool;
-        let done = py.allow_threads(move || pool.shrink_now(fence));
-        self.poll_watched(py, false, false)?;
-        done.py()
+        self.fenced(py, fence, |pool, fence| pool.shrink_now(fence))
     }
 
     /// Waits for a pending decommit's fence and decommits; the bytes
