@@ -1062,6 +1062,47 @@ fn already_released() -> PyErr {
     )
 }
 
+/// The methods `BlockRef` and `BlockRefs` share: each is released once
+/// (`release()`, or quietly on leaving a `with` block), and `share()` is the
+/// only alias. The two literals are the docstrings of `share` and `release`.
+macro_rules! ref_methods {
+    ($ty:ty, $share_doc:literal, $release_doc:literal, { $($extra:tt)* }) => {
+        #[pymethods]
+        impl $ty {
+            $($extra)*
+
+            #[getter]
+            fn released(&self) -> bool {
+                lock(&self.inner).is_none()
+            }
+
+            #[doc = $share_doc]
+            fn share(&self) -> PyResult<Self> {
+                let guard = lock(&self.inner);
+                let live = guard.as_ref().ok_or_else(already_released)?;
+                Ok(Self::new(live.share().py()?, self.exportable))
+            }
+
+            #[doc = $release_doc]
+            fn release(&self) -> PyResult<()> {
+                let taken = lock(&self.inner).take().ok_or_else(already_released)?;
+                drop(taken);
+                Ok(())
+            }
+
+            fn __enter__(slf: Py<Self>) -> Py<Self> {
+                slf
+            }
+
+            #[pyo3(signature = (*_args))]
+            fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> bool {
+                drop(lock(&self.inner).take());
+                false
+            }
+        }
+    };
+}
+
 /// One reference to a live block. Not copyable: `share()` is the only alias.
 /// `release()` (or leaving a `with` block) drops it; a second release raises
 /// `InvalidArgument`.
@@ -1082,77 +1123,52 @@ impl PyBlockRef {
     }
 }
 
-#[pymethods]
-impl PyBlockRef {
-    #[getter]
-    fn id(&self) -> u32 {
-        self.id
-    }
+ref_methods!(
+    PyBlockRef,
+    "Another ref to the same block.",
+    "Drops this ref now.",
+    {
+        #[getter]
+        fn id(&self) -> u32 {
+            self.id
+        }
 
-    /// The live refs on this block (0 once this ref is released and no other
-    /// holds it).
-    #[getter]
-    fn refcount(&self) -> u32 {
-        lock(&self.inner)
-            .as_ref()
-            .map_or(0, SharedBlockRef::refcount)
-    }
-
-    #[getter]
-    fn released(&self) -> bool {
-        lock(&self.inner).is_none()
-    }
-
-    /// Another ref to the same block.
-    fn share(&self) -> PyResult<Self> {
-        let guard = lock(&self.inner);
-        let live = guard.as_ref().ok_or_else(already_released)?;
-        Ok(Self::new(live.share().py()?, self.exportable))
-    }
-
-    /// Drops this ref now.
-    fn release(&self) -> PyResult<()> {
-        let taken = lock(&self.inner).take().ok_or_else(already_released)?;
-        drop(taken);
-        Ok(())
-    }
-
-    /// The block's bytes, valid while this ref is held.
-    fn span(slf: &Bound<'_, Self>) -> PyResult<PyStableSpan> {
-        let this = slf.get();
-        let len = {
-            let guard = lock(&this.inner);
-            guard
+        /// The live refs on this block (0 once this ref is released and no other
+        /// holds it).
+        #[getter]
+        fn refcount(&self) -> u32 {
+            lock(&self.inner)
                 .as_ref()
-                .ok_or_else(already_released)?
-                .span()
-                .py()?
-                .len()
-        };
-        Ok(stable(
-            Owner::Block(slf.clone().unbind()),
-            len,
-            this.exportable,
-        ))
-    }
+                .map_or(0, SharedBlockRef::refcount)
+        }
 
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
+        /// The block's bytes, valid while this ref is held.
+        fn span(slf: &Bound<'_, Self>) -> PyResult<PyStableSpan> {
+            let this = slf.get();
+            let len = {
+                let guard = lock(&this.inner);
+                guard
+                    .as_ref()
+                    .ok_or_else(already_released)?
+                    .span()
+                    .py()?
+                    .len()
+            };
+            Ok(stable(
+                Owner::Block(slf.clone().unbind()),
+                len,
+                this.exportable,
+            ))
+        }
 
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> bool {
-        drop(lock(&self.inner).take());
-        false
-    }
-
-    fn __repr__(&self) -> String {
-        match lock(&self.inner).as_ref() {
-            Some(r) => format!("<BlockRef id={} refcount={}>", self.id, r.refcount()),
-            None => format!("<BlockRef id={} released>", self.id),
+        fn __repr__(&self) -> String {
+            match lock(&self.inner).as_ref() {
+                Some(r) => format!("<BlockRef id={} refcount={}>", self.id, r.refcount()),
+                None => format!("<BlockRef id={} released>", self.id),
+            }
         }
     }
-}
+);
 
 /// A batch of refs from `allocate_many`: one object for the batch, released
 /// together.
@@ -1171,86 +1187,61 @@ impl PyBlockRefs {
     }
 }
 
-#[pymethods]
-impl PyBlockRefs {
-    /// The block ids, in allocation order.
-    #[getter]
-    fn ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let guard = lock(&self.inner);
-        let live = guard.as_ref().ok_or_else(already_released)?;
-        PyList::new(py, live.ids())
-    }
+ref_methods!(
+    PyBlockRefs,
+    "Another ref to every block.",
+    "Drops every ref now.",
+    {
+        /// The block ids, in allocation order.
+        #[getter]
+        fn ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+            let guard = lock(&self.inner);
+            let live = guard.as_ref().ok_or_else(already_released)?;
+            PyList::new(py, live.ids())
+        }
 
-    fn __len__(&self) -> usize {
-        lock(&self.inner).as_ref().map_or(0, SharedBlockRefs::len)
-    }
+        fn __len__(&self) -> usize {
+            lock(&self.inner).as_ref().map_or(0, SharedBlockRefs::len)
+        }
 
-    #[getter]
-    fn released(&self) -> bool {
-        lock(&self.inner).is_none()
-    }
+        /// Moves the refs into one `BlockRef` each (this batch is then released).
+        fn split(&self) -> PyResult<Vec<PyBlockRef>> {
+            let taken = lock(&self.inner).take().ok_or_else(already_released)?;
+            Ok(taken
+                .into_refs()
+                .into_iter()
+                .map(|r| PyBlockRef::new(r, self.exportable))
+                .collect())
+        }
 
-    /// Another ref to every block.
-    fn share(&self) -> PyResult<Self> {
-        let guard = lock(&self.inner);
-        let live = guard.as_ref().ok_or_else(already_released)?;
-        Ok(Self::new(live.share().py()?, self.exportable))
-    }
+        /// The bytes of the `i`-th block, valid while the batch is held.
+        fn span(slf: &Bound<'_, Self>, i: &Bound<'_, PyAny>) -> PyResult<PyStableSpan> {
+            let this = slf.get();
+            let i = convert::index(i, "i")? as usize;
+            let len = {
+                let guard = lock(&this.inner);
+                guard
+                    .as_ref()
+                    .ok_or_else(already_released)?
+                    .span(i)
+                    .py()?
+                    .len()
+            };
+            Ok(stable(
+                Owner::Batch(slf.clone().unbind(), i),
+                len,
+                this.exportable,
+            ))
+        }
 
-    /// Drops every ref now.
-    fn release(&self) -> PyResult<()> {
-        let taken = lock(&self.inner).take().ok_or_else(already_released)?;
-        drop(taken);
-        Ok(())
-    }
-
-    /// Moves the refs into one `BlockRef` each (this batch is then released).
-    fn split(&self) -> PyResult<Vec<PyBlockRef>> {
-        let taken = lock(&self.inner).take().ok_or_else(already_released)?;
-        Ok(taken
-            .into_refs()
-            .into_iter()
-            .map(|r| PyBlockRef::new(r, self.exportable))
-            .collect())
-    }
-
-    /// The bytes of the `i`-th block, valid while the batch is held.
-    fn span(slf: &Bound<'_, Self>, i: &Bound<'_, PyAny>) -> PyResult<PyStableSpan> {
-        let this = slf.get();
-        let i = convert::index(i, "i")? as usize;
-        let len = {
-            let guard = lock(&this.inner);
-            guard
-                .as_ref()
-                .ok_or_else(already_released)?
-                .span(i)
-                .py()?
-                .len()
-        };
-        Ok(stable(
-            Owner::Batch(slf.clone().unbind(), i),
-            len,
-            this.exportable,
-        ))
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_args))]
-    fn __exit__(&self, _args: &Bound<'_, PyTuple>) -> bool {
-        drop(lock(&self.inner).take());
-        false
-    }
-
-    fn __repr__(&self) -> String {
-        match lock(&self.inner).as_ref() {
-            Some(r) => format!("<BlockRefs {} blocks {:?}>", r.len(), r.ids()),
-            None => "<BlockRefs released>".to_string(),
+        fn __repr__(&self) -> String {
+            match lock(&self.inner).as_ref() {
+                Some(r) => format!("<BlockRefs {} blocks {:?}>", r.len(), r.ids()),
+                None => "<BlockRefs released>".to_string(),
+            }
         }
     }
-}
+);
 
 // ------------------------------------------------------------------ scratch
 
