@@ -413,11 +413,26 @@ pub struct PyTensorView {
     shape: Vec<i64>,
 }
 
+/// The methods `StableSpan` and `DeviceSpan` share; the literals are the
+/// class name (for the repr) and the docstring of `subspan`.
 macro_rules! span_methods {
-    ($ty:ty, $class:literal, { $($extra:tt)* }) => {
+    ($ty:ty, $class:literal, $subspan_doc:literal, { $($extra:tt)* }) => {
         #[pymethods]
         impl $ty {
             $($extra)*
+
+            #[doc = $subspan_doc]
+            #[pyo3(signature = (offset, nbytes = None))]
+            fn subspan(
+                &self,
+                py: Python<'_>,
+                offset: &Bound<'_, PyAny>,
+                nbytes: Option<&Bound<'_, PyAny>>,
+            ) -> PyResult<Self> {
+                Ok(Self {
+                    inner: self.inner.sub(py, offset, nbytes)?,
+                })
+            }
 
             /// Bytes in the span.
             #[getter]
@@ -490,42 +505,21 @@ macro_rules! span_methods {
     };
 }
 
-span_methods!(PyStableSpan, "StableSpan", {
-    /// A sub-range, as stable as this span.
-    #[pyo3(signature = (offset, nbytes = None))]
-    fn subspan(
-        &self,
-        py: Python<'_>,
-        offset: &Bound<'_, PyAny>,
-        nbytes: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        Ok(Self {
-            inner: self.inner.sub(py, offset, nbytes)?,
-        })
-    }
-
-    /// Widens to a `DeviceSpan` (there is no way back).
-    fn as_device(&self, py: Python<'_>) -> PyDeviceSpan {
-        PyDeviceSpan {
-            inner: self.inner.clone_ref(py),
+span_methods!(
+    PyStableSpan,
+    "StableSpan",
+    "A sub-range, as stable as this span.",
+    {
+        /// Widens to a `DeviceSpan` (there is no way back).
+        fn as_device(&self, py: Python<'_>) -> PyDeviceSpan {
+            PyDeviceSpan {
+                inner: self.inner.clone_ref(py),
+            }
         }
     }
-});
+);
 
-span_methods!(PyDeviceSpan, "DeviceSpan", {
-    /// A sub-range.
-    #[pyo3(signature = (offset, nbytes = None))]
-    fn subspan(
-        &self,
-        py: Python<'_>,
-        offset: &Bound<'_, PyAny>,
-        nbytes: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        Ok(Self {
-            inner: self.inner.sub(py, offset, nbytes)?,
-        })
-    }
-});
+span_methods!(PyDeviceSpan, "DeviceSpan", "A sub-range.", {});
 
 #[pymethods]
 impl PyTensorView {
