@@ -245,9 +245,7 @@ impl PyModelShape {
 
     /// The shape as JSON.
     fn to_json(&self) -> PyResult<String> {
-        serde_json::to_string_pretty(&self.inner)
-            .map_err(|err| MemError::Invariant(format!("shape does not serialise: {err}")))
-            .py()
+        self.inner.to_json().py()
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
@@ -514,9 +512,7 @@ impl PyPlanInput {
 
     /// The input as JSON (what `plan_memory` reads).
     fn to_json(&self) -> PyResult<String> {
-        serde_json::to_string_pretty(&self.inner)
-            .map_err(|err| MemError::Invariant(format!("plan input does not serialise: {err}")))
-            .py()
+        self.inner.to_json().py()
     }
 
     fn __repr__(&self) -> String {

@@ -146,8 +146,7 @@ impl PlanFailure {
 
     /// The failure as JSON.
     pub fn to_json(&self) -> Result<String, MemError> {
-        serde_json::to_string_pretty(self)
-            .map_err(|err| MemError::Invariant(format!("plan failure does not serialise: {err}")))
+        super::to_json(self, "plan failure")
     }
 }
 

@@ -119,6 +119,11 @@ pub const H200_LIBRARY_RESERVE_BYTES: u64 = 66 << 20;
 pub const MAX_BYTES: u64 = 1 << 58;
 
 impl PlanInput {
+    /// The input as pretty JSON (what `plan_memory` reads).
+    pub fn to_json(&self) -> Result<String, MemError> {
+        super::to_json(self, "plan input")
+    }
+
     /// Checks every field; the error names the field and says what to change.
     pub fn validate(&self) -> Result<(), MemError> {
         let l = &self.limits;

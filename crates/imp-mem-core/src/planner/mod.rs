@@ -28,6 +28,8 @@ mod shape;
 #[cfg(test)]
 mod tests;
 
+use crate::error::MemError;
+
 pub use dtype::{Dtype, WeightFormat};
 pub use failure::{Charge, FailureKind, Lever, PlanError, PlanFailure};
 pub use input::{
@@ -41,3 +43,10 @@ pub use shape::{
     safetensors_bytes_in_dir, safetensors_file_bytes, weights_bytes_from_safetensors_header,
     weights_bytes_from_safetensors_index, Attention, KvBytesPerToken, ModelShape, Moe, WeightSpec,
 };
+
+/// A planner value as pretty JSON, fields in declaration order; `what` names
+/// it in the (unexpected) error.
+fn to_json<T: serde::Serialize>(value: &T, what: &str) -> Result<String, MemError> {
+    serde_json::to_string_pretty(value)
+        .map_err(|err| MemError::Invariant(format!("{what} does not serialise: {err}")))
+}

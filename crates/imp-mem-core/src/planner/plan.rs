@@ -106,8 +106,7 @@ impl MemoryPlan {
 
     /// The plan as pretty JSON (deterministic: fields in declaration order).
     pub fn to_json(&self) -> Result<String, MemError> {
-        serde_json::to_string_pretty(self)
-            .map_err(|err| MemError::Invariant(format!("memory plan does not serialise: {err}")))
+        super::to_json(self, "memory plan")
     }
 
     /// A plan read back from [`MemoryPlan::to_json`].

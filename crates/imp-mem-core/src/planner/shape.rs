@@ -160,6 +160,11 @@ impl KvBytesPerToken {
 }
 
 impl ModelShape {
+    /// The shape as pretty JSON.
+    pub fn to_json(&self) -> Result<String, MemError> {
+        super::to_json(self, "shape")
+    }
+
     /// KV bytes one token costs in one attention layer on one of `tp` ranks:
     /// GQA divides the KV heads between ranks (a rank keeps at least one,
     /// replicated when there are fewer heads than ranks); MLA's latent is
