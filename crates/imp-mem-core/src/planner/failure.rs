@@ -91,20 +91,8 @@ impl PlanFailure {
                 );
             }
         }
-        let width = self
-            .charges
-            .iter()
-            .map(|c| c.label.chars().count())
-            .max()
-            .unwrap_or(0)
-            .max(28)
-            + 4;
         let _ = writeln!(out);
-        let _ = writeln!(out, "  {:<w$}{:>8}", "requested", "MiB", w = width + 2);
-        for charge in &self.charges {
-            let _ = writeln!(out, "    {:<width$}{:>8}", charge.label, charge.bytes / MIB);
-        }
-        let _ = writeln!(out, "    {:<width$}{:>8}", "", "-----");
+        let width = write_charges(&mut out, "requested", &self.charges);
         let _ = writeln!(
             out,
             "    {:<width$}{:>8}   over by {} MiB",
@@ -148,6 +136,25 @@ impl PlanFailure {
     pub fn to_json(&self) -> Result<String, MemError> {
         super::to_json(self, "plan failure")
     }
+}
+
+/// Writes the charge table that a plan and a failure report share: a header
+/// naming the column, one line a charge in MiB, and a rule under them.
+/// Returns the label column's width, for the lines the caller adds below.
+pub(super) fn write_charges(out: &mut String, heading: &str, charges: &[Charge]) -> usize {
+    let width = charges
+        .iter()
+        .map(|c| c.label.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(28)
+        + 4;
+    let _ = writeln!(out, "  {:<w$}{:>8}", heading, "MiB", w = width + 2);
+    for c in charges {
+        let _ = writeln!(out, "    {:<width$}{:>8}", c.label, c.bytes / MIB);
+    }
+    let _ = writeln!(out, "    {:<width$}{:>8}", "", "-----");
+    width
 }
 
 fn mib_text(bytes: u64) -> String {

@@ -117,20 +117,8 @@ impl MemoryPlan {
     /// The plan as a table, one charge a line, in MiB.
     pub fn table(&self) -> String {
         use std::fmt::Write as _;
-        let width = self
-            .charges
-            .iter()
-            .map(|c| c.label.chars().count())
-            .max()
-            .unwrap_or(0)
-            .max(28)
-            + 4;
         let mut out = String::new();
-        let _ = writeln!(out, "  {:<w$}{:>8}", "charge", "MiB", w = width + 2);
-        for c in &self.charges {
-            let _ = writeln!(out, "    {:<width$}{:>8}", c.label, c.bytes / MIB);
-        }
-        let _ = writeln!(out, "    {:<width$}{:>8}", "", "-----");
+        let width = super::failure::write_charges(&mut out, "charge", &self.charges);
         let _ = writeln!(out, "    {:<width$}{:>8}", "total", self.total / MIB);
         let _ = writeln!(out, "    {:<width$}{:>8}", "headroom", self.headroom / MIB);
         let _ = writeln!(
