@@ -78,6 +78,23 @@ struct Alloc {
     reservation: bool,
 }
 
+/// Counts one call down a fault-injection countdown (`Some(n)`: the `n`-th
+/// call from now fails). True for the call that fails, which clears it.
+/// The fakes' `fail_nth` set it (`FakeBackend`, `FakePinnedHost`).
+pub(crate) fn countdown_fails(countdown: &mut Option<u64>) -> bool {
+    match *countdown {
+        Some(1) => {
+            *countdown = None;
+            true
+        }
+        Some(n) => {
+            *countdown = Some(n - 1);
+            false
+        }
+        None => false,
+    }
+}
+
 #[derive(Debug, Default)]
 struct FakeState {
     /// Physical bytes in use by live allocations and committed ranges.
@@ -126,17 +143,7 @@ impl FakeSource {
     /// Takes the fault-injection decision for one acquisition.
     fn should_fail(state: &mut FakeState) -> bool {
         state.acquisitions += 1;
-        match state.fail_countdown {
-            Some(1) => {
-                state.fail_countdown = None;
-                true
-            }
-            Some(n) => {
-                state.fail_countdown = Some(n - 1);
-                false
-            }
-            None => false,
-        }
+        countdown_fails(&mut state.fail_countdown)
     }
 
     fn take_bytes(&self, state: &mut FakeState, bytes: u64) -> Result<(), SourceError> {

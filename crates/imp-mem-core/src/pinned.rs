@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::backend::{MemoryKind, SourceError};
 use crate::error::{MemError, OomReport};
+use crate::fake::countdown_fails;
 use crate::span::{MintKey, Placement, StableSpan};
 use crate::tag::Tag;
 
@@ -399,20 +400,6 @@ impl FakePinnedHost {
     pub fn double_frees(&self) -> u64 {
         self.state().double_frees
     }
-
-    fn should_fail(state: &mut FakePinnedState) -> bool {
-        match state.fail_countdown {
-            Some(1) => {
-                state.fail_countdown = None;
-                true
-            }
-            Some(n) => {
-                state.fail_countdown = Some(n - 1);
-                false
-            }
-            None => false,
-        }
-    }
 }
 
 // SAFETY: allocations come from `alloc_zeroed` with a page-aligned layout and
@@ -428,7 +415,7 @@ unsafe impl PinnedHostOps for FakePinnedHost {
 
     fn allocate(&self, bytes: usize) -> Result<usize, SourceError> {
         let mut state = self.state();
-        if Self::should_fail(&mut state) || state.used + bytes as u64 > self.capacity {
+        if countdown_fails(&mut state.fail_countdown) || state.used + bytes as u64 > self.capacity {
             return Err(SourceError::OutOfMemory);
         }
         let layout = Layout::from_size_align(bytes, PINNED_ALIGNMENT)
@@ -460,7 +447,7 @@ unsafe impl PinnedHostOps for FakePinnedHost {
 
     fn register(&self, addr: usize, bytes: usize) -> Result<(), SourceError> {
         let mut state = self.state();
-        if Self::should_fail(&mut state) {
+        if countdown_fails(&mut state.fail_countdown) {
             return Err(SourceError::Driver(
                 "registration refused on command (FakePinnedHost)".into(),
             ));
