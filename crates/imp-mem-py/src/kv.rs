@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 use imp_mem_core::kv::{
-    BlockHash, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan, DEFAULT_HASH_SEED,
+    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan,
+    DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
 use imp_mem_cuda::CudaBlockIo;
@@ -205,6 +206,7 @@ fn extras(
 fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("capacity", s.capacity)?;
+    d.set_item("max_blocks", s.max_blocks)?;
     d.set_item("free", s.free)?;
     d.set_item("live", s.live)?;
     d.set_item("active", s.active)?;
@@ -235,6 +237,30 @@ pub struct PyKVCacheManager {
 impl PyKVCacheManager {
     fn lock(&self) -> MutexGuard<'_, KVCacheManager> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wraps a manager built in Rust (by `MemorySystem.kv_manager`).
+    pub(crate) fn from_core(m: KVCacheManager) -> Self {
+        let block_size = m.config().block_size;
+        Self {
+            inner: Mutex::new(m),
+            block_size,
+        }
+    }
+}
+
+/// How block contents travel for persistence on `backend`: a host copy on
+/// the fake, device -> pinned host -> file on a GPU; `None` for a backend
+/// with neither.
+pub(crate) fn block_io(backend: &Bound<'_, PyAny>, block_bytes: usize) -> Option<Box<dyn BlockIo>> {
+    if let Ok(fake) = backend.downcast::<PyFakeBackend>() {
+        Some(Box::new(FakeBlockIo::new(fake.get().fake.clone(), block_bytes)))
+    } else if let Ok(cuda) = backend.downcast::<crate::cuda::PyCudaBackend>() {
+        Some(Box::new(CudaBlockIo::new(cuda.get().context(), block_bytes)))
+    } else if let Ok(vmm) = backend.downcast::<crate::cuda::PyVmmBackend>() {
+        Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
+    } else {
+        None
     }
 }
 
@@ -289,32 +315,11 @@ impl PyKVCacheManager {
         };
         let mut m = KVCacheManager::new(cfg, core.as_ref()).py()?;
         if let (Some(b), true) = (backend, block_bytes > 0) {
-            // Block contents travel through the backend: a host copy on the
-            // fake, device -> pinned host -> file on a GPU.
-            let io: Option<Box<dyn imp_mem_core::kv::BlockIo>> =
-                if let Ok(fake) = b.downcast::<PyFakeBackend>() {
-                    Some(Box::new(FakeBlockIo::new(
-                        fake.get().fake.clone(),
-                        block_bytes,
-                    )))
-                } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
-                    Some(Box::new(CudaBlockIo::new(
-                        cuda.get().context(),
-                        block_bytes,
-                    )))
-                } else if let Ok(vmm) = b.downcast::<crate::cuda::PyVmmBackend>() {
-                    Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
-                } else {
-                    None
-                };
-            if let Some(io) = io {
+            if let Some(io) = block_io(b, block_bytes) {
                 m.set_block_io(io).py()?;
             }
         }
-        Ok(Self {
-            inner: Mutex::new(m),
-            block_size,
-        })
+        Ok(Self::from_core(m))
     }
 
     /// Tokens per block.
