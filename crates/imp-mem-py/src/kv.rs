@@ -254,9 +254,15 @@ impl PyKVCacheManager {
 /// with neither.
 pub(crate) fn block_io(backend: &Bound<'_, PyAny>, block_bytes: usize) -> Option<Box<dyn BlockIo>> {
     if let Ok(fake) = backend.downcast::<PyFakeBackend>() {
-        Some(Box::new(FakeBlockIo::new(fake.get().fake.clone(), block_bytes)))
+        Some(Box::new(FakeBlockIo::new(
+            fake.get().fake.clone(),
+            block_bytes,
+        )))
     } else if let Ok(cuda) = backend.downcast::<crate::cuda::PyCudaBackend>() {
-        Some(Box::new(CudaBlockIo::new(cuda.get().context(), block_bytes)))
+        Some(Box::new(CudaBlockIo::new(
+            cuda.get().context(),
+            block_bytes,
+        )))
     } else if let Ok(vmm) = backend.downcast::<crate::cuda::PyVmmBackend>() {
         Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
     } else {
