@@ -663,7 +663,7 @@ fn step_shrinks_the_kv_pool_once_the_manager_gives_its_blocks_back() {
     let mut m = system.kv_manager(system.kv_config().unwrap()).unwrap();
     let opened = pool.stats().capacity;
     let bs = p.kv.block_size as usize;
-    let tokens = (u64::from(p.kv.blocks) as usize - 1) * bs;
+    let tokens = (p.kv.blocks as usize - 1) * bs;
     let prompt: Vec<u32> = (0..tokens as u32).collect();
     m.admit(1, &prompt, crate::kv::ExtraKeys::default())
         .unwrap();
