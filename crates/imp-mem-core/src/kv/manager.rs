@@ -408,8 +408,7 @@ impl KVCacheManager {
     /// commit before it reaches its maximum (withdrawn blocks waiting for a
     /// decommit included: an allocation takes them back first).
     pub(crate) fn main_room(&self) -> (u32, u32) {
-        let s = self.pool.stats();
-        (s.free, s.max_blocks.saturating_sub(s.capacity))
+        self.pool.room()
     }
 
     fn check_swa(
@@ -437,18 +436,22 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Evicts until `need` blocks are free, then allocates them.
+    /// Evicts until `need` blocks are free (each eviction frees one block:
+    /// the entry held its last ref), then allocates them — growing the pool
+    /// only for what eviction cannot cover (K13). The evicted refs are
+    /// released under one pool lock.
     fn take_main(&mut self, need: u32) -> Result<Vec<SharedBlockRef>, MemError> {
         if need == 0 {
             return Ok(Vec::new());
         }
-        let mut free = self.pool.stats().free;
-        while free < need {
-            if self.cache.evict_one().is_none() {
-                break;
+        let (mut free, _) = self.pool.room();
+        if free < need {
+            let mut evicted = Vec::with_capacity((need - free) as usize);
+            while free < need && self.cache.evict_into(&mut evicted).is_some() {
+                free += 1;
             }
-            self.stats.evictions += 1;
-            free += 1;
+            self.stats.evictions += evicted.len() as u64;
+            self.pool.release_all(&mut evicted)?;
         }
         Ok(self.pool.allocate_many(need)?.into_refs())
     }
@@ -561,18 +564,12 @@ impl KVCacheManager {
         // the evictions below cannot pick them.
         let mut blocks: Vec<Option<SharedBlockRef>> =
             Vec::with_capacity(ceil_div(tokens.len(), bs));
-        for (done, &idx) in hit_idx.iter().enumerate() {
-            match self.cache.acquire(idx) {
-                Ok(r) => blocks.push(Some(r)),
-                Err(e) => {
-                    drop(blocks);
-                    for &undo in &hit_idx[..done] {
-                        self.cache.release_user(undo);
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        blocks.extend(
+            self.cache
+                .acquire_many(&self.pool, &hit_idx)?
+                .into_iter()
+                .map(Some),
+        );
         let fresh = self
             .take_main(need)
             .and_then(|f| Ok((f, self.take_swa(swa_need)?)));
@@ -731,25 +728,33 @@ impl KVCacheManager {
         let limit = seq.hashes.len().min(seq.cacheable).min(computed / bs);
         let caching = self.config.enable_prefix_caching;
         let mut refused = None;
+        // The refs this frees, released under one pool lock at the end.
+        let mut dropped = Vec::with_capacity(seq.blocks.len());
         for (i, slot) in seq.blocks.into_iter().enumerate() {
             let Some(block) = slot else { continue };
             if let Some(&entry) = seq.hits.get(i) {
                 if entry != NIL {
-                    drop(block);
+                    dropped.push(block);
                     self.cache.release_user(entry);
                     continue;
                 }
             }
             if caching && i < limit {
                 match self.cache.insert(seq.hashes[i], block) {
-                    Ok(dup) => drop(dup),
+                    Ok(dup) => dropped.extend(dup),
                     Err(e) => refused = Some(e),
                 }
             } else {
-                drop(block);
+                dropped.push(block);
             }
         }
-        drop(seq.swa);
+        let released = self.pool.release_all(&mut dropped);
+        if let Some(swa) = &self.swa_pool {
+            let mut swa_refs: Vec<SharedBlockRef> =
+                seq.swa.into_iter().flatten().map(|r| r.0).collect();
+            swa.release_all(&mut swa_refs)?;
+        }
+        released?;
         refused.map_or(Ok(()), Err)
     }
 
@@ -965,10 +970,13 @@ impl KVCacheManager {
     /// Evicts up to `n` LRU cached blocks (pinned and in-use ones are
     /// skipped). Returns the blocks freed.
     pub fn evict(&mut self, n: u32) -> u32 {
-        let mut done = 0;
-        while done < n && self.cache.evict_one().is_some() {
-            done += 1;
+        let mut evicted = Vec::new();
+        while (evicted.len() as u64) < u64::from(n) && self.cache.evict_into(&mut evicted).is_some()
+        {
         }
+        let done = evicted.len() as u32;
+        // Every evicted ref is this pool's, so the release cannot be refused.
+        let _ = self.pool.release_all(&mut evicted);
         self.stats.evictions += done as u64;
         done
     }
