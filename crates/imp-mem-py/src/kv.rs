@@ -39,10 +39,14 @@ fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResul
                     .chunks_exact(4)
                     .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect();
-                return match out.iter().find(|&&v| v > i32::MAX as u32) {
-                    Some(&v) => Err(bad(v as i32 as i128)),
-                    None => Ok(out),
-                };
+                // One branch-free pass (it vectorizes) finds whether any id
+                // is negative; only then is the first one looked for.
+                if out.iter().fold(0u32, |acc, &v| acc | v) > i32::MAX as u32 {
+                    if let Some(&v) = out.iter().find(|&&v| v > i32::MAX as u32) {
+                        return Err(bad(v as i32 as i128));
+                    }
+                }
+                return Ok(out);
             }
             (4, false) => {
                 return Ok(bytes
@@ -101,6 +105,82 @@ fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResul
     Ok(out)
 }
 
+/// `sys.modules`, to find NumPy without importing it.
+static SYS_MODULES: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+/// `numpy.ndarray`, once NumPy has been imported by someone.
+static NDARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+/// NumPy dtypes seen so far and how to read them: `(itemsize, signed,
+/// big-endian)`, `None` for a non-integer dtype. Holding each dtype keeps
+/// its identity (the pointer compared) from being reused.
+type DtypeLayout = Option<(usize, bool, bool)>;
+static DTYPES: Mutex<Vec<(Py<PyAny>, DtypeLayout)>> = Mutex::new(Vec::new());
+
+fn ndarray_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyAny>>> {
+    if let Some(t) = NDARRAY.get(py) {
+        return Ok(Some(t.bind(py)));
+    }
+    let modules = SYS_MODULES.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("sys")?.getattr("modules")?.unbind())
+    })?;
+    let Ok(modules) = modules.bind(py).downcast::<PyDict>() else {
+        return Ok(None);
+    };
+    let Some(numpy) = modules.get_item("numpy")? else {
+        return Ok(None);
+    };
+    let t = numpy.getattr("ndarray")?.unbind();
+    Ok(Some(NDARRAY.get_or_init(py, || t).bind(py)))
+}
+
+/// Token ids from an exact `numpy.ndarray` of integers: one `tobytes()` and
+/// two attribute reads, the dtype's layout cached. `None` for anything
+/// else (and for what the buffer path refuses, so its errors stay the same).
+fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+    let py = obj.py();
+    let Some(ndarray) = ndarray_type(py)? else {
+        return Ok(None);
+    };
+    if !obj.get_type().is(ndarray) {
+        return Ok(None);
+    }
+    let dtype = obj.getattr(intern!(py, "dtype"))?;
+    let known = {
+        let cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+        cache.iter().find(|(d, _)| d.is(&dtype)).map(|(_, l)| *l)
+    };
+    let layout = match known {
+        Some(layout) => layout,
+        None => {
+            let kind: String = dtype.getattr(intern!(py, "kind"))?.extract()?;
+            let size: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+            let order: String = dtype.getattr(intern!(py, "byteorder"))?.extract()?;
+            let big = match order.as_str() {
+                ">" => true,
+                "<" => false,
+                _ => cfg!(target_endian = "big"),
+            };
+            let layout = match kind.as_str() {
+                "i" | "u" if matches!(size, 1 | 2 | 4 | 8) => Some((size, kind == "i", big)),
+                _ => None,
+            };
+            let mut cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.len() < 32 {
+                cache.push((dtype.unbind(), layout));
+            }
+            layout
+        }
+    };
+    let Some((size, signed, big)) = layout else {
+        return Ok(None);
+    };
+    let ndim: usize = obj.getattr(intern!(py, "ndim"))?.extract()?;
+    if ndim > 1 {
+        return Ok(None);
+    }
+    let raw = obj.call_method0(intern!(py, "tobytes"))?;
+    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big).map(Some)
+}
+
 /// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
 pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = obj.py();
@@ -123,6 +203,9 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return Err(invalid(
             "tokens must be integers (a list, a NumPy array, array('i')), not str or bytes",
         ));
+    }
+    if let Some(ids) = ndarray_tokens(obj)? {
+        return Ok(ids);
     }
     let memoryview = MEMORYVIEW.get_or_try_init(py, || {
         Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
