@@ -31,55 +31,37 @@ static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 /// ids, refusing any outside `0..=u32::MAX`.
 fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
     let bad = |v: i128| invalid(format!("token id {v} is outside 0..=4294967295"));
-    // The common cases: int32 / int64 / uint32, native order.
+    // The common cases: int32 / int64 / uint32, native order. Each is a
+    // loop over a zeroed vector (it vectorises; a collect over the chunks
+    // did not) and a branch-free check; only a bad id is looked for.
     if !big {
         match (size, signed) {
-            (4, true) => {
-                let out: Vec<u32> = bytes
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
-                // One branch-free pass (it vectorizes) finds whether any id
-                // is negative; only then is the first one looked for.
-                if out.iter().fold(0u32, |acc, &v| acc | v) > i32::MAX as u32 {
+            (4, _) => {
+                let mut out = vec![0u32; bytes.len() / 4];
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = u32::from_le_bytes(c.try_into().unwrap_or([0; 4]));
+                }
+                if signed && out.iter().fold(0u32, |acc, &v| acc | v) > i32::MAX as u32 {
                     if let Some(&v) = out.iter().find(|&&v| v > i32::MAX as u32) {
                         return Err(bad(v as i32 as i128));
                     }
                 }
                 return Ok(out);
             }
-            (4, false) => {
-                return Ok(bytes
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect())
-            }
             (8, _) => {
-                let mut out = Vec::with_capacity(bytes.len() / 8);
-                let mut high = 0u64;
-                for c in bytes.chunks_exact(8) {
-                    let v = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-                    high |= v >> 32;
-                    out.push(v as u32);
+                let mut wide = vec![0u64; bytes.len() / 8];
+                for (o, c) in wide.iter_mut().zip(bytes.chunks_exact(8)) {
+                    *o = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
                 }
-                if high != 0 {
-                    let v = bytes
-                        .chunks_exact(8)
-                        .map(|c| {
-                            let v = u64::from_le_bytes([
-                                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
-                            ]);
-                            if signed {
-                                v as i64 as i128
-                            } else {
-                                v as i128
-                            }
-                        })
+                if wide.iter().fold(0u64, |acc, &v| acc | v) >> 32 != 0 {
+                    let v = wide
+                        .iter()
+                        .map(|&v| if signed { v as i64 as i128 } else { v as i128 })
                         .find(|&v| !(0..=u32::MAX as i128).contains(&v))
                         .unwrap_or(-1);
                     return Err(bad(v));
                 }
-                return Ok(out);
+                return Ok(wide.iter().map(|&v| v as u32).collect());
             }
             _ => {}
         }
