@@ -5,10 +5,12 @@
 //! copied once to bytes in the binding (the buffer protocol itself is not in
 //! the abi3-py39 limited API) and reinterpreted in Rust, so there is no
 //! per-token Python work. Hashing, matching and allocation run with the GIL
-//! released.
+//! released, except a small call (up to `SMALL_TOKENS` tokens) that finds
+//! the manager's lock free: it keeps the GIL, which costs less than
+//! releasing it (see `PyKVCacheManager::run`).
 
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::{
     BlockHash, BlockIo, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan,
@@ -290,6 +292,15 @@ fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>>
     Ok(d)
 }
 
+/// Calls with at most this many tokens (admit, append; free and abort of a
+/// sequence this long) keep the GIL when the manager is uncontended: about
+/// a microsecond of work at most.
+const SMALL_TOKENS: usize = 2048;
+
+fn small_sequence(m: &KVCacheManager, id: u64) -> bool {
+    m.num_tokens(id).map_or(true, |n| n <= SMALL_TOKENS)
+}
+
 /// The paged KV cache manager: sequence block tables (with holes), a prefix
 /// cache that owns its blocks, pins, an SWA pool, admission control and
 /// persistence. Thread-safe: one lock around the core.
@@ -302,6 +313,31 @@ pub struct PyKVCacheManager {
 impl PyKVCacheManager {
     fn lock(&self) -> MutexGuard<'_, KVCacheManager> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the manager. Small work (`small` says, given the
+    /// manager) runs with the GIL held when the manager's lock is free at
+    /// once: releasing and re-taking the GIL costs more than such a call's
+    /// work. Anything else — large work, or a lock another thread holds —
+    /// releases the GIL first, so no thread ever waits for the lock while
+    /// holding the GIL, and no long operation holds it.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        small: impl FnOnce(&KVCacheManager) -> bool,
+        f: impl FnOnce(&mut KVCacheManager) -> R + Send,
+    ) -> R {
+        let guard = match self.inner.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut g) = guard {
+            if small(&g) {
+                return f(&mut g);
+            }
+        }
+        py.allow_threads(|| f(&mut self.lock()))
     }
 
     /// Wraps a manager built in Rust (by `MemorySystem.kv_manager`).
@@ -420,9 +456,14 @@ impl PyKVCacheManager {
     ) -> PyResult<usize> {
         let toks = self::tokens(tokens)?;
         let extras = extras(lora_id, cache_salt, mm)?;
-        py.allow_threads(|| self.lock().admit(seq_id, &toks, extras))
-            .py()
-            .map(|a| a.cached_tokens)
+        let n = toks.len();
+        self.run(
+            py,
+            |_| n <= SMALL_TOKENS,
+            |m| m.admit(seq_id, &toks, extras),
+        )
+        .py()
+        .map(|a| a.cached_tokens)
     }
 
     /// True when `tokens` could be admitted now.
@@ -458,7 +499,9 @@ impl PyKVCacheManager {
     /// Appends tokens to `seq_id`; all or nothing.
     fn append(&self, py: Python<'_>, seq_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let toks = self::tokens(tokens)?;
-        py.allow_threads(|| self.lock().append(seq_id, &toks)).py()
+        let n = toks.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, &toks))
+            .py()
     }
 
     /// True when `n` more tokens fit `seq_id` now.
@@ -469,8 +512,12 @@ impl PyKVCacheManager {
     /// Frees `seq_id`; its full computed blocks move into the prefix cache.
     #[pyo3(signature = (seq_id, computed_tokens = None))]
     fn free(&self, py: Python<'_>, seq_id: u64, computed_tokens: Option<usize>) -> PyResult<()> {
-        py.allow_threads(|| self.lock().free(seq_id, computed_tokens))
-            .py()
+        self.run(
+            py,
+            |m| small_sequence(m, seq_id),
+            |m| m.free(seq_id, computed_tokens),
+        )
+        .py()
     }
 
     /// Shares `seq_id`'s full blocks inside its first `computed_tokens` with
@@ -482,7 +529,8 @@ impl PyKVCacheManager {
 
     /// Releases `seq_id` without caching anything new.
     fn abort(&self, py: Python<'_>, seq_id: u64) -> PyResult<()> {
-        py.allow_threads(|| self.lock().abort(seq_id)).py()
+        self.run(py, |m| small_sequence(m, seq_id), |m| m.abort(seq_id))
+            .py()
     }
 
     /// StreamingLLM: drops blocks `[start, end)` of `seq_id`, leaving holes.
