@@ -271,9 +271,10 @@ impl PrefixCache {
                 block.pool().id()
             )));
         }
-        if self.map.contains_key(&hash) {
-            return Ok(Some(block));
-        }
+        let slot = match self.map.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => return Ok(Some(block)),
+            std::collections::hash_map::Entry::Vacant(v) => v,
+        };
         let entry = Entry {
             hash,
             block,
@@ -293,7 +294,7 @@ impl PrefixCache {
                 (self.slab.len() - 1) as u32
             }
         };
-        self.map.insert(hash, idx);
+        slot.insert(idx);
         self.link_tail(idx);
         Ok(None)
     }
