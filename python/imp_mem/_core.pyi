@@ -842,6 +842,27 @@ class MemorySystem:
         device: tuple[int, int] | bool | None = None,
         other_processes: ByteCount | None = None,
     ) -> str: ...
+    def kv_manager(
+        self,
+        block_size: int | None = None,
+        *,
+        swa_window: int | None = None,
+        enable_prefix_caching: bool = True,
+        hash_seed: int | None = None,
+        pin_budget: int | None = None,
+        model_fingerprint: str = "",
+        dtype: str | None = None,
+        layout: str = "",
+    ) -> KVCacheManager:
+        """A KVCacheManager over this system's KV (and SWA) pool: its blocks are
+        the ones the report attributes to ``kv_cache``. Defaults come from the
+        plan; admission counts the blocks a growable pool can still commit.
+        Drop it before ``close()``."""
+    def step(self, fence: Fence | Any | None = None) -> int:
+        """One engine step for every growable pool (the KV pool's hysteretic,
+        fenced shrink); returns the bytes decommitted."""
+    def flush_decommit(self) -> int:
+        """Waits for every growable pool's pending decommit; the bytes returned."""
     def check(self) -> None: ...
     def close(self) -> dict[str, Any]: ...
     def __enter__(self) -> MemorySystem: ...

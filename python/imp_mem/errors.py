@@ -34,8 +34,9 @@ class CapacityError(ImpMemError):
     """A pool cannot admit what was asked; nothing was changed.
 
     Raised by ``KVCacheManager`` admission, append and load with the block
-    arithmetic as attributes: ``needed``, ``free``, ``evictable``, ``pinned``
-    and ``pool`` (``"kv"`` or ``"swa"``).
+    arithmetic as attributes: ``needed``, ``free``, ``growable`` (blocks a
+    growable pool can still commit), ``evictable``, ``pinned`` and ``pool``
+    (``"kv"`` or ``"swa"``).
     """
 
 

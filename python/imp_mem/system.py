@@ -12,8 +12,10 @@ Typical use::
         weights = system.weights_arena        # T1: load the weights here
         ...
         system.begin_serving()                # nothing is acquired after this
-        kv, scratch = system.kv_pool, system.scratch
+        kv = system.kv_manager()              # paged KV on the system's KV pool
+        kv.admit(seq_id, prompt_tokens)
         ...
+        system.step(fence)                    # once per engine step: the KV pool's shrink
         print(system.mem_report_text())       # plan vs actual, attribution
         body = system.metrics()               # Prometheus text for /metrics
 """
@@ -42,10 +44,13 @@ DEMO_METRICS = (
 
 def _load_and_serve(system: MemorySystem, shape: ModelShape, steps: int, out) -> None:
     """LOADING: the weights go into T1 and a workspace into T2; SERVING: each
-    step admits a request (KV blocks), runs a forward pass on scratch marks,
-    and retires the oldest request; the report is printed with requests in
-    flight. Every handle dies with this frame, so the system can release
-    everything when it closes."""
+    step admits a request through a KVCacheManager on the system's KV pool
+    (every prompt opens with the same system prompt, so later requests hit
+    its cached blocks), prefills and decodes a token, runs a forward pass on
+    scratch marks, retires the oldest request into the prefix cache, and
+    steps the system (the KV pool's hysteretic shrink). The report is
+    printed with requests in flight. Every handle dies with this frame, so
+    the system can release everything when it closes."""
     weights = system.weights_arena
     tensors = shape.num_layers + 2  # layers, embeddings, LM head
     chunk = weights.capacity // tensors // 256 * 256
@@ -61,25 +66,45 @@ def _load_and_serve(system: MemorySystem, shape: ModelShape, steps: int, out) ->
 
     system.begin_serving()
     out(f"[{system.phase}] serving {steps} steps; the tiers are fixed from here on")
-    kv, scratch = system.kv_pool, system.scratch
+    pool, scratch = system.kv_pool, system.scratch
+    kv = system.kv_manager()
+    block = kv.block_size
     per_sequence = system.plan.kv["blocks_per_sequence"]
-    running = []
-    start_capacity = kv.capacity
+    # A system prompt of an eighth of a sequence, shared by every request.
+    shared = list(range(max(1, per_sequence // 8) * block))
+    running: list[int] = []
+    start_capacity = pool.capacity
+    decommitted = 0
     for step in range(steps):
         # Requests of a quarter to a whole sequence; at most six in flight.
-        running.append(kv.allocate_many(max(1, per_sequence * (step % 4 + 1) // 4)))
+        tokens = max(1, per_sequence * (step % 4 + 1) // 4) * block
+        own = (step + 1) << 20  # this request's own token ids
+        prompt = shared + list(range(own, own + max(1, tokens - len(shared))))
+        cached = kv.admit(step, prompt)
+        kv.cache_computed(step, len(prompt))  # prefilled: its blocks serve others now
+        kv.append(step, [own - 1])  # one decoded token
+        running.append(step)
+        out(f"  request {step}: {len(prompt)} tokens, {cached} served from the prefix cache")
         if scratch is not None:
             with scratch.mark() as forward:
                 forward.take(scratch.capacity // 4)  # attention
                 with scratch.mark() as ffn:
                     ffn.take(scratch.capacity // 4)
         if len(running) > 6:
-            running.pop(0).release()
+            kv.free(running.pop(0))
+        decommitted += system.step()
+    stats = kv.stats()
     out(
-        f"  KV pool: {kv.live} blocks live, capacity {start_capacity} -> {kv.capacity} of "
+        f"  KV pool: {pool.live} blocks live, capacity {start_capacity} -> {pool.capacity} of "
         f"{system.plan.kv_blocks} planned (growth commits inside the reservation; it is not "
         f"an acquisition); scratch high-water {human_bytes(scratch.high_water if scratch else 0)}"
     )
+    out(
+        f"  KV manager: {stats['sequences']} sequences, {stats['cached']} cached blocks, "
+        f"prefix hits {stats['prefix_hit_blocks']} of {stats['prefix_query_blocks']} blocks; "
+        f"system.step() decommitted {human_bytes(decommitted)}"
+    )
+    kv.check_invariants()
     system.check()
     out("")
     out(system.mem_report_text())
@@ -89,8 +114,8 @@ def _load_and_serve(system: MemorySystem, shape: ModelShape, steps: int, out) ->
             "steady_state" not in line or 'tag="kv_cache"' in line
         ):
             out(f"  {line}")
-    for refs in running:
-        refs.release()
+    for seq in running:
+        kv.free(seq)
 
 
 def run_demo(

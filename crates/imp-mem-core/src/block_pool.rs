@@ -1197,6 +1197,64 @@ impl SharedBlockPool {
         Ok(())
     }
 
+    /// Drops every ref in `refs` (leaving the vector empty, its capacity
+    /// kept) under one lock instead of one lock each: every ref releases
+    /// exactly once, as if dropped one by one. A ref of another pool is
+    /// dropped into its own pool and reported, like [`Self::release`].
+    pub fn release_all(&self, refs: &mut Vec<SharedBlockRef>) -> Result<(), MemError> {
+        let mut theirs = None;
+        if !refs.is_empty() {
+            let mut core = self.core();
+            for r in refs.iter_mut() {
+                if Arc::ptr_eq(&r.pool.inner, &self.inner) {
+                    let _ = core.release(r.id);
+                    // Released: its drop below only lets go of the pool.
+                    r.id = RELEASED;
+                } else {
+                    theirs = Some(r.pool.id());
+                }
+            }
+        }
+        refs.clear();
+        theirs.map_or(Ok(()), |t| Err(foreign(t, self.id())))
+    }
+
+    /// One more ref to each block of `refs` (refs of this pool), under one
+    /// lock; all or nothing.
+    pub fn share_all(&self, refs: &[&SharedBlockRef]) -> Result<Vec<SharedBlockRef>, MemError> {
+        if let Some(r) = refs
+            .iter()
+            .find(|r| !Arc::ptr_eq(&r.pool.inner, &self.inner))
+        {
+            return Err(foreign(r.pool.id(), self.id()));
+        }
+        let mut core = self.core();
+        for (done, r) in refs.iter().enumerate() {
+            if let Err(e) = core.share(r.id) {
+                for undo in &refs[..done] {
+                    let _ = core.release(undo.id);
+                }
+                return Err(e);
+            }
+        }
+        drop(core);
+        Ok(refs
+            .iter()
+            .map(|r| SharedBlockRef {
+                pool: self.clone(),
+                id: r.id,
+            })
+            .collect())
+    }
+
+    /// Blocks on the free list, and blocks the pool can still grow by
+    /// (`max_blocks - capacity`): [`Self::stats`]'s two figures an
+    /// admission needs, for one lock and no more.
+    pub fn room(&self) -> (u32, u32) {
+        let core = self.core();
+        (core.free, core.max_blocks.saturating_sub(core.capacity()))
+    }
+
     /// Refuses a ref from another pool.
     pub fn check_owner(&self, block: &SharedBlockRef) -> Result<(), MemError> {
         let theirs = block.pool.id();
@@ -1331,9 +1389,15 @@ impl SharedBlockRef {
     }
 }
 
+/// The id of a [`SharedBlockRef`] that [`SharedBlockPool::release_all`]
+/// already released (never a block id: ids are below [`MAX_BLOCKS`]).
+const RELEASED: BlockId = u32::MAX;
+
 impl Drop for SharedBlockRef {
     fn drop(&mut self) {
-        let _ = self.pool.core().release(self.id);
+        if self.id != RELEASED {
+            let _ = self.pool.core().release(self.id);
+        }
     }
 }
 
@@ -1559,6 +1623,67 @@ mod tests {
         assert!(two.check_owner(&r).is_err());
         assert!(matches!(two.release(r), Err(MemError::InvalidArgument(_))));
         assert_eq!((one.stats().free, two.stats().free), (2, 2));
+    }
+
+    #[test]
+    fn batched_release_and_share_keep_the_counts_of_one_by_one() {
+        let pool = SharedBlockPool::slots(8).unwrap();
+        let mut refs = pool.allocate_many(4).unwrap().into_refs();
+        let borrowed: Vec<&SharedBlockRef> = refs.iter().take(3).collect();
+        let mut shared = pool.share_all(&borrowed).unwrap();
+        assert_eq!(shared.len(), 3);
+        assert_eq!(pool.stats().refs, 7);
+        assert_eq!(refs[0].refcount(), 2);
+        // Each ref releases exactly once: the shares first, then the rest.
+        pool.release_all(&mut shared).unwrap();
+        assert!(shared.is_empty());
+        let s = pool.stats();
+        assert_eq!((s.refs, s.live, s.free), (4, 4, 4));
+        pool.release_all(&mut refs).unwrap();
+        let s = pool.stats();
+        assert_eq!((s.refs, s.live, s.free), (0, 0, 8));
+        pool.check_invariants().unwrap();
+        assert_eq!(pool.room(), (8, 0));
+
+        // A foreign ref is refused by both, and still released into its own
+        // pool exactly once.
+        let other = SharedBlockPool::slots(2).unwrap();
+        let theirs = other.allocate().unwrap();
+        assert!(pool.share_all(&[&theirs]).is_err());
+        assert_eq!(theirs.refcount(), 1);
+        let ours = pool.allocate().unwrap();
+        let mut mixed = vec![ours, theirs];
+        assert!(matches!(
+            pool.release_all(&mut mixed),
+            Err(MemError::InvalidArgument(_))
+        ));
+        assert_eq!((pool.stats().live, other.stats().live), (0, 0));
+        pool.check_invariants().unwrap();
+        other.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_failed_batched_share_shares_nothing() {
+        let pool = SharedBlockPool::slots(4).unwrap();
+        let a = pool.allocate().unwrap();
+        // The last share of a full count fails; the earlier ones are undone.
+        let b = pool.allocate().unwrap();
+        {
+            let mut core = pool.core();
+            if let Some(Entry::Occupied { refs }) = core.entries.get_mut(b.id() as usize) {
+                *refs = u32::MAX;
+            }
+        }
+        assert!(pool.share_all(&[&a, &b]).is_err());
+        assert_eq!(a.refcount(), 1);
+        {
+            let mut core = pool.core();
+            if let Some(Entry::Occupied { refs }) = core.entries.get_mut(b.id() as usize) {
+                *refs = 1;
+            }
+        }
+        drop((a, b));
+        pool.check_invariants().unwrap();
     }
 
     #[test]

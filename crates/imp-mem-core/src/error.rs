@@ -73,6 +73,8 @@ pub struct KvCapacityReport {
     pub needed: u32,
     /// Blocks on the free list.
     pub free: u32,
+    /// Blocks a growable pool could still commit (0 for a fixed pool).
+    pub growable: u32,
     /// Cached blocks that eviction could have freed for it.
     pub evictable: u32,
     /// Cached blocks kept by pins (not evictable).
@@ -85,15 +87,16 @@ impl std::fmt::Display for KvCapacityReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "cannot {}: it needs {} {} block(s); {} free + {} evictable cached = {} available \
-             ({} more cached block(s) are pinned); nothing was changed — free or abort \
-             sequences, unpin prefixes, or plan a larger pool",
+            "cannot {}: it needs {} {} block(s); {} free + {} uncommitted (a growable pool) + {} \
+             evictable cached = {} available ({} more cached block(s) are pinned); nothing was \
+             changed — free or abort sequences, unpin prefixes, or plan a larger pool",
             self.what,
             self.needed,
             self.pool,
             self.free,
+            self.growable,
             self.evictable,
-            self.free as u64 + self.evictable as u64,
+            self.free as u64 + self.growable as u64 + self.evictable as u64,
             self.pinned
         )
     }

@@ -37,9 +37,13 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use std::sync::Arc;
+
 use crate::backend::Backend;
 use crate::block_pool::{PoolConfig, SharedBlockPool, MAX_BLOCKS};
+use crate::decommit::FenceLike;
 use crate::error::MemError;
+use crate::kv::{KVCacheManager, KvConfig};
 use crate::phase::Phase;
 use crate::planner::MemoryPlan;
 use crate::scratch::SharedScratchStack;
@@ -686,6 +690,116 @@ impl MemorySystem {
                 _ => None,
             })
             .collect()
+    }
+
+    /// The pools that can shrink (they grew, or can grow, past the blocks
+    /// they opened with): today the KV pool on a growable backend.
+    pub fn growable_pools(&self) -> Vec<SharedBlockPool> {
+        self.slots
+            .iter()
+            .filter_map(|s| match &s.handle {
+                Handle::Pool(p) => Some(p.clone()),
+                _ => None,
+            })
+            .filter(|p| {
+                let st = p.stats();
+                st.max_blocks > st.min_blocks
+            })
+            .collect()
+    }
+
+    /// One engine step for every growable pool ([`SharedBlockPool::step`]:
+    /// the KV pool's hysteretic, fenced shrink). Call it once per engine
+    /// step with a fence recorded after the step's work was enqueued
+    /// ([`NothingInFlight`](crate::decommit::NothingInFlight) when none can
+    /// touch the pools). Every pool is stepped even if one fails; the first
+    /// error is returned. Returns the bytes decommitted during this call.
+    pub fn step<F: FenceLike + Send + Sync + 'static>(&self, fence: F) -> Result<u64, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        let fence = Arc::new(fence);
+        let mut bytes = 0u64;
+        let mut first_error = None;
+        for pool in self.growable_pools() {
+            match pool.step(fence.clone()) {
+                Ok(n) => bytes += n,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(bytes), Err)
+    }
+
+    /// The [`KvConfig`] the plan implies for [`MemorySystem::kv_manager`]:
+    /// the plan's tokens per block, its KV dtype, and the sliding window
+    /// when the plan has an SWA pool; everything else at its default.
+    pub fn kv_config(&self) -> Result<KvConfig, MemError> {
+        let pool = self.kv_pool().ok_or_else(|| self.no_kv_pool())?;
+        let kv = &self.plan.kv;
+        let block_size = to_usize(kv.block_size.into(), "block size")?;
+        let mut config = KvConfig::new(block_size, pool.stats().max_blocks);
+        config.dtype = kv.dtype.name().to_string();
+        if self.swa_pool().is_some() {
+            let window = self.plan.swa.as_ref().and_then(|s| s.window).unwrap_or(0);
+            config.swa_window = to_usize(window, "sliding window")?;
+        }
+        Ok(config)
+    }
+
+    fn no_kv_pool(&self) -> MemError {
+        if self.closed {
+            self.closed_error()
+        } else {
+            MemError::invalid("this system has no KV pool: its plan gives the KV cache no blocks")
+        }
+    }
+
+    /// A [`KVCacheManager`] over this system's KV pool (and SWA pool, if the
+    /// plan has one): [`KVCacheManager::with_pools`], so its blocks are the
+    /// system's, attributed to `kv_cache` / `swa_cache` in the report. Start
+    /// from [`MemorySystem::kv_config`]. `block_size` must be the plan's (the
+    /// pool's blocks hold that many tokens), and `swa_window` is set exactly
+    /// when the system has an SWA pool. The manager holds the pools alive:
+    /// drop it before [`MemorySystem::close`], or the close reports the
+    /// blocks as still held.
+    pub fn kv_manager(&self, config: KvConfig) -> Result<KVCacheManager, MemError> {
+        let pool = self.kv_pool().ok_or_else(|| self.no_kv_pool())?;
+        let planned = self.plan.kv.block_size as usize;
+        if config.block_size != planned {
+            return Err(MemError::invalid(format!(
+                "block_size={} but the plan's KV blocks hold {planned} tokens each; build the \
+                 manager with the plan's block size (or plan with block_size={})",
+                config.block_size, config.block_size
+            )));
+        }
+        let swa = self.swa_pool();
+        if let (Some(_), Some(plan)) = (&swa, &self.plan.swa) {
+            if plan.block_size as usize != planned {
+                return Err(MemError::invalid(format!(
+                    "the plan's SWA blocks hold {} tokens but its KV blocks {planned}; one \
+                     manager needs one block size",
+                    plan.block_size
+                )));
+            }
+        }
+        match (&swa, config.swa_window) {
+            (Some(_), 0) => {
+                return Err(MemError::invalid(format!(
+                    "this system has an SWA pool; set swa_window (the plan's is {} tokens)",
+                    self.plan.swa.as_ref().and_then(|s| s.window).unwrap_or(0)
+                )))
+            }
+            (None, w) if w > 0 => {
+                return Err(MemError::invalid(format!(
+                    "swa_window={w} but this system has no SWA pool (the plan has no sliding \
+                     window layers)"
+                )))
+            }
+            _ => {}
+        }
+        KVCacheManager::with_pools(config, pool, swa)
     }
 
     /// T4: the scratch stack.

@@ -14,8 +14,9 @@
 
 use std::collections::HashMap;
 
+use imp_mem_core::decommit::{DecommitPolicy, NothingInFlight};
 use imp_mem_core::kv::{BlockHash, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig};
-use imp_mem_core::{FakeBackend, FakeConfig, KvStats, MemError};
+use imp_mem_core::{FakeBackend, FakeConfig, KvStats, MemError, PoolConfig, SharedBlockPool, Tag};
 use proptest::prelude::*;
 
 const BS: usize = 4;
@@ -97,7 +98,18 @@ fn fail(e: impl std::fmt::Display) -> TestCaseError {
 
 impl Harness {
     fn new(swa: bool) -> Result<Self, TestCaseError> {
-        let fake = FakeBackend::new(FakeConfig::default()).map_err(fail)?;
+        Self::build(swa, false)
+    }
+
+    /// `growable`: the main pool is opened elsewhere (`with_pools`), starts
+    /// at 4 of its 24 blocks, grows by 4 (one granule) and shrinks with no
+    /// hysteresis, stepped after every operation.
+    fn build(swa: bool, growable: bool) -> Result<Self, TestCaseError> {
+        let fake = FakeBackend::new(FakeConfig {
+            granularity: if growable { 4 * BYTES } else { 4096 },
+            ..FakeConfig::default()
+        })
+        .map_err(fail)?;
         let mut cfg = KvConfig::new(BS, BLOCKS);
         cfg.block_bytes = BYTES;
         cfg.pin_budget = 6;
@@ -106,7 +118,25 @@ impl Harness {
             cfg.swa_blocks = 10;
             cfg.swa_window = 6;
         }
-        let mut m = KVCacheManager::new(cfg, Some(fake.backend())).map_err(fail)?;
+        let mut m = if growable {
+            let pool = SharedBlockPool::new(
+                fake.backend(),
+                &PoolConfig::growable(BYTES, 4, BLOCKS, 4).with_tag(Tag::KvCache),
+            )
+            .map_err(fail)?;
+            pool.set_decommit_policy(DecommitPolicy {
+                min_idle_steps: 1,
+                keep_chunks: 0,
+            });
+            let swa_pool = if swa {
+                Some(SharedBlockPool::slots(10).map_err(fail)?)
+            } else {
+                None
+            };
+            KVCacheManager::with_pools(cfg, pool, swa_pool).map_err(fail)?
+        } else {
+            KVCacheManager::new(cfg, Some(fake.backend())).map_err(fail)?
+        };
         m.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), BYTES)))
             .map_err(fail)?;
         Ok(Self {
@@ -365,6 +395,36 @@ fn run(ops: Vec<Op>, swa: bool) -> Result<(), TestCaseError> {
     for op in ops {
         h.apply(op)?;
     }
+    drain(h)
+}
+
+/// The state machine over a growable pool that shrinks between operations:
+/// admission counts the room it can grow into, a refusal still changes
+/// nothing, and no live or cached block is ever decommitted (its bytes
+/// would be poisoned and fail the content check).
+fn run_growable(ops: Vec<Op>, swa: bool) -> Result<(), TestCaseError> {
+    let mut h = Harness::build(swa, true)?;
+    for op in ops {
+        h.apply(op)?;
+        h.m.pool().step(NothingInFlight).map_err(fail)?;
+        h.check()?;
+    }
+    for s in std::mem::take(&mut h.seqs) {
+        h.m.free(s.id, None).map_err(fail)?;
+    }
+    for owner in 0..3 {
+        h.m.unpin(owner);
+    }
+    h.m.evict(u32::MAX);
+    h.m.pool().shrink_now(NothingInFlight).map_err(fail)?;
+    let s = h.m.stats();
+    prop_assert_eq!((s.live, s.cached, s.swa_live), (0, 0, 0));
+    prop_assert_eq!((s.capacity, s.free, s.max_blocks), (4, 4, BLOCKS));
+    h.m.check_invariants().map_err(fail)?;
+    Ok(())
+}
+
+fn drain(mut h: Harness) -> Result<(), TestCaseError> {
     // Drain: every sequence freed, every cache entry unpinned and evicted —
     // the pool is back to its baseline.
     for s in std::mem::take(&mut h.seqs) {
@@ -391,5 +451,13 @@ proptest! {
     #[test]
     fn kv_manager_state_machine_with_swa(ops in proptest::collection::vec(op(), 1..80)) {
         run(ops, true)?;
+    }
+
+    #[test]
+    fn kv_manager_state_machine_over_a_shrinking_pool(
+        ops in proptest::collection::vec(op(), 1..80),
+        swa in any::<bool>(),
+    ) {
+        run_growable(ops, swa)?;
     }
 }

@@ -48,6 +48,7 @@ pub fn to_py(err: MemError) -> PyErr {
             let value = exc.value(py);
             let _ = value.setattr("needed", report.needed);
             let _ = value.setattr("free", report.free);
+            let _ = value.setattr("growable", report.growable);
             let _ = value.setattr("evictable", report.evictable);
             let _ = value.setattr("pinned", report.pinned);
             let _ = value.setattr("pool", report.pool);

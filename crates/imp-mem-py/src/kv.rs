@@ -5,13 +5,16 @@
 //! copied once to bytes in the binding (the buffer protocol itself is not in
 //! the abi3-py39 limited API) and reinterpreted in Rust, so there is no
 //! per-token Python work. Hashing, matching and allocation run with the GIL
-//! released.
+//! released, except a small call (up to `SMALL_TOKENS` tokens) that finds
+//! the manager's lock free: it keeps the GIL, which costs less than
+//! releasing it (see `PyKVCacheManager::run`).
 
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::{
-    BlockHash, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan, DEFAULT_HASH_SEED,
+    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan,
+    DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
 use imp_mem_cuda::CudaBlockIo;
@@ -30,51 +33,37 @@ static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 /// ids, refusing any outside `0..=u32::MAX`.
 fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
     let bad = |v: i128| invalid(format!("token id {v} is outside 0..=4294967295"));
-    // The common cases: int32 / int64 / uint32, native order.
+    // The common cases: int32 / int64 / uint32, native order. Each is a
+    // loop over a zeroed vector (it vectorises; a collect over the chunks
+    // did not) and a branch-free check; only a bad id is looked for.
     if !big {
         match (size, signed) {
-            (4, true) => {
-                let out: Vec<u32> = bytes
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
-                return match out.iter().find(|&&v| v > i32::MAX as u32) {
-                    Some(&v) => Err(bad(v as i32 as i128)),
-                    None => Ok(out),
-                };
-            }
-            (4, false) => {
-                return Ok(bytes
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect())
+            (4, _) => {
+                let mut out = vec![0u32; bytes.len() / 4];
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = u32::from_le_bytes(c.try_into().unwrap_or([0; 4]));
+                }
+                if signed && out.iter().fold(0u32, |acc, &v| acc | v) > i32::MAX as u32 {
+                    if let Some(&v) = out.iter().find(|&&v| v > i32::MAX as u32) {
+                        return Err(bad(v as i32 as i128));
+                    }
+                }
+                return Ok(out);
             }
             (8, _) => {
-                let mut out = Vec::with_capacity(bytes.len() / 8);
-                let mut high = 0u64;
-                for c in bytes.chunks_exact(8) {
-                    let v = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-                    high |= v >> 32;
-                    out.push(v as u32);
+                let mut wide = vec![0u64; bytes.len() / 8];
+                for (o, c) in wide.iter_mut().zip(bytes.chunks_exact(8)) {
+                    *o = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
                 }
-                if high != 0 {
-                    let v = bytes
-                        .chunks_exact(8)
-                        .map(|c| {
-                            let v = u64::from_le_bytes([
-                                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
-                            ]);
-                            if signed {
-                                v as i64 as i128
-                            } else {
-                                v as i128
-                            }
-                        })
+                if wide.iter().fold(0u64, |acc, &v| acc | v) >> 32 != 0 {
+                    let v = wide
+                        .iter()
+                        .map(|&v| if signed { v as i64 as i128 } else { v as i128 })
                         .find(|&v| !(0..=u32::MAX as i128).contains(&v))
                         .unwrap_or(-1);
                     return Err(bad(v));
                 }
-                return Ok(out);
+                return Ok(wide.iter().map(|&v| v as u32).collect());
             }
             _ => {}
         }
@@ -100,6 +89,82 @@ fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResul
     Ok(out)
 }
 
+/// `sys.modules`, to find NumPy without importing it.
+static SYS_MODULES: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+/// `numpy.ndarray`, once NumPy has been imported by someone.
+static NDARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+/// NumPy dtypes seen so far and how to read them: `(itemsize, signed,
+/// big-endian)`, `None` for a non-integer dtype. Holding each dtype keeps
+/// its identity (the pointer compared) from being reused.
+type DtypeLayout = Option<(usize, bool, bool)>;
+static DTYPES: Mutex<Vec<(Py<PyAny>, DtypeLayout)>> = Mutex::new(Vec::new());
+
+fn ndarray_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyAny>>> {
+    if let Some(t) = NDARRAY.get(py) {
+        return Ok(Some(t.bind(py)));
+    }
+    let modules = SYS_MODULES.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("sys")?.getattr("modules")?.unbind())
+    })?;
+    let Ok(modules) = modules.bind(py).downcast::<PyDict>() else {
+        return Ok(None);
+    };
+    let Some(numpy) = modules.get_item("numpy")? else {
+        return Ok(None);
+    };
+    let t = numpy.getattr("ndarray")?.unbind();
+    Ok(Some(NDARRAY.get_or_init(py, || t).bind(py)))
+}
+
+/// Token ids from an exact `numpy.ndarray` of integers: one `tobytes()` and
+/// two attribute reads, the dtype's layout cached. `None` for anything
+/// else (and for what the buffer path refuses, so its errors stay the same).
+fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+    let py = obj.py();
+    let Some(ndarray) = ndarray_type(py)? else {
+        return Ok(None);
+    };
+    if !obj.get_type().is(ndarray) {
+        return Ok(None);
+    }
+    let dtype = obj.getattr(intern!(py, "dtype"))?;
+    let known = {
+        let cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+        cache.iter().find(|(d, _)| d.is(&dtype)).map(|(_, l)| *l)
+    };
+    let layout = match known {
+        Some(layout) => layout,
+        None => {
+            let kind: String = dtype.getattr(intern!(py, "kind"))?.extract()?;
+            let size: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+            let order: String = dtype.getattr(intern!(py, "byteorder"))?.extract()?;
+            let big = match order.as_str() {
+                ">" => true,
+                "<" => false,
+                _ => cfg!(target_endian = "big"),
+            };
+            let layout = match kind.as_str() {
+                "i" | "u" if matches!(size, 1 | 2 | 4 | 8) => Some((size, kind == "i", big)),
+                _ => None,
+            };
+            let mut cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.len() < 32 {
+                cache.push((dtype.unbind(), layout));
+            }
+            layout
+        }
+    };
+    let Some((size, signed, big)) = layout else {
+        return Ok(None);
+    };
+    let ndim: usize = obj.getattr(intern!(py, "ndim"))?.extract()?;
+    if ndim > 1 {
+        return Ok(None);
+    }
+    let raw = obj.call_method0(intern!(py, "tobytes"))?;
+    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big).map(Some)
+}
+
 /// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
 pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = obj.py();
@@ -122,6 +187,9 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         return Err(invalid(
             "tokens must be integers (a list, a NumPy array, array('i')), not str or bytes",
         ));
+    }
+    if let Some(ids) = ndarray_tokens(obj)? {
+        return Ok(ids);
     }
     let memoryview = MEMORYVIEW.get_or_try_init(py, || {
         Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
@@ -205,6 +273,7 @@ fn extras(
 fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("capacity", s.capacity)?;
+    d.set_item("max_blocks", s.max_blocks)?;
     d.set_item("free", s.free)?;
     d.set_item("live", s.live)?;
     d.set_item("active", s.active)?;
@@ -223,6 +292,15 @@ fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>>
     Ok(d)
 }
 
+/// Calls with at most this many tokens (admit, append; free and abort of a
+/// sequence this long) keep the GIL when the manager is uncontended: about
+/// a microsecond of work at most.
+const SMALL_TOKENS: usize = 2048;
+
+fn small_sequence(m: &KVCacheManager, id: u64) -> bool {
+    m.num_tokens(id).map_or(true, |n| n <= SMALL_TOKENS)
+}
+
 /// The paged KV cache manager: sequence block tables (with holes), a prefix
 /// cache that owns its blocks, pins, an SWA pool, admission control and
 /// persistence. Thread-safe: one lock around the core.
@@ -235,6 +313,61 @@ pub struct PyKVCacheManager {
 impl PyKVCacheManager {
     fn lock(&self) -> MutexGuard<'_, KVCacheManager> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the manager. Small work (`small` says, given the
+    /// manager) runs with the GIL held when the manager's lock is free at
+    /// once: releasing and re-taking the GIL costs more than such a call's
+    /// work. Anything else — large work, or a lock another thread holds —
+    /// releases the GIL first, so no thread ever waits for the lock while
+    /// holding the GIL, and no long operation holds it.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        small: impl FnOnce(&KVCacheManager) -> bool,
+        f: impl FnOnce(&mut KVCacheManager) -> R + Send,
+    ) -> R {
+        let guard = match self.inner.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut g) = guard {
+            if small(&g) {
+                return f(&mut g);
+            }
+        }
+        py.allow_threads(|| f(&mut self.lock()))
+    }
+
+    /// Wraps a manager built in Rust (by `MemorySystem.kv_manager`).
+    pub(crate) fn from_core(m: KVCacheManager) -> Self {
+        let block_size = m.config().block_size;
+        Self {
+            inner: Mutex::new(m),
+            block_size,
+        }
+    }
+}
+
+/// How block contents travel for persistence on `backend`: a host copy on
+/// the fake, device -> pinned host -> file on a GPU; `None` for a backend
+/// with neither.
+pub(crate) fn block_io(backend: &Bound<'_, PyAny>, block_bytes: usize) -> Option<Box<dyn BlockIo>> {
+    if let Ok(fake) = backend.downcast::<PyFakeBackend>() {
+        Some(Box::new(FakeBlockIo::new(
+            fake.get().fake.clone(),
+            block_bytes,
+        )))
+    } else if let Ok(cuda) = backend.downcast::<crate::cuda::PyCudaBackend>() {
+        Some(Box::new(CudaBlockIo::new(
+            cuda.get().context(),
+            block_bytes,
+        )))
+    } else if let Ok(vmm) = backend.downcast::<crate::cuda::PyVmmBackend>() {
+        Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
+    } else {
+        None
     }
 }
 
@@ -289,32 +422,11 @@ impl PyKVCacheManager {
         };
         let mut m = KVCacheManager::new(cfg, core.as_ref()).py()?;
         if let (Some(b), true) = (backend, block_bytes > 0) {
-            // Block contents travel through the backend: a host copy on the
-            // fake, device -> pinned host -> file on a GPU.
-            let io: Option<Box<dyn imp_mem_core::kv::BlockIo>> =
-                if let Ok(fake) = b.downcast::<PyFakeBackend>() {
-                    Some(Box::new(FakeBlockIo::new(
-                        fake.get().fake.clone(),
-                        block_bytes,
-                    )))
-                } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
-                    Some(Box::new(CudaBlockIo::new(
-                        cuda.get().context(),
-                        block_bytes,
-                    )))
-                } else if let Ok(vmm) = b.downcast::<crate::cuda::PyVmmBackend>() {
-                    Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
-                } else {
-                    None
-                };
-            if let Some(io) = io {
+            if let Some(io) = block_io(b, block_bytes) {
                 m.set_block_io(io).py()?;
             }
         }
-        Ok(Self {
-            inner: Mutex::new(m),
-            block_size,
-        })
+        Ok(Self::from_core(m))
     }
 
     /// Tokens per block.
@@ -344,9 +456,14 @@ impl PyKVCacheManager {
     ) -> PyResult<usize> {
         let toks = self::tokens(tokens)?;
         let extras = extras(lora_id, cache_salt, mm)?;
-        py.allow_threads(|| self.lock().admit(seq_id, &toks, extras))
-            .py()
-            .map(|a| a.cached_tokens)
+        let n = toks.len();
+        self.run(
+            py,
+            |_| n <= SMALL_TOKENS,
+            |m| m.admit(seq_id, &toks, extras),
+        )
+        .py()
+        .map(|a| a.cached_tokens)
     }
 
     /// True when `tokens` could be admitted now.
@@ -382,7 +499,9 @@ impl PyKVCacheManager {
     /// Appends tokens to `seq_id`; all or nothing.
     fn append(&self, py: Python<'_>, seq_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let toks = self::tokens(tokens)?;
-        py.allow_threads(|| self.lock().append(seq_id, &toks)).py()
+        let n = toks.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, &toks))
+            .py()
     }
 
     /// True when `n` more tokens fit `seq_id` now.
@@ -393,8 +512,12 @@ impl PyKVCacheManager {
     /// Frees `seq_id`; its full computed blocks move into the prefix cache.
     #[pyo3(signature = (seq_id, computed_tokens = None))]
     fn free(&self, py: Python<'_>, seq_id: u64, computed_tokens: Option<usize>) -> PyResult<()> {
-        py.allow_threads(|| self.lock().free(seq_id, computed_tokens))
-            .py()
+        self.run(
+            py,
+            |m| small_sequence(m, seq_id),
+            |m| m.free(seq_id, computed_tokens),
+        )
+        .py()
     }
 
     /// Shares `seq_id`'s full blocks inside its first `computed_tokens` with
@@ -406,7 +529,8 @@ impl PyKVCacheManager {
 
     /// Releases `seq_id` without caching anything new.
     fn abort(&self, py: Python<'_>, seq_id: u64) -> PyResult<()> {
-        py.allow_threads(|| self.lock().abort(seq_id)).py()
+        self.run(py, |m| small_sequence(m, seq_id), |m| m.abort(seq_id))
+            .py()
     }
 
     /// StreamingLLM: drops blocks `[start, end)` of `seq_id`, leaving holes.

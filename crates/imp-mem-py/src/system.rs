@@ -10,16 +10,18 @@
 
 use std::sync::{Mutex, MutexGuard};
 
+use imp_mem_core::kv::DEFAULT_HASH_SEED;
 use imp_mem_core::system::{
     DeviceReading, MemReport, MemorySystem, OpenError, ReportInput, SystemOptions,
 };
-use imp_mem_core::MemError;
+use imp_mem_core::{MemError, SharedBlockPool};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyTuple};
 
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
 use crate::errors::{invalid, to_py, ImpMemWarning, IntoPyResult};
+use crate::kv::{block_io, PyKVCacheManager};
 use crate::planner::PyMemoryPlan;
 use crate::tiers::{PyArena, PyBlockPool, PyScratchStack};
 
@@ -57,6 +59,11 @@ pub struct PyMemorySystem {
     backend: Py<PyBackend>,
     plan: Py<PyMemoryPlan>,
     exportable: bool,
+    /// One `BlockPool` object per pool, by pool id, made on first use: the
+    /// Python fences a `step()` hands a pool are watched by its object, so
+    /// `system.kv_pool.flush_decommit()` must reach the same one. Emptied
+    /// on close, so the system itself keeps nothing alive.
+    pools: Mutex<Vec<(u64, Py<PyBlockPool>)>>,
 }
 
 impl PyMemorySystem {
@@ -72,6 +79,18 @@ impl PyMemorySystem {
             ));
         }
         Ok(guard)
+    }
+
+    /// The one `BlockPool` object of `pool`.
+    fn pool_object(&self, py: Python<'_>, pool: SharedBlockPool) -> PyResult<Py<PyBlockPool>> {
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, obj)) = pools.iter().find(|(id, _)| *id == pool.id()) {
+            return Ok(obj.clone_ref(py));
+        }
+        let id = pool.id();
+        let obj = Py::new(py, PyBlockPool::wrap(pool, self.exportable))?;
+        pools.push((id, obj.clone_ref(py)));
+        Ok(obj)
     }
 
     fn emit(&self, py: Python<'_>) -> PyResult<()> {
@@ -200,6 +219,7 @@ impl PyMemorySystem {
             backend: backend.clone().unbind(),
             plan: plan.clone().unbind(),
             exportable: core_backend.addressable(),
+            pools: Mutex::new(Vec::new()),
         })
     }
 
@@ -245,33 +265,120 @@ impl PyMemorySystem {
             .map(|a| PyArena::wrap(a, self.exportable)))
     }
 
-    /// T3: the paged KV pool.
+    /// T3: the paged KV pool (the same object on every call).
     #[getter]
-    fn kv_pool(&self) -> PyResult<Option<PyBlockPool>> {
-        let system = self.open()?;
-        Ok(system
-            .kv_pool()
-            .map(|p| PyBlockPool::wrap(p, self.exportable)))
+    fn kv_pool(&self, py: Python<'_>) -> PyResult<Option<Py<PyBlockPool>>> {
+        let pool = self.open()?.kv_pool();
+        pool.map(|p| self.pool_object(py, p)).transpose()
     }
 
     /// T3: the sliding-window KV pool, or None.
     #[getter]
-    fn swa_pool(&self) -> PyResult<Option<PyBlockPool>> {
-        let system = self.open()?;
-        Ok(system
-            .swa_pool()
-            .map(|p| PyBlockPool::wrap(p, self.exportable)))
+    fn swa_pool(&self, py: Python<'_>) -> PyResult<Option<Py<PyBlockPool>>> {
+        let pool = self.open()?.swa_pool();
+        pool.map(|p| self.pool_object(py, p)).transpose()
     }
 
     /// T3: the per-sequence state pools (linear attention / SSM).
     #[getter]
-    fn state_pools(&self) -> PyResult<Vec<PyBlockPool>> {
-        let system = self.open()?;
-        Ok(system
-            .state_pools()
-            .into_iter()
-            .map(|p| PyBlockPool::wrap(p, self.exportable))
-            .collect())
+    fn state_pools(&self, py: Python<'_>) -> PyResult<Vec<Py<PyBlockPool>>> {
+        let pools = self.open()?.state_pools();
+        pools.into_iter().map(|p| self.pool_object(py, p)).collect()
+    }
+
+    /// A `KVCacheManager` over this system's KV pool (and SWA pool, if the
+    /// plan has one), so the KV it serves is the memory the report
+    /// attributes to `kv_cache`. `block_size` and `swa_window` default to
+    /// the plan's, `dtype` to the plan's KV dtype, `pin_budget` to a quarter
+    /// of the pool's maximum; admission counts the blocks a growable pool
+    /// can still commit. Block contents persist through the backend (a host
+    /// copy on the fake, a pinned staging copy on a GPU). Drop the manager
+    /// before `close()`: it holds the pools.
+    #[pyo3(signature = (
+        block_size = None, *, swa_window = None, enable_prefix_caching = true,
+        hash_seed = None, pin_budget = None, model_fingerprint = String::new(), dtype = None,
+        layout = String::new()
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn kv_manager(
+        &self,
+        py: Python<'_>,
+        block_size: Option<usize>,
+        swa_window: Option<usize>,
+        enable_prefix_caching: bool,
+        hash_seed: Option<u64>,
+        pin_budget: Option<u32>,
+        model_fingerprint: String,
+        dtype: Option<String>,
+        layout: String,
+    ) -> PyResult<PyKVCacheManager> {
+        let mut m = {
+            let system = self.open()?;
+            let mut config = system.kv_config().py()?;
+            if let Some(bs) = block_size {
+                config.block_size = bs;
+            }
+            if let Some(w) = swa_window {
+                config.swa_window = w;
+            }
+            config.enable_prefix_caching = enable_prefix_caching;
+            config.hash_seed = hash_seed.unwrap_or(DEFAULT_HASH_SEED);
+            if let Some(b) = pin_budget {
+                config.pin_budget = b;
+            }
+            config.model_fingerprint = model_fingerprint;
+            if let Some(d) = dtype {
+                config.dtype = d;
+            }
+            config.layout = layout;
+            system.kv_manager(config).py()?
+        };
+        let block_bytes = m.config().block_bytes;
+        if let Some(io) = block_io(self.backend.bind(py).as_any(), block_bytes) {
+            m.set_block_io(io).py()?;
+        }
+        Ok(PyKVCacheManager::from_core(m))
+    }
+
+    /// One engine step for every growable pool (the KV pool's hysteretic,
+    /// fenced shrink; `BlockPool.step`): call it once per step with a fence
+    /// recorded after the step's work was enqueued — an `imp_mem.Fence`, a
+    /// `torch.cuda.Event`-like object, or None when nothing in flight can
+    /// touch the pools. Returns the bytes decommitted during this call.
+    #[pyo3(signature = (fence = None))]
+    fn step(&self, py: Python<'_>, fence: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let pools = self.open()?.growable_pools();
+        let fence = match fence {
+            Some(f) => f.clone(),
+            None => py.None().into_bound(py),
+        };
+        let mut bytes = 0u64;
+        let mut first_error = None;
+        for pool in pools {
+            let obj = self.pool_object(py, pool)?;
+            match obj.bind(py).call_method1("step", (&fence,)) {
+                Ok(n) => bytes += n.extract::<u64>()?,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(bytes), Err)
+    }
+
+    /// Waits for every growable pool's pending decommit (its fence) and
+    /// decommits; the bytes returned.
+    fn flush_decommit(&self, py: Python<'_>) -> PyResult<u64> {
+        let pools = self.open()?.growable_pools();
+        let mut bytes = 0u64;
+        for pool in pools {
+            let obj = self.pool_object(py, pool)?;
+            bytes += obj
+                .bind(py)
+                .call_method0("flush_decommit")?
+                .extract::<u64>()?;
+        }
+        Ok(bytes)
     }
 
     /// T4: the forward-pass scratch stack.
@@ -369,6 +476,10 @@ impl PyMemorySystem {
     /// that is dropped; an `ImpMemWarning` names it. Returns
     /// `{"released": bytes, "still_held": {tag: bytes}}`.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        // The system's own pool objects go first, so only what the caller
+        // still holds is reported as held.
+        let pools = std::mem::take(&mut *self.pools.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(pools);
         let closed = self.lock().close();
         let out = PyDict::new(py);
         out.set_item("released", closed.released)?;

@@ -95,8 +95,11 @@ impl KvConfig {
 /// Counters of a [`KVCacheManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KvStats {
-    /// Blocks in the main pool.
+    /// Blocks in the main pool now (a growable pool's committed blocks).
     pub capacity: u32,
+    /// The most blocks the main pool can grow to (`capacity` for a fixed
+    /// pool); admission counts `max_blocks - capacity` as room.
+    pub max_blocks: u32,
     /// Main blocks on the free list. V4: `free + live == capacity`.
     pub free: u32,
     /// Main blocks with at least one ref (sequences or cache).
@@ -241,7 +244,6 @@ impl KVCacheManager {
             )),
         };
         let pool = open(config.block_bytes, config.num_blocks, Tag::KvCache)?;
-        let pool_id = pool.id();
         let swa_pool = if config.swa_blocks > 0 {
             Some(open(
                 config.swa_block_bytes,
@@ -251,17 +253,58 @@ impl KVCacheManager {
         } else {
             None
         };
+        Self::with_pools(config, pool, swa_pool)
+    }
+
+    /// A manager over pools opened elsewhere (a [`MemorySystem`]'s KV and
+    /// SWA pools). The pools decide the sizes: `num_blocks`, `block_bytes`,
+    /// `swa_blocks` and `swa_block_bytes` of `config` are replaced by theirs
+    /// (`num_blocks` is the most the main pool can grow to; admission counts
+    /// the room a growable pool can still commit). `swa_window` must be set
+    /// exactly when an SWA pool is given. The manager accounts every ref of
+    /// its pools ([`Self::check_invariants`]), so it must be their only
+    /// client: a pool that already has live blocks is refused.
+    ///
+    /// [`MemorySystem`]: crate::system::MemorySystem
+    pub fn with_pools(
+        mut config: KvConfig,
+        pool: SharedBlockPool,
+        swa_pool: Option<SharedBlockPool>,
+    ) -> Result<Self, MemError> {
+        let main = pool.stats();
+        config.num_blocks = main.max_blocks;
+        config.block_bytes = pool.block_bytes();
+        (config.swa_blocks, config.swa_block_bytes) = match &swa_pool {
+            Some(swa) => (swa.stats().max_blocks, swa.block_bytes()),
+            None => (0, 0),
+        };
+        config.check()?;
+        for (p, what) in [(Some(&pool), "KV"), (swa_pool.as_ref(), "SWA")] {
+            let Some(p) = p else { continue };
+            let live = p.stats().live;
+            if live > 0 {
+                return Err(MemError::invalid(format!(
+                    "the {what} pool already has {live} live block(s); a KV manager accounts \
+                     every ref of its pools, so build it over pools nobody else allocates from"
+                )));
+            }
+        }
+        if swa_pool.as_ref().is_some_and(|s| s.id() == pool.id()) {
+            return Err(MemError::invalid(
+                "the SWA pool must be a second pool with its own id space, not the KV pool",
+            ));
+        }
         let stats = KvStats {
-            capacity: config.num_blocks,
+            capacity: main.capacity,
             swa_capacity: config.swa_blocks,
             ..KvStats::default()
         };
         Ok(Self {
             hasher: BlockHasher::new(config.block_size, config.hash_seed),
+            cache: PrefixCache::new(pool.id()),
             config,
             pool,
             swa_pool,
-            cache: PrefixCache::new(pool_id),
             seqs: FastMap::default(),
             pins: Pins::default(),
             io: None,
@@ -345,19 +388,27 @@ impl KVCacheManager {
         need: u32,
         taken: u32,
     ) -> Result<(), MemError> {
-        let free = self.pool.stats().free;
+        let (free, growable) = self.main_room();
         let evictable = self.cache.evictable().saturating_sub(taken);
-        if need as u64 > free as u64 + evictable as u64 {
+        if need as u64 > free as u64 + growable as u64 + evictable as u64 {
             return Err(MemError::KvCapacity(KvCapacityReport {
                 what: what(),
                 needed: need,
                 free,
+                growable,
                 evictable,
                 pinned: self.pinned_idle(),
                 pool: "kv",
             }));
         }
         Ok(())
+    }
+
+    /// The main pool's free blocks, and the blocks a growable pool can still
+    /// commit before it reaches its maximum (withdrawn blocks waiting for a
+    /// decommit included: an allocation takes them back first).
+    pub(crate) fn main_room(&self) -> (u32, u32) {
+        self.pool.room()
     }
 
     fn check_swa(
@@ -369,12 +420,14 @@ impl KVCacheManager {
         let Some(swa) = &self.swa_pool else {
             return Ok(());
         };
-        let free = swa.stats().free;
-        if need as u64 > free as u64 + released as u64 {
+        let st = swa.stats();
+        let (free, growable) = (st.free, st.max_blocks.saturating_sub(st.capacity));
+        if need as u64 > free as u64 + growable as u64 + released as u64 {
             return Err(MemError::KvCapacity(KvCapacityReport {
                 what: what(),
                 needed: need,
                 free,
+                growable,
                 evictable: released,
                 pinned: 0,
                 pool: "swa",
@@ -383,18 +436,22 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Evicts until `need` blocks are free, then allocates them.
+    /// Evicts until `need` blocks are free (each eviction frees one block:
+    /// the entry held its last ref), then allocates them — growing the pool
+    /// only for what eviction cannot cover (K13). The evicted refs are
+    /// released under one pool lock.
     fn take_main(&mut self, need: u32) -> Result<Vec<SharedBlockRef>, MemError> {
         if need == 0 {
             return Ok(Vec::new());
         }
-        let mut free = self.pool.stats().free;
-        while free < need {
-            if self.cache.evict_one().is_none() {
-                break;
+        let (mut free, _) = self.pool.room();
+        if free < need {
+            let mut evicted = Vec::with_capacity((need - free) as usize);
+            while free < need && self.cache.evict_into(&mut evicted).is_some() {
+                free += 1;
             }
-            self.stats.evictions += 1;
-            free += 1;
+            self.stats.evictions += evicted.len() as u64;
+            self.pool.release_all(&mut evicted)?;
         }
         Ok(self.pool.allocate_many(need)?.into_refs())
     }
@@ -507,18 +564,12 @@ impl KVCacheManager {
         // the evictions below cannot pick them.
         let mut blocks: Vec<Option<SharedBlockRef>> =
             Vec::with_capacity(ceil_div(tokens.len(), bs));
-        for (done, &idx) in hit_idx.iter().enumerate() {
-            match self.cache.acquire(idx) {
-                Ok(r) => blocks.push(Some(r)),
-                Err(e) => {
-                    drop(blocks);
-                    for &undo in &hit_idx[..done] {
-                        self.cache.release_user(undo);
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        blocks.extend(
+            self.cache
+                .acquire_many(&self.pool, &hit_idx)?
+                .into_iter()
+                .map(Some),
+        );
         let fresh = self
             .take_main(need)
             .and_then(|f| Ok((f, self.take_swa(swa_need)?)));
@@ -677,25 +728,33 @@ impl KVCacheManager {
         let limit = seq.hashes.len().min(seq.cacheable).min(computed / bs);
         let caching = self.config.enable_prefix_caching;
         let mut refused = None;
+        // The refs this frees, released under one pool lock at the end.
+        let mut dropped = Vec::with_capacity(seq.blocks.len());
         for (i, slot) in seq.blocks.into_iter().enumerate() {
             let Some(block) = slot else { continue };
             if let Some(&entry) = seq.hits.get(i) {
                 if entry != NIL {
-                    drop(block);
+                    dropped.push(block);
                     self.cache.release_user(entry);
                     continue;
                 }
             }
             if caching && i < limit {
                 match self.cache.insert(seq.hashes[i], block) {
-                    Ok(dup) => drop(dup),
+                    Ok(dup) => dropped.extend(dup),
                     Err(e) => refused = Some(e),
                 }
             } else {
-                drop(block);
+                dropped.push(block);
             }
         }
-        drop(seq.swa);
+        let released = self.pool.release_all(&mut dropped);
+        if let Some(swa) = &self.swa_pool {
+            let mut swa_refs: Vec<SharedBlockRef> =
+                seq.swa.into_iter().flatten().map(|r| r.0).collect();
+            swa.release_all(&mut swa_refs)?;
+        }
+        released?;
         refused.map_or(Ok(()), Err)
     }
 
@@ -911,10 +970,13 @@ impl KVCacheManager {
     /// Evicts up to `n` LRU cached blocks (pinned and in-use ones are
     /// skipped). Returns the blocks freed.
     pub fn evict(&mut self, n: u32) -> u32 {
-        let mut done = 0;
-        while done < n && self.cache.evict_one().is_some() {
-            done += 1;
+        let mut evicted = Vec::new();
+        while (evicted.len() as u64) < u64::from(n) && self.cache.evict_into(&mut evicted).is_some()
+        {
         }
+        let done = evicted.len() as u32;
+        // Every evicted ref is this pool's, so the release cannot be refused.
+        let _ = self.pool.release_all(&mut evicted);
         self.stats.evictions += done as u64;
         done
     }
@@ -936,6 +998,7 @@ impl KVCacheManager {
         };
         KvStats {
             capacity: p.capacity,
+            max_blocks: p.max_blocks,
             free: p.free,
             live: p.live,
             active: p.live.saturating_sub(idle),

@@ -321,13 +321,14 @@ impl KVCacheManager {
         }
         let need =
             u32::try_from(fresh_entries.len()).map_err(|_| refuse(path, "too many entries"))?;
-        let free = self.pool().stats().free;
+        let (free, growable) = self.main_room();
         let evictable = self.cache.evictable();
-        if need as u64 > free as u64 + evictable as u64 {
+        if need as u64 > free as u64 + growable as u64 + evictable as u64 {
             return Err(MemError::KvCapacity(KvCapacityReport {
                 what: format!("load {need} cached blocks from {}", path.display()),
                 needed: need,
                 free,
+                growable,
                 evictable,
                 pinned: self.cache.pinned_idle(),
                 pool: "kv",

@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::block_pool::{BlockId, SharedBlockRef};
+use crate::block_pool::{BlockId, SharedBlockPool, SharedBlockRef};
 use crate::error::MemError;
 use crate::kv::hash::BlockHash;
 
@@ -201,17 +201,34 @@ impl PrefixCache {
         }
     }
 
-    /// A sequence takes a ref to entry `idx` (a prefix hit).
-    pub fn acquire(&mut self, idx: u32) -> Result<SharedBlockRef, MemError> {
-        let e = self.entry_mut(idx)?;
-        let block = e.block.share()?;
-        let was = (e.users, e.pins);
-        e.users += 1;
-        self.transition(idx, was);
-        Ok(block)
+    /// A sequence gave back its ref to entry `idx` (the caller drops it).
+    /// A prefix hit on each of `idxs`: one more ref to each entry's block
+    /// (shared under one pool lock) and one more user, which takes it off
+    /// the LRU. All or nothing.
+    pub fn acquire_many(
+        &mut self,
+        pool: &SharedBlockPool,
+        idxs: &[u32],
+    ) -> Result<Vec<SharedBlockRef>, MemError> {
+        let shared = {
+            let mut refs = Vec::with_capacity(idxs.len());
+            for &idx in idxs {
+                let e = self.entry(idx).ok_or_else(|| {
+                    MemError::Invariant(format!("prefix cache entry {idx} is vacant"))
+                })?;
+                refs.push(&e.block);
+            }
+            pool.share_all(&refs)?
+        };
+        for &idx in idxs {
+            let e = self.entry_mut(idx)?;
+            let was = (e.users, e.pins);
+            e.users += 1;
+            self.transition(idx, was);
+        }
+        Ok(shared)
     }
 
-    /// A sequence gave back its ref to entry `idx` (the caller drops it).
     pub fn release_user(&mut self, idx: u32) {
         if let Ok(e) = self.entry_mut(idx) {
             let was = (e.users, e.pins);
@@ -254,9 +271,10 @@ impl PrefixCache {
                 block.pool().id()
             )));
         }
-        if self.map.contains_key(&hash) {
-            return Ok(Some(block));
-        }
+        let slot = match self.map.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => return Ok(Some(block)),
+            std::collections::hash_map::Entry::Vacant(v) => v,
+        };
         let entry = Entry {
             hash,
             block,
@@ -276,7 +294,7 @@ impl PrefixCache {
                 (self.slab.len() - 1) as u32
             }
         };
-        self.map.insert(hash, idx);
+        slot.insert(idx);
         self.link_tail(idx);
         Ok(None)
     }
@@ -308,6 +326,15 @@ impl PrefixCache {
     /// Evicts the least recently used evictable entry; its ref drops, which
     /// frees the block. Returns the evicted hash.
     pub fn evict_one(&mut self) -> Option<BlockHash> {
+        let mut refs = Vec::new();
+        let hash = self.evict_into(&mut refs);
+        drop(refs);
+        hash
+    }
+
+    /// Evicts the LRU head, moving its ref into `refs` (for one batched
+    /// release by the caller) instead of dropping it.
+    pub fn evict_into(&mut self, refs: &mut Vec<SharedBlockRef>) -> Option<BlockHash> {
         let idx = self.head;
         if idx == NIL {
             return None;
@@ -316,9 +343,8 @@ impl PrefixCache {
         let entry = self.slab.get_mut(idx as usize)?.take()?;
         self.vacant.push(idx);
         self.map.remove(&entry.hash);
-        let hash = entry.hash;
-        drop(entry);
-        Some(hash)
+        refs.push(entry.block);
+        Some(entry.hash)
     }
 
     /// Every entry, in-use and pinned ones first, then the LRU oldest first

@@ -566,3 +566,120 @@ fn blocks_cached_while_running_are_hit_by_concurrent_requests() {
     assert_eq!((s.cached, s.evictable, s.active, s.live), (3, 3, 0, 3));
     m.check_invariants().unwrap();
 }
+
+/// A growable pool of 8 committed blocks that can grow to 32, 4 at a time.
+fn growable_pool(fake: &FakeBackend) -> crate::SharedBlockPool {
+    let cfg = crate::PoolConfig::growable(1024, 8, 32, 4).with_tag(crate::Tag::KvCache);
+    crate::SharedBlockPool::new(fake.backend(), &cfg).unwrap()
+}
+
+#[test]
+fn a_manager_over_a_growable_pool_admits_into_the_room_it_can_grow() {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let pool = growable_pool(&fake);
+    // The pool decides the sizes; the config's are replaced.
+    let mut m = KVCacheManager::with_pools(KvConfig::new(4, 1), pool.clone(), None).unwrap();
+    assert_eq!(m.config().num_blocks, 32);
+    assert_eq!(m.config().block_bytes, 1024);
+    let s = m.stats();
+    assert_eq!((s.capacity, s.max_blocks, s.free), (8, 32, 8), "{s:?}");
+
+    // 20 blocks: more than the 8 committed, within the 32 it can grow to.
+    assert!(m.can_admit(&toks(0..80), &none()));
+    let a = m.admit(1, &toks(0..80), none()).unwrap();
+    assert_eq!(a.new_blocks, 20);
+    assert!(pool.stats().growths > 0);
+    assert!(m.stats().capacity >= 20);
+    m.check_invariants().unwrap();
+
+    // 13 more would pass the maximum: refused, with the room in the report.
+    let before = m.stats();
+    match m.admit(2, &toks(1000..1052), none()) {
+        Err(MemError::KvCapacity(r)) => {
+            assert_eq!(r.needed, 13);
+            assert_eq!(r.free + r.growable, 12, "{r:?}");
+            assert!(r.to_string().contains("uncommitted"), "{r}");
+        }
+        other => panic!("expected a KV capacity refusal, got {other:?}"),
+    }
+    assert!(!m.can_admit(&toks(1000..1052), &none()));
+    assert_eq!(m.stats(), before, "a refusal changes nothing");
+    // 12 fit exactly (free + room).
+    m.admit(2, &toks(1000..1048), none()).unwrap();
+    assert_eq!(m.stats().capacity, 32);
+    assert!(!m.can_append(2, 1).unwrap());
+    m.check_invariants().unwrap();
+    m.abort(1).unwrap();
+    m.abort(2).unwrap();
+    assert_eq!(pool.stats().live, 0);
+}
+
+#[test]
+fn appends_grow_the_pool_and_a_refused_growth_changes_nothing() {
+    // A budget that lets the pool commit 16 of its 32 blocks.
+    let fake = FakeBackend::new(FakeConfig {
+        capacity: 16 * 1024,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let pool = growable_pool(&fake);
+    let mut m = KVCacheManager::with_pools(KvConfig::new(4, 32), pool.clone(), None).unwrap();
+    m.admit(1, &toks(0..32), none()).unwrap();
+    m.append(1, &toks(32..64)).unwrap();
+    assert_eq!(pool.stats().capacity, 16);
+    // Admission counts the room up to the pool's maximum; the backend's
+    // budget refuses the commit, and the append changes nothing.
+    assert!(m.can_append(1, 4).unwrap());
+    let before = m.stats();
+    let err = m.append(1, &toks(64..68)).unwrap_err();
+    assert!(matches!(err, MemError::OutOfMemory(_)), "{err:?}");
+    assert_eq!(m.stats(), before);
+    assert_eq!(m.num_tokens(1).unwrap(), 64);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn with_pools_refuses_pools_it_cannot_account_for() {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let pool = growable_pool(&fake);
+    let held = pool.allocate().unwrap();
+    let err = KVCacheManager::with_pools(KvConfig::new(4, 32), pool.clone(), None).unwrap_err();
+    assert!(err.to_string().contains("live block"), "{err}");
+    drop(held);
+    // The SWA pool is a second id space, never the main pool.
+    let mut cfg = KvConfig::new(4, 32);
+    cfg.swa_window = 8;
+    let err =
+        KVCacheManager::with_pools(cfg.clone(), pool.clone(), Some(pool.clone())).unwrap_err();
+    assert!(err.to_string().contains("own id space"), "{err}");
+    // A window without an SWA pool, or an SWA pool without a window.
+    let err = KVCacheManager::with_pools(cfg, pool.clone(), None).unwrap_err();
+    assert!(err.to_string().contains("swa_window"), "{err}");
+    let swa = crate::SharedBlockPool::slots(8).unwrap();
+    let err = KVCacheManager::with_pools(KvConfig::new(4, 32), pool, Some(swa)).unwrap_err();
+    assert!(err.to_string().contains("swa_window"), "{err}");
+}
+
+#[test]
+fn a_manager_over_existing_pools_serves_swa_from_its_own_pool() {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let pool = growable_pool(&fake);
+    let swa = crate::SharedBlockPool::new(
+        fake.backend(),
+        &crate::PoolConfig::fixed(64, 8).with_tag(crate::Tag::SwaCache),
+    )
+    .unwrap();
+    let mut cfg = KvConfig::new(4, 0);
+    cfg.swa_window = 8;
+    let mut m = KVCacheManager::with_pools(cfg, pool, Some(swa.clone())).unwrap();
+    assert_eq!((m.config().swa_blocks, m.config().swa_block_bytes), (8, 64));
+    m.admit(1, &toks(0..20), none()).unwrap();
+    assert_eq!(
+        m.swa_table(1).unwrap().iter().filter(|&&b| b >= 0).count(),
+        2
+    );
+    assert_eq!(swa.stats().live, 2);
+    m.check_invariants().unwrap();
+    m.free(1, None).unwrap();
+    assert_eq!(swa.stats().live, 0);
+}

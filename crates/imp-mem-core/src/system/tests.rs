@@ -583,3 +583,142 @@ fn a_kv_pool_grows_only_where_the_headroom_covers_the_granule_rounding() {
     assert!(growths > 0);
     assert_eq!(reserved, 4 * MIB, "growable: whole granules");
 }
+
+#[test]
+fn a_kv_manager_serves_from_the_systems_kv_pool_and_the_report_attributes_it() {
+    let fb = fake(GIB_TEST, true);
+    let p = plan(256 * MIB);
+    let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    let config = system.kv_config().unwrap();
+    assert_eq!(config.block_size, p.kv.block_size as usize);
+    assert_eq!(u64::from(config.num_blocks), p.kv.blocks);
+    assert_eq!(config.dtype, p.kv.dtype.name());
+    system.begin_serving().unwrap();
+    let mut m = system.kv_manager(config).unwrap();
+    let pool = system.kv_pool().unwrap();
+    assert_eq!(m.pool().id(), pool.id());
+    let bs = p.kv.block_size as usize;
+    let per_seq = p.kv.blocks_per_sequence as usize;
+    let prompt: Vec<u32> = (0..(per_seq * bs) as u32).collect();
+    let initial = pool.stats().capacity;
+    // More sequences than the pool committed at open: it grows, and the
+    // blocks stay inside the region the system reserved.
+    let mut admitted = 0u64;
+    while m.can_admit(&prompt, &crate::kv::ExtraKeys::default()) && admitted < 6 {
+        m.admit(admitted, &prompt, crate::kv::ExtraKeys::default())
+            .unwrap();
+        admitted += 1;
+    }
+    assert!(pool.stats().capacity > initial, "{:?}", pool.stats());
+    // Every block sits at the pool's base + id * stride, below its maximum.
+    let stride = p.kv.block_bytes as usize;
+    let (first, _) = m.block_span(0, 0).unwrap().unwrap();
+    let base = first - m.block_table(0).unwrap()[0] as usize * stride;
+    for seq in 0..admitted {
+        let table = m.block_table(seq).unwrap().to_vec();
+        for (i, &id) in table.iter().enumerate() {
+            let (addr, len) = m.block_span(seq, i).unwrap().unwrap();
+            assert_eq!((addr, len), (base + id as usize * stride, stride));
+            assert!((id as u64) < p.kv.blocks);
+        }
+    }
+    assert!(fb.stats().tags[&Tag::KvCache].reserved >= p.kv.blocks * p.kv.block_bytes);
+    // The report charges the manager's blocks to the KV pool's tier.
+    let report = system.report(&ReportInput::default());
+    let line = report.tiers.iter().find(|t| t.key == "kv_pool").unwrap();
+    let live = u64::from(m.stats().live);
+    assert_eq!(line.in_use, live * p.kv.block_bytes);
+    assert_eq!(line.blocks.as_ref().unwrap().live, m.stats().live);
+    assert_eq!(report.steady_state_allocations_total, 0);
+    system.check().unwrap();
+    m.check_invariants().unwrap();
+    // A second request with the same prompt hits the cached prefix.
+    for seq in 0..admitted {
+        m.free(seq, None).unwrap();
+    }
+    let hit = m
+        .admit(100, &prompt, crate::kv::ExtraKeys::default())
+        .unwrap();
+    assert_eq!(hit.cached_tokens, (per_seq - 1) * bs);
+    m.abort(100).unwrap();
+    drop(m);
+}
+
+#[test]
+fn step_shrinks_the_kv_pool_once_the_manager_gives_its_blocks_back() {
+    let fb = fake(GIB_TEST, true);
+    let p = plan(256 * MIB);
+    let options = SystemOptions {
+        kv_initial_blocks: Some(32),
+        kv_grow_blocks: Some(16),
+        ..SystemOptions::default()
+    };
+    let system = MemorySystem::open(&fb, &p, options).unwrap();
+    let pool = system.kv_pool().unwrap();
+    assert_eq!(system.growable_pools().len(), 1);
+    pool.set_decommit_policy(crate::decommit::DecommitPolicy {
+        min_idle_steps: 3,
+        keep_chunks: 0,
+    });
+    let mut m = system.kv_manager(system.kv_config().unwrap()).unwrap();
+    let opened = pool.stats().capacity;
+    let bs = p.kv.block_size as usize;
+    let tokens = (p.kv.blocks as usize - 1) * bs;
+    let prompt: Vec<u32> = (0..tokens as u32).collect();
+    m.admit(1, &prompt, crate::kv::ExtraKeys::default())
+        .unwrap();
+    assert!(pool.stats().capacity > opened);
+    assert_eq!(system.step(crate::decommit::NothingInFlight).unwrap(), 0);
+    // Freed into the prefix cache, the blocks are still live: no shrink.
+    m.free(1, None).unwrap();
+    for _ in 0..8 {
+        assert_eq!(system.step(crate::decommit::NothingInFlight).unwrap(), 0);
+    }
+    assert_eq!(pool.stats().shrinks, 0);
+    // Evicted, they are free: the hysteresis decides, and the tail goes.
+    m.evict(u32::MAX);
+    let mut freed = 0;
+    for _ in 0..8 {
+        freed += system.step(crate::decommit::NothingInFlight).unwrap();
+    }
+    let s = pool.stats();
+    assert!(freed > 0 && s.shrinks == 1, "{s:?}");
+    assert_eq!(s.capacity, opened);
+    assert_eq!(m.stats().capacity, opened);
+    // Admission still counts the room, and grows back into it.
+    assert!(m.can_admit(&prompt, &crate::kv::ExtraKeys::default()));
+    m.admit(2, &prompt, crate::kv::ExtraKeys::default())
+        .unwrap();
+    m.check_invariants().unwrap();
+    system.check().unwrap();
+    drop(m);
+}
+
+#[test]
+fn kv_manager_refuses_what_does_not_match_the_plan() {
+    let fb = fake(GIB_TEST, false);
+    let p = full_plan();
+    let mut system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    let config = system.kv_config().unwrap();
+    assert_eq!(config.swa_window, 128);
+    let mut wrong = config.clone();
+    wrong.block_size += 1;
+    let err = system.kv_manager(wrong).unwrap_err();
+    assert!(err.to_string().contains("plan's KV blocks"), "{err}");
+    let mut no_window = config.clone();
+    no_window.swa_window = 0;
+    let err = system.kv_manager(no_window).unwrap_err();
+    assert!(err.to_string().contains("SWA pool"), "{err}");
+    let m = system.kv_manager(config).unwrap();
+    assert_eq!(m.swa_pool().unwrap().id(), system.swa_pool().unwrap().id());
+    assert_eq!(
+        u64::from(m.config().swa_blocks),
+        p.swa.as_ref().unwrap().blocks
+    );
+    drop(m);
+    // A fixed pool is not stepped; a closed system refuses.
+    assert!(system.kv_config().is_ok());
+    system.close();
+    assert!(system.kv_config().is_err());
+    assert!(system.step(crate::decommit::NothingInFlight).is_err());
+}
