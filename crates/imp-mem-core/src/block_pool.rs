@@ -13,7 +13,10 @@
 //! grown pool drains and can be given back; a single LIFO list would
 //! scatter them over the whole range (measured in
 //! `tests::churn_lets_the_tail_drain`: 7.9 of 15 chunks free above the
-//! highest live block on average, against 1 for LIFO). A block's bytes, when
+//! highest live block on average, against 1 for LIFO). A fixed or slots pool
+//! never grows nor shrinks and is one chunk, so it keeps a single LIFO list
+//! (the same order) without the chunk counters, bitmap and cache
+//! (`FreeBlocks::Single`). A block's bytes, when
 //! the pool has a region, are at `base + id * stride`, with the stride a
 //! run-time value (D2: KV block bytes are computed at init). Without a
 //! region the pool is an id space only ("slots mode", D10): a KV cache that
@@ -209,6 +212,104 @@ fn chunk_blocks_for(config: &PoolConfig) -> u32 {
     step.max(config.max_blocks.div_ceil(MAX_CHUNKS)).max(2)
 }
 
+/// A pool's free blocks: one LIFO list for a pool that never grows (fixed or
+/// slots: exactly one chunk, never shrinks), per-chunk lists for a growable
+/// one. The single list costs one head read and write per pop or push, what
+/// the pool paid before it could shrink; the chunked lists add the chunk's
+/// counter, its bitmap bit and the lowest-chunk cache, which only a pool
+/// that can shrink needs.
+#[derive(Debug)]
+enum FreeBlocks {
+    /// One intrusive LIFO list over every id.
+    Single {
+        head: u32,
+        /// Reported as the chunk size (the whole pool).
+        chunk_blocks: u32,
+    },
+    /// Lowest-chunk-first lists, for a growable pool.
+    Chunked(FreeLists),
+}
+
+impl FreeBlocks {
+    fn new(config: &PoolConfig) -> Self {
+        let chunk_blocks = chunk_blocks_for(config);
+        if config.max_blocks > config.blocks {
+            Self::Chunked(FreeLists::new(chunk_blocks, config.max_blocks))
+        } else {
+            Self::Single {
+                head: NIL,
+                chunk_blocks: chunk_blocks.max(2),
+            }
+        }
+    }
+
+    fn chunk_blocks(&self) -> u32 {
+        match self {
+            Self::Single { chunk_blocks, .. } => *chunk_blocks,
+            Self::Chunked(lists) => lists.chunk_blocks,
+        }
+    }
+
+    /// Puts `id` (whose entry is `entry`, owned by the caller) on its list.
+    #[inline(always)]
+    fn push(&mut self, entry: &mut Entry, id: BlockId) {
+        match self {
+            Self::Single { head, .. } => {
+                *entry = Entry::Vacant { next: *head };
+                *head = id;
+            }
+            Self::Chunked(lists) => lists.push(entry, id),
+        }
+    }
+
+    /// Takes a free block (the head of the single list, or of the lowest
+    /// chunk's); `None` when none is free or the list is corrupt. Leaves
+    /// `entries[id]` for the caller.
+    #[inline(always)]
+    fn pop(&mut self, entries: &[Entry]) -> Option<BlockId> {
+        match self {
+            Self::Single { head, .. } => {
+                let id = *head;
+                let Some(Entry::Vacant { next }) = entries.get(id as usize).copied() else {
+                    return None;
+                };
+                *head = next;
+                Some(id)
+            }
+            Self::Chunked(lists) => lists.pop(entries),
+        }
+    }
+
+    /// The highest chunk of `[0, capacity)` holding a live block (`free`:
+    /// the blocks free in `[0, capacity)`).
+    fn highest_used(&self, capacity: u32, free: u32) -> Option<usize> {
+        match self {
+            Self::Single { .. } => (free < capacity).then_some(0),
+            Self::Chunked(lists) => lists.highest_used(capacity),
+        }
+    }
+
+    /// Drops ids `[new_cap, old_cap)` (all free) from the lists.
+    fn cut(&mut self, entries: &mut [Entry], new_cap: u32, old_cap: u32) {
+        match self {
+            Self::Single { head, .. } => {
+                if new_cap >= old_cap {
+                    return;
+                }
+                *head = NIL;
+                for id in (0..new_cap).rev() {
+                    let entry = &mut entries[id as usize];
+                    if matches!(entry, Entry::Vacant { .. }) {
+                        *entry = Entry::Vacant { next: *head };
+                        *head = id;
+                    }
+                }
+            }
+            Self::Chunked(lists) => lists.cut(entries, new_cap, old_cap),
+        }
+    }
+}
+
 /// The free list, split by chunk: one intrusive list per chunk of
 /// `chunk_blocks` consecutive ids, a two-level bitmap of the chunks that
 /// have a free block, and the lowest such chunk cached. Allocation pops from
@@ -303,15 +404,16 @@ impl FreeLists {
         }
     }
 
-    /// Puts `id` on its chunk's list (the caller owns `entries[id]`).
+    /// Puts `id` (whose entry is `entry`, owned by the caller) on its
+    /// chunk's list.
     #[inline]
-    fn push(&mut self, entries: &mut [Entry], id: BlockId) {
+    fn push(&mut self, entry: &mut Entry, id: BlockId) {
         let c = self.chunk_of_fast(id);
         let list = &mut self.chunks[c];
         let head = list.head;
         list.head = id;
         list.free += 1;
-        entries[id as usize] = Entry::Vacant { next: head };
+        *entry = Entry::Vacant { next: head };
         if head == NIL {
             self.mark(c);
         }
@@ -362,8 +464,9 @@ impl FreeLists {
         }
         let start = (first as u64 * self.chunk_blocks as u64) as u32;
         for id in (start..new_cap).rev() {
-            if matches!(entries[id as usize], Entry::Vacant { .. }) {
-                self.push(entries, id);
+            let entry = &mut entries[id as usize];
+            if matches!(entry, Entry::Vacant { .. }) {
+                self.push(entry, id);
             }
         }
     }
@@ -396,7 +499,7 @@ pub struct PoolCore {
     placement: Option<Placement>,
     stride: usize,
     entries: Vec<Entry>,
-    lists: FreeLists,
+    lists: FreeBlocks,
     free: u32,
     refs: u64,
     max_blocks: u32,
@@ -462,7 +565,7 @@ impl PoolCore {
             placement,
             stride,
             entries: Vec::new(),
-            lists: FreeLists::new(chunk_blocks_for(config), config.max_blocks),
+            lists: FreeBlocks::new(config),
             free: 0,
             refs: 0,
             max_blocks: config.max_blocks,
@@ -489,7 +592,7 @@ impl PoolCore {
         self.entries
             .resize(new_len as usize, Entry::Occupied { refs: 0 });
         for id in (old_len..new_len).rev() {
-            self.lists.push(&mut self.entries, id);
+            self.lists.push(&mut self.entries[id as usize], id);
         }
         self.free += new_len - old_len;
     }
@@ -567,8 +670,9 @@ impl PoolCore {
         Ok(())
     }
 
-    /// Pops one block; the caller has made sure one is free.
-    #[inline]
+    /// Pops one block; the caller has made sure one is free. Always
+    /// inlined into the allocation loops (the error is built out of line).
+    #[inline(always)]
     fn pop(&mut self) -> Result<BlockId, MemError> {
         match self.lists.pop(&self.entries) {
             Some(id) => {
@@ -577,11 +681,17 @@ impl PoolCore {
                 self.refs += 1;
                 Ok(id)
             }
-            None => Err(MemError::Invariant(format!(
-                "pool #{}: the free lists have no vacant head ({} counted free)",
-                self.id, self.free
-            ))),
+            None => Err(self.no_vacant_head()),
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn no_vacant_head(&self) -> MemError {
+        MemError::Invariant(format!(
+            "pool #{}: the free lists have no vacant head ({} counted free)",
+            self.id, self.free
+        ))
     }
 
     fn note_high_water(&mut self) {
@@ -601,8 +711,27 @@ impl PoolCore {
             return Ok(());
         }
         self.ensure_free(n)?;
-        for _ in 0..n {
-            push(self.pop()?);
+        if let FreeBlocks::Single { head, .. } = &mut self.lists {
+            // The single list's loop, the head in a register.
+            let mut id = *head;
+            for popped in 0..n {
+                let Some(Entry::Vacant { next }) = self.entries.get(id as usize).copied() else {
+                    *head = id;
+                    self.free -= popped;
+                    self.refs += popped as u64;
+                    return Err(self.no_vacant_head());
+                };
+                self.entries[id as usize] = Entry::Occupied { refs: 1 };
+                push(id);
+                id = next;
+            }
+            *head = id;
+            self.free -= n;
+            self.refs += n as u64;
+        } else {
+            for _ in 0..n {
+                push(self.pop()?);
+            }
         }
         self.note_high_water();
         Ok(())
@@ -635,8 +764,8 @@ impl PoolCore {
                 self.refs -= 1;
                 Ok(())
             }
-            Some(Entry::Occupied { refs: 1 }) => {
-                self.lists.push(&mut self.entries, id);
+            Some(entry @ Entry::Occupied { refs: 1 }) => {
+                self.lists.push(entry, id);
                 self.free += 1;
                 self.refs -= 1;
                 if let Some(region) = &self.region {
@@ -666,14 +795,14 @@ impl PoolCore {
     fn needed_chunks(&self) -> usize {
         let used = self
             .lists
-            .highest_used(self.capacity())
+            .highest_used(self.capacity(), self.free)
             .map_or(0, |c| c + 1);
-        let floor = self.min_blocks.div_ceil(self.lists.chunk_blocks) as usize;
+        let floor = self.min_blocks.div_ceil(self.lists.chunk_blocks()) as usize;
         used.max(floor)
     }
 
     fn chunks_in_use(&self) -> usize {
-        self.capacity().div_ceil(self.lists.chunk_blocks) as usize
+        self.capacity().div_ceil(self.lists.chunk_blocks()) as usize
     }
 
     /// Decommits a pending tail whose fence has completed; the bytes
@@ -700,10 +829,10 @@ impl PoolCore {
     /// One past the highest live block (0 when none is live). O(one chunk).
     fn live_top(&self) -> u32 {
         let capacity = self.capacity();
-        let Some(c) = self.lists.highest_used(capacity) else {
+        let Some(c) = self.lists.highest_used(capacity, self.free) else {
             return 0;
         };
-        let cb = self.lists.chunk_blocks as u64;
+        let cb = self.lists.chunk_blocks() as u64;
         let start = (c as u64 * cb) as u32;
         let end = ((c as u64 + 1) * cb).min(capacity as u64) as u32;
         (start..end)
@@ -773,11 +902,11 @@ impl PoolCore {
             .observe(self.needed_chunks(), self.chunks_in_use());
         if let Decision::Decommit { to_chunks } = decision {
             // Within the floor's chunks the floor itself is the target.
-            let floor = self.min_blocks.div_ceil(self.lists.chunk_blocks) as usize;
+            let floor = self.min_blocks.div_ceil(self.lists.chunk_blocks()) as usize;
             let to_blocks = if to_chunks <= floor {
                 0
             } else {
-                to_chunks as u64 * self.lists.chunk_blocks as u64
+                to_chunks as u64 * self.lists.chunk_blocks() as u64
             };
             if self.withdraw(to_blocks, fence)? {
                 returned += self.poll()?;
@@ -843,17 +972,37 @@ impl PoolCore {
             pending_blocks: self.committed_blocks() - self.capacity(),
             committed_bytes: self.region.as_ref().map_or(0, |r| r.len() as u64),
             min_blocks: self.min_blocks,
-            chunk_blocks: self.lists.chunk_blocks,
+            chunk_blocks: self.lists.chunk_blocks(),
             idle_steps: self.tracker.idle_steps(),
         }
     }
 
-    /// Walks the whole pool and checks V4, the refcount sum, every chunk's
-    /// list and bitmap bit, and that the blocks fit the committed region.
-    fn check_invariants(&self) -> Result<(), MemError> {
-        let broken = |what: String| Err(MemError::Invariant(format!("pool #{}: {what}", self.id)));
+    /// Walks the free lists: the single one, or each chunk's with its
+    /// counter and bitmap bit, the bitmap's summary and the cached lowest
+    /// chunk. The blocks on them, or what is broken.
+    fn walk_lists(&self) -> Result<u32, String> {
         let capacity = self.capacity();
-        let lists = &self.lists;
+        let lists = match &self.lists {
+            FreeBlocks::Single { head, .. } => {
+                let mut n = 0u32;
+                let mut cursor = *head;
+                while cursor != NIL {
+                    if n > capacity {
+                        return Err("the free list has a cycle".into());
+                    }
+                    if cursor >= capacity {
+                        return Err(format!("block {cursor} is on the free list"));
+                    }
+                    match self.entries.get(cursor as usize) {
+                        Some(Entry::Vacant { next }) => cursor = *next,
+                        _ => return Err(format!("free-list link {cursor} is not a vacant entry")),
+                    }
+                    n += 1;
+                }
+                return Ok(n);
+            }
+            FreeBlocks::Chunked(lists) => lists,
+        };
         let mut on_lists = 0u32;
         let mut summary = 0u64;
         for c in 0..lists.chunks.len() {
@@ -861,26 +1010,26 @@ impl PoolCore {
             let mut cursor = lists.chunks[c].head;
             while cursor != NIL {
                 if n > capacity {
-                    return broken(format!("the free list of chunk {c} has a cycle"));
+                    return Err(format!("the free list of chunk {c} has a cycle"));
                 }
                 if cursor >= capacity || lists.chunk_of(cursor) != c {
-                    return broken(format!("block {cursor} is on the list of chunk {c}"));
+                    return Err(format!("block {cursor} is on the list of chunk {c}"));
                 }
                 match self.entries.get(cursor as usize) {
                     Some(Entry::Vacant { next }) => cursor = *next,
-                    _ => return broken(format!("free-list link {cursor} is not a vacant entry")),
+                    _ => return Err(format!("free-list link {cursor} is not a vacant entry")),
                 }
                 n += 1;
             }
             if n != lists.chunks[c].free {
-                return broken(format!(
+                return Err(format!(
                     "chunk {c}: {n} on its list, counter says {}",
                     lists.chunks[c].free
                 ));
             }
             let marked = lists.words[c >> 6] & (1 << (c & 63)) != 0;
             if marked != (n > 0) {
-                return broken(format!("chunk {c}: bitmap bit {marked} with {n} free"));
+                return Err(format!("chunk {c}: bitmap bit {marked} with {n} free"));
             }
             on_lists += n;
         }
@@ -890,14 +1039,27 @@ impl PoolCore {
             }
         }
         if summary != lists.summary {
-            return broken("the bitmap summary disagrees with its words".into());
+            return Err("the bitmap summary disagrees with its words".into());
         }
         if lists.lowest != lists.find_lowest() {
-            return broken(format!(
+            return Err(format!(
                 "the cached lowest chunk {} is not the lowest with a free block",
                 lists.lowest
             ));
         }
+        Ok(on_lists)
+    }
+
+    /// Walks the whole pool and checks V4, the refcount sum, every chunk's
+    /// list and bitmap bit (or the single list), and that the blocks fit the
+    /// committed region.
+    fn check_invariants(&self) -> Result<(), MemError> {
+        let broken = |what: String| Err(MemError::Invariant(format!("pool #{}: {what}", self.id)));
+        let capacity = self.capacity();
+        let on_lists = match self.walk_lists() {
+            Ok(n) => n,
+            Err(what) => return broken(what),
+        };
         let vacant = self
             .entries
             .iter()
