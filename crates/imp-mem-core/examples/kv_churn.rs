@@ -6,7 +6,9 @@ use std::time::Instant;
 use imp_mem_core::kv::{ExtraKeys, KVCacheManager, KvConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    pool_costs()?;
+    if std::env::args().nth(1).as_deref() != Some("--kv-only") {
+        pool_costs()?;
+    }
     const BS: usize = 16;
     let n = 20_000u32;
     let systems: Vec<Vec<u32>> = (0..8u32)

@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 
 use crate::backend::Backend;
-use crate::block_pool::{BlockId, PoolConfig, SharedBlockPool, SharedBlockRef};
+use crate::block_pool::{BlockId, BlockToken, PoolConfig, SharedBlockPool};
 use crate::error::{KvCapacityReport, MemError};
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
 use crate::kv::persist::BlockIo;
@@ -147,7 +147,7 @@ pub struct Admission {
 /// A block of the SWA pool. No `share()`: SWA blocks are never shared, so
 /// sharing one cannot be written (B2's second trap).
 #[derive(Debug)]
-struct SwaRef(SharedBlockRef);
+struct SwaRef(BlockToken);
 
 #[derive(Debug)]
 struct Sequence {
@@ -160,7 +160,7 @@ struct Sequence {
     root: BlockHash,
     /// Chained hashes of the full blocks (empty with prefix caching off).
     hashes: Vec<BlockHash>,
-    blocks: Vec<Option<SharedBlockRef>>,
+    blocks: Vec<Option<BlockToken>>,
     /// The cache entry each block is shared with — a prefix hit at
     /// admission, or a block cached while running (`cache_computed`) —
     /// `NIL` for none (or once holed). May be shorter than `blocks`.
@@ -301,7 +301,7 @@ impl KVCacheManager {
         };
         Ok(Self {
             hasher: BlockHasher::new(config.block_size, config.hash_seed),
-            cache: PrefixCache::new(pool.id()),
+            cache: PrefixCache::new(&pool),
             config,
             pool,
             swa_pool,
@@ -437,12 +437,12 @@ impl KVCacheManager {
     }
 
     /// Evicts until `need` blocks are free (each eviction frees one block:
-    /// the entry held its last ref), then allocates them — growing the pool
-    /// only for what eviction cannot cover (K13). The evicted refs are
-    /// released under one pool lock.
-    fn take_main(&mut self, need: u32) -> Result<Vec<SharedBlockRef>, MemError> {
+    /// the entry held its last ref), then allocates them into `out` —
+    /// growing the pool only for what eviction cannot cover (K13). The
+    /// evicted tokens are released under one pool lock.
+    fn take_main(&mut self, need: u32, out: &mut Vec<Option<BlockToken>>) -> Result<(), MemError> {
         if need == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let (mut free, _) = self.pool.room();
         if free < need {
@@ -451,20 +451,33 @@ impl KVCacheManager {
                 free += 1;
             }
             self.stats.evictions += evicted.len() as u64;
-            self.pool.release_all(&mut evicted)?;
+            self.pool.release_tokens(evicted)?;
         }
-        Ok(self.pool.allocate_many(need)?.into_refs())
+        self.pool.allocate_tokens(need, |t| out.push(Some(t)))
     }
 
     fn take_swa(&self, need: u32) -> Result<Vec<Option<SwaRef>>, MemError> {
-        match (&self.swa_pool, need) {
-            (_, 0) | (None, _) => Ok(Vec::new()),
-            (Some(swa), n) => Ok(swa
-                .allocate_many(n)?
-                .into_refs()
-                .into_iter()
-                .map(|r| Some(SwaRef(r)))
-                .collect()),
+        let mut out = Vec::new();
+        if let (Some(swa), 1..) = (&self.swa_pool, need) {
+            out.reserve(need as usize);
+            swa.allocate_tokens(need, |t| out.push(Some(SwaRef(t))))?;
+        }
+        Ok(out)
+    }
+
+    /// Releases main-pool tokens (a sequence's slots, say).
+    fn release_main(&self, tokens: impl IntoIterator<Item = Option<BlockToken>>) {
+        // Every token here is this pool's, so the release cannot be refused.
+        let _ = self.pool.release_tokens(tokens.into_iter().flatten());
+    }
+
+    /// Releases SWA tokens.
+    fn release_swa(&self, tokens: impl IntoIterator<Item = Option<SwaRef>>) {
+        if let Some(swa) = &self.swa_pool {
+            let _ = swa.release_tokens(tokens.into_iter().flatten().map(|r| r.0));
+        } else if tokens.into_iter().flatten().next().is_some() {
+            // Unreachable: SWA tokens only come from the SWA pool.
+            debug_assert!(false, "SWA tokens without an SWA pool");
         }
     }
 
@@ -562,28 +575,22 @@ impl KVCacheManager {
 
         // Take the hit refs first: once users > 0 they are off the LRU, so
         // the evictions below cannot pick them.
-        let mut blocks: Vec<Option<SharedBlockRef>> =
-            Vec::with_capacity(ceil_div(tokens.len(), bs));
-        blocks.extend(
-            self.cache
-                .acquire_many(&self.pool, &hit_idx)?
-                .into_iter()
-                .map(Some),
-        );
+        let mut blocks: Vec<Option<BlockToken>> = Vec::with_capacity(ceil_div(tokens.len(), bs));
+        self.cache
+            .acquire_many(&self.pool, &hit_idx, |t| blocks.push(Some(t)))?;
         let fresh = self
-            .take_main(need)
-            .and_then(|f| Ok((f, self.take_swa(swa_need)?)));
-        let (fresh, swa_fresh) = match fresh {
+            .take_main(need, &mut blocks)
+            .and_then(|()| self.take_swa(swa_need));
+        let swa_fresh = match fresh {
             Ok(v) => v,
             Err(e) => {
-                drop(blocks);
+                self.release_main(blocks);
                 for &undo in &hit_idx {
                     self.cache.release_user(undo);
                 }
                 return Err(e);
             }
         };
-        blocks.extend(fresh.into_iter().map(Some));
         let total = blocks.len();
         let mut swa: Vec<Option<SwaRef>> = Vec::new();
         if self.swa_pool.is_some() {
@@ -665,22 +672,33 @@ impl KVCacheManager {
         };
         self.check_main(what, need, 0)?;
         self.check_swa(what, swa_need, released)?;
-        let fresh = self.take_main(need)?;
+        let mut fresh = Vec::with_capacity(need as usize);
+        self.take_main(need, &mut fresh)?;
         let new_first = self.swa_first(old_n + tokens.len());
         let caching = self.config.enable_prefix_caching;
         let has_swa = self.swa_pool.is_some();
-        let seq = self.seq_mut(id)?;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            self.release_main(fresh);
+            return Err(MemError::Invariant(format!("sequence {id} vanished")));
+        };
         // Release the SWA blocks that slide out before allocating, so the
         // window's own turnover can serve the append.
         if has_swa {
-            for slot in seq.swa.iter_mut().take(new_first) {
-                *slot = None;
-            }
+            let out: Vec<Option<SwaRef>> = seq
+                .swa
+                .iter_mut()
+                .take(new_first)
+                .map(Option::take)
+                .collect();
             seq.dirty = true;
+            self.release_swa(out);
         }
-        let swa_fresh = match &self.swa_pool {
-            Some(swa) if swa_need > 0 => swa.allocate_many(swa_need)?.into_refs(),
-            _ => Vec::new(),
+        let swa_fresh = match self.take_swa(swa_need) {
+            Ok(v) => v,
+            Err(e) => {
+                self.release_main(fresh);
+                return Err(e);
+            }
         };
         let Some(seq) = self.seqs.get_mut(&id) else {
             return Err(MemError::Invariant(format!("sequence {id} vanished")));
@@ -700,15 +718,14 @@ impl KVCacheManager {
             );
         }
         seq.tail.drain(..filled);
-        seq.blocks.extend(fresh.into_iter().map(Some));
+        seq.blocks.extend(fresh);
         if has_swa {
             let total = seq.blocks.len();
             let target_first = new_first.min(total);
             while seq.swa.len() < target_first {
                 seq.swa.push(None);
             }
-            seq.swa
-                .extend(swa_fresh.into_iter().map(|r| Some(SwaRef(r))));
+            seq.swa.extend(swa_fresh);
         }
         seq.dirty = true;
         Ok(())
@@ -742,18 +759,17 @@ impl KVCacheManager {
             if caching && i < limit {
                 match self.cache.insert(seq.hashes[i], block) {
                     Ok(dup) => dropped.extend(dup),
-                    Err(e) => refused = Some(e),
+                    Err((e, back)) => {
+                        dropped.push(back);
+                        refused = Some(e);
+                    }
                 }
             } else {
                 dropped.push(block);
             }
         }
-        let released = self.pool.release_all(&mut dropped);
-        if let Some(swa) = &self.swa_pool {
-            let mut swa_refs: Vec<SharedBlockRef> =
-                seq.swa.into_iter().flatten().map(|r| r.0).collect();
-            swa.release_all(&mut swa_refs)?;
-        }
+        let released = self.pool.release_tokens(dropped);
+        self.release_swa(seq.swa);
         released?;
         refused.map_or(Ok(()), Err)
     }
@@ -789,8 +805,15 @@ impl KVCacheManager {
             if seq.hits[i] != NIL || self.cache.get(&seq.hashes[i]).is_some() {
                 continue;
             }
-            let shared = block.share()?;
-            seq.hits[i] = self.cache.insert_in_use(seq.hashes[i], shared)?;
+            let mut shared = None;
+            self.pool
+                .share_tokens(std::iter::once(block), |t| shared = Some(t))?;
+            let Some(shared) = shared else {
+                return Err(MemError::Invariant("a share produced no token".into()));
+            };
+            seq.hits[i] = self
+                .cache
+                .insert_in_use(&self.pool, seq.hashes[i], shared)?;
             added += 1;
         }
         seq.offered = seq.offered.max(limit);
@@ -821,9 +844,10 @@ impl KVCacheManager {
             return Err(MemError::invalid(format!("no sequence {id} is admitted")));
         };
         let mut released = 0;
+        let mut dropped = Vec::new();
         for i in start..end {
             if let Some(block) = seq.blocks[i].take() {
-                drop(block);
+                dropped.push(block);
                 released += 1;
                 if let Some(entry) = seq.hits.get_mut(i) {
                     if *entry != NIL {
@@ -837,6 +861,7 @@ impl KVCacheManager {
             seq.cacheable = seq.cacheable.min(full);
             seq.dirty = true;
         }
+        self.pool.release_tokens(dropped)?;
         Ok(released)
     }
 
@@ -889,7 +914,7 @@ impl KVCacheManager {
             ))),
             Some(None) => Ok(None),
             Some(Some(r)) => {
-                let span = r.span()?;
+                let span = self.pool.token_span(r)?;
                 Ok(Some((span.addr(), span.len())))
             }
         }
@@ -901,7 +926,10 @@ impl KVCacheManager {
         self.cache
             .entries_in_order()
             .into_iter()
-            .map(|e| (e.hash, e.block.id(), e.block.span().ok().map(|s| s.addr())))
+            .map(|e| {
+                let addr = self.pool.token_span(&e.block).ok().map(|s| s.addr());
+                (e.hash, e.block.id(), addr)
+            })
             .collect()
     }
 
@@ -975,8 +1003,8 @@ impl KVCacheManager {
         {
         }
         let done = evicted.len() as u32;
-        // Every evicted ref is this pool's, so the release cannot be refused.
-        let _ = self.pool.release_all(&mut evicted);
+        // Every evicted token is this pool's, so the release cannot be refused.
+        let _ = self.pool.release_tokens(evicted);
         self.stats.evictions += done as u64;
         done
     }
@@ -1040,7 +1068,7 @@ impl KVCacheManager {
             }
             for (i, slot) in seq.blocks.iter().enumerate() {
                 let Some(r) = slot else { continue };
-                if r.pool().id() != self.pool.id() {
+                if r.pool_tag() != self.pool.tag() {
                     return broken(format!("sequence {sid} block {i} is from a foreign pool"));
                 }
                 seq_refs += 1;
@@ -1084,7 +1112,7 @@ impl KVCacheManager {
                         ));
                     }
                     if let Some(r) = slot {
-                        if r.0.pool().id() != swa.id() || r.0.refcount() != 1 {
+                        if r.0.pool_tag() != swa.tag() || swa.refcount(r.0.id()) != 1 {
                             return broken(format!(
                                 "sequence {sid}'s SWA block {i} is shared or foreign"
                             ));
@@ -1165,5 +1193,24 @@ impl KVCacheManager {
             return broken("a pinned hash is not cached".into());
         }
         Ok(())
+    }
+}
+
+impl Drop for KVCacheManager {
+    /// Releases every token the manager holds (its sequences' blocks and
+    /// the cache's), so pools shared with a [`MemorySystem`] get their blocks
+    /// back, as dropping refs did.
+    ///
+    /// [`MemorySystem`]: crate::system::MemorySystem
+    fn drop(&mut self) {
+        let seqs = std::mem::take(&mut self.seqs);
+        let mut main = self.cache.drain();
+        let mut swa = Vec::new();
+        for (_, seq) in seqs {
+            main.extend(seq.blocks.into_iter().flatten());
+            swa.extend(seq.swa);
+        }
+        let _ = self.pool.release_tokens(main);
+        self.release_swa(swa);
     }
 }

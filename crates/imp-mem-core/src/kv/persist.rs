@@ -167,7 +167,7 @@ impl KVCacheManager {
         out.extend_from_slice(&header);
         let mut buf = vec![0u8; bb];
         for e in entries {
-            io.read_block(&e.block, &mut buf)?;
+            io.read_block(&self.pool().ref_of_token(&e.block)?, &mut buf)?;
             out.extend_from_slice(&e.hash.to_le_bytes());
             out.extend_from_slice(&xxh3_64(&buf).to_le_bytes());
             out.extend_from_slice(&buf);
@@ -336,19 +336,32 @@ impl KVCacheManager {
         }
         // Evicting to make room is the one change that precedes the copies;
         // it drops only entries eviction could have dropped at any time.
-        let mut evicted = 0;
-        while self.pool().stats().free < need && self.cache.evict_one().is_some() {
-            evicted += 1;
-        }
-        self.record_evictions(evicted);
+        let free = self.pool().stats().free;
+        let mut evicted = Vec::new();
+        while free as usize + evicted.len() < need as usize
+            && self.cache.evict_into(&mut evicted).is_some()
+        {}
+        self.record_evictions(evicted.len() as u32);
+        self.pool().release_tokens(evicted)?;
         let refs = self.pool().allocate_many(need)?.into_refs();
         let io = self.block_io()?;
         for (r, (_, bytes)) in refs.iter().zip(&fresh_entries) {
             io.write_block(r, bytes)?;
         }
+        let mut refused = None;
+        let mut leftover = Vec::new();
         for (r, (hash, _)) in refs.into_iter().zip(&fresh_entries) {
-            drop(self.cache.insert(*hash, r)?);
+            let token = self.pool().token_from_ref(r)?;
+            match self.cache.insert(*hash, token) {
+                Ok(None) => {}
+                Ok(Some(dup)) => leftover.push(dup),
+                Err((e, back)) => {
+                    leftover.push(back);
+                    refused.get_or_insert(e);
+                }
+            }
         }
-        Ok(need as u64)
+        self.pool().release_tokens(leftover)?;
+        refused.map_or(Ok(need as u64), Err)
     }
 }

@@ -1,7 +1,7 @@
 //! The prefix cache: content hash → one block ref it owns, with an O(1) LRU
 //! of the entries that can be evicted.
 //!
-//! Each entry holds its own [`SharedBlockRef`] (A5.1: the cache is an owner,
+//! Each entry holds its own block token (a ref; A5.1: the cache is an owner,
 //! not a convention). An entry is in one of three states, derived from two
 //! counters the manager keeps:
 //!
@@ -19,7 +19,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::block_pool::{BlockId, SharedBlockPool, SharedBlockRef};
+use crate::block_pool::{BlockId, BlockToken, SharedBlockPool};
 use crate::error::MemError;
 use crate::kv::hash::BlockHash;
 
@@ -62,7 +62,7 @@ pub(crate) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FoldHasher>>;
 #[derive(Debug)]
 pub(crate) struct Entry {
     pub hash: BlockHash,
-    pub block: SharedBlockRef,
+    pub block: BlockToken,
     pub users: u32,
     pub pins: u32,
     prev: u32,
@@ -79,7 +79,7 @@ impl Entry {
 /// See the module docs.
 #[derive(Debug, Default)]
 pub(crate) struct PrefixCache {
-    pool_id: u64,
+    pool_tag: u32,
     map: FastMap<BlockHash, u32>,
     slab: Vec<Option<Entry>>,
     vacant: Vec<u32>,
@@ -91,10 +91,10 @@ pub(crate) struct PrefixCache {
 }
 
 impl PrefixCache {
-    /// An empty cache of blocks of pool `pool_id`.
-    pub fn new(pool_id: u64) -> Self {
+    /// An empty cache of blocks of `pool`.
+    pub fn new(pool: &SharedBlockPool) -> Self {
         Self {
-            pool_id,
+            pool_tag: pool.tag(),
             head: NIL,
             tail: NIL,
             ..Default::default()
@@ -209,24 +209,26 @@ impl PrefixCache {
         &mut self,
         pool: &SharedBlockPool,
         idxs: &[u32],
-    ) -> Result<Vec<SharedBlockRef>, MemError> {
-        let shared = {
-            let mut refs = Vec::with_capacity(idxs.len());
-            for &idx in idxs {
-                let e = self.entry(idx).ok_or_else(|| {
-                    MemError::Invariant(format!("prefix cache entry {idx} is vacant"))
-                })?;
-                refs.push(&e.block);
-            }
-            pool.share_all(&refs)?
-        };
+        push: impl FnMut(BlockToken),
+    ) -> Result<(), MemError> {
+        if let Some(&idx) = idxs.iter().find(|&&i| self.entry(i).is_none()) {
+            return Err(MemError::Invariant(format!(
+                "prefix cache entry {idx} is vacant"
+            )));
+        }
+        let slab = &self.slab;
+        let blocks = idxs
+            .iter()
+            .filter_map(|&i| slab.get(i as usize).and_then(Option::as_ref))
+            .map(|e| &e.block);
+        pool.share_tokens(blocks, push)?;
         for &idx in idxs {
             let e = self.entry_mut(idx)?;
             let was = (e.users, e.pins);
             e.users += 1;
             self.transition(idx, was);
         }
-        Ok(shared)
+        Ok(())
     }
 
     pub fn release_user(&mut self, idx: u32) {
@@ -256,20 +258,22 @@ impl PrefixCache {
     /// Adds an entry that owns `block`, most recently used. If `hash` is
     /// already cached the block is handed back (the caller drops it: a
     /// duplicate of content the cache already holds).
-    /// A ref from another pool (an SWA block) is refused, and dropped.
+    /// A token from another pool (an SWA block) is refused and handed back
+    /// with the error.
     pub fn insert(
         &mut self,
         hash: BlockHash,
-        block: SharedBlockRef,
-    ) -> Result<Option<SharedBlockRef>, MemError> {
-        if block.pool().id() != self.pool_id {
-            return Err(MemError::invalid(format!(
-                "the prefix cache holds blocks of pool #{} only; block {} is from pool #{} (an \
-                 SWA block is never cached)",
-                self.pool_id,
+        block: BlockToken,
+    ) -> Result<Option<BlockToken>, (MemError, BlockToken)> {
+        if block.pool_tag() != self.pool_tag {
+            let e = MemError::invalid(format!(
+                "the prefix cache holds blocks of pool tag {} only; block {} is from pool tag {} \
+                 (an SWA block is never cached)",
+                self.pool_tag,
                 block.id(),
-                block.pool().id()
-            )));
+                block.pool_tag()
+            ));
+            return Err((e, block));
         }
         let slot = match self.map.entry(hash) {
             std::collections::hash_map::Entry::Occupied(_) => return Ok(Some(block)),
@@ -302,16 +306,24 @@ impl PrefixCache {
     /// Adds an entry for a block a running sequence keeps using: the cache
     /// owns `block` (a `share()` of the sequence's ref) and the sequence is
     /// its first user. Returns the entry. The caller has checked that `hash`
-    /// is not cached.
+    /// is not cached; a refused token is released into `pool`.
     pub fn insert_in_use(
         &mut self,
+        pool: &SharedBlockPool,
         hash: BlockHash,
-        block: SharedBlockRef,
+        block: BlockToken,
     ) -> Result<u32, MemError> {
-        if self.insert(hash, block)?.is_some() {
-            return Err(MemError::Invariant(format!(
-                "hash {hash:x} is already cached"
-            )));
+        let back = match self.insert(hash, block) {
+            Ok(None) => None,
+            Ok(Some(dup)) => Some((
+                MemError::Invariant(format!("hash {hash:x} is already cached")),
+                dup,
+            )),
+            Err(refused) => Some(refused),
+        };
+        if let Some((e, token)) = back {
+            pool.release_tokens([token])?;
+            return Err(e);
         }
         let idx = self
             .get(&hash)
@@ -323,18 +335,9 @@ impl PrefixCache {
         Ok(idx)
     }
 
-    /// Evicts the least recently used evictable entry; its ref drops, which
-    /// frees the block. Returns the evicted hash.
-    pub fn evict_one(&mut self) -> Option<BlockHash> {
-        let mut refs = Vec::new();
-        let hash = self.evict_into(&mut refs);
-        drop(refs);
-        hash
-    }
-
-    /// Evicts the LRU head, moving its ref into `refs` (for one batched
-    /// release by the caller) instead of dropping it.
-    pub fn evict_into(&mut self, refs: &mut Vec<SharedBlockRef>) -> Option<BlockHash> {
+    /// Evicts the LRU head, moving its token into `refs` for the caller to
+    /// release (one batched release). Returns the evicted hash.
+    pub fn evict_into(&mut self, refs: &mut Vec<BlockToken>) -> Option<BlockHash> {
         let idx = self.head;
         if idx == NIL {
             return None;
@@ -345,6 +348,19 @@ impl PrefixCache {
         self.map.remove(&entry.hash);
         refs.push(entry.block);
         Some(entry.hash)
+    }
+
+    /// Empties the cache, handing back every entry's token (for the
+    /// manager to release).
+    pub fn drain(&mut self) -> Vec<BlockToken> {
+        let tokens = self.slab.drain(..).flatten().map(|e| e.block).collect();
+        *self = Self {
+            pool_tag: self.pool_tag,
+            head: NIL,
+            tail: NIL,
+            ..Default::default()
+        };
+        tokens
     }
 
     /// Every entry, in-use and pinned ones first, then the LRU oldest first

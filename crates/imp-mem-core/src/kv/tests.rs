@@ -239,10 +239,13 @@ fn swa_keeps_only_the_trailing_window_in_its_own_id_space() {
     // Cached main blocks never include an SWA block: SWA refs cannot reach
     // the cache (the type has no share(), the cache refuses foreign pools).
     let swa_pool = m.swa_pool().unwrap().clone();
-    let stray = swa_pool.allocate().unwrap();
-    let mut cache = prefix::PrefixCache::new(m.pool().id());
-    assert!(cache.insert(1, stray).is_err());
-    assert_eq!(swa_pool.stats().live, 0, "the refused ref was dropped");
+    let mut stray = None;
+    swa_pool.allocate_tokens(1, |t| stray = Some(t)).unwrap();
+    let mut cache = prefix::PrefixCache::new(m.pool());
+    let (_, back) = cache.insert(1, stray.unwrap()).unwrap_err();
+    assert_eq!(cache.len(), 0);
+    swa_pool.release_tokens([back]).unwrap();
+    assert_eq!(swa_pool.stats().live, 0, "the refused token came back");
     m.check_invariants().unwrap();
 }
 
