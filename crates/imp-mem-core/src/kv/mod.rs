@@ -56,6 +56,7 @@ pub mod hash;
 mod manager;
 pub mod persist;
 mod prefix;
+mod xxh3_block;
 
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
 pub use manager::{Admission, KVCacheManager, KvConfig, KvStats, SeqId};
