@@ -1799,6 +1799,23 @@ impl SharedBlockPool {
             .allocate_many(n, |id| push(BlockToken { id, pool: tag }))
     }
 
+    /// [`Self::allocate_tokens`] when `n` blocks are on the free list now
+    /// (no growth), under the same lock as the check; `false`, and nothing
+    /// changed, when they are not.
+    pub(crate) fn allocate_tokens_if_free(
+        &self,
+        n: u32,
+        mut push: impl FnMut(BlockToken),
+    ) -> Result<bool, MemError> {
+        let tag = self.tag();
+        let mut core = self.core();
+        if core.free < n {
+            return Ok(false);
+        }
+        core.allocate_many(n, |id| push(BlockToken { id, pool: tag }))?;
+        Ok(true)
+    }
+
     /// One more ref to the block of each token `tokens` yields, as new
     /// tokens handed to `push`, under one lock; all or nothing (`push` is
     /// only called once every share succeeded).

@@ -197,6 +197,37 @@ impl Sequence {
     }
 }
 
+/// Buffers kept between calls so that the hot paths (admit, free, eviction)
+/// do not allocate: a scratch list of tokens (always empty between calls)
+/// and the emptied vectors of freed sequences.
+#[derive(Debug, Default)]
+struct Spare {
+    tokens: Vec<BlockToken>,
+    blocks: Vec<Vec<Option<BlockToken>>>,
+    hashes: Vec<Vec<BlockHash>>,
+    hits: Vec<Vec<u32>>,
+}
+
+impl Spare {
+    /// Vectors of each kind kept at most.
+    const KEEP: usize = 16;
+
+    /// Keeps the vectors of a freed sequence whose blocks were drained.
+    fn keep(&mut self, mut seq: Sequence) {
+        if self.blocks.len() < Self::KEEP && seq.blocks.is_empty() {
+            self.blocks.push(std::mem::take(&mut seq.blocks));
+        }
+        if self.hashes.len() < Self::KEEP {
+            seq.hashes.clear();
+            self.hashes.push(std::mem::take(&mut seq.hashes));
+        }
+        if self.hits.len() < Self::KEEP {
+            seq.hits.clear();
+            self.hits.push(std::mem::take(&mut seq.hits));
+        }
+    }
+}
+
 /// Pins: owner → the hashes it pinned, oldest owner first for budget
 /// eviction. Not an owner of any block.
 #[derive(Debug, Default)]
@@ -219,6 +250,7 @@ pub struct KVCacheManager {
     pins: Pins,
     pub(crate) io: Option<Box<dyn BlockIo>>,
     stats: KvStats,
+    spare: Spare,
 }
 
 fn ceil_div(a: usize, b: usize) -> usize {
@@ -309,6 +341,7 @@ impl KVCacheManager {
             pins: Pins::default(),
             io: None,
             stats,
+            spare: Spare::default(),
         })
     }
 
@@ -441,18 +474,18 @@ impl KVCacheManager {
     /// growing the pool only for what eviction cannot cover (K13). The
     /// evicted tokens are released under one pool lock.
     fn take_main(&mut self, need: u32, out: &mut Vec<Option<BlockToken>>) -> Result<(), MemError> {
-        if need == 0 {
+        if need == 0 || self.pool.allocate_tokens_if_free(need, |t| out.push(Some(t)))? {
             return Ok(());
         }
         let (mut free, _) = self.pool.room();
-        if free < need {
-            let mut evicted = Vec::with_capacity((need - free) as usize);
-            while free < need && self.cache.evict_into(&mut evicted).is_some() {
-                free += 1;
-            }
-            self.stats.evictions += evicted.len() as u64;
-            self.pool.release_tokens(evicted)?;
+        let mut evicted = std::mem::take(&mut self.spare.tokens);
+        while free < need && self.cache.evict_into(&mut evicted).is_some() {
+            free += 1;
         }
+        self.stats.evictions += evicted.len() as u64;
+        let released = self.pool.release_tokens(evicted.drain(..));
+        self.spare.tokens = evicted;
+        released?;
         self.pool.allocate_tokens(need, |t| out.push(Some(t)))
     }
 
@@ -561,12 +594,12 @@ impl KVCacheManager {
         }
         let bs = self.config.block_size;
         let root = self.hasher.root(&extras);
-        let mut hashes = Vec::new();
+        let mut hashes = self.spare.hashes.pop().unwrap_or_default();
         if self.config.enable_prefix_caching {
             self.hasher
                 .extend_chain(root, tokens, 0, &extras, &mut hashes);
         }
-        let mut hit_idx = Vec::new();
+        let mut hit_idx = self.spare.hits.pop().unwrap_or_default();
         self.match_prefix(&hashes, tokens.len(), &mut hit_idx);
         let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
@@ -575,7 +608,8 @@ impl KVCacheManager {
 
         // Take the hit refs first: once users > 0 they are off the LRU, so
         // the evictions below cannot pick them.
-        let mut blocks: Vec<Option<BlockToken>> = Vec::with_capacity(ceil_div(tokens.len(), bs));
+        let mut blocks = self.spare.blocks.pop().unwrap_or_default();
+        blocks.reserve(ceil_div(tokens.len(), bs));
         self.cache
             .acquire_many(&self.pool, &hit_idx, |t| blocks.push(Some(t)))?;
         let fresh = self
@@ -736,7 +770,7 @@ impl KVCacheManager {
     /// the rest are released. `computed_tokens` (default: all) bounds what
     /// is cached: a block whose KV was not computed must not be.
     pub fn free(&mut self, id: SeqId, computed_tokens: Option<usize>) -> Result<(), MemError> {
-        let seq = self
+        let mut seq = self
             .seqs
             .remove(&id)
             .ok_or_else(|| MemError::invalid(format!("no sequence {id} is admitted")))?;
@@ -746,8 +780,8 @@ impl KVCacheManager {
         let caching = self.config.enable_prefix_caching;
         let mut refused = None;
         // The refs this frees, released under one pool lock at the end.
-        let mut dropped = Vec::with_capacity(seq.blocks.len());
-        for (i, slot) in seq.blocks.into_iter().enumerate() {
+        let mut dropped = std::mem::take(&mut self.spare.tokens);
+        for (i, slot) in seq.blocks.drain(..).enumerate() {
             let Some(block) = slot else { continue };
             if let Some(&entry) = seq.hits.get(i) {
                 if entry != NIL {
@@ -768,8 +802,10 @@ impl KVCacheManager {
                 dropped.push(block);
             }
         }
-        let released = self.pool.release_tokens(dropped);
-        self.release_swa(seq.swa);
+        let released = self.pool.release_tokens(dropped.drain(..));
+        self.spare.tokens = dropped;
+        self.release_swa(seq.swa.drain(..));
+        self.spare.keep(seq);
         released?;
         refused.map_or(Ok(()), Err)
     }
