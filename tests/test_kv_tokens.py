@@ -1,7 +1,8 @@
-"""Token ids from NumPy arrays: the binding reads an exact ``numpy.ndarray``
-through ``tobytes()`` and its cached dtype layout instead of a memoryview; it
-must read exactly what the buffer path reads and refuse what it refuses,
-with the same message."""
+"""Token ids from NumPy arrays: before Python 3.11 the binding reads an exact
+``numpy.ndarray`` through ``tobytes()`` and its cached dtype layout instead
+of a memoryview; it must read exactly what the buffer path reads and refuse
+what it refuses, with the same message. Every test runs on both paths
+(``token_path``); tests/test_kv_tokens_buffer.py covers the rest."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 import imp_mem
 from imp_mem import KVCacheManager
+
+pytestmark = pytest.mark.usefixtures("token_path")
 
 
 def kv() -> KVCacheManager:

@@ -143,6 +143,11 @@ integers (a NumPy integer array, ``array.array``, a ``memoryview``)."""
 MmItem = tuple[int, int, int]
 """``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
 
+def _set_buffer_protocol(enabled: bool) -> bool:
+    """Test hook: read token buffers in place through the buffer protocol
+    (the default on Python 3.11+) or copy them as before 3.11; returns the
+    previous setting. ``True`` before 3.11 raises ``InvalidArgument``."""
+
 class KVCacheManager:
     """Paged KV: sequence block tables with holes, a prefix cache that owns
     its blocks, pins as an eviction overlay, an SWA pool, admission control

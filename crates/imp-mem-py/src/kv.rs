@@ -1,14 +1,19 @@
 //! Python face of the KV cache manager: `KVCacheManager`.
 //!
 //! Conversions only. Token ids arrive as any buffer of integers (a NumPy
-//! array, `array('i')`, a `memoryview`) or a list/tuple of ints; a buffer is
-//! copied once to bytes in the binding (the buffer protocol itself is not in
-//! the abi3-py39 limited API) and reinterpreted in Rust, so there is no
-//! per-token Python work. Hashing, matching and allocation run with the GIL
-//! released, except a small call (up to `SMALL_TOKENS` tokens) that finds
-//! the manager's lock free: it keeps the GIL, which costs less than
-//! releasing it (see `PyKVCacheManager::run`).
+//! array, `array('i')`, a `memoryview`) or a list/tuple of ints. On Python
+//! 3.11+ a buffer is read in place through the buffer protocol (see
+//! `buffer.rs`): native 4-byte ids are borrowed without a copy, anything
+//! else is converted straight from the exporter's memory; a buffer that
+//! cannot be exported C-contiguous, and every buffer before 3.11 (where the
+//! protocol is not in the limited API), is copied once to bytes
+//! (`tobytes()`) and reinterpreted in Rust. Either way there is no per-token
+//! Python work. Hashing, matching and allocation run with the GIL released,
+//! except a small call (up to `SMALL_TOKENS` tokens) that finds the
+//! manager's lock free: it keeps the GIL, which costs less than releasing
+//! it (see `PyKVCacheManager::run`).
 
+use std::ops::Deref;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
@@ -24,18 +29,36 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::backend::{PyBackend, PyFakeBackend};
+use crate::buffer::{self, BufferView, WordView};
 use crate::errors::{invalid, IntoPyResult};
 
 static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 
+fn out_of_range(v: i128) -> PyErr {
+    invalid(format!("token id {v} is outside 0..=4294967295"))
+}
+
+/// Refuses int32 ids read as `u32` that were negative, naming the first.
+/// The check is one branch-free pass (it vectorises); only a bad id is
+/// looked for.
+fn check_int32(ids: &[u32]) -> PyResult<()> {
+    if ids.iter().fold(0u32, |acc, &v| acc | v) > i32::MAX as u32 {
+        if let Some(&v) = ids.iter().find(|&&v| v > i32::MAX as u32) {
+            return Err(out_of_range(v as i32 as i128));
+        }
+    }
+    Ok(())
+}
+
 /// Reinterprets integers of `size` bytes (little- or big-endian) as token
 /// ids, refusing any outside `0..=u32::MAX`.
 fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
-    let bad = |v: i128| invalid(format!("token id {v} is outside 0..=4294967295"));
-    // The common cases: int32 / int64 / uint32, native order. Each is a
-    // loop over a zeroed vector (it vectorises; a collect over the chunks
-    // did not) and a branch-free check; only a bad id is looked for.
+    let bad = out_of_range;
+    // Little-endian integers of every size. Each is a loop over a zeroed
+    // vector (it vectorises; a collect over the chunks did not) and a
+    // branch-free check; only a bad id is looked for. (Signed 1- and 2-byte
+    // ids are sign-extended, so the int32 check finds a negative one.)
     if !big {
         match (size, signed) {
             (4, _) => {
@@ -43,27 +66,55 @@ fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResul
                 for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                     *o = u32::from_le_bytes(c.try_into().unwrap_or([0; 4]));
                 }
-                if signed && out.iter().fold(0u32, |acc, &v| acc | v) > i32::MAX as u32 {
-                    if let Some(&v) = out.iter().find(|&&v| v > i32::MAX as u32) {
-                        return Err(bad(v as i32 as i128));
-                    }
+                if signed {
+                    check_int32(&out)?;
+                }
+                return Ok(out);
+            }
+            (1, _) => {
+                let mut out = vec![0u32; bytes.len()];
+                for (o, &b) in out.iter_mut().zip(bytes) {
+                    *o = if signed { b as i8 as u32 } else { u32::from(b) };
+                }
+                if signed {
+                    check_int32(&out)?;
+                }
+                return Ok(out);
+            }
+            (2, _) => {
+                let mut out = vec![0u32; bytes.len() / 2];
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    let v = u16::from_le_bytes(c.try_into().unwrap_or([0; 2]));
+                    *o = if signed {
+                        v as i16 as u32
+                    } else {
+                        u32::from(v)
+                    };
+                }
+                if signed {
+                    check_int32(&out)?;
                 }
                 return Ok(out);
             }
             (8, _) => {
-                let mut wide = vec![0u64; bytes.len() / 8];
-                for (o, c) in wide.iter_mut().zip(bytes.chunks_exact(8)) {
-                    *o = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
+                // One pass: narrow each id and gather its high halves.
+                let mut out = vec![0u32; bytes.len() / 8];
+                let mut high = 0u64;
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                    let v = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
+                    high |= v >> 32;
+                    *o = v as u32;
                 }
-                if wide.iter().fold(0u64, |acc, &v| acc | v) >> 32 != 0 {
-                    let v = wide
-                        .iter()
-                        .map(|&v| if signed { v as i64 as i128 } else { v as i128 })
+                if high != 0 {
+                    let v = bytes
+                        .chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                        .map(|v| if signed { v as i64 as i128 } else { v as i128 })
                         .find(|&v| !(0..=u32::MAX as i128).contains(&v))
                         .unwrap_or(-1);
                     return Err(bad(v));
                 }
-                return Ok(wide.iter().map(|&v| v as u32).collect());
+                return Ok(out);
             }
             _ => {}
         }
@@ -165,53 +216,31 @@ fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
     ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big).map(Some)
 }
 
-/// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
-pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let py = obj.py();
-    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        // `array('q', seq)` converts in C, about 5x faster than extracting
-        // each int here; it refuses non-integers and values beyond int64.
-        let array = ARRAY.get_or_try_init(py, || {
-            Ok::<_, PyErr>(py.import("array")?.getattr("array")?.unbind())
-        })?;
-        let packed = array.bind(py).call1(("q", obj)).map_err(|e| {
-            invalid(format!(
-                "tokens must be integers in 0..=4294967295 ({})",
-                e.value(py)
-            ))
-        })?;
-        let raw = packed.call_method0(intern!(py, "tobytes"))?;
-        return ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), 8, true, false);
+/// Token ids: borrowed in place from a held buffer export, or owned.
+/// Derefs to `&[u32]`. It holds the GIL lifetime and is not `Send`, so a
+/// call site takes the slice (`let ids: &[u32] = &toks;`) into
+/// `allow_threads` and drops the `Tokens` afterwards, with the GIL.
+pub enum Tokens<'py> {
+    /// Native 4-byte ids read where the exporter keeps them.
+    Borrowed(WordView<'py>),
+    /// Ids converted from a list, a tuple or any other integer buffer.
+    Owned(Vec<u32>),
+}
+
+impl Deref for Tokens<'_> {
+    type Target = [u32];
+
+    fn deref(&self) -> &[u32] {
+        match self {
+            Tokens::Borrowed(words) => words,
+            Tokens::Owned(ids) => ids,
+        }
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(invalid(
-            "tokens must be integers (a list, a NumPy array, array('i')), not str or bytes",
-        ));
-    }
-    if let Some(ids) = ndarray_tokens(obj)? {
-        return Ok(ids);
-    }
-    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
-        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
-    })?;
-    let view = memoryview.bind(py).call1((obj,)).map_err(|_| {
-        invalid(format!(
-            "tokens must be a list of ints or a buffer of integers, got {}",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))
-    })?;
-    let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
-    if ndim > 1 {
-        return Err(invalid(format!(
-            "tokens must be one-dimensional, got {ndim} dimensions"
-        )));
-    }
-    let format = view.getattr(intern!(py, "format"))?;
-    let format = format.downcast::<PyString>()?.to_cow()?;
-    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
+}
+
+/// How to read a buffer's items as ids, from its struct-module `format` and
+/// `itemsize`: `(itemsize, signed, big-endian)`, or the refusal.
+fn int_layout(format: &str, itemsize: usize) -> PyResult<(usize, bool, bool)> {
     let (big, code) = match format.as_bytes() {
         [b'>' | b'!', c] => (true, *c),
         [b'<' | b'=' | b'@', c] | [c] => (cfg!(target_endian = "big"), *c),
@@ -229,8 +258,100 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if !matches!(itemsize, 1 | 2 | 4 | 8) {
         return Err(invalid(format!("unsupported integer size {itemsize}")));
     }
+    Ok((itemsize, signed, big))
+}
+
+fn one_dimensional(ndim: usize) -> PyResult<()> {
+    if ndim > 1 {
+        return Err(invalid(format!(
+            "tokens must be one-dimensional, got {ndim} dimensions"
+        )));
+    }
+    Ok(())
+}
+
+/// Token ids from a held C-contiguous export: borrowed when they are
+/// native-endian 4-byte integers at an aligned address (signed ones checked
+/// non-negative), converted from the exporter's memory otherwise.
+fn view_tokens(view: BufferView<'_>) -> PyResult<Tokens<'_>> {
+    one_dimensional(view.ndim())?;
+    let (size, signed, big) = int_layout(&view.format(), view.itemsize())?;
+    let view = if size == 4 && big == cfg!(target_endian = "big") {
+        match view.into_words() {
+            Ok(words) => {
+                if signed {
+                    check_int32(&words)?;
+                }
+                return Ok(Tokens::Borrowed(words));
+            }
+            Err(view) => view,
+        }
+    } else {
+        view
+    };
+    ids_from_bytes(view.bytes(), size, signed, big).map(Tokens::Owned)
+}
+
+/// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
+pub fn tokens<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
+    let py = obj.py();
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        // `array('q', seq)` converts in C, about 5x faster than extracting
+        // each int here; it refuses non-integers and values beyond int64.
+        let array = ARRAY.get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("array")?.getattr("array")?.unbind())
+        })?;
+        let packed = array.bind(py).call1(("q", obj)).map_err(|e| {
+            invalid(format!(
+                "tokens must be integers in 0..=4294967295 ({})",
+                e.value(py)
+            ))
+        })?;
+        let raw = packed.call_method0(intern!(py, "tobytes"))?;
+        return ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), 8, true, false)
+            .map(Tokens::Owned);
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(invalid(
+            "tokens must be integers (a list, a NumPy array, array('i')), not str or bytes",
+        ));
+    }
+    if let Some(view) = BufferView::get(obj) {
+        return view_tokens(view);
+    }
+    // Before 3.11, or no C-contiguous export (a strided view, or no buffer
+    // at all): the copying path reads or refuses it.
+    if let Some(ids) = ndarray_tokens(obj)? {
+        return Ok(Tokens::Owned(ids));
+    }
+    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
+    })?;
+    let view = memoryview.bind(py).call1((obj,)).map_err(|_| {
+        invalid(format!(
+            "tokens must be a list of ints or a buffer of integers, got {}",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        ))
+    })?;
+    let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
+    one_dimensional(ndim)?;
+    let format = view.getattr(intern!(py, "format"))?;
+    let format = format.downcast::<PyString>()?.to_cow()?;
+    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
+    let (size, signed, big) = int_layout(&format, itemsize)?;
     let raw = view.call_method0(intern!(py, "tobytes"))?;
-    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), itemsize, signed, big)
+    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big).map(Tokens::Owned)
+}
+
+/// Test hook: reads buffers through the buffer protocol (`True`, the
+/// default on Python 3.11+) or through the copying path every version has
+/// (`False`); returns the previous setting. `True` before 3.11 is refused.
+#[pyfunction(name = "_set_buffer_protocol")]
+fn set_buffer_protocol(py: Python<'_>, enabled: bool) -> PyResult<bool> {
+    buffer::set_enabled(py, enabled)
 }
 
 fn extras(
@@ -455,15 +576,12 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let toks = self::tokens(tokens)?;
+        let ids: &[u32] = &toks;
         let extras = extras(lora_id, cache_salt, mm)?;
-        let n = toks.len();
-        self.run(
-            py,
-            |_| n <= SMALL_TOKENS,
-            |m| m.admit(seq_id, &toks, extras),
-        )
-        .py()
-        .map(|a| a.cached_tokens)
+        let n = ids.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.admit(seq_id, ids, extras))
+            .py()
+            .map(|a| a.cached_tokens)
     }
 
     /// True when `tokens` could be admitted now.
@@ -477,8 +595,9 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let toks = self::tokens(tokens)?;
+        let ids: &[u32] = &toks;
         let extras = extras(lora_id, cache_salt, mm)?;
-        Ok(py.allow_threads(|| self.lock().can_admit(&toks, &extras)))
+        Ok(py.allow_threads(|| self.lock().can_admit(ids, &extras)))
     }
 
     /// Cached leading tokens for `tokens` now (a hint; takes no refs).
@@ -492,15 +611,17 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let toks = self::tokens(tokens)?;
+        let ids: &[u32] = &toks;
         let extras = extras(lora_id, cache_salt, mm)?;
-        Ok(py.allow_threads(|| self.lock().probe(&toks, &extras)) * self.block_size)
+        Ok(py.allow_threads(|| self.lock().probe(ids, &extras)) * self.block_size)
     }
 
     /// Appends tokens to `seq_id`; all or nothing.
     fn append(&self, py: Python<'_>, seq_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
         let toks = self::tokens(tokens)?;
-        let n = toks.len();
-        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, &toks))
+        let ids: &[u32] = &toks;
+        let n = ids.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, ids))
             .py()
     }
 
@@ -602,10 +723,11 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let toks = self::tokens(tokens)?;
+        let ids: &[u32] = &toks;
         let extras = extras(lora_id, cache_salt, mm)?;
         let hasher = self.lock().hasher().clone();
         let raw = py.allow_threads(|| {
-            let hashes = hasher.chain(&toks, &extras);
+            let hashes = hasher.chain(ids, &extras);
             let mut raw = Vec::with_capacity(hashes.len() * 16);
             for h in hashes {
                 raw.extend_from_slice(&h.to_le_bytes());
@@ -627,8 +749,9 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
         let toks = self::tokens(tokens)?;
+        let ids: &[u32] = &toks;
         let extras = extras(lora_id, cache_salt, mm)?;
-        py.allow_threads(|| self.lock().pin(owner, &toks, &extras))
+        py.allow_threads(|| self.lock().pin(owner, ids, &extras))
             .py()
     }
 
@@ -677,5 +800,6 @@ impl PyKVCacheManager {
 /// Registers this file's classes.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKVCacheManager>()?;
+    m.add_function(wrap_pyfunction!(set_buffer_protocol, m)?)?;
     Ok(())
 }

@@ -7,6 +7,7 @@
 use pyo3::prelude::*;
 
 pub mod backend;
+pub mod buffer;
 pub mod convert;
 pub mod cuda;
 pub mod dlpack;
