@@ -1,12 +1,15 @@
 //! Times the KV manager's hot paths in Rust alone (no Python), to separate
-//! the core's cost from the binding's: `cargo run --release --example kv_churn`.
+//! the core's cost from the binding's: `cargo run --release --example kv_churn`
+//! (`-- --kv-only` skips the pool costs; `-- --churn-only` loops the churn
+//! alone, for a profiler).
 
 use std::time::Instant;
 
 use imp_mem_core::kv::{ExtraKeys, KVCacheManager, KvConfig};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if std::env::args().nth(1).as_deref() != Some("--kv-only") {
+    let mode = std::env::args().nth(1).unwrap_or_default();
+    if mode.is_empty() {
         pool_costs()?;
     }
     const BS: usize = 16;
@@ -33,6 +36,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         per * 1e6,
         1.0 / per
     );
+    if mode == "--churn-only" {
+        for round in 1..20u64 {
+            for (i, toks) in reqs.iter().enumerate() {
+                let id = round * n as u64 + i as u64;
+                m.admit(id, toks, ExtraKeys::default())?;
+                m.free(id, None)?;
+            }
+        }
+        return Ok(());
+    }
 
     let h = m.hasher().clone();
     let t0 = Instant::now();

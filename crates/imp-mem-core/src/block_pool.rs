@@ -1716,8 +1716,8 @@ impl Drop for SharedBlockRefs {
 /// `Arc` per ref, which was half of a KV request's cost (K15). The manager
 /// owns its pools' handles for as long as it holds any token, so its tokens
 /// need not keep the pool alive. What a token keeps from a ref is the
-/// discipline: it is move-only (no `Clone`), minted only by the pool (a
-/// fresh block, or one more ref under one lock), and consumed only by
+/// discipline: it is move-only (no `Clone`), minted only by the pool, and
+/// consumed only by
 /// [`SharedBlockPool::release_tokens`], which decrements exactly once per
 /// token. What it gives up is release-on-drop: dropping a token would leak
 /// its ref, so in debug builds (every Rust test) a token dropped without
@@ -1814,31 +1814,6 @@ impl SharedBlockPool {
         }
         core.allocate_many(n, |id| push(BlockToken { id, pool: tag }))?;
         Ok(true)
-    }
-
-    /// One more ref to the block of each token `tokens` yields, as new
-    /// tokens handed to `push`, under one lock; all or nothing (`push` is
-    /// only called once every share succeeded).
-    pub(crate) fn share_tokens<'t>(
-        &self,
-        tokens: impl Iterator<Item = &'t BlockToken> + Clone,
-        mut push: impl FnMut(BlockToken),
-    ) -> Result<(), MemError> {
-        let mut core = self.core();
-        for (done, t) in tokens.clone().enumerate() {
-            let shared = self.check_tag(t).and_then(|()| core.share(t.id));
-            if let Err(e) = shared {
-                for undo in tokens.take(done) {
-                    let _ = core.release(undo.id);
-                }
-                return Err(e);
-            }
-        }
-        drop(core);
-        for t in tokens {
-            push(self.token(t.id));
-        }
-        Ok(())
     }
 
     /// Releases every token, exactly once each, under one lock. A token of

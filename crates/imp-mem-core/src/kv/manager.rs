@@ -8,13 +8,11 @@ use crate::block_pool::{BlockId, BlockToken, PoolConfig, SharedBlockPool};
 use crate::error::{KvCapacityReport, MemError};
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
 use crate::kv::persist::BlockIo;
-use crate::kv::prefix::{FastMap, PrefixCache};
+use crate::kv::prefix::{FastMap, Insert, PrefixCache};
 use crate::tag::Tag;
 
 /// A sequence's id, chosen by the caller.
 pub type SeqId = u64;
-
-const NIL: u32 = u32::MAX;
 
 /// How to build a [`KVCacheManager`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,6 +147,31 @@ pub struct Admission {
 #[derive(Debug)]
 struct SwaRef(BlockToken);
 
+/// One position of a sequence's block table.
+#[derive(Debug)]
+enum Slot {
+    /// A hole left by a middle eviction.
+    Hole,
+    /// A block the sequence holds a ref to (its token).
+    Own(BlockToken),
+    /// A block shared with prefix-cache entry `entry` — a hit at admission,
+    /// or a block handed to the cache while running (`cache_computed`).
+    /// The entry owns the block's ref; the sequence is one of its users,
+    /// which keeps the entry off the LRU, so the block cannot be evicted
+    /// while the slot exists (K16).
+    Cached { entry: u32, id: BlockId },
+}
+
+impl Slot {
+    fn id(&self) -> Option<BlockId> {
+        match self {
+            Slot::Hole => None,
+            Slot::Own(t) => Some(t.id()),
+            Slot::Cached { id, .. } => Some(*id),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Sequence {
     /// Tokens in the sequence.
@@ -160,12 +183,9 @@ struct Sequence {
     root: BlockHash,
     /// Chained hashes of the full blocks (empty with prefix caching off).
     hashes: Vec<BlockHash>,
-    blocks: Vec<Option<BlockToken>>,
-    /// The cache entry each block is shared with — a prefix hit at
-    /// admission, or a block cached while running (`cache_computed`) —
-    /// `NIL` for none (or once holed). May be shorter than `blocks`.
-    hits: Vec<u32>,
-    /// Blocks below this were offered to the cache by `cache_computed`.
+    blocks: Vec<Slot>,
+    /// Blocks below this were prefix hits or offered to the cache by
+    /// `cache_computed`.
     offered: usize,
     /// Blocks at or after this index were (or will be) computed after a
     /// middle eviction and are never cached.
@@ -185,7 +205,7 @@ impl Sequence {
         self.table.extend(
             self.blocks
                 .iter()
-                .map(|b| b.as_ref().map_or(-1, |r| r.id() as i32)),
+                .map(|b| b.id().map_or(-1, |id| id as i32)),
         );
         self.swa_table.clear();
         self.swa_table.extend(
@@ -203,9 +223,9 @@ impl Sequence {
 #[derive(Debug, Default)]
 struct Spare {
     tokens: Vec<BlockToken>,
-    blocks: Vec<Vec<Option<BlockToken>>>,
+    hits: Vec<u32>,
+    blocks: Vec<Vec<Slot>>,
     hashes: Vec<Vec<BlockHash>>,
-    hits: Vec<Vec<u32>>,
 }
 
 impl Spare {
@@ -220,10 +240,6 @@ impl Spare {
         if self.hashes.len() < Self::KEEP {
             seq.hashes.clear();
             self.hashes.push(std::mem::take(&mut seq.hashes));
-        }
-        if self.hits.len() < Self::KEEP {
-            seq.hits.clear();
-            self.hits.push(std::mem::take(&mut seq.hits));
         }
     }
 }
@@ -469,24 +485,33 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Evicts until `need` blocks are free (each eviction frees one block:
-    /// the entry held its last ref), then allocates them into `out` —
-    /// growing the pool only for what eviction cannot cover (K13). The
-    /// evicted tokens are released under one pool lock.
-    fn take_main(&mut self, need: u32, out: &mut Vec<Option<BlockToken>>) -> Result<(), MemError> {
-        if need == 0 || self.pool.allocate_tokens_if_free(need, |t| out.push(Some(t)))? {
+    /// Allocates `need` main blocks into `out`: from the free list first,
+    /// then from the LRU cache entries — an evicted entry's block moves to
+    /// the caller as it is, its ref neither released nor re-taken (K16) —
+    /// and only then by growing the pool (K13).
+    fn take_main(&mut self, need: u32, out: &mut Vec<Slot>) -> Result<(), MemError> {
+        if need == 0
+            || self
+                .pool
+                .allocate_tokens_if_free(need, |t| out.push(Slot::Own(t)))?
+        {
             return Ok(());
         }
-        let (mut free, _) = self.pool.room();
-        let mut evicted = std::mem::take(&mut self.spare.tokens);
-        while free < need && self.cache.evict_into(&mut evicted).is_some() {
-            free += 1;
+        let (free, _) = self.pool.room();
+        let from_free = free.min(need);
+        self.pool
+            .allocate_tokens(from_free, |t| out.push(Slot::Own(t)))?;
+        let mut got = from_free;
+        while got < need {
+            let Some(token) = self.cache.evict_take() else {
+                break;
+            };
+            out.push(Slot::Own(token));
+            got += 1;
+            self.stats.evictions += 1;
         }
-        self.stats.evictions += evicted.len() as u64;
-        let released = self.pool.release_tokens(evicted.drain(..));
-        self.spare.tokens = evicted;
-        released?;
-        self.pool.allocate_tokens(need, |t| out.push(Some(t)))
+        self.pool
+            .allocate_tokens(need - got, |t| out.push(Slot::Own(t)))
     }
 
     fn take_swa(&self, need: u32) -> Result<Vec<Option<SwaRef>>, MemError> {
@@ -498,10 +523,20 @@ impl KVCacheManager {
         Ok(out)
     }
 
-    /// Releases main-pool tokens (a sequence's slots, say).
-    fn release_main(&self, tokens: impl IntoIterator<Item = Option<BlockToken>>) {
+    /// Lets go of a sequence's slots: owned blocks are released under one
+    /// pool lock, cached ones give back their entry's use.
+    fn release_slots(&mut self, slots: impl IntoIterator<Item = Slot>) {
+        let mut owned = std::mem::take(&mut self.spare.tokens);
+        for slot in slots {
+            match slot {
+                Slot::Hole => {}
+                Slot::Own(t) => owned.push(t),
+                Slot::Cached { entry, .. } => self.cache.release_user(entry),
+            }
+        }
         // Every token here is this pool's, so the release cannot be refused.
-        let _ = self.pool.release_tokens(tokens.into_iter().flatten());
+        let _ = self.pool.release_tokens(owned.drain(..));
+        self.spare.tokens = owned;
     }
 
     /// Releases SWA tokens.
@@ -599,29 +634,29 @@ impl KVCacheManager {
             self.hasher
                 .extend_chain(root, tokens, 0, &extras, &mut hashes);
         }
-        let mut hit_idx = self.spare.hits.pop().unwrap_or_default();
+        let mut hit_idx = std::mem::take(&mut self.spare.hits);
+        hit_idx.clear();
         self.match_prefix(&hashes, tokens.len(), &mut hit_idx);
         let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
         self.check_main(what, need, taken)?;
         self.check_swa(what, swa_need, 0)?;
 
-        // Take the hit refs first: once users > 0 they are off the LRU, so
-        // the evictions below cannot pick them.
+        // Use the hits first: once users > 0 they are off the LRU, so the
+        // evictions below cannot pick them.
         let mut blocks = self.spare.blocks.pop().unwrap_or_default();
         blocks.reserve(ceil_div(tokens.len(), bs));
-        self.cache
-            .acquire_many(&self.pool, &hit_idx, |t| blocks.push(Some(t)))?;
+        self.cache.acquire(&hit_idx, |entry, id| {
+            blocks.push(Slot::Cached { entry, id })
+        })?;
         let fresh = self
             .take_main(need, &mut blocks)
             .and_then(|()| self.take_swa(swa_need));
         let swa_fresh = match fresh {
             Ok(v) => v,
             Err(e) => {
-                self.release_main(blocks);
-                for &undo in &hit_idx {
-                    self.cache.release_user(undo);
-                }
+                self.release_slots(blocks.drain(..));
+                self.spare.hits = hit_idx;
                 return Err(e);
             }
         };
@@ -642,6 +677,7 @@ impl KVCacheManager {
             blocks: total,
             new_blocks: need as usize,
         };
+        let hits = hit_idx.len();
         self.seqs.insert(
             id,
             Sequence {
@@ -651,8 +687,7 @@ impl KVCacheManager {
                 root,
                 hashes,
                 blocks,
-                offered: hit_idx.len(),
-                hits: hit_idx,
+                offered: hits,
                 cacheable: usize::MAX,
                 swa,
                 table: Vec::new(),
@@ -660,6 +695,7 @@ impl KVCacheManager {
                 dirty: true,
             },
         );
+        self.spare.hits = hit_idx;
         Ok(admission)
     }
 
@@ -712,7 +748,7 @@ impl KVCacheManager {
         let caching = self.config.enable_prefix_caching;
         let has_swa = self.swa_pool.is_some();
         let Some(seq) = self.seqs.get_mut(&id) else {
-            self.release_main(fresh);
+            self.release_slots(fresh);
             return Err(MemError::Invariant(format!("sequence {id} vanished")));
         };
         // Release the SWA blocks that slide out before allocating, so the
@@ -730,7 +766,7 @@ impl KVCacheManager {
         let swa_fresh = match self.take_swa(swa_need) {
             Ok(v) => v,
             Err(e) => {
-                self.release_main(fresh);
+                self.release_slots(fresh);
                 return Err(e);
             }
         };
@@ -782,17 +818,18 @@ impl KVCacheManager {
         // The refs this frees, released under one pool lock at the end.
         let mut dropped = std::mem::take(&mut self.spare.tokens);
         for (i, slot) in seq.blocks.drain(..).enumerate() {
-            let Some(block) = slot else { continue };
-            if let Some(&entry) = seq.hits.get(i) {
-                if entry != NIL {
-                    dropped.push(block);
+            let block = match slot {
+                Slot::Hole => continue,
+                Slot::Cached { entry, .. } => {
                     self.cache.release_user(entry);
                     continue;
                 }
-            }
+                Slot::Own(block) => block,
+            };
             if caching && i < limit {
-                match self.cache.insert(seq.hashes[i], block) {
-                    Ok(dup) => dropped.extend(dup),
+                match self.cache.insert(seq.hashes[i], block, 0) {
+                    Ok(Insert::Added(_)) => {}
+                    Ok(Insert::Present(dup)) => dropped.push(dup),
                     Err((e, back)) => {
                         dropped.push(back);
                         refused = Some(e);
@@ -830,27 +867,26 @@ impl KVCacheManager {
             .len()
             .min(seq.cacheable)
             .min(computed_tokens.min(seq.len) / bs);
-        if seq.hits.len() < limit {
-            seq.hits.resize(limit, NIL);
-        }
         let mut added = 0;
         for i in seq.offered..limit {
-            let Some(block) = &seq.blocks[i] else {
-                continue;
-            };
-            if seq.hits[i] != NIL || self.cache.get(&seq.hashes[i]).is_some() {
+            if !matches!(seq.blocks[i], Slot::Own(_)) || self.cache.get(&seq.hashes[i]).is_some() {
                 continue;
             }
-            let mut shared = None;
-            self.pool
-                .share_tokens(std::iter::once(block), |t| shared = Some(t))?;
-            let Some(shared) = shared else {
-                return Err(MemError::Invariant("a share produced no token".into()));
+            let Slot::Own(block) = std::mem::replace(&mut seq.blocks[i], Slot::Hole) else {
+                continue;
             };
-            seq.hits[i] = self
-                .cache
-                .insert_in_use(&self.pool, seq.hashes[i], shared)?;
-            added += 1;
+            let id = block.id();
+            match self.cache.insert(seq.hashes[i], block, 1) {
+                Ok(Insert::Added(entry)) => {
+                    seq.blocks[i] = Slot::Cached { entry, id };
+                    added += 1;
+                }
+                Ok(Insert::Present(back)) => seq.blocks[i] = Slot::Own(back),
+                Err((e, back)) => {
+                    seq.blocks[i] = Slot::Own(back);
+                    return Err(e);
+                }
+            }
         }
         seq.offered = seq.offered.max(limit);
         Ok(added)
@@ -882,16 +918,12 @@ impl KVCacheManager {
         let mut released = 0;
         let mut dropped = Vec::new();
         for i in start..end {
-            if let Some(block) = seq.blocks[i].take() {
-                dropped.push(block);
-                released += 1;
-                if let Some(entry) = seq.hits.get_mut(i) {
-                    if *entry != NIL {
-                        self.cache.release_user(*entry);
-                        *entry = NIL;
-                    }
-                }
+            match std::mem::replace(&mut seq.blocks[i], Slot::Hole) {
+                Slot::Hole => continue,
+                Slot::Own(block) => dropped.push(block),
+                Slot::Cached { entry, .. } => self.cache.release_user(entry),
             }
+            released += 1;
         }
         if end > start {
             seq.cacheable = seq.cacheable.min(full);
@@ -948,9 +980,18 @@ impl KVCacheManager {
                 "sequence {id} has {} blocks; {index} is out of range",
                 seq.blocks.len()
             ))),
-            Some(None) => Ok(None),
-            Some(Some(r)) => {
+            Some(Slot::Hole) => Ok(None),
+            Some(Slot::Own(r)) => {
                 let span = self.pool.token_span(r)?;
+                Ok(Some((span.addr(), span.len())))
+            }
+            Some(Slot::Cached { entry, .. }) => {
+                let Some(e) = self.cache.entry(*entry) else {
+                    return Err(MemError::Invariant(format!(
+                        "sequence {id} block {index} names a vacant cache entry"
+                    )));
+                };
+                let span = self.pool.token_span(&e.block)?;
                 Ok(Some((span.addr(), span.len())))
             }
         }
@@ -1078,15 +1119,16 @@ impl KVCacheManager {
     }
 
     /// Walks everything and checks the ownership invariants: V4 on both
-    /// pools; every ref accounted for (cache entries + sequence slots); a
-    /// block reachable from two sequences only through a prefix hit on the
-    /// same hash; the cache's LRU and counters; the pins; and that each
-    /// kernel-facing table matches its refs.
+    /// pools; every ref accounted for (cache entries + owned sequence
+    /// slots); an owned block held by one slot only and never also cached;
+    /// a block reachable from two sequences only through a cache entry of
+    /// the same hash; the cache's LRU and counters; the pins; and that each
+    /// kernel-facing table matches its slots.
     pub fn check_invariants(&self) -> Result<(), MemError> {
         let broken = |what: String| Err(MemError::Invariant(format!("kv manager: {what}")));
         self.pool.check_invariants()?;
         self.cache.check(|id| self.pool.refcount(id))?;
-        let mut holders: FastMap<BlockId, Vec<(SeqId, usize)>> = FastMap::default();
+        let mut owned: FastMap<BlockId, (SeqId, usize)> = FastMap::default();
         let mut seq_refs = 0u64;
         let mut users: FastMap<u32, u32> = FastMap::default();
         let mut swa_ids: FastMap<BlockId, SeqId> = FastMap::default();
@@ -1103,26 +1145,35 @@ impl KVCacheManager {
                 return broken(format!("sequence {sid} has {} hashes", seq.hashes.len()));
             }
             for (i, slot) in seq.blocks.iter().enumerate() {
-                let Some(r) = slot else { continue };
-                if r.pool_tag() != self.pool.tag() {
-                    return broken(format!("sequence {sid} block {i} is from a foreign pool"));
-                }
-                seq_refs += 1;
-                holders.entry(r.id()).or_default().push((sid, i));
-                if let Some(&entry) = seq.hits.get(i) {
-                    if entry != NIL {
-                        let Some(e) = self.cache.entry(entry) else {
+                match slot {
+                    Slot::Hole => {}
+                    Slot::Own(r) => {
+                        if r.pool_tag() != self.pool.tag() {
+                            return broken(format!(
+                                "sequence {sid} block {i} is from a foreign pool"
+                            ));
+                        }
+                        seq_refs += 1;
+                        if let Some((other, j)) = owned.insert(r.id(), (sid, i)) {
+                            return broken(format!(
+                                "block {} is owned by slot {i} of sequence {sid} and slot {j} \
+                                 of sequence {other}",
+                                r.id()
+                            ));
+                        }
+                    }
+                    Slot::Cached { entry, id } => {
+                        let Some(e) = self.cache.entry(*entry) else {
                             return broken(format!("sequence {sid} hit {i} names no entry"));
                         };
-                        if e.block.id() != r.id() || seq.hashes.get(i) != Some(&e.hash) {
+                        if e.block.id() != *id || seq.hashes.get(i) != Some(&e.hash) {
                             return broken(format!(
-                                "sequence {sid} block {i} ({}) is a hit on entry of block {} \
+                                "sequence {sid} block {i} ({id}) is a hit on entry of block {} \
                                  with another hash — a cross-request KV bleed",
-                                r.id(),
                                 e.block.id()
                             ));
                         }
-                        *users.entry(entry).or_default() += 1;
+                        *users.entry(*entry).or_default() += 1;
                     }
                 }
             }
@@ -1130,7 +1181,7 @@ impl KVCacheManager {
                 let want: Vec<i32> = seq
                     .blocks
                     .iter()
-                    .map(|b| b.as_ref().map_or(-1, |r| r.id() as i32))
+                    .map(|b| b.id().map_or(-1, |id| id as i32))
                     .collect();
                 if want != seq.table {
                     return broken(format!("sequence {sid}'s table drifted from its refs"));
@@ -1162,22 +1213,6 @@ impl KVCacheManager {
                 return broken(format!("sequence {sid} has SWA blocks without an SWA pool"));
             }
         }
-        for (id, list) in &holders {
-            if list.len() < 2 {
-                continue;
-            }
-            // Shared: each holder must reach it as a prefix hit on one entry.
-            for &(sid, i) in list {
-                let hit = self.seqs.get(&sid).and_then(|s| s.hits.get(i)).copied();
-                if hit.is_none() || hit == Some(NIL) {
-                    return broken(format!(
-                        "block {id} is held by {} sequence slots but slot {i} of sequence {sid} \
-                         is not a prefix hit",
-                        list.len()
-                    ));
-                }
-            }
-        }
         for e in self.cache.entries_in_order() {
             let counted = self
                 .cache
@@ -1190,6 +1225,12 @@ impl KVCacheManager {
                     "cache entry of block {} has {} users but {counted} sequences hit it",
                     e.block.id(),
                     e.users
+                ));
+            }
+            if let Some((sid, i)) = owned.get(&e.block.id()) {
+                return broken(format!(
+                    "block {} is cached and also owned by slot {i} of sequence {sid}",
+                    e.block.id()
                 ));
             }
         }
@@ -1243,7 +1284,10 @@ impl Drop for KVCacheManager {
         let mut main = self.cache.drain();
         let mut swa = Vec::new();
         for (_, seq) in seqs {
-            main.extend(seq.blocks.into_iter().flatten());
+            main.extend(seq.blocks.into_iter().filter_map(|s| match s {
+                Slot::Own(t) => Some(t),
+                _ => None,
+            }));
             swa.extend(seq.swa);
         }
         let _ = self.pool.release_tokens(main);

@@ -38,6 +38,7 @@ use crate::error::{KvCapacityReport, MemError};
 use crate::fake::FakeBackend;
 use crate::kv::hash::{BlockHash, HASH_ALGORITHM};
 use crate::kv::manager::KVCacheManager;
+use crate::kv::prefix::Insert;
 
 /// The file's first bytes.
 pub const FILE_MAGIC: &[u8; 8] = b"IMPKVPC\0";
@@ -352,9 +353,9 @@ impl KVCacheManager {
         let mut leftover = Vec::new();
         for (r, (hash, _)) in refs.into_iter().zip(&fresh_entries) {
             let token = self.pool().token_from_ref(r)?;
-            match self.cache.insert(*hash, token) {
-                Ok(None) => {}
-                Ok(Some(dup)) => leftover.push(dup),
+            match self.cache.insert(*hash, token, 0) {
+                Ok(Insert::Added(_)) => {}
+                Ok(Insert::Present(dup)) => leftover.push(dup),
                 Err((e, back)) => {
                     leftover.push(back);
                     refused.get_or_insert(e);

@@ -69,7 +69,18 @@ fn fold(h: BlockHash) -> u64 {
 
 /// The hash of slab entry `i`, if it is occupied.
 fn hash_at(slab: &[Option<Entry>], i: u32) -> Option<BlockHash> {
-    slab.get(i as usize).and_then(Option::as_ref).map(|e| e.hash)
+    slab.get(i as usize)
+        .and_then(Option::as_ref)
+        .map(|e| e.hash)
+}
+
+/// What [`PrefixCache::insert`] did with a block.
+#[derive(Debug)]
+pub(crate) enum Insert {
+    /// A new entry at this slab index owns the block.
+    Added(u32),
+    /// The hash was cached already: the block is handed back.
+    Present(BlockToken),
 }
 
 #[derive(Debug)]
@@ -221,39 +232,30 @@ impl PrefixCache {
         }
     }
 
-    /// A sequence gave back its ref to entry `idx` (the caller drops it).
-    /// A prefix hit on each of `idxs`: one more ref to each entry's block
-    /// (shared under one pool lock) and one more user, which takes it off
-    /// the LRU. All or nothing.
-    pub fn acquire_many(
+    /// A prefix hit on each of `idxs`: one more user each, which takes the
+    /// entry off the LRU; `push` gets each entry and its block id. The
+    /// entry keeps owning the block's ref (K16). All or nothing.
+    pub fn acquire(
         &mut self,
-        pool: &SharedBlockPool,
         idxs: &[u32],
-        push: impl FnMut(BlockToken),
+        mut push: impl FnMut(u32, BlockId),
     ) -> Result<(), MemError> {
-        if idxs.is_empty() {
-            return Ok(());
-        }
         if let Some(&idx) = idxs.iter().find(|&&i| self.entry(i).is_none()) {
             return Err(MemError::Invariant(format!(
                 "prefix cache entry {idx} is vacant"
             )));
         }
-        let slab = &self.slab;
-        let blocks = idxs
-            .iter()
-            .filter_map(|&i| slab.get(i as usize).and_then(Option::as_ref))
-            .map(|e| &e.block);
-        pool.share_tokens(blocks, push)?;
         for &idx in idxs {
             let e = self.entry_mut(idx)?;
             let was = (e.users, e.pins);
             e.users += 1;
+            push(idx, e.block.id());
             self.transition(idx, was);
         }
         Ok(())
     }
 
+    /// A sequence gave back its use of entry `idx`.
     pub fn release_user(&mut self, idx: u32) {
         if let Ok(e) = self.entry_mut(idx) {
             let was = (e.users, e.pins);
@@ -278,16 +280,18 @@ impl PrefixCache {
         }
     }
 
-    /// Adds an entry that owns `block`, most recently used. If `hash` is
-    /// already cached the block is handed back (the caller drops it: a
-    /// duplicate of content the cache already holds).
+    /// Adds an entry that owns `block`, with `users` sequences using it (0:
+    /// evictable, most recently used). If `hash` is already cached the block
+    /// is handed back (the caller releases it: a duplicate of content the
+    /// cache already holds).
     /// A token from another pool (an SWA block) is refused and handed back
     /// with the error.
     pub fn insert(
         &mut self,
         hash: BlockHash,
         block: BlockToken,
-    ) -> Result<Option<BlockToken>, (MemError, BlockToken)> {
+        users: u32,
+    ) -> Result<Insert, (MemError, BlockToken)> {
         if block.pool_tag() != self.pool_tag {
             let e = MemError::invalid(format!(
                 "the prefix cache holds blocks of pool tag {} only; block {} is from pool tag {} \
@@ -304,13 +308,13 @@ impl PrefixCache {
             |&i| hash_at(slab, i) == Some(hash),
             |&i| hash_at(slab, i).map_or(0, fold),
         ) {
-            hashbrown::hash_table::Entry::Occupied(_) => return Ok(Some(block)),
+            hashbrown::hash_table::Entry::Occupied(_) => return Ok(Insert::Present(block)),
             hashbrown::hash_table::Entry::Vacant(v) => v,
         };
         let entry = Entry {
             hash,
             block,
-            users: 0,
+            users,
             pins: 0,
             prev: NIL,
             next: NIL,
@@ -327,45 +331,27 @@ impl PrefixCache {
         } else {
             self.slab.push(Some(entry));
         }
-        self.link_tail(idx);
-        Ok(None)
-    }
-
-    /// Adds an entry for a block a running sequence keeps using: the cache
-    /// owns `block` (a `share()` of the sequence's ref) and the sequence is
-    /// its first user. Returns the entry. The caller has checked that `hash`
-    /// is not cached; a refused token is released into `pool`.
-    pub fn insert_in_use(
-        &mut self,
-        pool: &SharedBlockPool,
-        hash: BlockHash,
-        block: BlockToken,
-    ) -> Result<u32, MemError> {
-        let back = match self.insert(hash, block) {
-            Ok(None) => None,
-            Ok(Some(dup)) => Some((
-                MemError::Invariant(format!("hash {hash:x} is already cached")),
-                dup,
-            )),
-            Err(refused) => Some(refused),
-        };
-        if let Some((e, token)) = back {
-            pool.release_tokens([token])?;
-            return Err(e);
+        if users == 0 {
+            self.link_tail(idx);
         }
-        let idx = self
-            .get(&hash)
-            .ok_or_else(|| MemError::Invariant("an inserted entry is missing".into()))?;
-        let e = self.entry_mut(idx)?;
-        let was = (e.users, e.pins);
-        e.users = 1;
-        self.transition(idx, was);
-        Ok(idx)
+        Ok(Insert::Added(idx))
     }
 
     /// Evicts the LRU head, moving its token into `refs` for the caller to
     /// release (one batched release). Returns the evicted hash.
     pub fn evict_into(&mut self, refs: &mut Vec<BlockToken>) -> Option<BlockHash> {
+        let (hash, block) = self.evict_entry()?;
+        refs.push(block);
+        Some(hash)
+    }
+
+    /// Evicts the LRU head and hands over its token: the block's only ref,
+    /// for the caller to reuse as it is or release.
+    pub fn evict_take(&mut self) -> Option<BlockToken> {
+        self.evict_entry().map(|(_, block)| block)
+    }
+
+    fn evict_entry(&mut self) -> Option<(BlockHash, BlockToken)> {
         let idx = self.head;
         if idx == NIL {
             return None;
@@ -376,8 +362,7 @@ impl PrefixCache {
         if let Ok(bucket) = self.index.find_entry(fold(entry.hash), |&i| i == idx) {
             bucket.remove();
         }
-        refs.push(entry.block);
-        Some(entry.hash)
+        Some((entry.hash, entry.block))
     }
 
     /// Empties the cache, handing back every entry's token (for the
@@ -405,8 +390,8 @@ impl PrefixCache {
         out
     }
 
-    /// Checks the LRU list, the counters, and that every entry's ref count
-    /// is one (the cache's) plus its users.
+    /// Checks the LRU list, the counters, and that every entry's block has
+    /// one ref, the entry's own (its users hold none, K16).
     pub fn check(&self, refcount: impl Fn(BlockId) -> u32) -> Result<(), MemError> {
         let broken = |what: String| Err(MemError::Invariant(format!("prefix cache: {what}")));
         let mut on_list = 0u32;
@@ -446,11 +431,10 @@ impl PrefixCache {
                 ));
             }
             let refs = refcount(e.block.id());
-            if refs != 1 + e.users {
+            if refs != 1 {
                 return broken(format!(
-                    "block {} has {refs} refs but the cache accounts for 1 + {} users",
-                    e.block.id(),
-                    e.users
+                    "cached block {} has {refs} refs; its entry should hold the only one",
+                    e.block.id()
                 ));
             }
             pinned += u32::from(e.pins > 0);

@@ -48,7 +48,11 @@ fn a_freed_prefix_is_cached_and_hit_by_the_next_request() {
     assert_eq!((b.cached_tokens, b.new_blocks), (8, 1));
     let t2 = m.block_table(2).unwrap().to_vec();
     assert_eq!(&t2[..2], &t1[..2], "the hit blocks are the cached ones");
-    assert_eq!(m.pool().refcount(t2[0] as u32), 2, "cache + sequence");
+    assert_eq!(
+        m.pool().refcount(t2[0] as u32),
+        1,
+        "the cache entry's ref only: the sequence is a user of the entry (K16)"
+    );
     let s = m.stats();
     assert_eq!((s.evictable, s.active, s.prefix_hit_blocks), (0, 3, 2));
     m.check_invariants().unwrap();
@@ -242,7 +246,7 @@ fn swa_keeps_only_the_trailing_window_in_its_own_id_space() {
     let mut stray = None;
     swa_pool.allocate_tokens(1, |t| stray = Some(t)).unwrap();
     let mut cache = prefix::PrefixCache::new(m.pool());
-    let (_, back) = cache.insert(1, stray.unwrap()).unwrap_err();
+    let (_, back) = cache.insert(1, stray.unwrap(), 0).unwrap_err();
     assert_eq!(cache.len(), 0);
     swa_pool.release_tokens([back]).unwrap();
     assert_eq!(swa_pool.stats().live, 0, "the refused token came back");
@@ -560,7 +564,11 @@ fn blocks_cached_while_running_are_hit_by_concurrent_requests() {
         t3[..2],
         "running sequences share through the cache"
     );
-    assert_eq!(m.pool().refcount(t1[0] as u32), 3);
+    assert_eq!(
+        m.pool().refcount(t1[0] as u32),
+        1,
+        "users of the entry hold no ref"
+    );
     m.check_invariants().unwrap();
     m.free(1, None).unwrap(); // caches block 2 too
     m.check_invariants().unwrap();
