@@ -1,7 +1,8 @@
 //! Times the KV manager's hot paths in Rust alone (no Python), to separate
 //! the core's cost from the binding's: `cargo run --release --example kv_churn`
 //! (`-- --kv-only` skips the pool costs; `-- --churn-only` loops the churn
-//! alone, for a profiler).
+//! alone and `-- --alloc-only` runs the allocate + free loop longer, for a
+//! profiler).
 
 use std::time::Instant;
 
@@ -24,7 +25,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             t
         })
         .collect();
-    let mut m = KVCacheManager::new(KvConfig::new(BS, 10_000), None)?;
+    let pool_blocks: u32 = std::env::var("KV_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let mut m = KVCacheManager::new(KvConfig::new(BS, pool_blocks), None)?;
     let t0 = Instant::now();
     for (i, toks) in reqs.iter().enumerate() {
         m.admit(i as u64, toks, ExtraKeys::default())?;
@@ -64,12 +69,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None,
     )?;
     let toks: Vec<u32> = (0..256).collect();
+    let rounds = if mode == "--alloc-only" {
+        3_000_000
+    } else {
+        100_000u64
+    };
     let t0 = Instant::now();
-    for i in 0..100_000u64 {
+    for i in 0..rounds {
         m.admit(i, &toks, ExtraKeys::default())?;
         m.abort(i)?;
     }
-    let per = t0.elapsed().as_secs_f64() / 100_000.0 / 16.0;
+    let per = t0.elapsed().as_secs_f64() / rounds as f64 / 16.0;
     println!("alloc16+free: {:.1} ns/block", per * 1e9);
     Ok(())
 }

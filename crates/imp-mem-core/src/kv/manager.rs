@@ -430,13 +430,13 @@ impl KVCacheManager {
 
     /// Refuses unless `need` main blocks can be had from the free list plus
     /// evictable entries (less `taken`, evictable entries the operation
-    /// itself is about to use).
+    /// itself is about to use). Returns the free blocks it saw.
     fn check_main(
         &self,
         what: impl FnOnce() -> String,
         need: u32,
         taken: u32,
-    ) -> Result<(), MemError> {
+    ) -> Result<u32, MemError> {
         let (free, growable) = self.main_room();
         let evictable = self.cache.evictable().saturating_sub(taken);
         if need as u64 > free as u64 + growable as u64 + evictable as u64 {
@@ -450,7 +450,7 @@ impl KVCacheManager {
                 pool: "kv",
             }));
         }
-        Ok(())
+        Ok(free)
     }
 
     /// The main pool's free blocks, and the blocks a growable pool can still
@@ -485,22 +485,17 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Allocates `need` main blocks into `out`: from the free list first,
-    /// then from the LRU cache entries — an evicted entry's block moves to
-    /// the caller as it is, its ref neither released nor re-taken (K16) —
-    /// and only then by growing the pool (K13).
-    fn take_main(&mut self, need: u32, out: &mut Vec<Slot>) -> Result<(), MemError> {
-        if need == 0
-            || self
-                .pool
-                .allocate_tokens_if_free(need, |t| out.push(Slot::Own(t)))?
-        {
-            return Ok(());
-        }
-        let (free, _) = self.pool.room();
+    /// Allocates `need` main blocks into `out`: from the free list first
+    /// (`free` blocks, as [`Self::check_main`] saw them), then from the LRU
+    /// cache entries — an evicted entry's block moves to the caller as it
+    /// is, its ref neither released nor re-taken (K16) — and only then by
+    /// growing the pool (K13).
+    fn take_main(&mut self, need: u32, free: u32, out: &mut Vec<Slot>) -> Result<(), MemError> {
         let from_free = free.min(need);
-        self.pool
-            .allocate_tokens(from_free, |t| out.push(Slot::Own(t)))?;
+        if from_free > 0 {
+            self.pool
+                .allocate_tokens(from_free, |t| out.push(Slot::Own(t)))?;
+        }
         let mut got = from_free;
         while got < need {
             let Some(token) = self.cache.evict_take() else {
@@ -510,8 +505,11 @@ impl KVCacheManager {
             got += 1;
             self.stats.evictions += 1;
         }
-        self.pool
-            .allocate_tokens(need - got, |t| out.push(Slot::Own(t)))
+        if got < need {
+            self.pool
+                .allocate_tokens(need - got, |t| out.push(Slot::Own(t)))?;
+        }
+        Ok(())
     }
 
     fn take_swa(&self, need: u32) -> Result<Vec<Option<SwaRef>>, MemError> {
@@ -639,19 +637,40 @@ impl KVCacheManager {
         self.match_prefix(&hashes, tokens.len(), &mut hit_idx);
         let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
-        self.check_main(what, need, taken)?;
-        self.check_swa(what, swa_need, 0)?;
+        // The common case first: when the free list holds every new block,
+        // one pool lock both checks and allocates.
+        let mut fresh = std::mem::take(&mut self.spare.tokens);
+        let fast = swa_need == 0
+            && (need == 0 || self.pool.allocate_tokens_if_free(need, |t| fresh.push(t))?);
+        let mut free = 0;
+        if !fast {
+            self.spare.tokens = fresh;
+            free = self.check_main(what, need, taken)?;
+            self.check_swa(what, swa_need, 0)?;
+            fresh = std::mem::take(&mut self.spare.tokens);
+        }
 
         // Use the hits first: once users > 0 they are off the LRU, so the
         // evictions below cannot pick them.
         let mut blocks = self.spare.blocks.pop().unwrap_or_default();
         blocks.reserve(ceil_div(tokens.len(), bs));
-        self.cache.acquire(&hit_idx, |entry, id| {
+        let acquired = self.cache.acquire(&hit_idx, |entry, id| {
             blocks.push(Slot::Cached { entry, id })
-        })?;
-        let fresh = self
-            .take_main(need, &mut blocks)
-            .and_then(|()| self.take_swa(swa_need));
+        });
+        if let Err(e) = acquired {
+            let _ = self.pool.release_tokens(fresh.drain(..));
+            self.spare.tokens = fresh;
+            return Err(e);
+        }
+        let taken = if fast {
+            blocks.extend(fresh.drain(..).map(Slot::Own));
+            Ok(Vec::new())
+        } else {
+            self.take_main(need, free, &mut blocks)
+                .and_then(|()| self.take_swa(swa_need))
+        };
+        self.spare.tokens = fresh;
+        let fresh = taken;
         let swa_fresh = match fresh {
             Ok(v) => v,
             Err(e) => {
@@ -740,10 +759,10 @@ impl KVCacheManager {
                 tokens.len()
             )
         };
-        self.check_main(what, need, 0)?;
+        let free = self.check_main(what, need, 0)?;
         self.check_swa(what, swa_need, released)?;
         let mut fresh = Vec::with_capacity(need as usize);
-        self.take_main(need, &mut fresh)?;
+        self.take_main(need, free, &mut fresh)?;
         let new_first = self.swa_first(old_n + tokens.len());
         let caching = self.config.enable_prefix_caching;
         let has_swa = self.swa_pool.is_some();
