@@ -1799,23 +1799,6 @@ impl SharedBlockPool {
             .allocate_many(n, |id| push(BlockToken { id, pool: tag }))
     }
 
-    /// [`Self::allocate_tokens`] when `n` blocks are on the free list now
-    /// (no growth), under the same lock as the check; `false`, and nothing
-    /// changed, when they are not.
-    pub(crate) fn allocate_tokens_if_free(
-        &self,
-        n: u32,
-        mut push: impl FnMut(BlockToken),
-    ) -> Result<bool, MemError> {
-        let tag = self.tag();
-        let mut core = self.core();
-        if core.free < n {
-            return Ok(false);
-        }
-        core.allocate_many(n, |id| push(BlockToken { id, pool: tag }))?;
-        Ok(true)
-    }
-
     /// Releases every token, exactly once each, under one lock. A token of
     /// another pool is consumed without a release and reported (its ref
     /// leaks: the manager never mixes its pools, so this is a bug report).

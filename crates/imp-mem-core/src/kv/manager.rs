@@ -637,40 +637,19 @@ impl KVCacheManager {
         self.match_prefix(&hashes, tokens.len(), &mut hit_idx);
         let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
-        // The common case first: when the free list holds every new block,
-        // one pool lock both checks and allocates.
-        let mut fresh = std::mem::take(&mut self.spare.tokens);
-        let fast = swa_need == 0
-            && (need == 0 || self.pool.allocate_tokens_if_free(need, |t| fresh.push(t))?);
-        let mut free = 0;
-        if !fast {
-            self.spare.tokens = fresh;
-            free = self.check_main(what, need, taken)?;
-            self.check_swa(what, swa_need, 0)?;
-            fresh = std::mem::take(&mut self.spare.tokens);
-        }
+        let free = self.check_main(what, need, taken)?;
+        self.check_swa(what, swa_need, 0)?;
 
         // Use the hits first: once users > 0 they are off the LRU, so the
         // evictions below cannot pick them.
         let mut blocks = self.spare.blocks.pop().unwrap_or_default();
         blocks.reserve(ceil_div(tokens.len(), bs));
-        let acquired = self.cache.acquire(&hit_idx, |entry, id| {
+        self.cache.acquire(&hit_idx, |entry, id| {
             blocks.push(Slot::Cached { entry, id })
-        });
-        if let Err(e) = acquired {
-            let _ = self.pool.release_tokens(fresh.drain(..));
-            self.spare.tokens = fresh;
-            return Err(e);
-        }
-        let taken = if fast {
-            blocks.extend(fresh.drain(..).map(Slot::Own));
-            Ok(Vec::new())
-        } else {
-            self.take_main(need, free, &mut blocks)
-                .and_then(|()| self.take_swa(swa_need))
-        };
-        self.spare.tokens = fresh;
-        let fresh = taken;
+        })?;
+        let fresh = self
+            .take_main(need, free, &mut blocks)
+            .and_then(|()| self.take_swa(swa_need));
         let swa_fresh = match fresh {
             Ok(v) => v,
             Err(e) => {
