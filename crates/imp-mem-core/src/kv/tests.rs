@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
 use super::*;
+use crate::block_pool::SharedBlockPool;
 use crate::error::MemError;
 use crate::fake::{FakeBackend, FakeConfig};
 
@@ -693,4 +694,62 @@ fn a_manager_over_existing_pools_serves_swa_from_its_own_pool() {
     m.check_invariants().unwrap();
     m.free(1, None).unwrap();
     assert_eq!(swa.stats().live, 0);
+}
+
+#[test]
+fn an_evicted_block_moves_straight_to_the_new_sequence() {
+    // K16: the pool is full of cached blocks; a new request takes the LRU
+    // entries' blocks as they are (no release and re-allocation).
+    let mut m = slots(4, 4);
+    m.admit(1, &toks(0..17), none()).unwrap_err(); // 5 blocks: too many
+    m.admit(1, &toks(0..16), none()).unwrap();
+    let old = m.block_table(1).unwrap().to_vec();
+    m.free(1, None).unwrap();
+    assert_eq!((m.stats().cached, m.stats().free), (4, 0));
+    let a = m.admit(2, &toks(100..116), none()).unwrap();
+    assert_eq!((a.cached_tokens, a.new_blocks), (0, 4));
+    let mut new = m.block_table(2).unwrap().to_vec();
+    let mut was = old.clone();
+    new.sort_unstable();
+    was.sort_unstable();
+    assert_eq!(new, was, "the evicted blocks, reused");
+    let s = m.stats();
+    assert_eq!((s.cached, s.evictions, s.live, s.free), (0, 4, 4, 0));
+    for id in new {
+        assert_eq!(m.pool().refcount(id as u32), 1);
+    }
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn dropping_the_manager_gives_every_block_back_to_pools_it_shares() {
+    // Over pools opened elsewhere (a MemorySystem's), the manager's tokens
+    // do not release on their own: its Drop must hand everything back.
+    let main = SharedBlockPool::slots(32).unwrap();
+    let swa = SharedBlockPool::slots(16).unwrap();
+    let mut cfg = KvConfig::new(4, 32);
+    cfg.swa_window = 8;
+    let mut m = KVCacheManager::with_pools(cfg, main.clone(), Some(swa.clone())).unwrap();
+    m.admit(1, &toks(0..20), none()).unwrap();
+    m.cache_computed(1, 20).unwrap();
+    m.admit(2, &toks(0..13), none()).unwrap(); // hits seq 1's blocks
+    m.admit(3, &toks(50..62), none()).unwrap();
+    m.free(3, None).unwrap(); // cached, evictable
+    m.evict_middle(1, 1, 2).unwrap();
+    m.check_invariants().unwrap();
+    assert!(main.stats().live > 0 && swa.stats().live > 0);
+    drop(m);
+    assert_eq!((main.stats().live, main.stats().refs), (0, 0));
+    assert_eq!((swa.stats().live, swa.stats().refs), (0, 0));
+    main.check_invariants().unwrap();
+}
+
+#[cfg(debug_assertions)]
+#[test]
+#[should_panic(expected = "dropped without being released")]
+fn a_leaked_token_panics_in_debug_builds() {
+    let pool = SharedBlockPool::slots(4).unwrap();
+    let mut held = Vec::new();
+    pool.allocate_tokens(1, |t| held.push(t)).unwrap();
+    drop(held);
 }
