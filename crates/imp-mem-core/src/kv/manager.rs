@@ -142,8 +142,9 @@ pub struct Admission {
     pub new_blocks: usize,
 }
 
-/// A block of the SWA pool. No `share()`: SWA blocks are never shared, so
-/// sharing one cannot be written (B2's second trap).
+/// A block of the SWA pool. The cache takes no `SwaRef` and there is no way
+/// to share one, so sharing an SWA block cannot be written (B2's second
+/// trap).
 #[derive(Debug)]
 struct SwaRef(BlockToken);
 
@@ -848,9 +849,10 @@ impl KVCacheManager {
     /// Shares the full blocks of sequence `id` that lie inside its first
     /// `computed_tokens` with the prefix cache now, while it runs, so that
     /// requests admitted meanwhile hit them (a block is cacheable as soon as
-    /// it is full and its KV computed). The sequence keeps its refs; each
-    /// new cache entry holds a `share()` of one. A block whose hash is
-    /// already cached stays the sequence's own. Returns the blocks cached.
+    /// it is full and its KV computed). Each such block's token moves into a
+    /// new cache entry and the sequence becomes the entry's first user (its
+    /// slot turns `Cached`). A block whose hash is already cached stays the
+    /// sequence's own. Returns the blocks cached.
     pub fn cache_computed(&mut self, id: SeqId, computed_tokens: usize) -> Result<u32, MemError> {
         let bs = self.config.block_size;
         let caching = self.config.enable_prefix_caching;

@@ -5,21 +5,22 @@
 //! not a convention). An entry is in one of three states, derived from two
 //! counters the manager keeps:
 //!
-//! * in use — `users > 0`: sequences hold it through a prefix hit; not
-//!   evictable (evicting would only drop the cache's ref and free nothing);
+//! * in use — `users > 0`: sequences use its block (a prefix hit, or a block
+//!   handed over by `cache_computed`) without a ref of their own (K16); not
+//!   evictable, since the entry's ref is what keeps the block theirs;
 //! * pinned — `users == 0, pins > 0`: the pin overlay keeps it off the LRU;
 //! * evictable — `users == 0, pins == 0`: on the intrusive LRU list, whose
 //!   head is evicted first.
 //!
-//! Evicting drops the entry's ref. Because only evictable entries are on the
-//! list, that ref is the block's last, so each eviction frees exactly one
-//! block; the manager's capacity arithmetic relies on it and
-//! `check_invariants` verifies it.
+//! Every entry's ref is its block's only one. Evicting hands that ref over
+//! (to be released, or moved straight into the allocation that needed the
+//! room), so each eviction yields exactly one block; the manager's capacity
+//! arithmetic relies on it and `check_invariants` verifies it.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use hashbrown::HashTable;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::block_pool::{BlockId, BlockToken, SharedBlockPool};
 use crate::error::MemError;

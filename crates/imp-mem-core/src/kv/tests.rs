@@ -241,8 +241,9 @@ fn swa_keeps_only_the_trailing_window_in_its_own_id_space() {
     m.free(2, None).unwrap();
     let s = m.stats();
     assert_eq!((s.swa_live, s.swa_free), (0, 6));
-    // Cached main blocks never include an SWA block: SWA refs cannot reach
-    // the cache (the type has no share(), the cache refuses foreign pools).
+    // Cached main blocks never include an SWA block: SWA tokens cannot reach
+    // the cache (their wrapper has no way in, and the cache refuses a token
+    // of another pool).
     let swa_pool = m.swa_pool().unwrap().clone();
     let mut stray = None;
     swa_pool.allocate_tokens(1, |t| stray = Some(t)).unwrap();
