@@ -173,7 +173,7 @@ impl Slot {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Sequence {
     /// Tokens in the sequence.
     len: usize,
@@ -219,29 +219,35 @@ impl Sequence {
 }
 
 /// Buffers kept between calls so that the hot paths (admit, free, eviction)
-/// do not allocate: a scratch list of tokens (always empty between calls)
-/// and the emptied vectors of freed sequences.
+/// do not allocate: scratch lists (always empty between calls) and the
+/// boxes of freed sequences, their vectors emptied but not shrunk.
 #[derive(Debug, Default)]
 struct Spare {
     tokens: Vec<BlockToken>,
     hits: Vec<u32>,
-    blocks: Vec<Vec<Slot>>,
-    hashes: Vec<Vec<BlockHash>>,
+    // Boxed on purpose: a sequence moves between this list and the map as
+    // one pointer, not a few hundred bytes.
+    #[allow(clippy::vec_box)]
+    seqs: Vec<Box<Sequence>>,
 }
 
 impl Spare {
-    /// Vectors of each kind kept at most.
+    /// Freed sequences kept at most.
     const KEEP: usize = 16;
 
-    /// Keeps the vectors of a freed sequence whose blocks were drained.
-    fn keep(&mut self, mut seq: Sequence) {
-        if self.blocks.len() < Self::KEEP && seq.blocks.is_empty() {
-            self.blocks.push(std::mem::take(&mut seq.blocks));
+    /// Keeps a freed sequence's box for the next admission. Its slots must
+    /// have been drained (their tokens released or moved); a sequence that
+    /// still holds any is dropped instead, which a debug build reports.
+    fn keep(&mut self, mut seq: Box<Sequence>) {
+        if self.seqs.len() >= Self::KEEP || !seq.blocks.is_empty() || !seq.swa.is_empty() {
+            return;
         }
-        if self.hashes.len() < Self::KEEP {
-            seq.hashes.clear();
-            self.hashes.push(std::mem::take(&mut seq.hashes));
-        }
+        seq.tail.clear();
+        seq.extras = ExtraKeys::default();
+        seq.hashes.clear();
+        seq.table.clear();
+        seq.swa_table.clear();
+        self.seqs.push(seq);
     }
 }
 
@@ -263,7 +269,7 @@ pub struct KVCacheManager {
     pool: SharedBlockPool,
     swa_pool: Option<SharedBlockPool>,
     pub(crate) cache: PrefixCache,
-    seqs: FastMap<SeqId, Sequence>,
+    seqs: FastMap<SeqId, Box<Sequence>>,
     pins: Pins,
     pub(crate) io: Option<Box<dyn BlockIo>>,
     stats: KvStats,
@@ -396,12 +402,14 @@ impl KVCacheManager {
     fn seq(&self, id: SeqId) -> Result<&Sequence, MemError> {
         self.seqs
             .get(&id)
+            .map(|s| &**s)
             .ok_or_else(|| MemError::invalid(format!("no sequence {id} is admitted")))
     }
 
     fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence, MemError> {
         self.seqs
             .get_mut(&id)
+            .map(|s| &mut **s)
             .ok_or_else(|| MemError::invalid(format!("no sequence {id} is admitted")))
     }
 
@@ -628,47 +636,59 @@ impl KVCacheManager {
         }
         let bs = self.config.block_size;
         let root = self.hasher.root(&extras);
-        let mut hashes = self.spare.hashes.pop().unwrap_or_default();
+        // A freed sequence's box, its vectors emptied but their capacity
+        // kept: the hot path neither allocates nor moves a `Sequence`.
+        let mut seq = self.spare.seqs.pop().unwrap_or_default();
         if self.config.enable_prefix_caching {
             self.hasher
-                .extend_chain(root, tokens, 0, &extras, &mut hashes);
+                .extend_chain(root, tokens, 0, &extras, &mut seq.hashes);
         }
         let mut hit_idx = std::mem::take(&mut self.spare.hits);
         hit_idx.clear();
-        self.match_prefix(&hashes, tokens.len(), &mut hit_idx);
+        self.match_prefix(&seq.hashes, tokens.len(), &mut hit_idx);
         let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
-        let free = self.check_main(what, need, taken)?;
-        self.check_swa(what, swa_need, 0)?;
-
-        // Use the hits first: once users > 0 they are off the LRU, so the
-        // evictions below cannot pick them.
-        let mut blocks = self.spare.blocks.pop().unwrap_or_default();
-        blocks.reserve(ceil_div(tokens.len(), bs));
-        self.cache.acquire(&hit_idx, |entry, id| {
-            blocks.push(Slot::Cached { entry, id })
-        })?;
-        let fresh = self
-            .take_main(need, free, &mut blocks)
-            .and_then(|()| self.take_swa(swa_need));
-        let swa_fresh = match fresh {
-            Ok(v) => v,
+        let checked = self
+            .check_main(what, need, taken)
+            .and_then(|free| self.check_swa(what, swa_need, 0).map(|()| free));
+        let free = match checked {
+            Ok(free) => free,
             Err(e) => {
-                self.release_slots(blocks.drain(..));
+                self.spare.keep(seq);
                 self.spare.hits = hit_idx;
                 return Err(e);
             }
         };
-        let total = blocks.len();
-        let mut swa: Vec<Option<SwaRef>> = Vec::new();
+
+        // Use the hits first: once users > 0 they are off the LRU, so the
+        // evictions below cannot pick them.
+        seq.blocks.reserve(ceil_div(tokens.len(), bs));
+        let blocks = &mut seq.blocks;
+        let fresh = self
+            .cache
+            .acquire(&hit_idx, |entry, id| {
+                blocks.push(Slot::Cached { entry, id })
+            })
+            .and_then(|()| self.take_main(need, free, &mut seq.blocks))
+            .and_then(|()| self.take_swa(swa_need));
+        let swa_fresh = match fresh {
+            Ok(v) => v,
+            Err(e) => {
+                self.release_slots(seq.blocks.drain(..));
+                self.spare.keep(seq);
+                self.spare.hits = hit_idx;
+                return Err(e);
+            }
+        };
+        let total = seq.blocks.len();
         if self.swa_pool.is_some() {
             let first = self.swa_first(tokens.len()).min(total);
-            swa.resize_with(first, || None);
-            swa.extend(swa_fresh);
+            seq.swa.resize_with(first, || None);
+            seq.swa.extend(swa_fresh);
         }
         if self.config.enable_prefix_caching {
             self.stats.prefix_queries += 1;
-            self.stats.prefix_query_blocks += hashes.len() as u64;
+            self.stats.prefix_query_blocks += seq.hashes.len() as u64;
             self.stats.prefix_hit_blocks += hit_idx.len() as u64;
         }
         let admission = Admission {
@@ -676,24 +696,15 @@ impl KVCacheManager {
             blocks: total,
             new_blocks: need as usize,
         };
-        let hits = hit_idx.len();
-        self.seqs.insert(
-            id,
-            Sequence {
-                len: tokens.len(),
-                tail: tokens[tokens.len() / bs * bs..].to_vec(),
-                extras,
-                root,
-                hashes,
-                blocks,
-                offered: hits,
-                cacheable: usize::MAX,
-                swa,
-                table: Vec::new(),
-                swa_table: Vec::new(),
-                dirty: true,
-            },
-        );
+        seq.len = tokens.len();
+        seq.tail
+            .extend_from_slice(&tokens[tokens.len() / bs * bs..]);
+        seq.extras = extras;
+        seq.root = root;
+        seq.offered = hit_idx.len();
+        seq.cacheable = usize::MAX;
+        seq.dirty = true;
+        self.seqs.insert(id, seq);
         self.spare.hits = hit_idx;
         Ok(admission)
     }
