@@ -58,6 +58,7 @@
 //! passed back to a pool.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::arena::placement_of;
@@ -1292,6 +1293,41 @@ struct SharedPoolInner {
     stride: usize,
     base: Option<usize>,
     core: Mutex<PoolCore>,
+    /// [`SharedBlockPool::room`] as of the last unlock: `free` in the low
+    /// half, the growth room in the high half (see [`CoreGuard`]).
+    room: AtomicU64,
+}
+
+/// The pool's lock, which publishes the room on unlock, so a reader that
+/// only needs a recent figure ([`SharedBlockPool::room_hint`]) takes no lock.
+struct CoreGuard<'a> {
+    core: MutexGuard<'a, PoolCore>,
+    room: &'a AtomicU64,
+}
+
+impl std::ops::Deref for CoreGuard<'_> {
+    type Target = PoolCore;
+
+    fn deref(&self) -> &PoolCore {
+        &self.core
+    }
+}
+
+impl std::ops::DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut PoolCore {
+        &mut self.core
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        self.room.store(pack_room(&self.core), Ordering::Relaxed);
+    }
+}
+
+fn pack_room(core: &PoolCore) -> u64 {
+    let growable = core.max_blocks.saturating_sub(core.capacity());
+    u64::from(core.free) | (u64::from(growable) << 32)
 }
 
 /// A block pool with the run-time-checked API: clonable (`Arc`), `Send +
@@ -1320,13 +1356,17 @@ impl SharedBlockPool {
                 placement: core.placement,
                 stride: core.stride,
                 base: core.region.as_ref().map(Region::base),
+                room: AtomicU64::new(pack_room(&core)),
                 core: Mutex::new(core),
             }),
         }
     }
 
-    fn core(&self) -> MutexGuard<'_, PoolCore> {
-        self.inner.core.lock().unwrap_or_else(|p| p.into_inner())
+    fn core(&self) -> CoreGuard<'_> {
+        CoreGuard {
+            core: self.inner.core.lock().unwrap_or_else(|p| p.into_inner()),
+            room: &self.inner.room,
+        }
     }
 
     /// One block, with one ref.
@@ -1415,6 +1455,15 @@ impl SharedBlockPool {
     pub fn room(&self) -> (u32, u32) {
         let core = self.core();
         (core.free, core.max_blocks.saturating_sub(core.capacity()))
+    }
+
+    /// [`Self::room`] as the last holder of the lock left it, without
+    /// taking the lock: exact for a caller that is the pool's only
+    /// allocator, and otherwise what `room()` would have said just before
+    /// another thread's call still in progress.
+    pub(crate) fn room_hint(&self) -> (u32, u32) {
+        let packed = self.inner.room.load(Ordering::Relaxed);
+        (packed as u32, (packed >> 32) as u32)
     }
 
     /// Refuses a ref from another pool.

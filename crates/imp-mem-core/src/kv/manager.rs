@@ -446,7 +446,10 @@ impl KVCacheManager {
         need: u32,
         taken: u32,
     ) -> Result<u32, MemError> {
-        let (free, growable) = self.main_room();
+        // The manager is its pool's only allocator, so the lock-free figure
+        // is exact unless a `step()` is shrinking the pool right now — and
+        // then an allocation takes withdrawn blocks back anyway.
+        let (free, growable) = self.pool.room_hint();
         let evictable = self.cache.evictable().saturating_sub(taken);
         if need as u64 > free as u64 + growable as u64 + evictable as u64 {
             return Err(MemError::KvCapacity(KvCapacityReport {
