@@ -61,6 +61,10 @@ quick=()
 bench_rc=${PIPESTATUS[0]}
 "$PYTHON" benches/bench_gpu_tiers.py --json "$OUT/bench_gpu_tiers.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+# The KV manager's benchmark runs on the host CPU; this host's figures sit
+# beside the CI machine's.
+"$PYTHON" benches/bench_kv.py "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 
 echo
 echo "==> library reserve and context cost"
