@@ -13,25 +13,28 @@
 //! trailer      16  xxh3-128 of everything before it
 //! ```
 //!
-//! Saving writes `<path>.tmp-<pid>`, syncs it and renames it over `path`, so
-//! a reader sees the old file or the new one, never half of one. Loading
-//! reads and verifies the whole file first (size, magic, version, header
-//! fields against this manager, trailer checksum, each block's checksum),
-//! then checks capacity, allocates fresh blocks (refs — never raw ids),
-//! copies the bytes in through [`BlockIo`], and only when every copy has
-//! succeeded inserts the entries. Any failure drops the fresh refs and leaves
-//! the manager as it was.
+//! Saving streams `<path>.tmp-<pid>` (one block in host memory at a time),
+//! syncs it and renames it over `path`, so a reader sees the old file or the
+//! new one, never half of one. Loading streams the file twice with one block
+//! in host memory: the first pass verifies everything (size, magic, version,
+//! header fields against this manager, each block's checksum, the trailer
+//! checksum) and notes the new entries; then it checks capacity, allocates
+//! fresh blocks (refs — never raw ids), and the second pass copies each new
+//! block's bytes in through [`BlockIo`], checking its checksum again (the
+//! file may have changed in between). Only when every copy has succeeded
+//! are the entries inserted. Any failure drops the fresh refs and leaves the
+//! manager as it was.
 //!
 //! Block bytes travel through [`BlockIo`] — device → pinned host → file on a
 //! GPU; a host read/write on [`FakeBackend`](crate::FakeBackend)
 //! ([`FakeBlockIo`]). Pins are run-time policy and are not persisted.
 
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::block_pool::SharedBlockRef;
 use crate::error::{KvCapacityReport, MemError};
@@ -126,112 +129,38 @@ fn refuse(path: &Path, why: impl std::fmt::Display) -> MemError {
     ))
 }
 
+/// A file writer that also feeds everything it writes to the trailer's hash.
+struct HashingWriter {
+    out: BufWriter<File>,
+    hash: Xxh3,
+}
+
+impl HashingWriter {
+    fn new(file: File) -> Self {
+        Self {
+            out: BufWriter::with_capacity(1 << 20, file),
+            hash: Xxh3::new(),
+        }
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.hash.update(bytes);
+        self.out.write_all(bytes)
+    }
+
+    /// Appends the trailer (the hash of everything before it) and syncs.
+    fn finish(mut self) -> std::io::Result<()> {
+        let trailer = self.hash.digest128();
+        self.out.write_all(&trailer.to_le_bytes())?;
+        let file = self.out.into_inner().map_err(|e| e.into_error())?;
+        file.sync_all()
+    }
+}
+
 impl KVCacheManager {
-    fn header(&self, entries: u64, block_bytes: usize) -> Header {
-        let c = self.config();
-        Header {
-            format: FORMAT.into(),
-            version: FILE_VERSION,
-            model_fingerprint: c.model_fingerprint.clone(),
-            block_size: c.block_size,
-            block_bytes,
-            dtype: c.dtype.clone(),
-            layout: c.layout.clone(),
-            hash_algorithm: HASH_ALGORITHM.into(),
-            hash_seed: c.hash_seed,
-            entries,
-            checksum: "xxh3-128 trailer; xxh3-64 per block".into(),
-        }
-    }
-
-    fn block_io(&self) -> Result<&dyn BlockIo, MemError> {
-        self.io.as_deref().ok_or_else(|| {
-            MemError::invalid(
-                "this manager has no BlockIo to copy block bytes out and in; open it over a \
-                 backend with block_bytes, or install one with set_block_io",
-            )
-        })
-    }
-
-    /// Writes every cached block (hash and bytes) to `path`, atomically.
-    /// Returns the entries written.
-    pub fn save_prefix_cache(&self, path: &Path) -> Result<u64, MemError> {
-        let io = self.block_io()?;
-        let bb = io.block_bytes();
-        let entries = self.cache.entries_in_order();
-        let header = serde_json::to_vec(&self.header(entries.len() as u64, bb))
-            .map_err(|e| MemError::Invariant(format!("header does not serialise: {e}")))?;
-        let mut out = Vec::with_capacity(16 + header.len() + entries.len() * (24 + bb) + 16);
-        out.extend_from_slice(FILE_MAGIC);
-        out.extend_from_slice(&FILE_VERSION.to_le_bytes());
-        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
-        out.extend_from_slice(&header);
-        let mut buf = vec![0u8; bb];
-        for e in entries {
-            io.read_block(&self.pool().ref_of_token(&e.block)?, &mut buf)?;
-            out.extend_from_slice(&e.hash.to_le_bytes());
-            out.extend_from_slice(&xxh3_64(&buf).to_le_bytes());
-            out.extend_from_slice(&buf);
-        }
-        let trailer = xxh3_128(&out);
-        out.extend_from_slice(&trailer.to_le_bytes());
-
-        let file_name = path
-            .file_name()
-            .ok_or_else(|| MemError::invalid(format!("{} names no file", path.display())))?;
-        let mut tmp_name = file_name.to_os_string();
-        tmp_name.push(format!(".tmp-{}", std::process::id()));
-        let tmp = path.with_file_name(tmp_name);
-        let written = (|| {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&out)?;
-            f.sync_all()?;
-            fs::rename(&tmp, path)
-        })();
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(io_err("cannot write the prefix cache to", path, e));
-        }
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            // Makes the rename durable; best effort where directories cannot
-            // be opened.
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
-        Ok(self.cache.len() as u64)
-    }
-
-    /// Loads the entries of `path` whose hashes are not cached yet, as fresh
-    /// blocks owned by the cache (least recently used first, as saved).
-    /// Refuses a truncated, corrupted or mismatched file, or one that does
-    /// not fit, and then changes nothing. Returns the entries added.
-    pub fn load_prefix_cache(&mut self, path: &Path) -> Result<u64, MemError> {
-        let io = self.block_io()?;
-        let bb = io.block_bytes();
-        let data = fs::read(path).map_err(|e| io_err("cannot read the prefix cache", path, e))?;
-        if data.len() < 16 + 16 || &data[..8] != FILE_MAGIC {
-            return Err(refuse(
-                path,
-                "it is not an imp-mem prefix cache (bad magic or too short)",
-            ));
-        }
-        let word =
-            |at: usize| u32::from_le_bytes([data[at], data[at + 1], data[at + 2], data[at + 3]]);
-        let version = word(8);
-        if version != FILE_VERSION {
-            return Err(refuse(
-                path,
-                format!("format version {version}; this build reads version {FILE_VERSION}"),
-            ));
-        }
-        let header_len = word(12) as usize;
-        let body = 16usize
-            .checked_add(header_len)
-            .filter(|&end| end + 16 <= data.len())
-            .ok_or_else(|| refuse(path, "truncated inside the header"))?;
-        let header: Header = serde_json::from_slice(&data[16..body])
-            .map_err(|e| refuse(path, format!("unreadable header ({e})")))?;
+    /// Refuses a file saved under another configuration, naming every field
+    /// that differs.
+    fn check_header(&self, path: &Path, header: &Header, bb: usize) -> Result<(), MemError> {
         let want = self.header(header.entries, bb);
         let mut mismatches = Vec::new();
         let mut differ = |name: &str, theirs: String, ours: String| {
@@ -269,56 +198,188 @@ impl KVCacheManager {
             header.hash_seed.to_string(),
             want.hash_seed.to_string(),
         );
-        if !mismatches.is_empty() {
+        if mismatches.is_empty() {
+            return Ok(());
+        }
+        Err(refuse(
+            path,
+            format!(
+                "it was saved for another configuration: {}",
+                mismatches.join("; ")
+            ),
+        ))
+    }
+
+    fn header(&self, entries: u64, block_bytes: usize) -> Header {
+        let c = self.config();
+        Header {
+            format: FORMAT.into(),
+            version: FILE_VERSION,
+            model_fingerprint: c.model_fingerprint.clone(),
+            block_size: c.block_size,
+            block_bytes,
+            dtype: c.dtype.clone(),
+            layout: c.layout.clone(),
+            hash_algorithm: HASH_ALGORITHM.into(),
+            hash_seed: c.hash_seed,
+            entries,
+            checksum: "xxh3-128 trailer; xxh3-64 per block".into(),
+        }
+    }
+
+    fn block_io(&self) -> Result<&dyn BlockIo, MemError> {
+        self.io.as_deref().ok_or_else(|| {
+            MemError::invalid(
+                "this manager has no BlockIo to copy block bytes out and in; open it over a \
+                 backend with block_bytes, or install one with set_block_io",
+            )
+        })
+    }
+
+    /// Writes every cached block (hash and bytes) to `path`, atomically,
+    /// streaming: host memory holds one block at a time, not the file.
+    /// Returns the entries written.
+    pub fn save_prefix_cache(&self, path: &Path) -> Result<u64, MemError> {
+        let io = self.block_io()?;
+        let bb = io.block_bytes();
+        let entries = self.cache.entries_in_order();
+        let header = serde_json::to_vec(&self.header(entries.len() as u64, bb))
+            .map_err(|e| MemError::Invariant(format!("header does not serialise: {e}")))?;
+        let file_name = path
+            .file_name()
+            .ok_or_else(|| MemError::invalid(format!("{} names no file", path.display())))?;
+        let mut tmp_name = file_name.to_os_string();
+        tmp_name.push(format!(".tmp-{}", std::process::id()));
+        let tmp = path.with_file_name(tmp_name);
+        let failed = |e| io_err("cannot write the prefix cache to", path, e);
+        let written = (|| -> Result<(), MemError> {
+            let mut out = HashingWriter::new(File::create(&tmp).map_err(failed)?);
+            out.put(FILE_MAGIC).map_err(failed)?;
+            out.put(&FILE_VERSION.to_le_bytes()).map_err(failed)?;
+            out.put(&(header.len() as u32).to_le_bytes())
+                .map_err(failed)?;
+            out.put(&header).map_err(failed)?;
+            let mut buf = vec![0u8; bb];
+            for e in &entries {
+                io.read_block(&self.pool().ref_of_token(&e.block)?, &mut buf)?;
+                out.put(&e.hash.to_le_bytes()).map_err(failed)?;
+                out.put(&xxh3_64(&buf).to_le_bytes()).map_err(failed)?;
+                out.put(&buf).map_err(failed)?;
+            }
+            out.finish().map_err(failed)?;
+            fs::rename(&tmp, path).map_err(failed)
+        })();
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            // Makes the rename durable; best effort where directories cannot
+            // be opened.
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(self.cache.len() as u64)
+    }
+
+    /// Loads the entries of `path` whose hashes are not cached yet, as fresh
+    /// blocks owned by the cache (least recently used first, as saved).
+    /// Refuses a truncated, corrupted or mismatched file, or one that does
+    /// not fit, and then changes nothing. Returns the entries added.
+    ///
+    /// Streams the file twice, holding one block in host memory: the first
+    /// pass verifies everything, the second copies the new blocks in (each
+    /// block's checksum checked again, in case the file changed between the
+    /// passes).
+    pub fn load_prefix_cache(&mut self, path: &Path) -> Result<u64, MemError> {
+        let io = self.block_io()?;
+        let bb = io.block_bytes();
+        let read_err = |e| io_err("cannot read the prefix cache", path, e);
+        let file = File::open(path).map_err(read_err)?;
+        let len = file.metadata().map_err(read_err)?.len();
+        let mut file = BufReader::with_capacity(1 << 20, file);
+        let mut prefix = [0u8; 16];
+        if len < 16 + 16 || file.read_exact(&mut prefix).is_err() || &prefix[..8] != FILE_MAGIC {
             return Err(refuse(
                 path,
-                format!(
-                    "it was saved for another configuration: {}",
-                    mismatches.join("; ")
-                ),
+                "it is not an imp-mem prefix cache (bad magic or too short)",
             ));
         }
-        let n = usize::try_from(header.entries).map_err(|_| refuse(path, "absurd entry count"))?;
+        let word = |at: usize| {
+            u32::from_le_bytes([prefix[at], prefix[at + 1], prefix[at + 2], prefix[at + 3]])
+        };
+        let version = word(8);
+        if version != FILE_VERSION {
+            return Err(refuse(
+                path,
+                format!("format version {version}; this build reads version {FILE_VERSION}"),
+            ));
+        }
+        let header_len = word(12) as u64;
+        let body = 16 + header_len;
+        if body + 16 > len {
+            return Err(refuse(path, "truncated inside the header"));
+        }
+        let mut header_bytes = vec![0u8; header_len as usize];
+        file.read_exact(&mut header_bytes).map_err(read_err)?;
+        let header: Header = serde_json::from_slice(&header_bytes)
+            .map_err(|e| refuse(path, format!("unreadable header ({e})")))?;
+        self.check_header(path, &header, bb)?;
+        let n = header.entries;
+        let stride = 24 + bb as u64;
         let expected = n
-            .checked_mul(24 + bb)
+            .checked_mul(stride)
             .and_then(|e| e.checked_add(body + 16))
             .ok_or_else(|| refuse(path, "absurd entry count"))?;
-        if data.len() != expected {
+        if len != expected {
             return Err(refuse(
                 path,
                 format!(
-                    "it is {} bytes but its header promises {expected} ({n} entries of {bb} bytes): \
-                     {}",
-                    data.len(),
-                    if data.len() < expected { "truncated" } else { "trailing garbage" }
+                    "it is {len} bytes but its header promises {expected} ({n} entries of {bb} \
+                     bytes): {}",
+                    if len < expected {
+                        "truncated"
+                    } else {
+                        "trailing garbage"
+                    }
                 ),
             ));
         }
-        let split = data.len() - 16;
-        let mut trailer = [0u8; 16];
-        trailer.copy_from_slice(&data[split..]);
-        if xxh3_128(&data[..split]) != u128::from_le_bytes(trailer) {
-            return Err(refuse(path, "the file checksum does not match (corrupted)"));
-        }
-        let mut fresh_entries: Vec<(BlockHash, &[u8])> = Vec::new();
+
+        // Pass 1: every checksum, and which entries are new.
+        let mut trailer_hash = Xxh3::new();
+        trailer_hash.update(&prefix);
+        trailer_hash.update(&header_bytes);
+        let mut entry = vec![0u8; stride as usize];
+        let mut bad_block = None;
+        let mut fresh_entries: Vec<(BlockHash, u64, u64)> = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for k in 0..n {
-            let at = body + k * (24 + bb);
-            let mut h = [0u8; 16];
-            h.copy_from_slice(&data[at..at + 16]);
-            let mut c = [0u8; 8];
-            c.copy_from_slice(&data[at + 16..at + 24]);
-            let bytes = &data[at + 24..at + 24 + bb];
-            if xxh3_64(bytes) != u64::from_le_bytes(c) {
-                return Err(refuse(
-                    path,
-                    format!("block {k}'s checksum does not match (corrupted)"),
-                ));
+            file.read_exact(&mut entry).map_err(read_err)?;
+            trailer_hash.update(&entry);
+            let (h, rest) = entry.split_at(16);
+            let (c, bytes) = rest.split_at(8);
+            let sum = u64::from_le_bytes(c.try_into().unwrap_or_default());
+            if xxh3_64(bytes) != sum {
+                bad_block.get_or_insert(k);
+                continue;
             }
-            let hash = u128::from_le_bytes(h);
+            let hash = u128::from_le_bytes(h.try_into().unwrap_or_default());
             if self.cache.get(&hash).is_none() && seen.insert(hash) {
-                fresh_entries.push((hash, bytes));
+                fresh_entries.push((hash, k, sum));
             }
+        }
+        let mut trailer = [0u8; 16];
+        file.read_exact(&mut trailer).map_err(read_err)?;
+        if trailer_hash.digest128() != u128::from_le_bytes(trailer) {
+            return Err(refuse(path, "the file checksum does not match (corrupted)"));
+        }
+        if let Some(k) = bad_block {
+            return Err(refuse(
+                path,
+                format!("block {k}'s checksum does not match (corrupted)"),
+            ));
         }
         let need =
             u32::try_from(fresh_entries.len()).map_err(|_| refuse(path, "too many entries"))?;
@@ -345,13 +406,30 @@ impl KVCacheManager {
         self.record_evictions(evicted.len() as u32);
         self.pool().release_tokens(evicted)?;
         let refs = self.pool().allocate_many(need)?.into_refs();
+
+        // Pass 2: the new blocks' bytes, straight from the file into them,
+        // in file order (skips stay inside the reader's buffer when short).
         let io = self.block_io()?;
-        for (r, (_, bytes)) in refs.iter().zip(&fresh_entries) {
-            io.write_block(r, bytes)?;
+        file.seek(SeekFrom::Start(body)).map_err(read_err)?;
+        let mut pos = body;
+        let mut block = vec![0u8; bb];
+        for (r, &(_, k, sum)) in refs.iter().zip(&fresh_entries) {
+            let want = body + k * stride + 24;
+            let skip = i64::try_from(want - pos).map_err(|_| refuse(path, "absurd offset"))?;
+            file.seek_relative(skip).map_err(read_err)?;
+            file.read_exact(&mut block).map_err(read_err)?;
+            pos = want + bb as u64;
+            if xxh3_64(&block) != sum {
+                return Err(refuse(
+                    path,
+                    format!("block {k} changed while it was being loaded"),
+                ));
+            }
+            io.write_block(r, &block)?;
         }
         let mut refused = None;
         let mut leftover = Vec::new();
-        for (r, (hash, _)) in refs.into_iter().zip(&fresh_entries) {
+        for (r, (hash, _, _)) in refs.into_iter().zip(&fresh_entries) {
             let token = self.pool().token_from_ref(r)?;
             match self.cache.insert(*hash, token, 0) {
                 Ok(Insert::Added(_)) => {}

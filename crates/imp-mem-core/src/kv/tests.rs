@@ -754,3 +754,82 @@ fn a_leaked_token_panics_in_debug_builds() {
     pool.allocate_tokens(1, |t| held.push(t)).unwrap();
     drop(held);
 }
+
+/// A `BlockIo` that rewrites a byte of the file's last block the first time
+/// a block is copied in: the file changing between the load's two passes.
+#[derive(Debug)]
+struct FileChangesMidLoad {
+    inner: FakeBlockIo,
+    path: PathBuf,
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl BlockIo for FileChangesMidLoad {
+    fn block_bytes(&self) -> usize {
+        self.inner.block_bytes()
+    }
+    fn read_block(&self, b: &crate::SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
+        self.inner.read_block(b, dst)
+    }
+    fn write_block(&self, b: &crate::SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
+        if !self.done.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            let mut bytes = std::fs::read(&self.path).unwrap();
+            let at = bytes.len() - 16 - 3; // inside the last block's bytes
+            bytes[at] ^= 0x5a;
+            std::fs::write(&self.path, bytes).unwrap();
+        }
+        self.inner.write_block(b, src)
+    }
+}
+
+#[test]
+fn a_file_that_changes_between_the_passes_loads_nothing() {
+    // Blocks larger than half the reader's buffer, so the second pass reads
+    // the last block from the file after the first copy changed it.
+    const BB: usize = 600 << 10;
+    let (mut m, fake) = backed(16, BB);
+    m.admit(1, &toks(0..17), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("c.bin");
+    assert_eq!(m.save_prefix_cache(&path).unwrap(), 4);
+    m.evict(100);
+    m.set_block_io(Box::new(FileChangesMidLoad {
+        inner: FakeBlockIo::new(fake.clone(), BB),
+        path: path.clone(),
+        done: false.into(),
+    }))
+    .unwrap();
+    let before = m.stats();
+    let err = m.load_prefix_cache(&path).unwrap_err().to_string();
+    assert!(err.contains("changed while it was being loaded"), "{err}");
+    assert_eq!(m.stats(), before, "nothing loaded, every fresh block back");
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn the_streamed_file_keeps_the_format() {
+    // The streaming writer's trailer is the one-shot XXH3-128 of the rest,
+    // and every entry's checksum the XXH3-64 of its bytes: version 1, as
+    // the loader of any build reads it.
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..17), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("c.bin");
+    let n = m.save_prefix_cache(&path).unwrap() as usize;
+    let data = std::fs::read(&path).unwrap();
+    let (rest, trailer) = data.split_at(data.len() - 16);
+    assert_eq!(
+        xxhash_rust::xxh3::xxh3_128(rest),
+        u128::from_le_bytes(trailer.try_into().unwrap())
+    );
+    let header_len = u32::from_le_bytes(data[12..16].try_into().unwrap()) as usize;
+    let body = 16 + header_len;
+    assert_eq!(rest.len(), body + n * (24 + 32));
+    for k in 0..n {
+        let at = body + k * (24 + 32);
+        let sum = u64::from_le_bytes(rest[at + 16..at + 24].try_into().unwrap());
+        assert_eq!(sum, xxhash_rust::xxh3::xxh3_64(&rest[at + 24..at + 56]));
+    }
+}
