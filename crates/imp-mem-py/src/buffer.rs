@@ -7,6 +7,9 @@
 //! interpreters [`enabled`] is false and callers keep their `memoryview` path.
 //! The symbols themselves have been exported by every CPython 3 on Linux and
 //! macOS, so declaring them does not stop the module loading on 3.9 or 3.10.
+//! (A Windows abi3 build links `python3.dll`, which exports them only from
+//! 3.11; it would need them looked up at run time. No Windows wheel is
+//! built.)
 //!
 //! A [`BufferView`] holds one export, asked for C-contiguous and with its
 //! format (`PyBUF_FORMAT | PyBUF_ND`), and releases it on drop. It borrows
