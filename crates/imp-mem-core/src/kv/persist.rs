@@ -162,42 +162,43 @@ impl KVCacheManager {
     /// that differs.
     fn check_header(&self, path: &Path, header: &Header, bb: usize) -> Result<(), MemError> {
         let want = self.header(header.entries, bb);
-        let mut mismatches = Vec::new();
-        let mut differ = |name: &str, theirs: String, ours: String| {
-            if theirs != ours {
-                mismatches.push(format!(
-                    "{name} is {theirs:?} in the file but {ours:?} here"
-                ));
-            }
-        };
-        differ("format", header.format.clone(), want.format.clone());
-        differ(
-            "model_fingerprint",
-            header.model_fingerprint.clone(),
-            want.model_fingerprint,
-        );
-        differ(
-            "block_size",
-            header.block_size.to_string(),
-            want.block_size.to_string(),
-        );
-        differ(
-            "block_bytes",
-            header.block_bytes.to_string(),
-            want.block_bytes.to_string(),
-        );
-        differ("dtype", header.dtype.clone(), want.dtype);
-        differ("layout", header.layout.clone(), want.layout);
-        differ(
-            "hash_algorithm",
-            header.hash_algorithm.clone(),
-            want.hash_algorithm,
-        );
-        differ(
-            "hash_seed",
-            header.hash_seed.to_string(),
-            want.hash_seed.to_string(),
-        );
+        let fields = [
+            ("format", header.format.clone(), want.format),
+            (
+                "model_fingerprint",
+                header.model_fingerprint.clone(),
+                want.model_fingerprint,
+            ),
+            (
+                "block_size",
+                header.block_size.to_string(),
+                want.block_size.to_string(),
+            ),
+            (
+                "block_bytes",
+                header.block_bytes.to_string(),
+                want.block_bytes.to_string(),
+            ),
+            ("dtype", header.dtype.clone(), want.dtype),
+            ("layout", header.layout.clone(), want.layout),
+            (
+                "hash_algorithm",
+                header.hash_algorithm.clone(),
+                want.hash_algorithm,
+            ),
+            (
+                "hash_seed",
+                header.hash_seed.to_string(),
+                want.hash_seed.to_string(),
+            ),
+        ];
+        let mismatches: Vec<String> = fields
+            .into_iter()
+            .filter(|(_, theirs, ours)| theirs != ours)
+            .map(|(name, theirs, ours)| {
+                format!("{name} is {theirs:?} in the file but {ours:?} here")
+            })
+            .collect();
         if mismatches.is_empty() {
             return Ok(());
         }
