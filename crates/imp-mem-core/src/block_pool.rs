@@ -1762,7 +1762,7 @@ impl Drop for SharedBlockRefs {
 /// the pool: the KV manager's ref (seed A5.1's `BlockRef`, minus the `Arc`).
 ///
 /// A [`SharedBlockRef`] pays an atomic increment and decrement of its pool's
-/// `Arc` per ref, which was half of a KV request's cost (K15). The manager
+/// `Arc` per ref, which was half of a KV request's cost (K16). The manager
 /// owns its pools' handles for as long as it holds any token, so its tokens
 /// need not keep the pool alive. What a token keeps from a ref is the
 /// discipline: it is move-only (no `Clone`), minted only by the pool, and
