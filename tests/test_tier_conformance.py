@@ -117,10 +117,50 @@ class ScratchTier:
         return handle[1]
 
 
+class PinnedTier:
+    """T5b: one `PinnedBuffer` per allocation, page-aligned, released once.
+    Host memory has no tier capacity to exhaust (`bounded = False`)."""
+
+    unit = CAPACITY
+    lifo = False
+    frees_individually = True
+    bounded = False
+    on_backend = False  # host memory, outside the backend's regions
+    host_memory = True  # numpy reads it on every backend
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.live: list[imp_mem.PinnedBuffer] = []
+
+    def alloc(self, nbytes, align):
+        if align > 4096 or align & (align - 1):
+            raise InvalidArgument(
+                "pinned buffers are page-aligned: align must be a power of two <= 4096"
+            )
+        buf = imp_mem.PinnedBuffer(nbytes, backend=self.backend)
+        self.live.append(buf)
+        return buf
+
+    def free(self, handle):
+        handle.release()
+
+    def free_all(self, handles):
+        for h in handles:
+            if not h.released:
+                h.release()
+
+    def in_use(self):
+        return sum(b.nbytes for b in self.live if not b.released)
+
+    def span(self, handle):
+        return handle.span()
+
+
 TIERS = [
     pytest.param(ArenaTier, id="arena"),
     pytest.param(PoolTier, id="block_pool"),
     pytest.param(ScratchTier, id="scratch"),
+    pytest.param(PinnedTier, id="pinned"),
 ]
 
 
@@ -166,7 +206,7 @@ def test_allocations_are_aligned_and_disjoint(tier):
 
 
 def test_contents_survive_other_allocations(tier, backend):
-    if not isinstance(backend, imp_mem.FakeBackend):
+    if not isinstance(backend, imp_mem.FakeBackend) and not getattr(tier, "host_memory", False):
         pytest.skip("reads device memory through numpy; the fake is host memory")
     held = []
     for i, n in enumerate(sizes(tier.unit, 10)):
@@ -179,6 +219,8 @@ def test_contents_survive_other_allocations(tier, backend):
 
 
 def test_exhaustion_fails_cleanly_and_recovers(tier):
+    if not getattr(tier, "bounded", True):
+        pytest.skip("host memory: no tier capacity to exhaust")
     unit = min(tier.unit, 4096)
     held = []
     with pytest.raises((CapacityError, imp_mem.OutOfMemory)):
@@ -221,6 +263,8 @@ def test_mixed_allocate_and_free_keeps_accounting(tier):
 def test_released_memory_reads_as_poison_on_the_fake(tier, backend):
     if not isinstance(backend, imp_mem.FakeBackend):
         pytest.skip("poison is the fake's")
+    if not getattr(tier, "on_backend", True):
+        pytest.skip("the tier's memory is not the backend's")
     h = tier.alloc(min(tier.unit, 256), 8)
     span = tier.span(h)
     address, nbytes = span.address, span.nbytes
@@ -235,3 +279,14 @@ def test_takes_never_reach_the_backend(tier, backend):
     for n in sizes(min(tier.unit, 1024), 20):
         tier.free(tier.alloc(n, 8))
     assert backend.live == live
+
+
+def test_pinned_buffers_leave_the_host_allocator_as_they_found_it():
+    # The library's own count (the fake's host allocator), not the adapter's.
+    before = imp_mem.pinned_stats()["live_bytes"]
+    tier = PinnedTier(_fake())
+    held = [tier.alloc(n, 64) for n in sizes(CAPACITY, 16)]
+    assert imp_mem.pinned_stats()["live_bytes"] == before + sum(h.nbytes for h in held)
+    tier.free(held[0])
+    tier.free_all(held)
+    assert imp_mem.pinned_stats()["live_bytes"] == before
