@@ -234,12 +234,19 @@ struct Spare {
 impl Spare {
     /// Freed sequences kept at most.
     const KEEP: usize = 16;
+    /// A freed sequence longer than this many blocks is not kept, so that a
+    /// rare very long one does not pin its vectors' memory for good.
+    const KEEP_BLOCKS: usize = 4096;
 
     /// Keeps a freed sequence's box for the next admission. Its slots must
     /// have been drained (their tokens released or moved); a sequence that
     /// still holds any is dropped instead, which a debug build reports.
     fn keep(&mut self, mut seq: Box<Sequence>) {
-        if self.seqs.len() >= Self::KEEP || !seq.blocks.is_empty() || !seq.swa.is_empty() {
+        if self.seqs.len() >= Self::KEEP
+            || !seq.blocks.is_empty()
+            || !seq.swa.is_empty()
+            || seq.blocks.capacity().max(seq.hashes.capacity()) > Self::KEEP_BLOCKS
+        {
             return;
         }
         seq.tail.clear();
