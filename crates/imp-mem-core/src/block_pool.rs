@@ -1325,9 +1325,15 @@ impl Drop for CoreGuard<'_> {
     }
 }
 
+/// `(free, growable)`: the free list and the blocks a growable pool can
+/// still commit.
+fn room_of(core: &PoolCore) -> (u32, u32) {
+    (core.free, core.max_blocks.saturating_sub(core.capacity()))
+}
+
 fn pack_room(core: &PoolCore) -> u64 {
-    let growable = core.max_blocks.saturating_sub(core.capacity());
-    u64::from(core.free) | (u64::from(growable) << 32)
+    let (free, growable) = room_of(core);
+    u64::from(free) | (u64::from(growable) << 32)
 }
 
 /// A block pool with the run-time-checked API: clonable (`Arc`), `Send +
@@ -1453,8 +1459,7 @@ impl SharedBlockPool {
     /// (`max_blocks - capacity`): [`Self::stats`]'s two figures an
     /// admission needs, for one lock and no more.
     pub fn room(&self) -> (u32, u32) {
-        let core = self.core();
-        (core.free, core.max_blocks.saturating_sub(core.capacity()))
+        room_of(&self.core())
     }
 
     /// [`Self::room`] as the last holder of the lock left it, without
@@ -1793,10 +1798,8 @@ impl BlockToken {
 
     /// Consumes the token without touching the pool (its ref was released
     /// or handed over by the caller).
-    fn consume(self) -> BlockId {
-        let id = self.id;
+    fn consume(self) {
         std::mem::forget(self);
-        id
     }
 }
 
@@ -1843,9 +1846,7 @@ impl SharedBlockPool {
         n: u32,
         mut push: impl FnMut(BlockToken),
     ) -> Result<(), MemError> {
-        let tag = self.tag();
-        self.core()
-            .allocate_many(n, |id| push(BlockToken { id, pool: tag }))
+        self.core().allocate_many(n, |id| push(self.token(id)))
     }
 
     /// Releases every token, exactly once each, under one lock. A token of

@@ -556,13 +556,11 @@ impl KVCacheManager {
         self.spare.tokens = owned;
     }
 
-    /// Releases SWA tokens.
+    /// Releases SWA tokens (there are none without an SWA pool: they only
+    /// come from it).
     fn release_swa(&self, tokens: impl IntoIterator<Item = Option<SwaRef>>) {
         if let Some(swa) = &self.swa_pool {
             let _ = swa.release_tokens(tokens.into_iter().flatten().map(|r| r.0));
-        } else if tokens.into_iter().flatten().next().is_some() {
-            // Unreachable: SWA tokens only come from the SWA pool.
-            debug_assert!(false, "SWA tokens without an SWA pool");
         }
     }
 
@@ -936,21 +934,17 @@ impl KVCacheManager {
         let Some(seq) = self.seqs.get_mut(&id) else {
             return Err(MemError::invalid(format!("no sequence {id} is admitted")));
         };
-        let mut released = 0;
-        let mut dropped = Vec::new();
-        for i in start..end {
-            match std::mem::replace(&mut seq.blocks[i], Slot::Hole) {
-                Slot::Hole => continue,
-                Slot::Own(block) => dropped.push(block),
-                Slot::Cached { entry, .. } => self.cache.release_user(entry),
-            }
-            released += 1;
-        }
+        let holed: Vec<Slot> = seq.blocks[start..end]
+            .iter_mut()
+            .map(|s| std::mem::replace(s, Slot::Hole))
+            .filter(|s| !matches!(s, Slot::Hole))
+            .collect();
         if end > start {
             seq.cacheable = seq.cacheable.min(full);
             seq.dirty = true;
         }
-        self.pool.release_tokens(dropped)?;
+        let released = holed.len() as u32;
+        self.release_slots(holed);
         Ok(released)
     }
 
@@ -1097,8 +1091,11 @@ impl KVCacheManager {
     /// skipped). Returns the blocks freed.
     pub fn evict(&mut self, n: u32) -> u32 {
         let mut evicted = Vec::new();
-        while (evicted.len() as u64) < u64::from(n) && self.cache.evict_into(&mut evicted).is_some()
-        {
+        while (evicted.len() as u64) < u64::from(n) {
+            let Some(token) = self.cache.evict_take() else {
+                break;
+            };
+            evicted.push(token);
         }
         let done = evicted.len() as u32;
         // Every evicted token is this pool's, so the release cannot be refused.

@@ -401,9 +401,12 @@ impl KVCacheManager {
         // it drops only entries eviction could have dropped at any time.
         let free = self.pool().stats().free;
         let mut evicted = Vec::new();
-        while free as usize + evicted.len() < need as usize
-            && self.cache.evict_into(&mut evicted).is_some()
-        {}
+        while free as usize + evicted.len() < need as usize {
+            let Some(token) = self.cache.evict_take() else {
+                break;
+            };
+            evicted.push(token);
+        }
         self.record_evictions(evicted.len() as u32);
         self.pool().release_tokens(evicted)?;
         let refs = self.pool().allocate_many(need)?.into_refs();

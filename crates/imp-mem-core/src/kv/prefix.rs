@@ -46,7 +46,7 @@ impl Hasher for FoldHasher {
     }
 
     fn write_u128(&mut self, v: u128) {
-        self.0 ^= (v as u64) ^ ((v >> 64) as u64).rotate_left(32);
+        self.0 ^= fold(v);
     }
 
     fn write_u64(&mut self, v: u64) {
@@ -338,21 +338,9 @@ impl PrefixCache {
         Ok(Insert::Added(idx))
     }
 
-    /// Evicts the LRU head, moving its token into `refs` for the caller to
-    /// release (one batched release). Returns the evicted hash.
-    pub fn evict_into(&mut self, refs: &mut Vec<BlockToken>) -> Option<BlockHash> {
-        let (hash, block) = self.evict_entry()?;
-        refs.push(block);
-        Some(hash)
-    }
-
     /// Evicts the LRU head and hands over its token: the block's only ref,
     /// for the caller to reuse as it is or release.
     pub fn evict_take(&mut self) -> Option<BlockToken> {
-        self.evict_entry().map(|(_, block)| block)
-    }
-
-    fn evict_entry(&mut self) -> Option<(BlockHash, BlockToken)> {
         let idx = self.head;
         if idx == NIL {
             return None;
@@ -363,7 +351,7 @@ impl PrefixCache {
         if let Ok(bucket) = self.index.find_entry(fold(entry.hash), |&i| i == idx) {
             bucket.remove();
         }
-        Some((entry.hash, entry.block))
+        Some(entry.block)
     }
 
     /// Empties the cache, handing back every entry's token (for the
