@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import imp_mem
-from imp_mem import KVCacheManager, _core
+from imp_mem import InvalidArgument, KVCacheManager, _core
 
 U32_MAX = 2**32 - 1
 INT_DTYPES = ["i1", "u1"] + [f"{o}{k}{n}" for o in "<>" for k in "iu" for n in (2, 4, 8)]
@@ -303,3 +303,9 @@ def test_both_paths_hash_like_a_list(values, step, unaligned):
         with path(name):
             assert m.hash_blocks(values) == expected
             assert m.hash_blocks(memoryview(values)) == expected
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_the_test_hook_refuses_a_non_bool(bad):
+    with pytest.raises(InvalidArgument, match="enabled must be True or False"):
+        _core._set_buffer_protocol(bad)

@@ -26,7 +26,7 @@ use imp_mem_cuda::CudaBlockIo;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::backend::{PyBackend, PyFakeBackend};
 use crate::buffer::{self, BufferView, WordView};
@@ -350,8 +350,18 @@ pub fn tokens<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
 /// default on Python 3.11+) or through the copying path every version has
 /// (`False`); returns the previous setting. `True` before 3.11 is refused.
 #[pyfunction(name = "_set_buffer_protocol")]
-fn set_buffer_protocol(py: Python<'_>, enabled: bool) -> PyResult<bool> {
-    buffer::set_enabled(py, enabled)
+fn set_buffer_protocol(py: Python<'_>, enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(enabled) = enabled.downcast::<PyBool>() else {
+        return Err(invalid(format!(
+            "enabled must be True or False, got {}",
+            enabled
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )));
+    };
+    buffer::set_enabled(py, enabled.is_true())
 }
 
 fn extras(
