@@ -168,24 +168,23 @@ impl PrefixCache {
     }
 
     fn unlink(&mut self, idx: u32) {
-        let (prev, next) = match self.entry(idx) {
-            Some(e) if e.on_lru => (e.prev, e.next),
-            _ => return,
+        let Some(Some(e)) = self.slab.get_mut(idx as usize) else {
+            return;
         };
-        if let Some(Some(p)) = self.slab.get_mut(prev as usize) {
-            p.next = next;
-        } else {
-            self.head = next;
+        if !e.on_lru {
+            return;
         }
-        if let Some(Some(n)) = self.slab.get_mut(next as usize) {
-            n.prev = prev;
-        } else {
-            self.tail = prev;
+        let (prev, next) = (e.prev, e.next);
+        e.on_lru = false;
+        e.prev = NIL;
+        e.next = NIL;
+        match self.slab.get_mut(prev as usize) {
+            Some(Some(p)) => p.next = next,
+            _ => self.head = next,
         }
-        if let Some(Some(e)) = self.slab.get_mut(idx as usize) {
-            e.on_lru = false;
-            e.prev = NIL;
-            e.next = NIL;
+        match self.slab.get_mut(next as usize) {
+            Some(Some(n)) => n.prev = prev,
+            _ => self.tail = prev,
         }
         self.lru_len -= 1;
     }
@@ -248,20 +247,36 @@ impl PrefixCache {
         }
         for &idx in idxs {
             let e = self.entry_mut(idx)?;
-            let was = (e.users, e.pins);
             e.users += 1;
             push(idx, e.block.id());
-            self.transition(idx, was);
+            // Only the first user changes the entry's state (`transition`,
+            // unrolled for the hot path): off the LRU, or no longer idle.
+            if e.users == 1 {
+                if e.pins == 0 {
+                    self.unlink(idx);
+                } else {
+                    self.pinned_idle -= 1;
+                }
+            }
         }
         Ok(())
     }
 
     /// A sequence gave back its use of entry `idx`.
     pub fn release_user(&mut self, idx: u32) {
-        if let Ok(e) = self.entry_mut(idx) {
-            let was = (e.users, e.pins);
-            e.users = e.users.saturating_sub(1);
-            self.transition(idx, was);
+        let Ok(e) = self.entry_mut(idx) else { return };
+        if e.users == 0 {
+            return;
+        }
+        e.users -= 1;
+        // Only the last user's leaving changes the state (`transition`,
+        // unrolled): evictable again, or pinned and idle.
+        if e.users == 0 {
+            if e.pins == 0 {
+                self.link_tail(idx);
+            } else {
+                self.pinned_idle += 1;
+            }
         }
     }
 
@@ -342,11 +357,15 @@ impl PrefixCache {
     /// for the caller to reuse as it is or release.
     pub fn evict_take(&mut self) -> Option<BlockToken> {
         let idx = self.head;
-        if idx == NIL {
-            return None;
-        }
-        self.unlink(idx);
+        // The head has no predecessor: unlinking it only moves the head.
         let entry = self.slab.get_mut(idx as usize)?.take()?;
+        debug_assert!(entry.on_lru && entry.prev == NIL);
+        self.head = entry.next;
+        match self.slab.get_mut(entry.next as usize) {
+            Some(Some(n)) => n.prev = NIL,
+            _ => self.tail = NIL,
+        }
+        self.lru_len -= 1;
         self.vacant.push(idx);
         if let Ok(bucket) = self.index.find_entry(fold(entry.hash), |&i| i == idx) {
             bucket.remove();
