@@ -758,7 +758,25 @@ impl PoolCore {
     }
 
     /// Drops one ref; returns the block to the free list at the last one.
+    /// Drops one ref on `id`. The common case — the last ref, a single
+    /// free list, no memory to scrub — is inlined; the rest is
+    /// [`Self::release_slow`].
+    #[inline(always)]
     fn release(&mut self, id: BlockId) -> Result<(), MemError> {
+        if let (FreeBlocks::Single { head, .. }, None) = (&mut self.lists, &self.region) {
+            if let Some(entry @ Entry::Occupied { refs: 1 }) = self.entries.get_mut(id as usize) {
+                *entry = Entry::Vacant { next: *head };
+                *head = id;
+                self.free += 1;
+                self.refs -= 1;
+                return Ok(());
+            }
+        }
+        self.release_slow(id)
+    }
+
+    #[inline(never)]
+    fn release_slow(&mut self, id: BlockId) -> Result<(), MemError> {
         match self.entries.get_mut(id as usize) {
             Some(Entry::Occupied { refs }) if *refs > 1 => {
                 *refs -= 1;
