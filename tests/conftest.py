@@ -3,6 +3,7 @@ where no CUDA device exists, so CI on CPU machines stays green."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -33,13 +34,38 @@ def fake() -> imp_mem.FakeBackend:
     return imp_mem.FakeBackend(capacity=64 << 20, granularity=4096)
 
 
-@pytest.fixture(params=["buffer", "copy"])
+@pytest.fixture(params=["direct", "buffer", "copy"])
 def token_path(request) -> str:
-    """Runs a test with token buffers read both ways: in place through the
-    buffer protocol ("buffer", Python 3.11+ only) and copied through
-    ``tobytes()`` ("copy", the path before 3.11); restores the default."""
-    if request.param == "buffer" and sys.version_info < (3, 11):
+    """Runs a test with token buffers read every way: int32/uint32 NumPy
+    arrays straight from the array ("direct"; other buffers as in "buffer"
+    where it exists, else "copy"), every buffer in place through the buffer
+    protocol ("buffer", Python 3.11+ only), and copied through ``tobytes()``
+    ("copy", the path before 3.11); restores the defaults."""
+    with imp_mem_token_path(request.param):
+        yield request.param
+
+
+@pytest.fixture(scope="session")
+def use_token_path():
+    """The context manager behind `token_path`, for a test that runs every
+    path itself: ``with use_token_path("copy"): ...``."""
+    return imp_mem_token_path
+
+
+@contextlib.contextmanager
+def imp_mem_token_path(name: str):
+    """Reads token buffers the way `name` says (see `token_path`)."""
+    if name == "buffer" and sys.version_info < (3, 11):
         pytest.skip("the buffer protocol is in the stable ABI from Python 3.11")
-    was = imp_mem._core._set_buffer_protocol(request.param == "buffer")
-    yield request.param
-    imp_mem._core._set_buffer_protocol(was)
+    core = imp_mem._core
+    direct = core._set_numpy_direct(name == "direct")
+    buffer = core._set_buffer_protocol(
+        name == "buffer" or (name == "direct" and sys.version_info >= (3, 11))
+    )
+    try:
+        if name == "direct":
+            assert core._numpy_direct_active(), "NumPy is imported: the direct reader must be on"
+        yield
+    finally:
+        core._set_buffer_protocol(buffer)
+        core._set_numpy_direct(direct)

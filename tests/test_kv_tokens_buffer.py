@@ -1,13 +1,14 @@
-"""Token ids from buffers, on both paths (``token_path``): read in place
+"""Token ids from buffers, on every path (``token_path``): int32/uint32 NumPy
+arrays read straight from the array ("direct"), any buffer read in place
 through the buffer protocol (Python 3.11+; native 4-byte ids borrowed, the
-rest converted from the exporter's memory) and copied through ``tobytes()``.
-Both must read the same ids as a list does and refuse the same inputs with
-the same message, and the buffer path must release every export."""
+rest converted from the exporter's memory), and copied through
+``tobytes()``. All must read the same ids as a list does and refuse the same
+inputs with the same message, and the buffer path must release every
+export."""
 
 from __future__ import annotations
 
 import array
-import contextlib
 import sys
 import threading
 
@@ -22,20 +23,11 @@ from imp_mem import InvalidArgument, KVCacheManager, _core
 
 U32_MAX = 2**32 - 1
 INT_DTYPES = ["i1", "u1"] + [f"{o}{k}{n}" for o in "<>" for k in "iu" for n in (2, 4, 8)]
-BOTH_PATHS = ["buffer", "copy"] if sys.version_info >= (3, 11) else ["copy"]
+ALL_PATHS = ["direct", "buffer", "copy"] if sys.version_info >= (3, 11) else ["direct", "copy"]
 
 
 def kv() -> KVCacheManager:
     return KVCacheManager(64, 4)
-
-
-@contextlib.contextmanager
-def path(name: str):
-    was = _core._set_buffer_protocol(name == "buffer")
-    try:
-        yield
-    finally:
-        _core._set_buffer_protocol(was)
 
 
 def ids_for(dtype) -> list[int]:
@@ -66,7 +58,7 @@ def refusal(call) -> str:
 
 
 @pytest.mark.usefixtures("token_path")
-class TestBothPaths:
+class TestEveryPath:
     @pytest.mark.parametrize("dtype", INT_DTYPES)
     def test_every_integer_dtype_and_byte_order(self, dtype):
         ids = ids_for(np.dtype(dtype))
@@ -271,10 +263,10 @@ class TestBothPaths:
     ],
     ids=["f64", "2d", "neg-i4", "neg-i2-big", "u64", "array-b", "bytes", "object", "int"],
 )
-def test_both_paths_refuse_with_the_same_message(bad):
+def test_every_path_refuses_with_the_same_message(bad, use_token_path):
     messages = set()
-    for name in BOTH_PATHS:
-        with path(name):
+    for name in ALL_PATHS:
+        with use_token_path(name):
             messages.add(refusal(lambda: kv().admit(1, bad)))
     assert len(messages) == 1, messages
 
@@ -293,19 +285,82 @@ def _token_arrays():
     step=st.sampled_from([1, 1, 2, -1]),
     unaligned=st.booleans(),
 )
-def test_both_paths_hash_like_a_list(values, step, unaligned):
+def test_every_path_hashes_like_a_list(use_token_path, values, step, unaligned):
     if unaligned:
         values = np.frombuffer(b"\0" + values.tobytes(), dtype=values.dtype, offset=1)
     values = values[::step]
     m = kv()
     expected = m.hash_blocks([int(v) for v in values])
-    for name in BOTH_PATHS:
-        with path(name):
+    for name in ALL_PATHS:
+        with use_token_path(name):
             assert m.hash_blocks(values) == expected
             assert m.hash_blocks(memoryview(values)) == expected
 
 
+@pytest.mark.parametrize("hook", ["_set_buffer_protocol", "_set_numpy_direct"])
 @pytest.mark.parametrize("bad", ["yes", 1, None])
-def test_the_test_hook_refuses_a_non_bool(bad):
+def test_the_test_hooks_refuse_a_non_bool(hook, bad):
     with pytest.raises(InvalidArgument, match="enabled must be True or False"):
-        _core._set_buffer_protocol(bad)
+        getattr(_core, hook)(bad)
+
+
+class TestDirectNumpyReader:
+    """What the direct reader takes, and that what it passes on still reads
+    (it must never read an array it does not understand)."""
+
+    @pytest.fixture(autouse=True)
+    def _direct(self, use_token_path):
+        with use_token_path("direct"):
+            yield
+
+    @pytest.mark.parametrize("dtype", ["=i4", "=u4", "<i4", "<u4"])
+    def test_native_4_byte_arrays_read_like_a_list(self, dtype):
+        ids = ids_for(np.dtype(dtype))
+        same_as_list(kv(), np.array(ids, dtype=dtype), ids)
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda a: a[::2],
+            lambda a: a[::-1],
+            lambda a: a.astype(">i4"),
+            lambda a: a.astype(np.int64),
+            lambda a: a.view(np.ndarray).view(type("Sub", (np.ndarray,), {})),
+            lambda a: np.lib.stride_tricks.as_strided(a, shape=(1,), strides=(8,)),
+            lambda a: np.frombuffer(b"\0" + a.tobytes(), dtype=np.int32, offset=1),
+            lambda a: a[:0],
+        ],
+        ids=[
+            "strided",
+            "reversed",
+            "big-endian",
+            "int64",
+            "subclass",
+            "len1-stride8",
+            "unaligned",
+            "empty",
+        ],
+    )
+    def test_arrays_it_passes_on_read_the_same(self, make):
+        source = np.arange(12, dtype=np.int32)
+        tokens = make(source)
+        same_as_list(kv(), tokens, [int(v) for v in tokens])
+
+    def test_a_read_only_array_reads(self):
+        tokens = np.arange(12, dtype=np.uint32)
+        tokens.flags.writeable = False
+        same_as_list(kv(), tokens, list(range(12)))
+
+    def test_a_negative_int32_is_refused_with_the_usual_message(self):
+        bad = np.array([1, 2, -7, 3], np.int32)
+        assert refusal(lambda: kv().admit(1, bad)) == "token id -7 is outside 0..=4294967295"
+
+    def test_the_reader_holds_no_reference(self):
+        tokens = np.arange(64, dtype=np.int32)
+        m = kv()
+        before = sys.getrefcount(tokens)
+        m.admit(1, tokens)
+        m.free(1)
+        m.hash_blocks(tokens)
+        assert sys.getrefcount(tokens) == before
+        tokens.resize(128, refcheck=True)  # refused if anything still held it

@@ -143,6 +143,15 @@ integers (a NumPy integer array, ``array.array``, a ``memoryview``)."""
 MmItem = tuple[int, int, int]
 """``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
 
+def _set_numpy_direct(enabled: bool) -> bool:
+    """Test hook: read int32/uint32 NumPy arrays straight from the array
+    (the default) or through the buffer protocol like any other buffer;
+    returns the previous setting."""
+
+def _numpy_direct_active() -> bool:
+    """Test hook: whether int32/uint32 NumPy arrays are read straight from
+    the array now (the hook on, NumPy imported and its layout self-checked)."""
+
 def _set_buffer_protocol(enabled: bool) -> bool:
     """Test hook: read token buffers in place through the buffer protocol
     (the default on Python 3.11+) or copy them as before 3.11; returns the

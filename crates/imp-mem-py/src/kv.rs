@@ -31,6 +31,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 use crate::backend::{PyBackend, PyFakeBackend};
 use crate::buffer::{self, BufferView, WordView};
 use crate::errors::{invalid, IntoPyResult};
+use crate::ndarray;
 
 static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
@@ -220,9 +221,11 @@ fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
 /// Derefs to `&[u32]`. It holds the GIL lifetime and is not `Send`, so a
 /// call site takes the slice (`let ids: &[u32] = &toks;`) into
 /// `allow_threads` and drops the `Tokens` afterwards, with the GIL.
-pub enum Tokens<'py> {
+pub enum Tokens<'a> {
     /// Native 4-byte ids read where the exporter keeps them.
-    Borrowed(WordView<'py>),
+    Borrowed(WordView<'a>),
+    /// Native 4-byte ids read in place from a NumPy array (`ndarray.rs`).
+    InPlace(&'a [u32]),
     /// Ids converted from a list, a tuple or any other integer buffer.
     Owned(Vec<u32>),
 }
@@ -233,6 +236,7 @@ impl Deref for Tokens<'_> {
     fn deref(&self) -> &[u32] {
         match self {
             Tokens::Borrowed(words) => words,
+            Tokens::InPlace(ids) => ids,
             Tokens::Owned(ids) => ids,
         }
     }
@@ -293,8 +297,14 @@ fn view_tokens(view: BufferView<'_>) -> PyResult<Tokens<'_>> {
 }
 
 /// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
-pub fn tokens<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
+pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
     let py = obj.py();
+    if let Some((ids, signed)) = ndarray::int32_ids(obj) {
+        if signed {
+            check_int32(ids)?;
+        }
+        return Ok(Tokens::InPlace(ids));
+    }
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
         // `array('q', seq)` converts in C, about 5x faster than extracting
         // each int here; it refuses non-integers and values beyond int64.
@@ -349,6 +359,31 @@ pub fn tokens<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Tokens<'py>> {
 /// Test hook: reads buffers through the buffer protocol (`True`, the
 /// default on Python 3.11+) or through the copying path every version has
 /// (`False`); returns the previous setting. `True` before 3.11 is refused.
+/// Test hook: reads int32/uint32 NumPy arrays straight from the array
+/// (`True`, the default) or through the buffer protocol like any other
+/// buffer (`False`); returns the previous setting.
+#[pyfunction(name = "_set_numpy_direct")]
+fn set_numpy_direct(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(enabled) = enabled.downcast::<PyBool>() else {
+        return Err(invalid(format!(
+            "enabled must be True or False, got {}",
+            enabled
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )));
+    };
+    Ok(ndarray::set_enabled(enabled.is_true()))
+}
+
+/// Test hook: whether int32/uint32 NumPy arrays are being read straight
+/// from the array now (the hook on, NumPy imported, its self-check passed).
+#[pyfunction(name = "_numpy_direct_active")]
+fn numpy_direct_active(py: Python<'_>) -> bool {
+    ndarray::active(py)
+}
+
 #[pyfunction(name = "_set_buffer_protocol")]
 fn set_buffer_protocol(py: Python<'_>, enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
     let Ok(enabled) = enabled.downcast::<PyBool>() else {
@@ -585,9 +620,11 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
+        // Extras first: reading them may run Python code, which must not
+        // run while the ids are borrowed from the caller's array.
+        let extras = extras(lora_id, cache_salt, mm)?;
         let toks = self::tokens(tokens)?;
         let ids: &[u32] = &toks;
-        let extras = extras(lora_id, cache_salt, mm)?;
         let n = ids.len();
         self.run(py, |_| n <= SMALL_TOKENS, |m| m.admit(seq_id, ids, extras))
             .py()
@@ -604,9 +641,11 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
+        // Extras first: reading them may run Python code, which must not
+        // run while the ids are borrowed from the caller's array.
+        let extras = extras(lora_id, cache_salt, mm)?;
         let toks = self::tokens(tokens)?;
         let ids: &[u32] = &toks;
-        let extras = extras(lora_id, cache_salt, mm)?;
         Ok(py.allow_threads(|| self.lock().can_admit(ids, &extras)))
     }
 
@@ -620,9 +659,11 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
+        // Extras first: reading them may run Python code, which must not
+        // run while the ids are borrowed from the caller's array.
+        let extras = extras(lora_id, cache_salt, mm)?;
         let toks = self::tokens(tokens)?;
         let ids: &[u32] = &toks;
-        let extras = extras(lora_id, cache_salt, mm)?;
         Ok(py.allow_threads(|| self.lock().probe(ids, &extras)) * self.block_size)
     }
 
@@ -732,9 +773,11 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        // Extras first: reading them may run Python code, which must not
+        // run while the ids are borrowed from the caller's array.
+        let extras = extras(lora_id, cache_salt, mm)?;
         let toks = self::tokens(tokens)?;
         let ids: &[u32] = &toks;
-        let extras = extras(lora_id, cache_salt, mm)?;
         let hasher = self.lock().hasher().clone();
         let raw = py.allow_threads(|| {
             let hashes = hasher.chain(ids, &extras);
@@ -758,9 +801,11 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
+        // Extras first: reading them may run Python code, which must not
+        // run while the ids are borrowed from the caller's array.
+        let extras = extras(lora_id, cache_salt, mm)?;
         let toks = self::tokens(tokens)?;
         let ids: &[u32] = &toks;
-        let extras = extras(lora_id, cache_salt, mm)?;
         py.allow_threads(|| self.lock().pin(owner, ids, &extras))
             .py()
     }
@@ -811,5 +856,7 @@ impl PyKVCacheManager {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKVCacheManager>()?;
     m.add_function(wrap_pyfunction!(set_buffer_protocol, m)?)?;
+    m.add_function(wrap_pyfunction!(set_numpy_direct, m)?)?;
+    m.add_function(wrap_pyfunction!(numpy_direct_active, m)?)?;
     Ok(())
 }

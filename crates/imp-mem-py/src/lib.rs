@@ -13,6 +13,7 @@ pub mod cuda;
 pub mod dlpack;
 pub mod errors;
 pub mod kv;
+pub mod ndarray;
 pub mod planner;
 pub mod system;
 pub mod tiers;
