@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
@@ -142,6 +143,11 @@ integers (a NumPy integer array, ``array.array``, a ``memoryview``)."""
 
 MmItem = tuple[int, int, int]
 """``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
+
+def _fastcall_original(name: str) -> Callable[..., Any] | None:
+    """Test hook: pyo3's own ``KVCacheManager`` method ``name`` ("admit",
+    "free" or "abort") when a vectorcall entry replaced it (Python 3.10+),
+    else ``None``."""
 
 def _set_numpy_direct(enabled: bool) -> bool:
     """Test hook: read int32/uint32 NumPy arrays straight from the array

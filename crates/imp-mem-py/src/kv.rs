@@ -506,6 +506,43 @@ impl PyKVCacheManager {
         py.allow_threads(|| f(&mut self.lock()))
     }
 
+    /// `admit`, shared by the method and its fast entry (`fastcall.rs`).
+    pub(crate) fn admit_impl(
+        &self,
+        py: Python<'_>,
+        seq_id: u64,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<u64>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        // Extras first: reading them may run Python code, which must not
+        // run while the ids are borrowed from the caller's array.
+        let extras = extras(lora_id, cache_salt, mm)?;
+        let toks = self::tokens(tokens)?;
+        let ids: &[u32] = &toks;
+        let n = ids.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.admit(seq_id, ids, extras))
+            .py()
+            .map(|a| a.cached_tokens)
+    }
+
+    /// `free` (and `abort`: nothing computed), shared by the methods and
+    /// their fast entries.
+    pub(crate) fn free_impl(
+        &self,
+        py: Python<'_>,
+        seq_id: u64,
+        computed_tokens: Option<usize>,
+    ) -> PyResult<()> {
+        self.run(
+            py,
+            |m| small_sequence(m, seq_id),
+            |m| m.free(seq_id, computed_tokens),
+        )
+        .py()
+    }
+
     /// Wraps a manager built in Rust (by `MemorySystem.kv_manager`).
     pub(crate) fn from_core(m: KVCacheManager) -> Self {
         let block_size = m.config().block_size;
@@ -620,15 +657,7 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        // Extras first: reading them may run Python code, which must not
-        // run while the ids are borrowed from the caller's array.
-        let extras = extras(lora_id, cache_salt, mm)?;
-        let toks = self::tokens(tokens)?;
-        let ids: &[u32] = &toks;
-        let n = ids.len();
-        self.run(py, |_| n <= SMALL_TOKENS, |m| m.admit(seq_id, ids, extras))
-            .py()
-            .map(|a| a.cached_tokens)
+        self.admit_impl(py, seq_id, tokens, lora_id, cache_salt, mm)
     }
 
     /// True when `tokens` could be admitted now.
@@ -684,12 +713,7 @@ impl PyKVCacheManager {
     /// Frees `seq_id`; its full computed blocks move into the prefix cache.
     #[pyo3(signature = (seq_id, computed_tokens = None))]
     fn free(&self, py: Python<'_>, seq_id: u64, computed_tokens: Option<usize>) -> PyResult<()> {
-        self.run(
-            py,
-            |m| small_sequence(m, seq_id),
-            |m| m.free(seq_id, computed_tokens),
-        )
-        .py()
+        self.free_impl(py, seq_id, computed_tokens)
     }
 
     /// Shares `seq_id`'s full blocks inside its first `computed_tokens` with
@@ -701,8 +725,7 @@ impl PyKVCacheManager {
 
     /// Releases `seq_id` without caching anything new.
     fn abort(&self, py: Python<'_>, seq_id: u64) -> PyResult<()> {
-        self.run(py, |m| small_sequence(m, seq_id), |m| m.abort(seq_id))
-            .py()
+        self.free_impl(py, seq_id, Some(0))
     }
 
     /// StreamingLLM: drops blocks `[start, end)` of `seq_id`, leaving holes.
@@ -855,6 +878,8 @@ impl PyKVCacheManager {
 /// Registers this file's classes.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKVCacheManager>()?;
+    crate::fastcall::install(&m.py().get_type::<PyKVCacheManager>())?;
+    m.add_function(wrap_pyfunction!(crate::fastcall::fastcall_original, m)?)?;
     m.add_function(wrap_pyfunction!(set_buffer_protocol, m)?)?;
     m.add_function(wrap_pyfunction!(set_numpy_direct, m)?)?;
     m.add_function(wrap_pyfunction!(numpy_direct_active, m)?)?;

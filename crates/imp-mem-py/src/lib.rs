@@ -12,6 +12,7 @@ pub mod convert;
 pub mod cuda;
 pub mod dlpack;
 pub mod errors;
+pub mod fastcall;
 pub mod kv;
 pub mod ndarray;
 pub mod planner;
