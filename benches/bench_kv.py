@@ -8,7 +8,7 @@ with ``hashlib.blake2b`` (128-bit, the stdlib's fastest collision-resistant
 hash; vLLM's default SHA-256 over pickle is slower), tokens sliced from one
 ``tobytes()`` per request. It implements admission with the same capacity
 rule, prefix hits that leave one token to compute, and freeing that moves
-full blocks into the cache — not pins, holes or SWA, which the workloads do
+full blocks into the cache, last block first — not pins, holes or SWA, which the workloads do
 not exercise.
 
 Workloads (vLLM's BlockPool peer figures are in shared/SPEC.md):
@@ -108,7 +108,10 @@ class RefKV:
     def free(self, sid: int, cache_blocks: bool = True) -> None:
         _n, hashes, blocks, nhits = self.seqs.pop(sid)
         cache, lru = self.cache, self.lru
-        for i, b in enumerate(blocks):
+        # Last block first, as the manager does: the prefix's head is the
+        # most recently used, so eviction shortens it from the end.
+        for i in range(len(blocks) - 1, -1, -1):
+            b = blocks[i]
             if i < nhits:
                 h = hashes[i]
                 e = cache[h]

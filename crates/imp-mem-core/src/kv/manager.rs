@@ -835,7 +835,13 @@ impl KVCacheManager {
         let mut refused = None;
         // The refs this frees, released under one pool lock at the end.
         let mut dropped = std::mem::take(&mut self.spare.tokens);
-        for (i, slot) in seq.blocks.drain(..).enumerate() {
+        // Last block first: each entry joins the LRU's recent end, so the
+        // sequence's first block ends up the most recent and its last block
+        // the next to go. Eviction then shortens a cached prefix from its
+        // end, and what stays is still reachable (a match stops at the
+        // first miss); in block order the head would go first and strand
+        // the rest (vLLM frees in reverse for the same reason).
+        for (i, slot) in seq.blocks.drain(..).enumerate().rev() {
             let block = match slot {
                 Slot::Hole => continue,
                 Slot::Cached { entry, .. } => {

@@ -833,3 +833,23 @@ fn the_streamed_file_keeps_the_format() {
         assert_eq!(sum, xxhash_rust::xxh3::xxh3_64(&rest[at + 24..at + 56]));
     }
 }
+
+#[test]
+fn eviction_shortens_a_freed_prefix_from_its_end() {
+    // Freed in reverse, a sequence's last block is its LRU entry: evicting
+    // one block keeps the rest of the prefix reachable.
+    let mut m = slots(2, 8);
+    m.admit(1, &toks(0..9), none()).unwrap(); // 4 full blocks + 1 token
+    m.free(1, None).unwrap();
+    assert_eq!(m.probe(&toks(0..9), &none()), 4);
+    assert_eq!(m.evict(1), 1);
+    assert_eq!(m.probe(&toks(0..9), &none()), 3, "blocks 0..3 still hit");
+    assert_eq!(m.evict(2), 2);
+    assert_eq!(m.probe(&toks(0..9), &none()), 1);
+    // A prefix hit's entries are released the same way.
+    m.admit(2, &toks(0..9), none()).unwrap();
+    m.free(2, None).unwrap();
+    assert_eq!(m.evict(3), 3);
+    assert_eq!(m.probe(&toks(0..9), &none()), 1);
+    m.check_invariants().unwrap();
+}
