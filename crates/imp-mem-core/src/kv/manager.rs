@@ -8,7 +8,7 @@ use crate::block_pool::{BlockId, BlockToken, PoolConfig, SharedBlockPool};
 use crate::error::{KvCapacityReport, MemError};
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
 use crate::kv::persist::BlockIo;
-use crate::kv::prefix::{FastMap, Insert, PrefixCache};
+use crate::kv::prefix::{Entry, FastMap, Insert, PrefixCache};
 use crate::tag::Tag;
 
 /// A sequence's id, chosen by the caller.
@@ -421,10 +421,11 @@ impl KVCacheManager {
     }
 
     /// Cached prefix blocks of `hashes`, stopping at the first miss and
-    /// leaving at least one token of `n_tokens` to compute.
-    fn match_prefix(&self, hashes: &[BlockHash], n_tokens: usize, out: &mut Vec<u32>) {
+    /// leaving at least one token of `n_tokens` to compute. Returns how many
+    /// of them are evictable now (taking them makes them not).
+    fn match_prefix(&self, hashes: &[BlockHash], n_tokens: usize, out: &mut Vec<u32>) -> u32 {
         if !self.config.enable_prefix_caching {
-            return;
+            return 0;
         }
         let bs = self.config.block_size;
         let max = if n_tokens > 0 && n_tokens % bs == 0 {
@@ -432,12 +433,17 @@ impl KVCacheManager {
         } else {
             hashes.len()
         };
+        let mut evictable = 0;
         for h in &hashes[..max.min(hashes.len())] {
             match self.cache.get(h) {
-                Some(idx) => out.push(idx),
+                Some(idx) => {
+                    out.push(idx);
+                    evictable += u32::from(self.cache.entry(idx).is_some_and(Entry::evictable));
+                }
                 None => break,
             }
         }
+        evictable
     }
 
     fn pinned_idle(&self) -> u32 {
@@ -570,27 +576,17 @@ impl KVCacheManager {
         n_tokens.saturating_sub(self.config.swa_window) / self.config.block_size
     }
 
-    /// Main and SWA blocks an admission of `n_tokens` with prefix hits
-    /// `hits` needs now: `(needed, hits that were evictable, swa needed)`.
-    /// The evictable hits stop being evictable once taken, so they do not
-    /// count as room.
-    fn admission_needs(&self, n_tokens: usize, hits: &[u32]) -> (u32, u32, u32) {
+    /// Main and SWA blocks an admission of `n_tokens` with `hits` prefix
+    /// hits needs now: `(needed, swa needed)`.
+    fn admission_needs(&self, n_tokens: usize, hits: usize) -> (u32, u32) {
         let total = ceil_div(n_tokens, self.config.block_size);
-        let need = (total - hits.len()) as u32;
-        let taken = hits
-            .iter()
-            .filter(|&&i| {
-                self.cache
-                    .entry(i)
-                    .is_some_and(|e| e.users == 0 && e.pins == 0)
-            })
-            .count() as u32;
+        let need = (total - hits) as u32;
         let swa = if self.swa_pool.is_some() {
             (total - self.swa_first(n_tokens).min(total)) as u32
         } else {
             0
         };
-        (need, taken, swa)
+        (need, swa)
     }
 
     /// True when `tokens` could be admitted now (counting prefix hits and
@@ -603,8 +599,10 @@ impl KVCacheManager {
     pub fn check_admit(&self, tokens: &[u32], extras: &ExtraKeys) -> Result<(), MemError> {
         let hashes = self.chain_if_caching(tokens, extras);
         let mut hits = Vec::new();
-        self.match_prefix(&hashes, tokens.len(), &mut hits);
-        let (need, taken, swa) = self.admission_needs(tokens.len(), &hits);
+        // The evictable hits stop being evictable once taken, so they do
+        // not count as room.
+        let taken = self.match_prefix(&hashes, tokens.len(), &mut hits);
+        let (need, swa) = self.admission_needs(tokens.len(), hits.len());
         let what = || format!("admit {} tokens", tokens.len());
         self.check_main(what, need, taken)?;
         self.check_swa(what, swa, 0)
@@ -653,8 +651,8 @@ impl KVCacheManager {
         }
         let mut hit_idx = std::mem::take(&mut self.spare.hits);
         hit_idx.clear();
-        self.match_prefix(&seq.hashes, tokens.len(), &mut hit_idx);
-        let (need, taken, swa_need) = self.admission_needs(tokens.len(), &hit_idx);
+        let taken = self.match_prefix(&seq.hashes, tokens.len(), &mut hit_idx);
+        let (need, swa_need) = self.admission_needs(tokens.len(), hit_idx.len());
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
         let checked = self
             .check_main(what, need, taken)

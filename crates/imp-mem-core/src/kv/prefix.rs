@@ -96,7 +96,7 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    fn evictable(&self) -> bool {
+    pub fn evictable(&self) -> bool {
         self.users == 0 && self.pins == 0
     }
 }
@@ -234,17 +234,15 @@ impl PrefixCache {
 
     /// A prefix hit on each of `idxs`: one more user each, which takes the
     /// entry off the LRU; `push` gets each entry and its block id. The
-    /// entry keeps owning the block's ref (K16). All or nothing.
+    /// entry keeps owning the block's ref (K16). A vacant index (a caller's
+    /// bug: hits come from `get` under the same borrow) stops it with an
+    /// error after the entries already pushed, which the caller gives back
+    /// (`admit` releases the slots it was handed, so all or nothing holds).
     pub fn acquire(
         &mut self,
         idxs: &[u32],
         mut push: impl FnMut(u32, BlockId),
     ) -> Result<(), MemError> {
-        if let Some(&idx) = idxs.iter().find(|&&i| self.entry(i).is_none()) {
-            return Err(MemError::Invariant(format!(
-                "prefix cache entry {idx} is vacant"
-            )));
-        }
         for &idx in idxs {
             let e = self.entry_mut(idx)?;
             e.users += 1;
