@@ -220,7 +220,7 @@ type Args<'a, 'py> = (
 /// The positional values, and (name, value) keyword pairs.
 ///
 /// # Safety
-/// As for [`run_entry`].
+/// As for [`dispatch`].
 unsafe fn arguments<'a, 'py>(
     py: Python<'py>,
     args: *const *mut ffi::PyObject,
