@@ -436,6 +436,19 @@ fn extras(
     })
 }
 
+/// A request's extra keys and token ids. The extras are read first: that
+/// may run Python code (an `mm` iterable), which must not run while the ids
+/// are borrowed from the caller's array.
+fn request<'a>(
+    tokens: &'a Bound<'_, PyAny>,
+    lora_id: Option<u64>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+    mm: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(ExtraKeys, Tokens<'a>)> {
+    let extras = extras(lora_id, cache_salt, mm)?;
+    Ok((extras, self::tokens(tokens)?))
+}
+
 fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("capacity", s.capacity)?;
@@ -516,10 +529,7 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        // Extras first: reading them may run Python code, which must not
-        // run while the ids are borrowed from the caller's array.
-        let extras = extras(lora_id, cache_salt, mm)?;
-        let toks = self::tokens(tokens)?;
+        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         let n = ids.len();
         self.run(py, |_| n <= SMALL_TOKENS, |m| m.admit(seq_id, ids, extras))
@@ -670,10 +680,7 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        // Extras first: reading them may run Python code, which must not
-        // run while the ids are borrowed from the caller's array.
-        let extras = extras(lora_id, cache_salt, mm)?;
-        let toks = self::tokens(tokens)?;
+        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         Ok(py.allow_threads(|| self.lock().can_admit(ids, &extras)))
     }
@@ -688,10 +695,7 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        // Extras first: reading them may run Python code, which must not
-        // run while the ids are borrowed from the caller's array.
-        let extras = extras(lora_id, cache_salt, mm)?;
-        let toks = self::tokens(tokens)?;
+        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         Ok(py.allow_threads(|| self.lock().probe(ids, &extras)) * self.block_size)
     }
@@ -796,10 +800,7 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        // Extras first: reading them may run Python code, which must not
-        // run while the ids are borrowed from the caller's array.
-        let extras = extras(lora_id, cache_salt, mm)?;
-        let toks = self::tokens(tokens)?;
+        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         let hasher = self.lock().hasher().clone();
         let raw = py.allow_threads(|| {
@@ -824,10 +825,7 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
-        // Extras first: reading them may run Python code, which must not
-        // run while the ids are borrowed from the caller's array.
-        let extras = extras(lora_id, cache_salt, mm)?;
-        let toks = self::tokens(tokens)?;
+        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         py.allow_threads(|| self.lock().pin(owner, ids, &extras))
             .py()
