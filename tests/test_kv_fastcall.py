@@ -1,5 +1,5 @@
-"""The vectorcall entries of ``KVCacheManager.admit``, ``.free`` and
-``.abort`` (Python 3.10+): every call must behave exactly as pyo3's own
+"""The vectorcall entries of ``KVCacheManager.admit``, ``.free``, ``.abort``
+and ``.append`` (Python 3.10+): every call must behave exactly as pyo3's own
 method would — the same result, the same exception with the same message,
 the same state afterwards — whichever of the two paths handles it."""
 
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(
     sys.version_info < (3, 10), reason="METH_FASTCALL is in the stable ABI from Python 3.10"
 )
 
-METHODS = ["admit", "free", "abort"]
+METHODS = ["admit", "free", "abort", "append"]
 
 
-def test_the_three_methods_are_replaced_and_keep_their_signature_and_doc():
+def test_the_methods_are_replaced_and_keep_their_signature_and_doc():
     for name in METHODS:
         original = _core._fastcall_original(name)
         assert original is not None, name
@@ -101,6 +101,16 @@ CALLS = [
     ("abort", (2,), {"x": 1}),
     ("abort", (2**64,), {}),
     ("abort", (True,), {}),
+    ("append", (1, [7]), {}),
+    ("append", (1, np.arange(9, dtype=np.int32)), {}),
+    ("append", (2, TOKENS * 20), {}),  # does not fit
+    ("append", (9, [7]), {}),
+    ("append", (1, [-1]), {}),
+    ("append", (1, "abc"), {}),
+    ("append", (1,), {"tokens": [7]}),
+    ("append", (), {"seq_id": 1, "tokens": [7]}),
+    ("append", (1, [7], 3), {}),
+    ("append", ("1", [7]), {}),
 ]
 
 

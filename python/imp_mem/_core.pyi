@@ -146,8 +146,8 @@ MmItem = tuple[int, int, int]
 
 def _fastcall_original(name: str) -> Callable[..., Any] | None:
     """Test hook: pyo3's own ``KVCacheManager`` method ``name`` ("admit",
-    "free" or "abort") when a vectorcall entry replaced it (Python 3.10+),
-    else ``None``."""
+    "free", "abort" or "append") when a vectorcall entry replaced it
+    (Python 3.10+), else ``None``."""
 
 def _set_numpy_direct(enabled: bool) -> bool:
     """Test hook: read int32/uint32 NumPy arrays straight from the array

@@ -4,12 +4,13 @@
 //! methods: every call packs its arguments into a fresh tuple (and a dict
 //! for keywords) that pyo3 then unpacks. `METH_FASTCALL` — arguments passed
 //! as a C array — joined the stable ABI in Python 3.10. On a 3.10+
-//! interpreter, [`install`] replaces `KVCacheManager.admit`, `.free` and
-//! `.abort` with method descriptors (`PyDescr_NewMethod`, stable ABI) whose
-//! C functions take that array. They handle the calls an engine makes per
-//! request — positional `seq_id` and `tokens`, the keywords each method
-//! documents — and run the very code the pyo3 methods run (`admit_impl`,
-//! `free_impl`). Any call they do not handle (a keyword they do not know,
+//! interpreter, [`install`] replaces `KVCacheManager.admit`, `.free`,
+//! `.abort` and `.append` (once per decode step) with method descriptors
+//! (`PyDescr_NewMethod`, stable ABI) whose C functions take that array.
+//! They handle the calls an engine makes per request and per step —
+//! positional `seq_id` and `tokens`, the keywords each method documents —
+//! and run the very code the pyo3 methods run (`admit_impl`, `free_impl`,
+//! `append_impl`). Any call they do not handle (a keyword they do not know,
 //! an argument count or type pyo3 would refuse) is handed to the original
 //! pyo3 method, so every error message stays pyo3's own. On 3.9, or if the
 //! type refuses the new attributes, the pyo3 methods stay.
@@ -37,29 +38,30 @@ type FastWithKeywords = unsafe extern "C" fn(
     *mut ffi::PyObject,
 ) -> *mut ffi::PyObject;
 
-/// The pyo3 methods replaced, for the calls the fast entries hand back.
-static ORIGINALS: GILOnceCell<[Py<PyAny>; 3]> = GILOnceCell::new();
+/// The methods replaced, in the order of the indices below.
+const METHODS: [&str; 4] = ["admit", "free", "abort", "append"];
 const ADMIT: usize = 0;
 const FREE: usize = 1;
 const ABORT: usize = 2;
+const APPEND: usize = 3;
 
-/// Replaces the three methods on `cls` (the `KVCacheManager` type) when the
-/// interpreter is 3.10 or later. Does nothing, and keeps pyo3's methods,
-/// otherwise or if anything is refused.
+/// The pyo3 methods replaced, for the calls the fast entries hand back.
+static ORIGINALS: GILOnceCell<[Py<PyAny>; METHODS.len()]> = GILOnceCell::new();
+
+/// Replaces the methods of [`METHODS`] on `cls` (the `KVCacheManager` type)
+/// when the interpreter is 3.10 or later. Does nothing, and keeps pyo3's
+/// methods, otherwise or if anything is refused.
 pub fn install(cls: &Bound<'_, PyType>) -> PyResult<()> {
     let py = cls.py();
     if py.version_info() < (3, 10) || ORIGINALS.get(py).is_some() {
         return Ok(());
     }
-    let entries: [(&str, FastWithKeywords); 3] = [
-        ("admit", admit_entry),
-        ("free", free_entry),
-        ("abort", abort_entry),
-    ];
+    let entries: [FastWithKeywords; METHODS.len()] =
+        [admit_entry, free_entry, abort_entry, append_entry];
     let dict = cls.getattr("__dict__")?;
-    let mut originals = Vec::with_capacity(3);
-    let mut descriptors = Vec::with_capacity(3);
-    for (name, entry) in entries {
+    let mut originals = Vec::with_capacity(METHODS.len());
+    let mut descriptors = Vec::with_capacity(METHODS.len());
+    for (name, entry) in METHODS.into_iter().zip(entries) {
         let original = dict.get_item(name)?;
         let doc = original
             .getattr("__doc__")?
@@ -71,12 +73,12 @@ pub fn install(cls: &Bound<'_, PyType>) -> PyResult<()> {
         descriptors.push(descriptor(cls, name, entry, &doc, signature.as_deref())?);
         originals.push(original.unbind());
     }
-    let Ok(originals) = <[Py<PyAny>; 3]>::try_from(originals) else {
+    let Ok(originals) = <[Py<PyAny>; METHODS.len()]>::try_from(originals) else {
         return Ok(());
     };
     let _ = ORIGINALS.set(py, originals);
-    for ((name, _), descr) in entries.iter().zip(descriptors) {
-        if cls.setattr(*name, descr).is_err() {
+    for (name, descr) in METHODS.into_iter().zip(descriptors) {
+        if cls.setattr(name, descr).is_err() {
             // An immutable type: pyo3's methods stay (whichever were set
             // already behave the same).
             return Ok(());
@@ -85,16 +87,11 @@ pub fn install(cls: &Bound<'_, PyType>) -> PyResult<()> {
     Ok(())
 }
 
-/// Test hook: pyo3's own method `name` ("admit", "free" or "abort") when a
-/// fast entry replaced it, else `None`; the tests call both and compare.
+/// Test hook: pyo3's own method `name` (one of [`METHODS`]) when a fast
+/// entry replaced it, else `None`; the tests call both and compare.
 #[pyfunction(name = "_fastcall_original")]
 pub fn fastcall_original(py: Python<'_>, name: &str) -> Option<PyObject> {
-    let which = match name {
-        "admit" => ADMIT,
-        "free" => FREE,
-        "abort" => ABORT,
-        _ => return None,
-    };
+    let which = METHODS.iter().position(|m| *m == name)?;
     ORIGINALS.get(py).map(|o| o[which].clone_ref(py))
 }
 
@@ -354,4 +351,14 @@ entry!(abort_entry, ABORT, |py, m, pos, kw| {
         return Fast::Pass;
     };
     Fast::Done(m.get().free_impl(py, seq_id, Some(0)).map(|()| py.None()))
+});
+
+entry!(append_entry, APPEND, |py, m, pos, kw| {
+    let ([seq_id, tokens], []) = (pos, kw) else {
+        return Fast::Pass;
+    };
+    let Ok(seq_id) = seq_id.extract::<u64>() else {
+        return Fast::Pass;
+    };
+    Fast::Done(m.get().append_impl(py, seq_id, tokens).map(|()| py.None()))
 });

@@ -537,6 +537,20 @@ impl PyKVCacheManager {
             .map(|a| a.cached_tokens)
     }
 
+    /// `append`, shared by the method and its fast entry.
+    pub(crate) fn append_impl(
+        &self,
+        py: Python<'_>,
+        seq_id: u64,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let toks = self::tokens(tokens)?;
+        let ids: &[u32] = &toks;
+        let n = ids.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, ids))
+            .py()
+    }
+
     /// `free` (and `abort`: nothing computed), shared by the methods and
     /// their fast entries.
     pub(crate) fn free_impl(
@@ -702,11 +716,7 @@ impl PyKVCacheManager {
 
     /// Appends tokens to `seq_id`; all or nothing.
     fn append(&self, py: Python<'_>, seq_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        let toks = self::tokens(tokens)?;
-        let ids: &[u32] = &toks;
-        let n = ids.len();
-        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, ids))
-            .py()
+        self.append_impl(py, seq_id, tokens)
     }
 
     /// True when `n` more tokens fit `seq_id` now.
