@@ -1081,7 +1081,9 @@ impl KVCacheManager {
             return 0;
         };
         self.pins.order.retain(|&o| o != owner);
-        for h in &list {
+        // Last block first, as `free` does (K20): the prefix's head becomes
+        // the most recently used, so eviction shortens it from its end.
+        for h in list.iter().rev() {
             if let Some(idx) = self.cache.get(h) {
                 self.cache.unpin(idx);
             }

@@ -838,7 +838,9 @@ fn the_streamed_file_keeps_the_format() {
 fn eviction_shortens_a_freed_prefix_from_its_end() {
     // Freed in reverse, a sequence's last block is its LRU entry: evicting
     // one block keeps the rest of the prefix reachable.
-    let mut m = slots(2, 8);
+    let mut cfg = KvConfig::new(2, 8);
+    cfg.pin_budget = 8;
+    let mut m = KVCacheManager::new(cfg, None).unwrap();
     m.admit(1, &toks(0..9), none()).unwrap(); // 4 full blocks + 1 token
     m.free(1, None).unwrap();
     assert_eq!(m.probe(&toks(0..9), &none()), 4);
@@ -851,5 +853,12 @@ fn eviction_shortens_a_freed_prefix_from_its_end() {
     m.free(2, None).unwrap();
     assert_eq!(m.evict(3), 3);
     assert_eq!(m.probe(&toks(0..9), &none()), 1);
+    // And so are unpinned ones.
+    m.admit(3, &toks(0..9), none()).unwrap();
+    m.free(3, None).unwrap();
+    assert_eq!(m.pin(5, &toks(0..9), &none()).unwrap(), 4);
+    assert_eq!(m.unpin(5), 4);
+    assert_eq!(m.evict(1), 1);
+    assert_eq!(m.probe(&toks(0..9), &none()), 3);
     m.check_invariants().unwrap();
 }
