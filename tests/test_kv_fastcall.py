@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import imp_mem
 from imp_mem import KVCacheManager, _core
 
 pytestmark = pytest.mark.skipif(
@@ -30,6 +31,12 @@ def test_the_methods_are_replaced_and_keep_their_signature_and_doc():
         assert fast.__doc__ == original.__doc__
         assert fast.__text_signature__ == original.__text_signature__
     assert _core._fastcall_original("probe") is None
+
+
+@pytest.mark.parametrize("bad", [3, None, b"admit"])
+def test_the_hook_refuses_a_name_that_is_not_a_str(bad):
+    with pytest.raises(imp_mem.InvalidArgument, match="name must be a method name"):
+        _core._fastcall_original(bad)
 
 
 def outcome(call):

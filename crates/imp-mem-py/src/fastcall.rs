@@ -24,6 +24,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyDict, PyString, PyTuple, PyType};
 use pyo3::{intern, Borrowed};
 
+use crate::errors::invalid;
 use crate::kv::PyKVCacheManager;
 
 /// `METH_FASTCALL` (stable from 3.10; pyo3-ffi declares it only for 3.10+
@@ -90,9 +91,21 @@ pub fn install(cls: &Bound<'_, PyType>) -> PyResult<()> {
 /// Test hook: pyo3's own method `name` (one of [`METHODS`]) when a fast
 /// entry replaced it, else `None`; the tests call both and compare.
 #[pyfunction(name = "_fastcall_original")]
-pub fn fastcall_original(py: Python<'_>, name: &str) -> Option<PyObject> {
-    let which = METHODS.iter().position(|m| *m == name)?;
-    ORIGINALS.get(py).map(|o| o[which].clone_ref(py))
+pub fn fastcall_original(py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<Option<PyObject>> {
+    let Ok(name) = name.downcast::<PyString>() else {
+        return Err(invalid(format!(
+            "name must be a method name (str), got {}",
+            name.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )));
+    };
+    let name = name.to_cow()?;
+    let Some(which) = METHODS.iter().position(|m| *m == name) else {
+        return Ok(None);
+    };
+    Ok(ORIGINALS.get(py).map(|o| o[which].clone_ref(py)))
 }
 
 /// A method descriptor of `cls` for `entry`, documented like the original

@@ -141,8 +141,6 @@ fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResul
     Ok(out)
 }
 
-/// `sys.modules`, to find NumPy without importing it.
-static SYS_MODULES: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 /// `numpy.ndarray`, once NumPy has been imported by someone.
 static NDARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 /// NumPy dtypes seen so far and how to read them: `(itemsize, signed,
@@ -155,13 +153,7 @@ fn ndarray_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyAny>>
     if let Some(t) = NDARRAY.get(py) {
         return Ok(Some(t.bind(py)));
     }
-    let modules = SYS_MODULES.get_or_try_init(py, || {
-        Ok::<_, PyErr>(py.import("sys")?.getattr("modules")?.unbind())
-    })?;
-    let Ok(modules) = modules.bind(py).downcast::<PyDict>() else {
-        return Ok(None);
-    };
-    let Some(numpy) = modules.get_item("numpy")? else {
+    let Some(numpy) = ndarray::loaded_numpy(py)? else {
         return Ok(None);
     };
     let t = numpy.getattr("ndarray")?.unbind();
@@ -356,25 +348,27 @@ pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
     ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big).map(Tokens::Owned)
 }
 
-/// Test hook: reads buffers through the buffer protocol (`True`, the
-/// default on Python 3.11+) or through the copying path every version has
-/// (`False`); returns the previous setting. `True` before 3.11 is refused.
-/// Test hook: reads int32/uint32 NumPy arrays straight from the array
-/// (`True`, the default) or through the buffer protocol like any other
-/// buffer (`False`); returns the previous setting.
-#[pyfunction(name = "_set_numpy_direct")]
-fn set_numpy_direct(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let Ok(enabled) = enabled.downcast::<PyBool>() else {
-        return Err(invalid(format!(
+/// A test hook's `enabled` argument: `True` or `False`, nothing else.
+fn switch(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match enabled.downcast::<PyBool>() {
+        Ok(b) => Ok(b.is_true()),
+        Err(_) => Err(invalid(format!(
             "enabled must be True or False, got {}",
             enabled
                 .get_type()
                 .name()
                 .map(|n| n.to_string())
                 .unwrap_or_default()
-        )));
-    };
-    Ok(ndarray::set_enabled(enabled.is_true()))
+        ))),
+    }
+}
+
+/// Test hook: reads int32/uint32 NumPy arrays straight from the array
+/// (`True`, the default) or through the buffer protocol like any other
+/// buffer (`False`); returns the previous setting.
+#[pyfunction(name = "_set_numpy_direct")]
+fn set_numpy_direct(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(ndarray::set_enabled(switch(enabled)?))
 }
 
 /// Test hook: whether int32/uint32 NumPy arrays are being read straight
@@ -384,19 +378,12 @@ fn numpy_direct_active(py: Python<'_>) -> bool {
     ndarray::active(py)
 }
 
+/// Test hook: reads buffers through the buffer protocol (`True`, the
+/// default on Python 3.11+) or through the copying path every version has
+/// (`False`); returns the previous setting. `True` before 3.11 is refused.
 #[pyfunction(name = "_set_buffer_protocol")]
 fn set_buffer_protocol(py: Python<'_>, enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let Ok(enabled) = enabled.downcast::<PyBool>() else {
-        return Err(invalid(format!(
-            "enabled must be True or False, got {}",
-            enabled
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        )));
-    };
-    buffer::set_enabled(py, enabled.is_true())
+    buffer::set_enabled(py, switch(enabled)?)
 }
 
 fn extras(

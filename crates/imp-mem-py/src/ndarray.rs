@@ -107,19 +107,21 @@ fn types(py: Python<'_>) -> Option<&'static Types> {
     }
     // Not decided yet: only once NumPy is imported is there anything to
     // read, and importing it here would cost every user who has none.
-    let numpy = loaded_numpy(py)?;
+    let numpy = loaded_numpy(py).ok().flatten()?;
     let checked = build(&numpy).ok().flatten();
     TYPES.get_or_init(py, || checked).as_ref()
 }
 
-fn loaded_numpy(py: Python<'_>) -> Option<Bound<'_, PyAny>> {
-    let modules = SYS_MODULES
-        .get_or_try_init(py, || {
-            Ok::<_, PyErr>(py.import("sys")?.getattr("modules")?.unbind())
-        })
-        .ok()?;
-    let modules = modules.bind(py).downcast::<PyDict>().ok()?;
-    modules.get_item("numpy").ok().flatten()
+/// The `numpy` module if someone imported it (looked up in `sys.modules`,
+/// never imported here).
+pub fn loaded_numpy(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
+    let modules = SYS_MODULES.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("sys")?.getattr("modules")?.unbind())
+    })?;
+    match modules.bind(py).downcast::<PyDict>() {
+        Ok(modules) => modules.get_item("numpy"),
+        Err(_) => Ok(None),
+    }
 }
 
 /// The type objects, if NumPy's major version is one whose layout is known
