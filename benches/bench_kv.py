@@ -8,8 +8,8 @@ with ``hashlib.blake2b`` (128-bit, the stdlib's fastest collision-resistant
 hash; vLLM's default SHA-256 over pickle is slower), tokens sliced from one
 ``tobytes()`` per request. It implements admission with the same capacity
 rule, prefix hits that leave one token to compute, and freeing that moves
-full blocks into the cache, last block first — not pins, holes or SWA, which the workloads do
-not exercise.
+full blocks into the cache, last block first — not pins, holes or SWA,
+which the workloads do not exercise.
 
 Workloads (vLLM's BlockPool peer figures are in shared/SPEC.md):
 
