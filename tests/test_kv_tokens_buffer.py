@@ -297,6 +297,41 @@ def test_every_path_hashes_like_a_list(use_token_path, values, step, unaligned):
             assert m.hash_blocks(memoryview(values)) == expected
 
 
+@given(
+    length=st.integers(1, 3000),
+    data=st.data(),
+    caching=st.booleans(),
+    kind=st.sampled_from(["numpy", "array"]),
+)
+def test_a_negative_int32_anywhere_is_refused_and_changes_nothing(
+    use_token_path, length, data, caching, kind
+):
+    """An admission of int32 ids read in place leaves their check to the
+    manager, after the hash (K21): a negative id in a hashed block or in
+    the partial last block, past a cached prefix or not, is refused with
+    the list's message, and nothing changes."""
+    at = data.draw(st.integers(0, length - 1), label="at")
+    bad = data.draw(st.integers(-(2**31), -1), label="bad")
+    ids = np.arange(length, dtype=np.int32)
+    ids[at] = bad
+    m = KVCacheManager(1024, 16, enable_prefix_caching=caching)
+    m.admit(1, np.arange(64, dtype=np.int32))
+    m.free(1)
+    before = m.stats()
+    expected = refusal(lambda: m.admit(2, [int(v) for v in ids]))
+    assert expected == f"token id {bad} is outside 0..=4294967295"
+    tokens = ids if kind == "numpy" else array.array("i", ids.tobytes())
+    for name in ALL_PATHS:
+        with use_token_path(name):
+            assert refusal(lambda: m.admit(2, tokens)) == expected
+            assert m.stats() == before
+            assert 2 not in m.sequences()
+    ids[:] = np.arange(length, dtype=np.int32)
+    hit = 16 * max(0, min(4, (length - 1) // 16)) if caching else 0
+    assert m.probe(ids) == hit
+    assert m.admit(2, ids) == hit
+
+
 @pytest.mark.parametrize("hook", ["_set_buffer_protocol", "_set_numpy_direct"])
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_the_test_hooks_refuse_a_non_bool(hook, bad):

@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::{
-    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig, KvStats, MmSpan,
-    DEFAULT_HASH_SEED,
+    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, IdSource, KVCacheManager, KvConfig, KvStats,
+    MmSpan, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
 use imp_mem_cuda::CudaBlockIo;
@@ -266,36 +266,62 @@ fn one_dimensional(ndim: usize) -> PyResult<()> {
     Ok(())
 }
 
+/// Who checks that int32 ids read in place are not negative.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Int32Check {
+    /// The reader, before it hands the ids over.
+    Now,
+    /// The manager, in the pass that hashes them (`IdSource::I32`): the
+    /// prompt may be cold, and one pass waits for its memory instead of two.
+    Manager,
+}
+
 /// Token ids from a held C-contiguous export: borrowed when they are
 /// native-endian 4-byte integers at an aligned address (signed ones checked
-/// non-negative), converted from the exporter's memory otherwise.
-fn view_tokens(view: BufferView<'_>) -> PyResult<Tokens<'_>> {
+/// non-negative, or left to the manager), converted from the exporter's
+/// memory otherwise.
+fn view_tokens(view: BufferView<'_>, check: Int32Check) -> PyResult<(Tokens<'_>, IdSource)> {
     one_dimensional(view.ndim())?;
     let (size, signed, big) = int_layout(&view.format(), view.itemsize())?;
     let view = if size == 4 && big == cfg!(target_endian = "big") {
         match view.into_words() {
             Ok(words) => {
-                if signed {
-                    check_int32(&words)?;
-                }
-                return Ok(Tokens::Borrowed(words));
+                let source = int32_source(&words, signed, check)?;
+                return Ok((Tokens::Borrowed(words), source));
             }
             Err(view) => view,
         }
     } else {
         view
     };
-    ids_from_bytes(view.bytes(), size, signed, big).map(Tokens::Owned)
+    let ids = ids_from_bytes(view.bytes(), size, signed, big)?;
+    Ok((Tokens::Owned(ids), IdSource::U32))
+}
+
+/// Checks 4-byte ids read in place now, or says what the manager must.
+fn int32_source(ids: &[u32], signed: bool, check: Int32Check) -> PyResult<IdSource> {
+    match (signed, check) {
+        (false, _) => Ok(IdSource::U32),
+        (true, Int32Check::Manager) => Ok(IdSource::I32),
+        (true, Int32Check::Now) => check_int32(ids).map(|()| IdSource::U32),
+    }
 }
 
 /// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
 pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
+    read_tokens(obj, Int32Check::Now).map(|(ids, _)| ids)
+}
+
+/// [`tokens`], with the ids' [`IdSource`]: `I32` when they are int32s read
+/// in place and not checked yet, for `KVCacheManager::admit_from`.
+fn read_tokens<'a>(
+    obj: &'a Bound<'_, PyAny>,
+    check: Int32Check,
+) -> PyResult<(Tokens<'a>, IdSource)> {
     let py = obj.py();
     if let Some((ids, signed)) = ndarray::int32_ids(obj) {
-        if signed {
-            check_int32(ids)?;
-        }
-        return Ok(Tokens::InPlace(ids));
+        let source = int32_source(ids, signed, check)?;
+        return Ok((Tokens::InPlace(ids), source));
     }
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
         // `array('q', seq)` converts in C, about 5x faster than extracting
@@ -310,8 +336,8 @@ pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
             ))
         })?;
         let raw = packed.call_method0(intern!(py, "tobytes"))?;
-        return ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), 8, true, false)
-            .map(Tokens::Owned);
+        let ids = ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), 8, true, false)?;
+        return Ok((Tokens::Owned(ids), IdSource::U32));
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(invalid(
@@ -319,12 +345,12 @@ pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
         ));
     }
     if let Some(view) = BufferView::get(obj) {
-        return view_tokens(view);
+        return view_tokens(view, check);
     }
     // Before 3.11, or no C-contiguous export (a strided view, or no buffer
     // at all): the copying path reads or refuses it.
     if let Some(ids) = ndarray_tokens(obj)? {
-        return Ok(Tokens::Owned(ids));
+        return Ok((Tokens::Owned(ids), IdSource::U32));
     }
     let memoryview = MEMORYVIEW.get_or_try_init(py, || {
         Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
@@ -345,7 +371,8 @@ pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
     let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
     let (size, signed, big) = int_layout(&format, itemsize)?;
     let raw = view.call_method0(intern!(py, "tobytes"))?;
-    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big).map(Tokens::Owned)
+    let ids = ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big)?;
+    Ok((Tokens::Owned(ids), IdSource::U32))
 }
 
 /// A test hook's `enabled` argument: `True` or `False`, nothing else.
@@ -436,6 +463,19 @@ fn request<'a>(
     Ok((extras, self::tokens(tokens)?))
 }
 
+/// [`request`] for an admission: int32 ids read in place are left for the
+/// manager to check as it hashes them (their [`IdSource`]).
+fn admission<'a>(
+    tokens: &'a Bound<'_, PyAny>,
+    lora_id: Option<u64>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+    mm: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(ExtraKeys, Tokens<'a>, IdSource)> {
+    let extras = extras(lora_id, cache_salt, mm)?;
+    let (ids, source) = read_tokens(tokens, Int32Check::Manager)?;
+    Ok((extras, ids, source))
+}
+
 fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("capacity", s.capacity)?;
@@ -516,12 +556,16 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
+        let (extras, toks, source) = admission(tokens, lora_id, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         let n = ids.len();
-        self.run(py, |_| n <= SMALL_TOKENS, |m| m.admit(seq_id, ids, extras))
-            .py()
-            .map(|a| a.cached_tokens)
+        self.run(
+            py,
+            |_| n <= SMALL_TOKENS,
+            |m| m.admit_from(seq_id, ids, source, extras),
+        )
+        .py()
+        .map(|a| a.cached_tokens)
     }
 
     /// `append`, shared by the method and its fast entry.

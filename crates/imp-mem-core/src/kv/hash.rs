@@ -260,6 +260,27 @@ mod tests {
         }
     }
 
+    /// Prompts longer than one prefetch window (1024 ids) are hashed window
+    /// by window: the chain runs on across them unchanged.
+    #[test]
+    fn long_prompts_hash_across_prefetch_windows() {
+        let words: Vec<u32> = (0..5000u32)
+            .map(|t| t.wrapping_mul(2_654_435_761))
+            .collect();
+        for bs in [8, 16, 27, 28, 41, 55] {
+            for len in [1023, 1024, 1025, 2048 + bs, 5000] {
+                let h = BlockHasher::new(bs, 11);
+                let mut got = vec![];
+                h.extend_chain(5, &words[..len], 0, &ExtraKeys::default(), &mut got);
+                assert_eq!(
+                    got,
+                    reference_chain(bs, 11, 5, &words[..len]),
+                    "block size {bs}, {len} ids"
+                );
+            }
+        }
+    }
+
     #[test]
     fn known_answers_of_the_specialised_path() {
         // Computed by the library (xxhash-rust 0.8.21) before the

@@ -130,6 +130,36 @@ pub struct KvStats {
     pub evictions: u64,
 }
 
+/// What a caller's token ids were before they became `u32`s, so that an
+/// admission refuses ids the caller cannot have meant. The manager checks
+/// them after hashing the prompt: one tokenized long before its admission
+/// is not in the CPU caches, and a check before the hash would wait for
+/// its memory, which the hash instead requests ahead of its work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdSource {
+    /// Unsigned 32-bit ids: every value is an id.
+    U32,
+    /// Signed 32-bit ids read as `u32` (an `int32` array read in place): a
+    /// negative one, whose top bit is set, is refused.
+    I32,
+}
+
+impl IdSource {
+    /// Refuses `tokens` when an id is out of range, naming the first.
+    fn check(self, tokens: &[u32]) -> Result<(), MemError> {
+        // One branch-free pass (it vectorises); the search runs only when
+        // there is an id to name.
+        if self == IdSource::U32 || tokens.iter().fold(0, |a, &t| a | t) <= i32::MAX as u32 {
+            return Ok(());
+        }
+        let bad = tokens.iter().find(|&&t| t > i32::MAX as u32);
+        Err(MemError::invalid(format!(
+            "token id {} is outside 0..=4294967295",
+            bad.map_or(-1, |&t| t as i32)
+        )))
+    }
+}
+
 /// What an admission gave a sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Admission {
@@ -635,6 +665,19 @@ impl KVCacheManager {
         tokens: &[u32],
         extras: ExtraKeys,
     ) -> Result<Admission, MemError> {
+        self.admit_from(id, tokens, IdSource::U32, extras)
+    }
+
+    /// [`Self::admit`] of ids that were `source`: one out of its range is
+    /// refused ([`MemError::InvalidArgument`], nothing changed), checked
+    /// once the hash has brought the prompt into the cache.
+    pub fn admit_from(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        source: IdSource,
+        extras: ExtraKeys,
+    ) -> Result<Admission, MemError> {
         if self.seqs.contains_key(&id) {
             return Err(MemError::invalid(format!(
                 "sequence {id} is already admitted; free it first or use another id"
@@ -648,6 +691,11 @@ impl KVCacheManager {
         if self.config.enable_prefix_caching {
             self.hasher
                 .extend_chain(root, tokens, 0, &extras, &mut seq.hashes);
+        }
+        // After the hash, which brought the prompt into the cache.
+        if let Err(e) = source.check(tokens) {
+            self.spare.keep(seq);
+            return Err(e);
         }
         let mut hit_idx = std::mem::take(&mut self.spare.hits);
         hit_idx.clear();

@@ -71,7 +71,7 @@ mod prefix;
 mod xxh3_block;
 
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
-pub use manager::{Admission, KVCacheManager, KvConfig, KvStats, SeqId};
+pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
 pub use persist::{BlockIo, FakeBlockIo, FILE_MAGIC, FILE_VERSION};
 
 #[cfg(test)]

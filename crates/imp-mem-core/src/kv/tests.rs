@@ -119,6 +119,46 @@ fn a_refused_admission_reports_the_arithmetic_and_changes_nothing() {
 }
 
 #[test]
+fn int32_ids_are_checked_after_hashing_and_a_refusal_changes_nothing() {
+    // A negative int32 id read as u32 has its top bit set.
+    let neg = |v: i32| v as u32;
+    for caching in [true, false] {
+        let mut cfg = KvConfig::new(4, 16);
+        cfg.enable_prefix_caching = caching;
+        let mut m = KVCacheManager::new(cfg, None).unwrap();
+        m.admit(1, &toks(0..8), none()).unwrap();
+        m.free(1, None).unwrap();
+        // In a full block (the hashed part) and in the partial last block;
+        // the first bad id is named.
+        for (at, len) in [(2, 10), (5, 10), (9, 10), (0, 4), (3, 4)] {
+            let mut ids = toks(0..len);
+            ids[at] = neg(-7);
+            if at + 1 < ids.len() {
+                ids[at + 1] = neg(-8);
+            }
+            let before = m.stats();
+            let err = m.admit_from(2, &ids, IdSource::I32, none()).unwrap_err();
+            assert!(
+                matches!(&err, MemError::InvalidArgument(msg)
+                    if msg == "token id -7 is outside 0..=4294967295"),
+                "caching {caching}, bad id at {at}: {err}"
+            );
+            assert_eq!(m.stats(), before, "a refused admission changed something");
+            assert!(m.num_tokens(2).is_err());
+            m.check_invariants().unwrap();
+            // The same ids as u32 are ids like any other.
+            m.admit_from(2, &ids, IdSource::U32, none()).unwrap();
+            m.abort(2).unwrap();
+        }
+        let a = m
+            .admit_from(2, &toks(0..10), IdSource::I32, none())
+            .unwrap();
+        assert_eq!(a.cached_tokens, if caching { 8 } else { 0 });
+        m.check_invariants().unwrap();
+    }
+}
+
+#[test]
 fn allocation_evicts_lru_and_skips_pinned_and_in_use() {
     let mut cfg = KvConfig::new(2, 6);
     cfg.pin_budget = 4;
