@@ -260,7 +260,7 @@ mod tests {
         }
     }
 
-    /// Prompts longer than one prefetch window (1024 ids) are hashed window
+    /// Prompts longer than one prefetch window (256 ids) are hashed window
     /// by window: the chain runs on across them unchanged.
     #[test]
     fn long_prompts_hash_across_prefetch_windows() {
@@ -268,7 +268,7 @@ mod tests {
             .map(|t| t.wrapping_mul(2_654_435_761))
             .collect();
         for bs in [8, 16, 27, 28, 41, 55] {
-            for len in [1023, 1024, 1025, 2048 + bs, 5000] {
+            for len in [255, 256, 257, 1024 + bs, 5000] {
                 let h = BlockHasher::new(bs, 11);
                 let mut got = vec![];
                 h.extend_chain(5, &words[..len], 0, &ExtraKeys::default(), &mut got);
