@@ -14,10 +14,14 @@ which the workloads do not exercise.
 Workloads (vLLM's BlockPool peer figures are in shared/SPEC.md):
 
 * request churn: hash + lookup + allocate + cache + free; 64 blocks of 16
-  tokens a request, the first 32 from one of 8 shared system prompts;
+  tokens a request, the first 32 from one of 8 shared system prompts. The
+  4000 prompts (16 MB) are built before the timing, so both sides read each
+  from memory at its first touch, as an engine reads a request tokenized
+  before its turn;
 * batched allocate + free of 16 blocks (prefix caching off: a 256-token
   request admitted and aborted);
-* chained hashing, per block (a 64-block prompt).
+* chained hashing, per block (one 64-block prompt, hashed over and over:
+  warm in the CPU caches).
 
 Run with a release build of the wheel: ``python benches/bench_kv.py``.
 """

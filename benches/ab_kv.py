@@ -1,0 +1,100 @@
+"""A/B of KV churn between builds of ``imp_mem._core``, in one process.
+
+    python benches/ab_kv.py base=/tmp/base/imp_mem/_core.abi3.so \\
+        new=/tmp/new/imp_mem/_core.abi3.so [--slices 8] [--size 600]
+
+Each ``name=path`` is an extension module built from some revision
+(``maturin build --release`` and ``pip install --target DIR`` the wheel; the
+module is ``DIR/imp_mem/_core.abi3.so``). All of them are loaded side by
+side, each gets its own ``KVCacheManager``, and they take turns on slices of
+``bench_kv.py``'s churn, every slice on fresh prompts, in alternating order.
+A change is then measured against its base with the machine's drift shared
+between them, which separate runs of ``bench_kv.py`` cannot do: on a 2-core
+VM whose speed wanders by several percent over minutes, a 5 % change needs
+this. An A/A run (one build under two names) agrees within about 1 %.
+
+Each slice first runs a third of its requests untimed, so that the manager's
+structures are back in the cache after the other builds' turns, then times
+the rest. Prints the fastest and the median slice per build. A diagnostic:
+the ratios the project claims come from ``bench_kv.py``, against its
+reference in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_kv
+
+
+def load(name: str, path: str) -> ModuleType:
+    """Loads one build's ``_core`` under a name of its own."""
+    if not Path(path).is_file():
+        raise SystemExit(f"{name}: no file {path}")
+    spec = importlib.util.spec_from_file_location(f"{name}._core", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{name}: {path} is not an extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("builds", nargs="+", metavar="NAME=PATH")
+    parser.add_argument("--slices", type=int, default=8, help="turns per build")
+    parser.add_argument("--size", type=int, default=600, help="requests per turn")
+    args = parser.parse_args()
+    builds = {}
+    for build in args.builds:
+        name, sep, path = build.partition("=")
+        if not (name and sep and path) or name in builds:
+            raise SystemExit(f"{build!r}: give each build as NAME=PATH, with distinct names")
+        builds[name] = path
+    modules = {name: load(name, path) for name, path in builds.items()}
+
+    warm = args.size // 3
+    reqs = bench_kv.churn_requests(16 + args.slices * args.size * len(modules), 1)
+    managers = {n: m.KVCacheManager(bench_kv.BLOCKS, bench_kv.BS) for n, m in modules.items()}
+    next_id = {}
+    for name, kv in managers.items():
+        for i, toks in enumerate(reqs[:16]):
+            kv.admit(i, toks)
+            kv.free(i)
+        next_id[name] = 16
+
+    times: dict[str, list[float]] = {n: [] for n in modules}
+    at = 16
+    order = list(modules)
+    for turn in range(args.slices):
+        for name in order if turn % 2 == 0 else order[::-1]:
+            kv, first = managers[name], next_id[name]
+            chunk = reqs[at : at + args.size]
+            at += args.size
+            next_id[name] += args.size
+            for i, toks in enumerate(chunk[:warm], first):
+                kv.admit(i, toks)
+                kv.free(i)
+            t0 = time.perf_counter()
+            for i, toks in enumerate(chunk[warm:], first + warm):
+                kv.admit(i, toks)
+                kv.free(i)
+            times[name].append((time.perf_counter() - t0) / (args.size - warm))
+    for name, t in times.items():
+        print(
+            f"{name}: fastest {min(t) * 1e6:.3f} µs, median {statistics.median(t) * 1e6:.3f} µs "
+            f"a request ({len(t)} turns of {args.size - warm})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
