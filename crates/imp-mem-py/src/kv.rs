@@ -271,8 +271,9 @@ fn one_dimensional(ndim: usize) -> PyResult<()> {
 enum Int32Check {
     /// The reader, before it hands the ids over.
     Now,
-    /// The manager, in the pass that hashes them (`IdSource::I32`): the
-    /// prompt may be cold, and one pass waits for its memory instead of two.
+    /// The manager, once it has hashed them (`IdSource::I32`): the prompt
+    /// may be cold, and the hash requests its memory ahead of its work,
+    /// where a check before it would wait for every line.
     Manager,
 }
 
