@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 
 use imp_mem_core::decommit::{DecommitPolicy, NothingInFlight};
-use imp_mem_core::kv::{BlockHash, ExtraKeys, FakeBlockIo, KVCacheManager, KvConfig};
+use imp_mem_core::kv::{BlockHash, ExtraKeys, FakeBlockIo, IdSource, KVCacheManager, KvConfig};
 use imp_mem_core::{FakeBackend, FakeConfig, KvStats, MemError, PoolConfig, SharedBlockPool, Tag};
 use proptest::prelude::*;
 
@@ -25,22 +25,56 @@ const BYTES: usize = 32;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Admit { fam: u8, len: usize, salt: bool },
-    Append { seed: usize, n: usize },
-    Free { seed: usize, computed: Option<u8> },
-    Abort { seed: usize },
-    Commit { seed: usize, pct: u8 },
-    EvictMiddle { seed: usize, a: usize, b: usize },
-    Pin { owner: u8, fam: u8, len: usize },
-    Unpin { owner: u8 },
-    Evict { n: u32 },
-    SaveLoad { corrupt: bool },
+    /// `int32`: the ids come as int32s read in place (`IdSource::I32`);
+    /// `negative`: then one of them, at this index (mod `len`), is negative.
+    Admit {
+        fam: u8,
+        len: usize,
+        salt: bool,
+        int32: bool,
+        negative: Option<usize>,
+    },
+    Append {
+        seed: usize,
+        n: usize,
+    },
+    Free {
+        seed: usize,
+        computed: Option<u8>,
+    },
+    Abort {
+        seed: usize,
+    },
+    Commit {
+        seed: usize,
+        pct: u8,
+    },
+    EvictMiddle {
+        seed: usize,
+        a: usize,
+        b: usize,
+    },
+    Pin {
+        owner: u8,
+        fam: u8,
+        len: usize,
+    },
+    Unpin {
+        owner: u8,
+    },
+    Evict {
+        n: u32,
+    },
+    SaveLoad {
+        corrupt: bool,
+    },
     Unknown,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u8..4, 1usize..30, any::<bool>()).prop_map(|(fam, len, salt)| Op::Admit { fam, len, salt }),
+        6 => (0u8..4, 1usize..30, any::<bool>(), any::<bool>(), proptest::option::weighted(0.1, any::<usize>()))
+            .prop_map(|(fam, len, salt, int32, negative)| Op::Admit { fam, len, salt, int32, negative }),
         5 => (any::<usize>(), 1usize..10).prop_map(|(seed, n)| Op::Append { seed, n }),
         3 => (any::<usize>(), proptest::option::of(0u8..=100)).prop_map(|(seed, computed)| Op::Free { seed, computed }),
         2 => any::<usize>().prop_map(|seed| Op::Abort { seed }),
@@ -244,16 +278,38 @@ impl Harness {
     fn apply(&mut self, op: Op) -> Result<(), TestCaseError> {
         let before = self.snapshot()?;
         let result: Result<(), MemError> = match op {
-            Op::Admit { fam, len, salt } => {
+            Op::Admit {
+                fam,
+                len,
+                salt,
+                int32,
+                negative,
+            } => {
                 let extras = ExtraKeys {
                     cache_salt: salt.then(|| b"s".to_vec()),
                     ..ExtraKeys::default()
                 };
                 let id = self.next_id;
                 self.next_id += 1;
-                let fits = self.m.can_admit(&tokens(fam, len), &extras);
-                let admitted = self.m.admit(id, &tokens(fam, len), extras);
-                prop_assert_eq!(fits, admitted.is_ok(), "can_admit agrees with admit");
+                let mut ids = tokens(fam, len);
+                let source = if int32 { IdSource::I32 } else { IdSource::U32 };
+                let bad = negative.filter(|_| int32).map(|at| at % len);
+                if let Some(at) = bad {
+                    ids[at] = -(at as i32) as u32 | 0x8000_0000;
+                }
+                let fits = self.m.can_admit(&ids, &extras);
+                let admitted = self.m.admit_from(id, &ids, source, extras);
+                if bad.is_some() {
+                    // Refused whatever the room; the harness checks that
+                    // nothing changed.
+                    prop_assert!(
+                        matches!(&admitted, Err(MemError::InvalidArgument(m)) if m.contains("token id -")),
+                        "a negative int32 id: {:?}",
+                        admitted
+                    );
+                } else {
+                    prop_assert_eq!(fits, admitted.is_ok(), "can_admit agrees with admit");
+                }
                 match admitted {
                     Ok(a) => {
                         prop_assert_eq!(a.cached_tokens % BS, 0);
