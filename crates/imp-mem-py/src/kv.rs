@@ -414,7 +414,27 @@ fn set_buffer_protocol(py: Python<'_>, enabled: &Bound<'_, PyAny>) -> PyResult<b
     buffer::set_enabled(py, switch(enabled)?)
 }
 
+#[inline(always)]
 fn extras(
+    lora_id: Option<u64>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+    mm: Option<&Bound<'_, PyAny>>,
+) -> PyResult<ExtraKeys> {
+    // Most requests have none: built in place, without the call (the keys
+    // are 64 bytes, and each move of them through a `Result` cost the hot
+    // path a store-forwarding stall).
+    if cache_salt.is_none() && mm.is_none() {
+        return Ok(ExtraKeys {
+            lora_id,
+            ..ExtraKeys::default()
+        });
+    }
+    read_extras(lora_id, cache_salt, mm)
+}
+
+/// [`extras`] with a salt or multimodal items to read.
+#[inline(never)]
+fn read_extras(
     lora_id: Option<u64>,
     cache_salt: Option<&Bound<'_, PyAny>>,
     mm: Option<&Bound<'_, PyAny>>,
@@ -462,19 +482,6 @@ fn request<'a>(
 ) -> PyResult<(ExtraKeys, Tokens<'a>)> {
     let extras = extras(lora_id, cache_salt, mm)?;
     Ok((extras, self::tokens(tokens)?))
-}
-
-/// [`request`] for an admission: int32 ids read in place are left for the
-/// manager to check as it hashes them (their [`IdSource`]).
-fn admission<'a>(
-    tokens: &'a Bound<'_, PyAny>,
-    lora_id: Option<u64>,
-    cache_salt: Option<&Bound<'_, PyAny>>,
-    mm: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(ExtraKeys, Tokens<'a>, IdSource)> {
-    let extras = extras(lora_id, cache_salt, mm)?;
-    let (ids, source) = read_tokens(tokens, Int32Check::Manager)?;
-    Ok((extras, ids, source))
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
@@ -557,8 +564,30 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (extras, toks, source) = admission(tokens, lora_id, cache_salt, mm)?;
-        let ids: &[u32] = &toks;
+        // The extras first: reading them may run Python code (an `mm`
+        // iterable), which must not run while the ids are borrowed. Then
+        // int32 ids read in place are left for the manager to check once
+        // it has hashed them (K21). A NumPy array is handed over without
+        // the `Tokens` wrapper, which is large enough (a `Py_buffer`) that
+        // moving it through a `Result` cost the hot path a stall.
+        let extras = extras(lora_id, cache_salt, mm)?;
+        if let Some((ids, signed)) = ndarray::int32_ids(tokens) {
+            let source = if signed { IdSource::I32 } else { IdSource::U32 };
+            return self.admit_ids(py, seq_id, ids, source, extras);
+        }
+        let (toks, source) = read_tokens(tokens, Int32Check::Manager)?;
+        self.admit_ids(py, seq_id, &toks, source, extras)
+    }
+
+    #[inline(always)]
+    fn admit_ids(
+        &self,
+        py: Python<'_>,
+        seq_id: u64,
+        ids: &[u32],
+        source: IdSource,
+        extras: ExtraKeys,
+    ) -> PyResult<usize> {
         let n = ids.len();
         self.run(
             py,
