@@ -414,6 +414,7 @@ fn set_buffer_protocol(py: Python<'_>, enabled: &Bound<'_, PyAny>) -> PyResult<b
     buffer::set_enabled(py, switch(enabled)?)
 }
 
+/// A request's extra keys, from the methods' keyword arguments.
 #[inline(always)]
 fn extras(
     lora_id: Option<u64>,
@@ -572,13 +573,15 @@ impl PyKVCacheManager {
         // moving it through a `Result` cost the hot path a stall.
         let extras = extras(lora_id, cache_salt, mm)?;
         if let Some((ids, signed)) = ndarray::int32_ids(tokens) {
-            let source = if signed { IdSource::I32 } else { IdSource::U32 };
+            let source = int32_source(ids, signed, Int32Check::Manager)?;
             return self.admit_ids(py, seq_id, ids, source, extras);
         }
         let (toks, source) = read_tokens(tokens, Int32Check::Manager)?;
         self.admit_ids(py, seq_id, &toks, source, extras)
     }
 
+    /// Admits `ids` under the manager's lock, keeping the GIL for a small
+    /// prompt (K14).
     #[inline(always)]
     fn admit_ids(
         &self,
