@@ -58,7 +58,23 @@ class ArenaTier:
         return handle
 
 
-class PoolTier:
+class ReleasableHandles:
+    """Adapters whose handles are released one by one (`release()`,
+    `released`) and know their span."""
+
+    def free(self, handle):
+        handle.release()
+
+    def free_all(self, handles):
+        for h in handles:
+            if not h.released:
+                h.release()
+
+    def span(self, handle):
+        return handle.span()
+
+
+class PoolTier(ReleasableHandles):
     unit = BLOCK
     lifo = False
     frees_individually = True
@@ -71,19 +87,8 @@ class PoolTier:
             raise InvalidArgument("a block pool serves one block size")
         return self.pool.allocate()
 
-    def free(self, handle):
-        handle.release()
-
-    def free_all(self, handles):
-        for h in handles:
-            if not h.released:
-                h.release()
-
     def in_use(self):
         return self.pool.live * BLOCK
-
-    def span(self, handle):
-        return handle.span()
 
 
 class ScratchTier:
@@ -117,7 +122,7 @@ class ScratchTier:
         return handle[1]
 
 
-class PinnedTier:
+class PinnedTier(ReleasableHandles):
     """T5b: one `PinnedBuffer` per allocation, page-aligned, released once.
     Host memory has no tier capacity to exhaust (`bounded = False`)."""
 
@@ -141,19 +146,8 @@ class PinnedTier:
         self.live.append(buf)
         return buf
 
-    def free(self, handle):
-        handle.release()
-
-    def free_all(self, handles):
-        for h in handles:
-            if not h.released:
-                h.release()
-
     def in_use(self):
         return sum(b.nbytes for b in self.live if not b.released)
-
-    def span(self, handle):
-        return handle.span()
 
 
 TIERS = [
