@@ -310,20 +310,23 @@ fn int32_source(ids: &[u32], signed: bool, check: Int32Check) -> PyResult<IdSour
 
 /// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
 pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
-    read_tokens(obj, Int32Check::Now).map(|(ids, _)| ids)
+    if let Some((ids, signed)) = ndarray::int32_ids(obj) {
+        if signed {
+            check_int32(ids)?;
+        }
+        return Ok(Tokens::InPlace(ids));
+    }
+    read_other_tokens(obj, Int32Check::Now).map(|(ids, _)| ids)
 }
 
-/// [`tokens`], with the ids' [`IdSource`]: `I32` when they are int32s read
-/// in place and not checked yet, for `KVCacheManager::admit_from`.
-fn read_tokens<'a>(
+/// [`tokens`] of anything but a NumPy array the direct reader takes, with
+/// the ids' [`IdSource`]: `I32` when they are int32s read in place and
+/// `check` leaves them to `KVCacheManager::admit_from`.
+fn read_other_tokens<'a>(
     obj: &'a Bound<'_, PyAny>,
     check: Int32Check,
 ) -> PyResult<(Tokens<'a>, IdSource)> {
     let py = obj.py();
-    if let Some((ids, signed)) = ndarray::int32_ids(obj) {
-        let source = int32_source(ids, signed, check)?;
-        return Ok((Tokens::InPlace(ids), source));
-    }
     if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
         // `array('q', seq)` converts in C, about 5x faster than extracting
         // each int here; it refuses non-integers and values beyond int64.
@@ -576,7 +579,7 @@ impl PyKVCacheManager {
             let source = int32_source(ids, signed, Int32Check::Manager)?;
             return self.admit_ids(py, seq_id, ids, source, extras);
         }
-        let (toks, source) = read_tokens(tokens, Int32Check::Manager)?;
+        let (toks, source) = read_other_tokens(tokens, Int32Check::Manager)?;
         self.admit_ids(py, seq_id, &toks, source, extras)
     }
 
