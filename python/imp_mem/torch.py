@@ -1,0 +1,393 @@
+"""torch's allocations through a planned imp-mem tier (``pip install imp-mem[torch]``).
+
+A torch engine allocates far more than its weights and its KV cache: every
+activation, temporary and library workspace goes through torch's caching
+allocator, which asks the driver for segments whenever its cache misses. This
+module puts those allocations on the system's *activations* tier (T4a): a
+region the plan reserved before serving, sub-allocated by the core's
+general-purpose allocator (TLSF, stream-ordered, see
+``crates/imp-mem-core/src/activations/``), reached by torch through C entry
+points exported from imp-mem's own extension module
+(``imp_mem_torch_malloc`` / ``imp_mem_torch_free``, loaded by
+``torch.cuda.memory.CUDAPluggableAllocator``).
+
+Two ways to route torch, both over the same tier:
+
+* **Scopes** (:func:`use_pool`, :class:`Pool`): a ``torch.cuda.MemPool`` whose
+  segments come from the tier, made active with ``torch.cuda.use_mem_pool``.
+  torch's caching allocator still runs on top (its block cache lives inside
+  the pool's segments), so a warm allocation costs what it always costs, and
+  imp-mem sees only segment traffic. Code outside the scope uses torch's
+  default allocator.
+* **Process-wide** (:func:`install`): ``change_current_allocator`` makes the
+  tier torch's only allocator. It must run before torch's first CUDA
+  allocation; every tensor then reaches imp-mem directly (no caching layer).
+
+Weights: :func:`to_arena` moves a module's parameters and buffers into T1
+(tensors viewing the weights arena), and :meth:`Pool.loading` routes the
+allocations of a loading scope into T1 as well (a later free of such a
+segment cannot give bytes back to a bump arena: it is counted as stranded and
+reported, never lost silently).
+
+Known limits of torch's pluggable allocators (torch 2.11):
+
+* One process-wide allocator per process, chosen before the first CUDA
+  tensor; :func:`install` says so when it is too late. Scopes have no such
+  limit.
+* A custom ``MemPool`` has no expandable segments: torch asks for whole
+  segments (2 MiB for small blocks, 20 MiB for 1-10 MiB ones, the rounded
+  size above), and the tier serves each one as one block.
+* ``torch.cuda.empty_cache()`` gives a pool's cached free segments back to
+  the tier, not to the driver: the tier's region stays reserved, as planned.
+* In process-wide mode torch keeps no statistics of its own
+  (``torch.cuda.memory_stats`` raises or is empty); :func:`memory_stats`
+  gives the tier's, under torch's key names.
+* CUDA graphs: capture with ``torch.cuda.graph(g, pool=pool.id)`` *outside*
+  ``use_mem_pool`` (torch refuses a capture inside it: "already recording to
+  mempool_id"); :meth:`Pool.graph` does that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised where torch is absent
+    raise ImportError(
+        "imp_mem.torch needs PyTorch: install it with `pip install imp-mem[torch]` "
+        "(or `pip install torch`)"
+    ) from exc
+
+from imp_mem import _core
+from imp_mem.errors import InvalidArgument, PhaseViolation
+
+__all__ = [
+    "MALLOC_SYMBOL",
+    "FREE_SYMBOL",
+    "Pool",
+    "hook_stats",
+    "install",
+    "installed",
+    "library_path",
+    "measure_outside_charge",
+    "measure_step_high_water",
+    "memory_stats",
+    "pluggable_allocator",
+    "pool",
+    "arena_tensor",
+    "to_arena",
+    "use_pool",
+]
+
+MALLOC_SYMBOL = "imp_mem_torch_malloc"
+FREE_SYMBOL = "imp_mem_torch_free"
+
+_lock = threading.Lock()
+_installed: dict[str, Any] = {"activations": None, "device": None, "process_wide": False}
+
+
+def library_path() -> str:
+    """The shared object that exports the allocator entry points (imp-mem's own
+    extension module)."""
+    return _core.hook_library_path()
+
+
+@functools.lru_cache(maxsize=1)
+def pluggable_allocator() -> torch.cuda.memory.CUDAPluggableAllocator:
+    """torch's view of the entry points; one per process (the entry points route
+    to whichever tier is installed)."""
+    return torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL)
+
+
+def _activations_of(target: Any) -> Any:
+    """The ActivationPool of a MemorySystem, or the pool itself."""
+    if isinstance(target, _core.ActivationPool):
+        return target
+    pool = getattr(target, "activations", None)
+    if pool is None:
+        raise InvalidArgument(
+            "target: the memory system has no activations tier; plan one with "
+            "Features(activation_bytes=...) (imp_mem.torch.measure_step_high_water "
+            "measures it), or pass an ActivationPool"
+        )
+    return pool
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise InvalidArgument(f"device: expected a CUDA device, got {device!r}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def _install_hooks(activations: Any, device: int, weights_arena: Any = None) -> None:
+    with _lock:
+        current = _installed["activations"]
+        if current is not None and current is not activations:
+            if _installed["process_wide"]:
+                raise PhaseViolation(
+                    "imp_mem.torch: another activations tier is installed process-wide; "
+                    "torch has one allocator per process"
+                )
+        if weights_arena is not None:
+            activations.install(device=device, weights_arena=weights_arena)
+        else:
+            activations.install(device=device)
+        _installed["activations"] = activations
+        _installed["device"] = device
+
+
+def installed() -> Any:
+    """The ActivationPool the entry points route to now, or None."""
+    return _installed["activations"]
+
+
+class Pool:
+    """A ``torch.cuda.MemPool`` whose segments come from an imp-mem activations
+    tier.
+
+    ``Pool(system)`` (or an ``ActivationPool``); ``with pool.scope(): ...`` routes
+    that code's allocations into it, ``pool.graph(g)`` captures a CUDA graph into
+    it, ``pool.memory_stats()`` reads the tier under torch's key names. With
+    ``weights_arena`` (default: the system's T1 arena), ``with pool.loading():``
+    routes a loading scope into T1.
+    """
+
+    def __init__(self, target: Any, *, device: Any = None, weights_arena: Any = None) -> None:
+        self.activations = _activations_of(target)
+        self.device = _device_index(device)
+        if weights_arena is None and not isinstance(target, _core.ActivationPool):
+            weights_arena = getattr(target, "weights_arena", None)
+        self.weights_arena = weights_arena
+        _install_hooks(self.activations, self.device, weights_arena)
+        allocator = pluggable_allocator().allocator()
+        self.mempool = torch.cuda.MemPool(allocator)
+        self._loading_pool: torch.cuda.MemPool | None = None
+
+    @property
+    def id(self) -> tuple[int, int]:
+        """The MemPool id, for ``torch.cuda.graph(..., pool=...)``."""
+        return self.mempool.id
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Pool]:
+        """Routes torch's allocations in the block to the tier."""
+        with torch.cuda.use_mem_pool(self.mempool, device=self.device):
+            yield self
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[Pool]:
+        """Routes torch's allocations in the block to T1 (the weights arena), in a
+        MemPool of their own, so that loading segments never serve activations."""
+        if self.weights_arena is None:
+            raise InvalidArgument(
+                "weights_arena: this pool has no T1 arena to load into; pass "
+                "weights_arena= (or build the Pool from a MemorySystem)"
+            )
+        if self._loading_pool is None:
+            self._loading_pool = torch.cuda.MemPool(pluggable_allocator().allocator())
+        previous = _core.set_hook_route("weights")
+        try:
+            with torch.cuda.use_mem_pool(self._loading_pool, device=self.device):
+                yield self
+        finally:
+            _core.set_hook_route(previous if previous else "activations")
+
+    def graph(self, cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Any:
+        """``torch.cuda.graph(cuda_graph, pool=self.id, ...)``: a capture whose
+        allocations live in the tier. Call it outside :meth:`scope`."""
+        return torch.cuda.graph(cuda_graph, pool=self.id, **kwargs)
+
+    def memory_stats(self) -> dict[str, int]:
+        """The tier's counters under ``torch.cuda.memory_stats`` key names."""
+        return memory_stats(self.activations)
+
+    def empty_cache(self) -> None:
+        """Gives the pool's cached free segments back to the tier."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def __repr__(self) -> str:
+        stats = self.activations.stats()
+        return (
+            f"imp_mem.torch.Pool(device={self.device}, capacity={self.activations.capacity}, "
+            f"allocated={stats.get('allocated_bytes', '?')})"
+        )
+
+
+_pools: dict[int, Pool] = {}
+
+
+def pool(system: Any, *, device: Any = None) -> Pool:
+    """The :class:`Pool` over ``system``'s activations tier (one per tier)."""
+    activations = _activations_of(system)
+    key = id(activations)
+    found = _pools.get(key)
+    if found is None or found.activations is not activations:
+        found = Pool(system, device=device)
+        _pools[key] = found
+    return found
+
+
+@contextlib.contextmanager
+def use_pool(system: Any, *, device: Any = None) -> Iterator[Pool]:
+    """``with imp_mem.torch.use_pool(system): ...`` routes that code's torch
+    allocations to the system's activations tier."""
+    p = pool(system, device=device)
+    with p.scope():
+        yield p
+
+
+def install(system: Any, *, device: Any = None) -> None:
+    """Makes the activations tier torch's only CUDA allocator, process-wide
+    (``torch.cuda.memory.change_current_allocator``).
+
+    Must run before torch's first CUDA allocation; raises PhaseViolation,
+    saying so, when it is too late.
+    """
+    activations = _activations_of(system)
+    dev = 0 if device is None else _device_index(device)
+    if _installed["process_wide"]:
+        if _installed["activations"] is activations:
+            return
+        raise PhaseViolation(
+            "imp_mem.torch.install: a tier is already torch's process-wide allocator; "
+            "torch has one allocator per process"
+        )
+    _install_hooks(activations, dev)
+    try:
+        torch.cuda.memory.change_current_allocator(pluggable_allocator())
+    except RuntimeError as exc:
+        raise PhaseViolation(
+            "imp_mem.torch.install must run before torch's first CUDA allocation "
+            "(torch's allocator is already initialised; call install() right after "
+            f"opening the MemorySystem, before any tensor is created on the GPU): {exc}"
+        ) from exc
+    _installed["process_wide"] = True
+
+
+def hook_stats() -> dict[str, int]:
+    """The entry points' counters: calls, refusals by kind, caught panics."""
+    return dict(_core.hook_stats())
+
+
+_TORCH_KEYS = {
+    "allocated_bytes.all.current": "allocated_bytes",
+    "allocated_bytes.all.peak": "peak_allocated_bytes",
+    "allocated_bytes.all.allocated": "total_allocated_bytes",
+    "allocated_bytes.all.freed": "total_freed_bytes",
+    "allocation.all.current": "allocations",
+    "allocation.all.peak": "peak_allocations",
+    "allocation.all.allocated": "total_allocations",
+    "allocation.all.freed": "total_frees",
+}
+
+
+def memory_stats(target: Any = None) -> dict[str, int]:
+    """The activations tier's counters in the shape of ``torch.cuda.memory_stats``
+    (``allocated_bytes.all.current``, ``reserved_bytes.all.current``, ...), plus
+    imp-mem's own under ``imp_mem.*``."""
+    activations = _activations_of(target) if target is not None else installed()
+    if activations is None:
+        raise InvalidArgument("target: no activations tier is installed; pass a MemorySystem")
+    out = {k: int(v) for k, v in activations.memory_stats().items()}
+    for key, value in activations.stats().items():
+        if isinstance(value, (int, bool)):
+            out[f"imp_mem.{key}"] = int(value)
+    return out
+
+
+def to_arena(module: torch.nn.Module, arena: Any) -> int:
+    """Moves every parameter and buffer of ``module`` into ``arena`` (T1): each
+    becomes a tensor viewing the arena (a StableSpan), filled from the current
+    data; tied tensors stay tied (one copy). Returns the bytes taken. Run it
+    while LOADING."""
+    moved: dict[int, torch.Tensor] = {}
+    taken = 0
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in list(store.items()):
+                if tensor is None:
+                    continue
+                new = moved.get(id(tensor))
+                if new is None:
+                    view = arena_tensor(arena, tuple(tensor.shape), tensor.dtype)
+                    with torch.no_grad():
+                        view.copy_(tensor)
+                    taken += view.numel() * view.element_size()
+                    if isinstance(tensor, torch.nn.Parameter):
+                        new = torch.nn.Parameter(view, requires_grad=False)
+                    else:
+                        new = view
+                    moved[id(tensor)] = new
+                store[name] = new
+    return taken
+
+
+def arena_tensor(
+    arena: Any, shape: tuple[int, ...], dtype: torch.dtype, *, align: int = 256
+) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` viewing a fresh take of ``arena`` (a
+    StableSpan: its address never moves, so CUDA graphs may capture it). The
+    tensor is on the arena's device (the CPU for a fake backend)."""
+    dims = tuple(int(d) for d in shape)
+    numel = 1
+    for d in dims:
+        numel *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    span = arena.take(max(numel * itemsize, itemsize), align=align)
+    out = torch.from_dlpack(span.view(dtype, dims if dims else (1,)))
+    return out.reshape(()) if not dims else out
+
+
+def measure_step_high_water(step: Callable[[], Any], *, warmup: int = 1, device: Any = None) -> int:
+    """The peak bytes torch allocates during ``step()`` (after ``warmup`` calls),
+    measured on torch's default allocator: the number to plan the activations
+    tier with (``Features(activation_bytes=...)``, seed A3.3)."""
+    dev = _device_index(device)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    step()
+    torch.cuda.synchronize(dev)
+    return int(torch.cuda.max_memory_allocated(dev) - base)
+
+
+def measure_outside_charge(
+    system: Any, warmup: Callable[[], Any], *, device: Any = None, key: str = "torch_runtime"
+) -> int:
+    """Measures the device memory torch's warm-up takes outside every allocator
+    (kernels loaded lazily into the context, library handles) and charges it to
+    ``system`` under ``key``, so the report names it.
+
+    The charge is the growth of the device's used memory over the whole warm-up,
+    less the growth of what the backend committed; run the real workload's
+    warm-up (the window of lazily loaded kernels is what varies, not the
+    charge)."""
+    dev = _device_index(device)
+    torch.cuda.synchronize(dev)
+    free0, _ = torch.cuda.mem_get_info(dev)
+    committed0 = int(system.backend.stats()["committed"])
+    warmup()
+    torch.cuda.synchronize(dev)
+    free1, _ = torch.cuda.mem_get_info(dev)
+    committed1 = int(system.backend.stats()["committed"])
+    charge = max(0, (free0 - free1) - (committed1 - committed0))
+    total = _outside_charges.get((id(system), key), 0) + charge
+    _outside_charges[(id(system), key)] = total
+    system.set_charge(key, total, "torch kernels + library handles (measured)")
+    return charge
+
+
+_outside_charges: dict[tuple[int, str], int] = {}
