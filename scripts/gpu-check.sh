@@ -31,6 +31,9 @@ rm -rf "$SITE"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export IMP_MEM_HYPOTHESIS=${IMP_MEM_HYPOTHESIS:-dev}
 export IMP_MEM_CACHE_DIR=${IMP_MEM_CACHE_DIR:-$OUT/cache}
+# Where GPU tests leave figures for the summary below.
+export IMP_MEM_GPU_OUT="$OUT"
+export NCCL_NVLS_ENABLE=0
 
 "$PYTHON" - <<'EOF' || exit 2
 import imp_mem
@@ -61,6 +64,17 @@ quick=()
 bench_rc=${PIPESTATUS[0]}
 "$PYTHON" benches/bench_gpu_tiers.py --json "$OUT/bench_gpu_tiers.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+# torch on the activations tier: torch.empty + del in each mode against the
+# caching allocator (the HF generate() comparison runs inside pytest above,
+# tests/gpu/test_torch_gpu.py, and leaves its figures in $OUT/bench_torch_hf.json).
+"$PYTHON" benches/bench_torch_alloc.py --json "$OUT/bench_torch_alloc.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+for extra in bench_paged_attention bench_engine; do
+    if [ -f "benches/$extra.py" ]; then
+        "$PYTHON" "benches/$extra.py" --json "$OUT/$extra.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
+    fi
+done
 # The KV manager's benchmark runs on the host CPU; this host's figures sit
 # beside the CI machine's.
 "$PYTHON" benches/bench_kv.py "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
@@ -88,13 +102,28 @@ except (OSError, ET.ParseError, IndexError) as exc:
     rows.append(("gpu tests", f"no report ({exc})", "rc=%d" % tests_rc))
 try:
     results = json.loads((out / "bench_cuda.json").read_text())
-    tiers = out / "bench_gpu_tiers.json"
-    results += json.loads(tiers.read_text()) if tiers.exists() else []
+    for extra in ("bench_gpu_tiers", "bench_torch_alloc", "bench_paged_attention", "bench_engine"):
+        path = out / f"{extra}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            results += data if isinstance(data, list) else data.get("rows", [])
     for r in results:
         rows.append((r["benchmark"] + " vs " + r["peer"],
                      f"{r['ours_us']} us / {r['peer_us']} us = {r['ratio']}x", r["goal"]))
 except (OSError, ValueError) as exc:
     rows.append(("benchmarks", f"no results ({exc})", "rc=%d" % bench_rc))
+hf = out / "bench_torch_hf.json"
+if hf.exists():
+    r = json.loads(hf.read_text())
+    rows.append(("HF generate() tokens/s, imp-mem pool vs torch allocator",
+                 f"{r['generate_ratio']:.3f}x", ">= 0.98x"))
+    rows.append(("HF reserved / needed, imp-mem vs torch allocator",
+                 f"{r['reserved_over_needed_imp']:.3f} / {r['reserved_over_needed_default']:.3f}",
+                 "<= 1.05"))
+    rows.append(("HF while serving: steady-state allocs / driver allocs / attribution",
+                 f"{r['imp_steady_state_allocations']} / {r['imp_driver_allocs_serving_torch_counter']}"
+                 f" / {r['imp_attribution_pct']:.2f} %", "0 / 0 / >= 99 %"))
+    rows.append(("HF greedy tokens identical (deterministic mode)", str(r["tokens_identical"]), "True"))
 for line in (out / "reserve.txt").read_text().splitlines() if (out / "reserve.txt").exists() else []:
     if line.startswith("RESERVE "):
         r = json.loads(line[8:])

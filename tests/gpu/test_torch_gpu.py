@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -233,7 +234,8 @@ def test_cupy_allocates_through_the_tier(system):
 
 
 def test_hf_generate_on_imp_mem_allocates_nothing_while_serving(tmp_path):
-    out = tmp_path / "hf.json"
+    keep = os.environ.get("IMP_MEM_GPU_OUT")
+    out = Path(keep) / "bench_torch_hf.json" if keep else tmp_path / "hf.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benches" / "bench_torch_hf.py"), "--json", str(out)],
         capture_output=True,
