@@ -660,7 +660,7 @@ impl ActivationPool {
                 return Ok(inner.base + core.slab[idx as usize].offset as usize);
             }
             if need <= inner.capacity {
-                if let Some(addr) = self.from_other_lane(&mut core, stream, units, need, bytes)? {
+                if let Some(addr) = self.take_other_lane(&mut core, stream, units, need, bytes)? {
                     return Ok(addr);
                 }
                 if let Some(addr) = self.reclaim(&mut core, stream, units, need, bytes) {
@@ -685,7 +685,7 @@ impl ActivationPool {
 
     /// Serves the request from another stream's free block, after ordering
     /// `stream` after that one. A failed order is returned, nothing changed.
-    fn from_other_lane(
+    fn take_other_lane(
         &self,
         core: &mut Core,
         stream: u64,
