@@ -10,6 +10,7 @@ The names below are the public API; everything else is private.
 from __future__ import annotations
 
 from imp_mem._core import (
+    ActivationPool,
     Arena,
     Backend,
     BlockPool,
@@ -60,6 +61,7 @@ from imp_mem.errors import (
 )
 
 __all__ = [
+    "ActivationPool",
     "Arena",
     "Backend",
     "BackendUnavailable",

@@ -43,6 +43,9 @@ pub enum PyTier {
     /// T4: one forward pass, LIFO.
     #[pyo3(name = "SCRATCH")]
     Scratch,
+    /// T4a: a framework's own allocations (the activation pool).
+    #[pyo3(name = "ACTIVATIONS")]
+    Activations,
     /// T5b: pinned host memory.
     #[pyo3(name = "PINNED_HOST")]
     PinnedHost,
@@ -55,6 +58,7 @@ impl From<PyTier> for Tier {
             PyTier::EnginePersistent => Tier::EnginePersistent,
             PyTier::Pooled => Tier::Pooled,
             PyTier::Scratch => Tier::Scratch,
+            PyTier::Activations => Tier::Activations,
             PyTier::PinnedHost => Tier::PinnedHost,
         }
     }
@@ -67,6 +71,7 @@ impl From<Tier> for PyTier {
             Tier::EnginePersistent => PyTier::EnginePersistent,
             Tier::Pooled => PyTier::Pooled,
             Tier::Scratch => PyTier::Scratch,
+            Tier::Activations => PyTier::Activations,
             Tier::PinnedHost => PyTier::PinnedHost,
         }
     }
@@ -78,7 +83,7 @@ impl PyTier {
         Tier::from(*self).name()
     }
 
-    /// The seed's short label: T1, T2, T3, T4, T5b.
+    /// The seed's short label: T1, T2, T3, T4, T4a, T5b.
     #[getter]
     fn label(&self) -> &'static str {
         Tier::from(*self).label()
@@ -587,7 +592,7 @@ fn stable(owner: Owner, len: usize, exportable: bool) -> PyStableSpan {
 /// A bump arena for T1 (model-resident) or T2 (engine-persistent).
 #[pyclass(frozen, name = "Arena", module = "imp_mem._core")]
 pub struct PyArena {
-    arena: SharedArena,
+    pub(crate) arena: SharedArena,
     exportable: bool,
 }
 
