@@ -1016,6 +1016,61 @@ impl KVCacheManager {
         Ok(&seq.swa_table)
     }
 
+    /// The block tables of a whole batch, one row of `width` int32 columns
+    /// per id of `ids`, written into `out` (`ids.len() * width` values, row
+    /// after row) and padded with `-1`: [`Self::block_table`]'s rows, or
+    /// [`Self::swa_table`]'s with `swa`. Returns the columns used, the
+    /// longest row. Nothing is written unless every id is admitted and every
+    /// row fits, so a refused call leaves `out` as it was.
+    pub fn block_tables(
+        &mut self,
+        ids: &[SeqId],
+        out: &mut [i32],
+        width: usize,
+        swa: bool,
+    ) -> Result<usize, MemError> {
+        if out.len() != ids.len().saturating_mul(width) {
+            return Err(MemError::invalid(format!(
+                "out holds {} values; {} rows of {width} need {}",
+                out.len(),
+                ids.len(),
+                ids.len().saturating_mul(width)
+            )));
+        }
+        if swa && self.swa_pool.is_none() {
+            return Err(MemError::invalid(
+                "pool=\"swa\" asks for SWA tables, but this manager has no SWA pool; use \
+                 pool=\"full\"",
+            ));
+        }
+        let mut used = 0;
+        for &id in ids {
+            let seq = self.seq_mut(id)?;
+            seq.rebuild();
+            let n = if swa {
+                seq.swa_table.len()
+            } else {
+                seq.table.len()
+            };
+            if n > width {
+                return Err(MemError::invalid(format!(
+                    "sequence {id} has {n} blocks; out has {width} columns — give it at least {n}"
+                )));
+            }
+            used = used.max(n);
+        }
+        if width == 0 {
+            return Ok(0);
+        }
+        for (&id, row) in ids.iter().zip(out.chunks_exact_mut(width)) {
+            let seq = self.seq(id)?;
+            let table = if swa { &seq.swa_table } else { &seq.table };
+            row[..table.len()].copy_from_slice(table);
+            row[table.len()..].fill(-1);
+        }
+        Ok(used)
+    }
+
     /// Tokens of sequence `id`.
     pub fn num_tokens(&self, id: SeqId) -> Result<usize, MemError> {
         Ok(self.seq(id)?.len)
