@@ -167,12 +167,11 @@ def load_safetensors(
     MiB or more, when tqdm is installed)."""
     import torch
 
-    arena = system.weights_arena
-    if arena is None:
-        raise InvalidArgument("this MemorySystem has no weights arena (T1); plan weights first")
     entries = [t for f in safetensors_files(path) for t in read_header(f)]
-    limit = min(int(system.plan.weights), arena.capacity - arena.used)
-    placed, total = plan_layout(entries, limit)
+    # Checked before the arena is held here, so a refusal's traceback keeps
+    # no tier object alive.
+    placed, total = plan_layout(entries, _weights_room(system))
+    arena = system.weights_arena
 
     out: dict[str, Any] = {}
     views = []
@@ -191,6 +190,14 @@ def load_safetensors(
             raise InvalidArgument(f"device={device} but the weights arena is on {target}")
     _stream(system, views, total, chunk_bytes, progress, target)
     return out
+
+
+def _weights_room(system: Any) -> int:
+    """The bytes a load may take: the plan's weights, at most what T1 has left."""
+    arena = system.weights_arena
+    if arena is None:
+        raise InvalidArgument("this MemorySystem has no weights arena (T1); plan weights first")
+    return min(int(system.plan.weights), arena.capacity - arena.used)
 
 
 def _torch_device(system: Any) -> Any:
