@@ -137,3 +137,20 @@ def test_journal_can_be_enabled_on_any_backend():
     fb.release(region)
     ops = [row[4] for row in fb.journal()]
     assert ops[-2:] == ["acquire", "release"]
+
+
+def test_append_each_appends_a_batch_up_to_the_first_that_does_not_fit():
+    m = imp_mem.KVCacheManager(4, 4, enable_prefix_caching=False)
+    m.admit(1, list(range(4)))
+    m.admit(2, list(range(10, 13)))
+    m.admit(3, list(range(20, 28)))
+    assert m.append_each([2, 1, 3], np.array([7, 8, 9], np.int32)) == 1
+    assert [m.num_tokens(i) for i in (1, 2, 3)] == [4, 4, 8]
+    m.free(3)
+    assert m.append_each(np.array([1, 2]), [8, 8]) == 2
+    with pytest.raises(InvalidArgument, match="no sequence 9"):
+        m.append_each([1, 9], [1, 1])
+    with pytest.raises(InvalidArgument, match="one token per sequence"):
+        m.append_each([1], [1, 1])
+    assert [m.num_tokens(i) for i in (1, 2)] == [5, 5]
+    m.check_invariants()

@@ -221,6 +221,9 @@ class KVCacheManager:
     ) -> int:
         """Cached leading tokens now; a hint that takes no refs."""
     def append(self, seq_id: int, tokens: TokenIds) -> None: ...
+    def append_each(self, seq_ids: Sequence[int] | Any, tokens: TokenIds) -> int:
+        """Appends ``tokens[i]`` to ``seq_ids[i]`` in order; stops at the first
+        sequence the pools cannot take and returns how many were appended."""
     def can_append(self, seq_id: int, n: int) -> bool: ...
     def free(self, seq_id: int, computed_tokens: int | None = None) -> None: ...
     def cache_computed(self, seq_id: int, computed_tokens: int) -> int:

@@ -871,6 +871,26 @@ impl PyKVCacheManager {
         self.append_impl(py, seq_id, tokens)
     }
 
+    /// One decode step's appends in one call: `tokens[i]` onto
+    /// `seq_ids[i]`, in order, each all or nothing. Stops at the first
+    /// sequence the pools cannot take and returns how many were appended
+    /// (`len(seq_ids)` when all were): the caller makes room (preempts) and
+    /// calls again with the rest. An unknown id or a length mismatch raises
+    /// `InvalidArgument` and appends nothing.
+    fn append_each(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let ids = seq_id_list(seq_ids)?;
+        let toks = self::tokens(tokens)?;
+        let words: &[u32] = &toks;
+        let n = ids.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append_each(&ids, words))
+            .py()
+    }
+
     /// True when `n` more tokens fit `seq_id` now.
     fn can_append(&self, seq_id: u64, n: usize) -> PyResult<bool> {
         self.lock().can_append(seq_id, n).py()

@@ -8,8 +8,9 @@ arrival order is kept and nothing is failed for lack of memory. An
 admission reports the prompt's cached leading tokens (prefix hits): the
 prefill computes only the tokens after them. Every running sequence
 decodes one token per step. Before a decode, the token the previous step
-produced is appended to the sequence (`append`, all or nothing); when the
-pool cannot take it the newest running sequence is preempted — freed with
+produced is appended to the sequence (`append_each`: the whole batch in one
+call, each sequence all or nothing); when the pool cannot take one, the
+newest running sequence is preempted — freed with
 its computed tokens, so its full blocks go to the prefix cache — and put
 back at the head of the queue with its prompt and the tokens generated so
 far, to be prefilled again (mostly from the cache) when room returns. A
@@ -248,18 +249,18 @@ class Scheduler:
         kv = self.kv
         t0 = perf_counter()
         try:
-            for req in list(self.running.values()):
-                if req.state is not RequestState.RUNNING:
-                    continue  # preempted by an earlier row of this loop
-                while True:
-                    try:
-                        kv.append(req.seq_id, [req.output[-1]])
-                        break
-                    except CapacityError:
-                        victim = next(reversed(self.running.values()))
-                        self._preempt(victim)
-                        if victim is req:
-                            break
+            rows = list(self.running.values())
+            while rows:
+                # One call appends the whole batch, up to the first sequence
+                # the pools cannot take.
+                done = kv.append_each([r.seq_id for r in rows], [r.output[-1] for r in rows])
+                if done == len(rows):
+                    break
+                # Make room: the newest running sequence goes back to the
+                # queue (the one that did not fit, if it is the newest).
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim)
+                rows = [r for r in rows[done:] if r.state is RequestState.RUNNING]
         finally:
             self.kv_seconds += perf_counter() - t0
         return list(self.running.values())

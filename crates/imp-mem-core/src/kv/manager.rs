@@ -1016,6 +1016,33 @@ impl KVCacheManager {
         Ok(&seq.swa_table)
     }
 
+    /// One decode step's appends: `tokens[i]` onto sequence `ids[i]`, in
+    /// order, each all or nothing ([`Self::append`]). Stops at the first
+    /// sequence the pools cannot take (a capacity refusal, which changes
+    /// nothing for it) and returns how many were appended, so the caller
+    /// can make room (preempt) and go on from there. Any other error is
+    /// returned before anything is appended: every id is checked first.
+    pub fn append_each(&mut self, ids: &[SeqId], tokens: &[u32]) -> Result<usize, MemError> {
+        if ids.len() != tokens.len() {
+            return Err(MemError::invalid(format!(
+                "{} sequence ids but {} tokens; give one token per sequence",
+                ids.len(),
+                tokens.len()
+            )));
+        }
+        for &id in ids {
+            self.seq(id)?;
+        }
+        for (i, (&id, tok)) in ids.iter().zip(tokens.chunks_exact(1)).enumerate() {
+            match self.append(id, tok) {
+                Ok(()) => {}
+                Err(MemError::KvCapacity(_)) => return Ok(i),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(ids.len())
+    }
+
     /// The block tables of a whole batch, one row of `width` int32 columns
     /// per id of `ids`, written into `out` (`ids.len() * width` values, row
     /// after row) and padded with `-1`: [`Self::block_table`]'s rows, or

@@ -943,3 +943,23 @@ fn block_tables_write_a_batch_padded_and_refuse_without_writing() {
     let err = plain.block_tables(&[1], &mut [0; 4], 4, true).unwrap_err();
     assert!(err.to_string().contains("no SWA pool"), "{err}");
 }
+
+#[test]
+fn append_each_stops_at_the_first_sequence_that_does_not_fit() {
+    let mut m = slots(4, 4);
+    m.admit(1, &toks(0..4), none()).unwrap(); // 1 block, full
+    m.admit(2, &toks(10..13), none()).unwrap(); // 1 block, room for 1
+    m.admit(3, &toks(20..28), none()).unwrap(); // 2 blocks, full: the pool is full
+                                                // 2 fits in its block; 1 needs a new block: stop there.
+    assert_eq!(m.append_each(&[2, 1, 3], &[7, 8, 9]).unwrap(), 1);
+    assert_eq!(m.num_tokens(2).unwrap(), 4);
+    assert_eq!((m.num_tokens(1).unwrap(), m.num_tokens(3).unwrap()), (4, 8));
+    m.free(3, None).unwrap();
+    assert_eq!(m.append_each(&[1, 2], &[8, 8]).unwrap(), 2);
+    assert_eq!((m.num_tokens(1).unwrap(), m.num_tokens(2).unwrap()), (5, 5));
+    // An unknown id or a length mismatch appends nothing.
+    assert!(m.append_each(&[1, 9], &[1, 1]).is_err());
+    assert!(m.append_each(&[1], &[1, 1]).is_err());
+    assert_eq!(m.num_tokens(1).unwrap(), 5);
+    m.check_invariants().unwrap();
+}
