@@ -171,3 +171,23 @@ def test_refuses_a_seq_len_beyond_the_model(checkpoint):
     _, directory, _ = checkpoint
     with pytest.raises(InvalidArgument, match="max_position_embeddings"):
         open_engine(directory, max_seq_len=4096)
+
+
+def test_the_gpu_demo_runs_on_the_cpu_with_a_tiny_model():
+    from imp_mem.engine.demo import run_engine_demo
+
+    lines = []
+    rc = run_engine_demo(
+        FakeBackend(capacity="2GiB"),
+        lines.append,
+        seconds=1.0,
+        max_batch=4,
+        max_seq_len=64,
+        prompt_len=(2, 20),
+        max_new_tokens=(1, 20),
+        config=tiny("swa"),
+    )
+    assert rc == 0
+    text = "\n".join(lines)
+    assert "acquisitions while serving: 0" in text
+    assert "decode tokens" in text and "SERVING" in text

@@ -361,10 +361,11 @@ class Engine:
         return torch.cuda.graph_pool_handle()
 
     def _warm_up(self) -> None:
-        """One prefill of the longest chunk at the end of the longest
-        context, then the decode at every bucket: torch's allocator (or the
-        activation pool) holds the prefill's working set before serving,
-        and the kernels are compiled before any capture."""
+        """Prefills of the longest chunk at the end of the longest context,
+        of a full chunk from the start and of one token, then the decode at
+        every bucket: torch's allocator (or the activation pool) holds the
+        prefill's working set before serving, and every kernel is compiled
+        before any capture."""
         kv = self.kv
         sid = WARM_SEQ
         n = self.max_seq_len - 1
@@ -372,9 +373,10 @@ class Engine:
         if kv.can_admit(tokens):
             kv.admit(sid, tokens)
             try:
-                start = max(0, n - self.prefill_chunk)
+                chunk = min(self.prefill_chunk, n)
                 with torch.inference_mode(), self._torch_ctx():
-                    self._prefill_chunk(sid, tokens, start, n, len(tokens))
+                    for start, end in ((n - chunk, n), (0, chunk), (0, 1)):
+                        self._prefill_chunk(sid, tokens, start, end, n)
             finally:
                 kv.abort(sid)
         with torch.inference_mode(), self._torch_ctx():
@@ -386,6 +388,12 @@ class Engine:
     def _capture(self) -> None:
         pool = self._graph_pool()
         stream = torch.cuda.Stream(self.device)
+        # Warm up on the capture stream first (library handles and
+        # workspaces are per stream), as torch's graph recipe does.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            self._decode_body(self.buckets[-1])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):
                 g = torch.cuda.CUDAGraph()
