@@ -609,15 +609,17 @@ class Engine:
 
     # ----------------------------------------------------------------- report
 
-    def mem_report(self) -> dict[str, Any]:
+    def mem_report(self, other_processes: int | None = None) -> dict[str, Any]:
         """The memory system's report (torch's reserved bytes named when
-        torch's allocator holds any)."""
+        torch's allocator holds any); `other_processes` is device memory
+        other processes use, left out of the attribution."""
         self._charge_torch()
-        return self.system.mem_report()
+        return self.system.mem_report(other_processes=other_processes)
 
-    def mem_report_text(self) -> str:
+    def mem_report_text(self, other_processes: int | None = None) -> str:
+        """`mem_report` as the text table."""
         self._charge_torch()
-        return self.system.mem_report_text()
+        return self.system.mem_report_text(other_processes=other_processes)
 
     def close(self) -> dict[str, Any] | None:
         """Drops every tensor over imp-mem's memory, then closes the system."""
