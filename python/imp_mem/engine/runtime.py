@@ -57,6 +57,7 @@ Thread safety: none; one thread drives an engine.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import time
@@ -638,6 +639,8 @@ class Engine:
         ):
             if hasattr(self, name):
                 delattr(self, name)
+        # Exports held in a reference cycle would keep their tier alive.
+        gc.collect()
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         self.system = None
