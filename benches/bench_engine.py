@@ -98,9 +98,6 @@ def hf_side(directory, prompts, new_tokens):
         "calls_per_step": ((calls2 - calls1) - (calls1 - calls0)) / (new_tokens - 1),
         "reserved": peak,
     }
-    del model, ids, mask
-    gc.collect()
-    torch.cuda.empty_cache()
     return out
 
 
@@ -178,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                 [rng.randrange(config.vocab_size) for _ in range(prompt_len)] for _ in range(batch)
             ]
             hf = hf_side(directory, prompts, new_tokens)
+            gc.collect()  # HF's model is gone with hf_side's frame
+            torch.cuda.empty_cache()
             ours = our_side(directory, prompts, new_tokens, prompt_len + new_tokens)
             needed = weights + batch * (prompt_len + new_tokens) * kv_bytes_per_token(config)
             print(f"-- batch {batch}")
