@@ -134,6 +134,11 @@ class Engine:
     `budget`: the plan's budget (default: the backend's). `graphs`: capture
     decode in CUDA graphs (default: on a GPU). `buckets`: the batch sizes
     captured. `torch_pool`: where torch's own allocations go (module doc).
+    `prefill_chunk`: tokens per prefill call (default 512; a sliding model's
+    window). `features` replaces the plan's `Features` (default: T2 sized to
+    the engine's buffers, T4 at 1 MiB unless `torch_pool` or
+    `scratch_bytes` is given). The plan serves `max_batch` sequences of
+    `max_seq_len` plus one sequence's worth, which holds the padding block.
     """
 
     def __init__(
@@ -156,6 +161,8 @@ class Engine:
         library_reserve: int | None = None,
         keep_logits: bool = True,
         progress: bool | None = None,
+        features: Any = None,
+        scratch_bytes: int | None = None,
     ) -> None:
         t_open = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -169,7 +176,7 @@ class Engine:
             )
         if prefill_chunk is None:
             # A sliding model's ring grows with the chunk: keep it a window.
-            prefill_chunk = c.sliding_window if c.sliding_layers else 1024
+            prefill_chunk = c.sliding_window if c.sliding_layers else 512
         if prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.max_batch = max_batch
@@ -193,14 +200,16 @@ class Engine:
         probe_bs = block_size or imp_mem.Limits(1, 16).block_size
         self.ring_blocks = 0
         shape = imp_mem.ModelShape.from_hf_config(self.model_dir)
-        plan_batch = max_batch
+        # One sequence more than served: the padding rows' block is held
+        # through a sequence of the engine's (see `_reserve_blocks`).
+        plan_batch = max_batch + 1
         if self.sliding:
             # The ring must be longer than a chunk's reach (chunk + window),
             # in blocks; the engine's sequences that hold it (each the
             # window's blocks) and the padding sequence are planned for.
             self.ring_blocks = math.ceil((self.prefill_chunk + c.sliding_window) / probe_bs) + 2
             per_seq = math.ceil(c.sliding_window / probe_bs)
-            plan_batch += math.ceil(self.ring_blocks / per_seq) + 1
+            plan_batch += math.ceil(self.ring_blocks / per_seq)
         limits = imp_mem.Limits(plan_batch, max_seq_len, block_size=block_size)
         if not self.on_gpu:
             context = 8 << 20 if context is None else context
@@ -209,7 +218,7 @@ class Engine:
             imp_mem.PlanInput(
                 shape,
                 limits,
-                imp_mem.Features(),
+                features or self._features(probe_bs, scratch_bytes),
                 budget=budget if budget is not None else backend.budget,
                 context=context,
                 library_reserve=library_reserve,
@@ -267,20 +276,10 @@ class Engine:
 
         # -- 4. static buffers in T2, staging in pinned host memory ------------
         self.width = math.ceil(self.max_seq_len / self.block_size)
-        B, W, C = self.max_batch, self.width, self.prefill_chunk
         self.t2 = {
-            "ids": self._t2((B,), torch.int64),
-            "pos": self._t2((B,), torch.int64),
-            "tables": self._t2((B, W), torch.int32),
-            "next": self._t2((B,), torch.int64),
-            "prefill_ids": self._t2((C,), torch.int64),
-            "prefill_table": self._t2((W,), torch.int32),
+            name: self._t2(shape, dtype) for name, (shape, dtype) in self._t2_specs().items()
         }
-        if self.sliding:
-            self.t2["swa_tables"] = self._t2((B, W), torch.int32)
-            self.t2["prefill_swa"] = self._t2((W,), torch.int32)
-        if self.keep_logits:
-            self.t2["logits"] = self._t2((B, c.vocab_size), torch.float32)
+        W = self.width
         host = {k: _Pinned(self.backend, tuple(v.shape), v.dtype) for k, v in self.t2.items()}
         host.pop("logits", None)
         self.host = host
@@ -313,6 +312,18 @@ class Engine:
         system.begin_serving()
         self.stats = EngineStats()  # serving starts here
 
+    def _features(self, block_size: int, scratch_bytes: int | None) -> Any:
+        """What the plan sizes beyond the model and its KV: T2 exactly as
+        the engine uses it, and T4 (the forward-pass scratch stack) at its
+        minimum unless `torch_pool` may draw activations from it or
+        `scratch_bytes` says otherwise — the engine's own forward pass
+        allocates through torch."""
+        if scratch_bytes is None and self._torch_pool is None:
+            scratch_bytes = 1 << 20
+        return imp_mem.Features(
+            engine_persistent_bytes=self._t2_bytes(block_size), scratch_bytes=scratch_bytes
+        )
+
     def _reserve_blocks(self) -> None:
         """Blocks the engine holds for its life, through sequences of its own
         in the manager (which accounts for every block of its pools): the
@@ -341,6 +352,34 @@ class Engine:
         view = torch.from_dlpack(pool.view(name, shape))
         assert view.is_contiguous() and view.shape[1:] == shape
         return view
+
+    def _t2_specs(self, block_size: int | None = None) -> dict[str, tuple[tuple, torch.dtype]]:
+        """The static buffers in T2: name -> (shape, dtype)."""
+        bs = block_size or self.block_size
+        B, C = self.max_batch, self.prefill_chunk
+        W = math.ceil(self.max_seq_len / bs)
+        specs = {
+            "ids": ((B,), torch.int64),
+            "pos": ((B,), torch.int64),
+            "tables": ((B, W), torch.int32),
+            "next": ((B,), torch.int64),
+            "prefill_ids": ((C,), torch.int64),
+            "prefill_table": ((W,), torch.int32),
+        }
+        if self.sliding:
+            specs["swa_tables"] = ((B, W), torch.int32)
+            specs["prefill_swa"] = ((W,), torch.int32)
+        if self.keep_logits:
+            specs["logits"] = ((B, self.config.vocab_size), torch.float32)
+        return specs
+
+    def _t2_bytes(self, block_size: int) -> int:
+        """T2 as this engine uses it: its buffers, each 256-byte aligned."""
+        total = 0
+        for shape, dtype in self._t2_specs(block_size).values():
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            total += -(-nbytes // 256) * 256
+        return total
 
     def _t2(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
