@@ -10,7 +10,8 @@ weights, and prints per scale:
 * the bf16 noise: the 99th percentile over positions of max |Δlogit| between
   the bf16 and float32 runs, and the fraction of positions whose bf16 argmax
   differs from the float32 one (what a kernel change flips);
-* the fraction of positions whose margin exceeds that noise;
+* the fraction of positions whose margin exceeds that noise, and the same
+  for the noise of the top-2 difference alone (what decides a flip);
 * the degenerate cases: argmax equal to the input token (the residual stream
   carries the embedding straight through), and the number of distinct argmax
   tokens (a model stuck on a few tokens).
@@ -54,7 +55,7 @@ def main() -> None:
     ids = torch.randint(0, config_dict["vocab_size"], (args.prompts, args.length))
     print(
         f"{'scale':>6} {'margin p50':>10} {'p10':>7} {'noise p99':>9} {'flips':>6} "
-        f"{'>noise':>7} {'=input':>7} {'distinct':>8}"
+        f"{'>noise':>7} {'pair p99':>8} {'>pair':>6} {'=input':>7} {'distinct':>8}"
     )
     for scale in (float(s) for s in args.scales.split(",")):
         weights = random_weights(config_dict, seed=0, scale=scale)
@@ -68,6 +69,10 @@ def main() -> None:
         top2 = lo.topk(2, dim=-1).values
         margin = top2[:, 0] - top2[:, 1]
         noise = (lo - hi).abs().amax(-1)
+        idx = lo.topk(2, dim=-1).indices
+        pair_lo = lo.gather(1, idx[:, :1]) - lo.gather(1, idx[:, 1:])
+        pair_hi = hi.gather(1, idx[:, :1]) - hi.gather(1, idx[:, 1:])
+        pair_noise = (pair_lo - pair_hi).abs().quantile(0.99).item()
         noise_p99 = noise.quantile(0.99).item()
         flips = (lo.argmax(-1) != hi.argmax(-1)).float().mean().item()
         above = (margin > noise_p99).float().mean().item()
@@ -76,7 +81,8 @@ def main() -> None:
         distinct = arg.unique().numel()
         print(
             f"{scale:>6g} {margin.median().item():>10.3f} {margin.quantile(0.1).item():>7.3f} "
-            f"{noise_p99:>9.3f} {flips:>6.1%} {above:>7.1%} {same_input:>7.1%} "
+            f"{noise_p99:>9.3f} {flips:>6.1%} {above:>7.1%} {pair_noise:>8.3f} "
+            f"{(margin > pair_noise).float().mean().item():>6.1%} {same_input:>7.1%} "
             f"{distinct:>4}/{arg.numel():<4}"
         )
 

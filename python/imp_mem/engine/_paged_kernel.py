@@ -39,6 +39,10 @@ LOG2E = 1.4426950408889634
 # loading q and writing a partial.
 MAX_SPLITS = 16
 MIN_SPLIT_TOKENS = 128
+# Launch defaults; benches/bench_paged_attention.py --sweep times the others.
+DEFAULT_TILE = 64
+DEFAULT_WARPS = 4
+DEFAULT_STAGES = 2
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly in tl.dot; under
 # it the kernel rounds P to the input dtype as on the GPU, then multiplies
@@ -206,9 +210,9 @@ def paged_decode(
     window: int | None,
     scale: float,
     split_blocks: int | None = None,
-    tile: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    tile: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype."""
@@ -224,7 +228,7 @@ def paged_decode(
     split_blocks = split_blocks or choose_split_blocks(width, block_size)
     split_tokens = split_blocks * block_size
     splits = -(-width // split_blocks)
-    tile = max(16, min(tile, triton.next_power_of_2(split_tokens)))
+    tile = max(16, min(tile or DEFAULT_TILE, triton.next_power_of_2(split_tokens)))
     o_part = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -260,8 +264,8 @@ def paged_decode(
         TILE=tile,
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=num_warps or DEFAULT_WARPS,
+        num_stages=num_stages or DEFAULT_STAGES,
     )
     _merge_kernel[(batch, heads)](
         o_part,
