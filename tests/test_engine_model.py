@@ -137,8 +137,27 @@ def _ensure(cache, seq, end):
     return cache.table(seq, "full"), cache.table(seq, "swa")
 
 
-def test_decode_matches_hf(models):
+def _backend(name: str) -> str:
+    """``"triton"`` runs only on the CPU under Triton's interpreter, which
+    ``test_engine_attention.py`` switches on (it runs first)."""
+    if name == "triton":
+        import os
+        import sys
+
+        kernel = sys.modules.get("imp_mem.engine._paged_kernel")
+        if kernel is None and not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+            pytest.importorskip("triton")
+            from imp_mem.engine import _paged_kernel as kernel
+        if kernel is None or not kernel._INTERPRETING:
+            pytest.skip("the Triton path is tested on the GPU (tests/gpu)")
+    return name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_matches_hf(models, backend):
     kind, hf, model, config = models
+    model.attention_backend = _backend(backend)
     rng = random.Random(2)
     total = 30
     base = [rng.randrange(config.vocab_size) for _ in range(total)]
@@ -181,6 +200,7 @@ def test_decode_matches_hf(models):
             if s is not None:
                 check(logits[row], ref[s][pos[s]], 1e-4, f"{kind} decode of {s} at {pos[s]}")
                 pos[s] += 1
+    model.attention_backend = "torch"
     if kind == "swa":
         # Blocks really were given back as the window slid.
         assert min(cache.tables[0]["swa"][:3]) == -1

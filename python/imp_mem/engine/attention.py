@@ -188,15 +188,18 @@ def prefill_attention(
     allowed = present.unsqueeze(0) & (key_pos.unsqueeze(0) <= q_pos)
     if window is not None:
         allowed &= key_pos.unsqueeze(0) > q_pos - window
-    keys = _zero_where_not(keys, present)
-    values = _zero_where_not(values, present)
+    # Query head h reads KV head h // group, as transformers' repeat_kv; the
+    # expansion (rather than enable_gqa) keeps SDPA on its fused kernels
+    # when a mask is given.
+    group = heads // kv_heads
+    keys = _zero_where_not(keys, present).to(q.dtype).repeat_interleave(group, dim=1)
+    values = _zero_where_not(values, present).to(q.dtype).repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
-        keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
-        values.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
         attn_mask=allowed,
         scale=head_dim**-0.5 if scale is None else scale,
-        enable_gqa=heads != kv_heads,
     )
     return out.squeeze(0).transpose(0, 1)
 

@@ -231,7 +231,24 @@ class PagedModel:
         """One new token per sequence at ``positions[b]``: writes its K/V and
         attends over the pages. Returns float32 logits ``[B, vocab]``.
         Capturable in a CUDA graph (no host syncs, static shapes)."""
+        batch = input_ids.shape[0]
+        # Shapes only: metadata, no device sync.
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise InvalidArgument(
+                f"decode: input_ids and positions must both be [B]; got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        for name, table in (("block_tables", block_tables), ("swa_block_tables", swa_block_tables)):
+            if table is not None and (table.dim() != 2 or table.shape[0] != batch):
+                raise InvalidArgument(
+                    f"decode: {name} must be [B={batch}, M]; got {tuple(table.shape)}"
+                )
         tables = {"full": block_tables, "swa": swa_block_tables}
+        for pool in {layer.pool for layer in self.layers}:
+            if tables[pool] is None or getattr(kv, pool) is None:
+                raise InvalidArgument(
+                    f"decode: the model has {pool} layers; pass kv.{pool} and its block tables"
+                )
         slot = {
             name: slots(table, positions, kv.block_size)
             for name, table in tables.items()
