@@ -191,3 +191,27 @@ def test_the_gpu_demo_runs_on_the_cpu_with_a_tiny_model():
     text = "\n".join(lines)
     assert "acquisitions while serving: 0" in text
     assert "decode tokens" in text and "SERVING" in text
+
+
+def test_the_torch_pool_hook_wraps_every_forward_pass(checkpoint):
+    import contextlib
+
+    _, directory, _ = checkpoint
+    seen = {"systems": [], "entered": 0}
+
+    @contextlib.contextmanager
+    def activations():
+        seen["entered"] += 1
+        yield
+
+    def hook(system):
+        seen["systems"].append(system)
+        return activations
+
+    engine = open_engine(directory, torch_pool=hook)
+    assert seen["systems"] == [engine.system]
+    warm = seen["entered"]
+    assert warm >= 2, "warm-up runs inside it"
+    engine.generate(prompts(3, seed=9), 3)
+    assert seen["entered"] > warm
+    engine.close()

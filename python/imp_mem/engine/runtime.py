@@ -46,10 +46,12 @@ makes (admission, appends, frees: `Scheduler.kv_seconds`; block tables:
 here) against the step's time, so a benchmark can report the share.
 
 Activations. Torch's own allocations (prefill activations, graph pools) go
-to torch's allocator unless `torch_pool` routes them: a
-`torch.cuda.MemPool` (used for eager work and as the graphs' pool) or a
-callable returning a context manager. Without one, the engine names
-torch's reserved bytes in the memory report (`set_charge`).
+to torch's allocator unless `torch_pool` routes them: a callable called
+once with the opened `MemorySystem` (before the weights load) that returns
+a `torch.cuda.MemPool` — used around eager work (`use_mem_pool`) and as the
+graphs' pool — or a zero-argument factory of a context manager to enter
+around every forward pass. Without one, the engine names torch's reserved
+bytes in the memory report (`set_charge`).
 
 Thread safety: none; one thread drives an engine.
 """
@@ -237,6 +239,8 @@ class Engine:
             kv_growable=kv_growable,
         )
         try:
+            if self._torch_pool is not None:
+                self._torch_pool = self._torch_pool(self.system)
             self._open(enable_prefix_caching, buckets, graphs, attention_backend, progress)
         except BaseException:
             self.close()
