@@ -115,16 +115,40 @@ class EngineStats:
         return self.decode_imp_mem_seconds / self.decode_seconds if self.decode_seconds else 0.0
 
 
-class _Pinned:
-    """A host staging array in pinned memory (imp-mem's `PinnedBuffer`):
-    `.t` (torch) and `.np` (NumPy) view the same bytes."""
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
-    def __init__(self, backend: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        item = torch.empty((), dtype=dtype).element_size()
-        self.buffer = imp_mem.PinnedBuffer(max(1, math.prod(shape)) * item, backend=backend)
-        raw = torch.from_dlpack(self.buffer.span())
-        self.t = raw[: math.prod(shape) * item].view(dtype).view(shape)
-        self.np = self.t.numpy()
+
+def _layout(specs: dict[str, tuple[tuple, torch.dtype]]) -> tuple[dict[str, tuple], int]:
+    """Offsets of a group of buffers in one region, each 256-byte aligned:
+    `{name: (offset, nbytes, shape, dtype)}` and the region's bytes."""
+    out, off = {}, 0
+    for name, (shape, dtype) in specs.items():
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        out[name] = (off, nbytes, shape, dtype)
+        off = -(-(off + nbytes) // 256) * 256
+    return out, max(off, 256)
+
+
+def _carve(raw: torch.Tensor, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Typed views of a uint8 region at `layout`'s offsets."""
+    return {
+        name: raw[off : off + n].view(dtype).view(shape)
+        for name, (off, n, shape, dtype) in layout.items()
+    }
+
+
+class _Staging:
+    """A group of host staging arrays in one pinned region (imp-mem's
+    `PinnedBuffer`): `raw` (uint8), and per name a torch view (`t[name]`)
+    and a NumPy view (`np[name]`) of the same bytes."""
+
+    def __init__(self, backend: Any, specs: dict[str, tuple[tuple, torch.dtype]]) -> None:
+        layout, total = _layout(specs)
+        self.buffer = imp_mem.PinnedBuffer(total, backend=backend)
+        self.raw = torch.from_dlpack(self.buffer.span())[:total]
+        self.t = _carve(self.raw, layout)
+        self.np = {name: t.numpy() for name, t in self.t.items()}
 
 
 class Engine:
@@ -279,25 +303,32 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_batch=self.max_batch, max_seq_len=self.max_seq_len)
 
         # -- 4. static buffers in T2, staging in pinned host memory ------------
+        # Three regions of T2: a step's inputs (one host-to-device copy a
+        # step), a prefill chunk's inputs, and the outputs; the inputs are
+        # staged in pinned regions of the same layout.
         self.width = math.ceil(self.max_seq_len / self.block_size)
-        self.t2 = {
-            name: self._t2(shape, dtype) for name, (shape, dtype) in self._t2_specs().items()
-        }
+        self.t2: dict[str, torch.Tensor] = {}
+        self._t2_raw: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, _Staging] = {}
+        for group, specs in self._t2_groups().items():
+            layout, total = _layout(specs)
+            raw = torch.from_dlpack(system.engine_arena.take(total, 256))
+            self._t2_raw[group] = raw
+            self.t2.update(_carve(raw, layout))
+            if group != "out":
+                self.staging[group] = _Staging(self.backend, specs)
+        self.staging["next"] = _Staging(self.backend, {"next": self._t2_groups()["out"]["next"]})
         W = self.width
-        host = {k: _Pinned(self.backend, tuple(v.shape), v.dtype) for k, v in self.t2.items()}
-        host.pop("logits", None)
-        self.host = host
         # Padding rows: position 0 in the pad block, nothing else.
         self._pad_row = _pad_row(W, self._pad_full)
         self._pad_swa_row = _pad_row(W, self._pad_swa)
-        host["tables"].np[:] = self._pad_row
-        host["ids"].np[:] = 0
-        host["pos"].np[:] = 0
+        step_in = self.staging["decode_in"].np
+        step_in["tables"][:] = self._pad_row
+        step_in["ids"][:] = 0
+        step_in["pos"][:] = 0
         if self.sliding:
-            host["swa_tables"].np[:] = self._pad_swa_row
-        for k in ("ids", "pos", "tables", "swa_tables"):
-            if k in host:
-                self.t2[k].copy_(host[k].t)
+            step_in["swa_tables"][:] = self._pad_swa_row
+        self._t2_raw["decode_in"].copy_(self.staging["decode_in"].raw)
 
         # -- 6. warm-up, graphs, serving --------------------------------------
         self.use_graphs = self.on_gpu if graphs is None else graphs
@@ -357,38 +388,28 @@ class Engine:
         assert view.is_contiguous() and view.shape[1:] == shape
         return view
 
-    def _t2_specs(self, block_size: int | None = None) -> dict[str, tuple[tuple, torch.dtype]]:
-        """The static buffers in T2: name -> (shape, dtype)."""
+    def _t2_groups(self, block_size: int | None = None) -> dict[str, dict[str, tuple]]:
+        """The static buffers in T2, by region: name -> (shape, dtype)."""
         bs = block_size or self.block_size
         B, C = self.max_batch, self.prefill_chunk
         W = math.ceil(self.max_seq_len / bs)
-        specs = {
+        decode_in = {
             "ids": ((B,), torch.int64),
             "pos": ((B,), torch.int64),
             "tables": ((B, W), torch.int32),
-            "next": ((B,), torch.int64),
-            "prefill_ids": ((C,), torch.int64),
-            "prefill_table": ((W,), torch.int32),
         }
+        prefill_in = {"prefill_ids": ((C,), torch.int64), "prefill_table": ((W,), torch.int32)}
+        out = {"next": ((B,), torch.int64)}
         if self.sliding:
-            specs["swa_tables"] = ((B, W), torch.int32)
-            specs["prefill_swa"] = ((W,), torch.int32)
+            decode_in["swa_tables"] = ((B, W), torch.int32)
+            prefill_in["prefill_swa"] = ((W,), torch.int32)
         if self.keep_logits:
-            specs["logits"] = ((B, self.config.vocab_size), torch.float32)
-        return specs
+            out["logits"] = ((B, self.config.vocab_size), torch.float32)
+        return {"decode_in": decode_in, "prefill_in": prefill_in, "out": out}
 
     def _t2_bytes(self, block_size: int) -> int:
-        """T2 as this engine uses it: its buffers, each 256-byte aligned."""
-        total = 0
-        for shape, dtype in self._t2_specs(block_size).values():
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            total += -(-nbytes // 256) * 256
-        return total
-
-    def _t2(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        span = self.system.engine_arena.take(nbytes, 256)
-        return torch.from_dlpack(span).view(dtype).view(shape)
+        """T2 as this engine uses it: its regions, each 256-byte aligned."""
+        return sum(_layout(specs)[1] for specs in self._t2_groups(block_size).values())
 
     def _torch_ctx(self) -> Any:
         pool = self._torch_pool
@@ -473,22 +494,20 @@ class Engine:
     def _prefill_chunk(self, sid: int, tokens, start: int, end: int, total: int) -> torch.Tensor:
         """Prefills positions [start, end) of sequence `sid`; the last
         token's logits."""
-        host, t2 = self.host, self.t2
+        staged, t2 = self.staging["prefill_in"], self.t2
+        host = staged.np
         n = end - start
-        host["prefill_ids"].np[:n] = tokens[start:end]
+        host["prefill_ids"][:n] = tokens[start:end]
         t0 = time.perf_counter()
-        self.kv.block_tables([sid], host["prefill_table"].np.reshape(1, -1))
+        self.kv.block_tables([sid], host["prefill_table"].reshape(1, -1))
         if self.sliding:
-            swa = host["prefill_swa"].np
+            swa = host["prefill_swa"]
             self.kv.block_tables([sid], swa.reshape(1, -1), pool="swa")
         self._count_imp_mem(time.perf_counter() - t0)
         if self.sliding:
             self._fill_ring(swa, start, end)
-        # Blocking copies: the next chunk rewrites these staging buffers.
-        t2["prefill_ids"][:n].copy_(host["prefill_ids"].t[:n])
-        t2["prefill_table"].copy_(host["prefill_table"].t)
-        if self.sliding:
-            t2["prefill_swa"].copy_(host["prefill_swa"].t)
+        # One blocking copy: the next chunk rewrites the staging region.
+        self._t2_raw["prefill_in"].copy_(staged.raw)
         return self.model.prefill(
             t2["prefill_ids"][:n],
             start,
@@ -561,44 +580,42 @@ class Engine:
             logits = self._prefill_chunk(sid, tokens, start, end, n)
             self.stats.prefill_tokens += end - start
             start = end
-        host = self.host["next"]
-        host.t[:1].copy_(logits[0].argmax(-1, keepdim=True))
-        tok = int(host.np[0])
+        nxt = self.staging["next"]
+        nxt.t["next"][:1].copy_(logits[0].argmax(-1, keepdim=True))
+        tok = int(nxt.np["next"][0])
         self.scheduler.prefilled(p, tok)
         return tok
 
     def _decode(self, batch: list[Request]) -> list[int]:
         n = len(batch)
         b = next(x for x in self.buckets if x >= n)
-        host, t2 = self.host, self.t2
-        ids = host["ids"].np
-        pos = host["pos"].np
-        for i, r in enumerate(batch):
-            ids[i] = r.output[-1]
-            pos[i] = r.computed
-        ids[n:b] = 0
-        pos[n:b] = 0
+        staged = self.staging["decode_in"]
+        host = staged.np
+        host["ids"][:n] = [r.output[-1] for r in batch]
+        host["pos"][:n] = [r.computed for r in batch]
+        host["ids"][n:b] = 0
+        host["pos"][n:b] = 0
         seqs = [r.seq_id for r in batch]
         t0 = time.perf_counter()
-        self.kv.block_tables(seqs, host["tables"].np[:n])
+        self.kv.block_tables(seqs, host["tables"][:n])
         if self.sliding:
-            self.kv.block_tables(seqs, host["swa_tables"].np[:n], pool="swa")
+            self.kv.block_tables(seqs, host["swa_tables"][:n], pool="swa")
         self._count_imp_mem(time.perf_counter() - t0)
-        host["tables"].np[n:b] = self._pad_row
-        t2["ids"][:b].copy_(host["ids"].t[:b], non_blocking=True)
-        t2["pos"][:b].copy_(host["pos"].t[:b], non_blocking=True)
-        t2["tables"][:b].copy_(host["tables"].t[:b], non_blocking=True)
+        host["tables"][n:b] = self._pad_row
         if self.sliding:
-            host["swa_tables"].np[n:b] = self._pad_swa_row
-            t2["swa_tables"][:b].copy_(host["swa_tables"].t[:b], non_blocking=True)
+            host["swa_tables"][n:b] = self._pad_swa_row
+        # One copy of the whole input region (tens of KiB); it is complete
+        # before the next step rewrites the staging, which the blocking
+        # read of the tokens below guarantees.
+        self._t2_raw["decode_in"].copy_(staged.raw, non_blocking=True)
         if self.use_graphs:
             self.graphs[b].replay()
         else:
             self._decode_body(b)
         self.stats.bucket_steps[b] = self.stats.bucket_steps.get(b, 0) + 1
-        nxt = host["next"]
-        nxt.t[:b].copy_(t2["next"][:b])  # blocking: waits for the step
-        return nxt.np[:n].tolist()
+        nxt = self.staging["next"]
+        nxt.t["next"][:b].copy_(self.t2["next"][:b])  # blocking: waits for the step
+        return nxt.np["next"][:n].tolist()
 
     # -------------------------------------------------------------- requests
 
@@ -676,7 +693,8 @@ class Engine:
             "weights",
             "kv_views",
             "t2",
-            "host",
+            "_t2_raw",
+            "staging",
             "scheduler",
             "kv",
         ):
