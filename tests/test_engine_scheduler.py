@@ -206,6 +206,26 @@ def test_prefix_hits_skip_the_cached_tokens():
     system.close()
 
 
+def test_a_running_prompt_is_hit_by_a_later_arrival():
+    system = open_system()
+    kv = system.kv_manager()
+    sched = Scheduler(kv, max_batch=4, max_seq_len=128)
+    shared = list(range(200, 232))  # two full blocks
+    first = sched.submit([*shared, 1], 20)
+    step(sched, kv)
+    assert first.state is RequestState.RUNNING
+    second = sched.submit([*shared, 2, 3], 5)
+    (p,) = sched.admit_waiting()
+    assert p.start == second.cached_tokens == 32, "hit while the first still runs"
+    sched.prefilled(p, next_token(p.tokens))
+    drain(sched, kv)
+    assert second.output == expected(second.prompt, 5)
+    assert first.output == expected(first.prompt, 20)
+    check_baseline(system, kv)
+    del kv, sched
+    system.close()
+
+
 def test_cancel_at_every_point_and_bad_requests():
     system = open_system()
     kv = system.kv_manager()

@@ -169,12 +169,19 @@ def test_greedy_tokens_match_hf_where_its_margin_is_decisive(engine, checkpoints
         prompts = [
             shared[: 16 * (i % 8)] + [rng.randrange(vocab) for _ in range(300)] for i in range(32)
         ]
-        reqs = [e.submit(p, 24) for p in prompts]
+        # Two waves: the second's shared prefixes hit the first's blocks
+        # (full attention; prefix caching is off with sliding layers).
+        hits0 = e.scheduler.stats.prefix_hit_tokens
+        reqs = [e.submit(p, 24) for p in prompts[:8]]
+        e.step()
+        reqs += [e.submit(p, 24) for p in prompts[8:]]
         cancelled = {reqs[3].seq_id, reqs[17].seq_id}
         while e.scheduler.has_work:
             e.step()
             for sid in list(cancelled):
                 e.cancel(sid)
+        if not e.sliding:
+            assert e.scheduler.stats.prefix_hit_tokens > hits0
         checked = decisive = 0
         for r in reqs:
             if r.seq_id in cancelled and r.state.value == "cancelled":

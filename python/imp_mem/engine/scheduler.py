@@ -6,7 +6,9 @@ from the head while a sequence slot is free and the head fits the KV pool
 `can_admit`) leaves the head waiting and ends admission for the step, so
 arrival order is kept and nothing is failed for lack of memory. An
 admission reports the prompt's cached leading tokens (prefix hits): the
-prefill computes only the tokens after them. Every running sequence
+prefill computes only the tokens after them, and once it has, the prompt's
+full blocks are shared with the cache (`cache_computed`) so that requests
+arriving while it runs hit them too. Every running sequence
 decodes one token per step. Before a decode, the token the previous step
 produced is appended to the sequence (`append_each`: the whole batch in one
 call, each sequence all or nothing); when the pool cannot take one, the
@@ -239,6 +241,13 @@ class Scheduler:
         if req.state is not RequestState.RUNNING:
             return
         req.computed = len(prefill.tokens)
+        # Share the prompt's full blocks now, so requests admitted while this
+        # one runs hit them (a no-op with prefix caching off).
+        t0 = perf_counter()
+        try:
+            self.kv.cache_computed(req.seq_id, req.computed)
+        finally:
+            self.kv_seconds += perf_counter() - t0
         self._emit(req, int(next_token))
 
     def prepare_decode(self) -> list[Request]:
