@@ -58,6 +58,7 @@ from imp_mem.errors import (
     PhaseViolation,
     PlanFailure,
     StaleSpan,
+    WeightsOverflow,
 )
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "TensorView",
     "Tier",
     "VmmBackend",
+    "WeightsOverflow",
     "__version__",
     "cuda_available",
     "cuda_device_count",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, overload
 
 __version__: str
 
@@ -112,6 +112,8 @@ class Backend:
     def kind(self) -> str: ...
     @property
     def live(self) -> int: ...
+    def enable_journal(self) -> None:
+        """Keep the journal from now on (a fake keeps it from the start)."""
     def journal(self) -> list[JournalRow] | None: ...
     def check_invariants(self) -> None: ...
 
@@ -220,6 +222,9 @@ class KVCacheManager:
     ) -> int:
         """Cached leading tokens now; a hint that takes no refs."""
     def append(self, seq_id: int, tokens: TokenIds) -> None: ...
+    def append_each(self, seq_ids: Sequence[int] | Any, tokens: TokenIds) -> int:
+        """Appends ``tokens[i]`` to ``seq_ids[i]`` in order; stops at the first
+        sequence the pools cannot take and returns how many were appended."""
     def can_append(self, seq_id: int, n: int) -> bool: ...
     def free(self, seq_id: int, computed_tokens: int | None = None) -> None: ...
     def cache_computed(self, seq_id: int, computed_tokens: int) -> int:
@@ -229,6 +234,24 @@ class KVCacheManager:
     def block_table(self, seq_id: int) -> list[int]: ...
     def block_table_bytes(self, seq_id: int) -> bytes: ...
     def swa_table(self, seq_id: int) -> list[int]: ...
+    @overload
+    def block_tables(
+        self,
+        seq_ids: Sequence[int] | Any,
+        out: None = None,
+        *,
+        pool: Literal["full", "swa"] = "full",
+    ) -> Any:
+        """A new NumPy int32 array ``[len(seq_ids), longest row]``, padded with -1."""
+    @overload
+    def block_tables(
+        self, seq_ids: Sequence[int] | Any, out: Any, *, pool: Literal["full", "swa"] = "full"
+    ) -> int:
+        """Writes the batch's block tables (or SWA tables) into ``out``, a
+        writable C-contiguous int32 buffer ``[len(seq_ids), width]``, padded
+        with -1; returns the columns used. An unknown id or a too-narrow
+        ``out`` raises ``InvalidArgument``, a non-int32 ``out`` ``TypeError``;
+        a refused call writes nothing."""
     def num_tokens(self, seq_id: int) -> int: ...
     def sequences(self) -> list[int]: ...
     def sequence_hashes(self, seq_id: int) -> list[int]: ...
@@ -442,6 +465,14 @@ class BlockPool:
     @staticmethod
     def slots(blocks: int) -> BlockPool:
         """An id space only: free list and refcounts, no memory."""
+    def span(self) -> StableSpan:
+        """The whole reservation (``max_blocks * block_bytes`` from the base,
+        which never moves); only committed blocks, whose ids you hold, may be
+        touched."""
+    def view(self, dtype: DTypeLike, block_shape: int | Sequence[int]) -> TensorView:
+        """A typed view ``[max_blocks, *block_shape]`` of the whole pool, for
+        DLPack / ``__cuda_array_interface__``; ``block_shape`` must fill exactly
+        ``block_bytes``. Valid across growth; touch only committed blocks."""
     def step(self, fence: Fence | Any | None = None) -> int:
         """One engine step of the shrink policy; call it once per step with a
         fence recorded after the step's work was enqueued: an ``imp_mem.Fence``,

@@ -134,6 +134,8 @@ enum Owner {
     Block(Py<PyBlockRef>),
     Batch(Py<PyBlockRefs>, usize),
     Pinned(Py<PyPinnedBuffer>),
+    /// A pool's whole reservation (`BlockPool.span()` / `view()`).
+    Pool(SharedBlockPool),
 }
 
 /// Holds the memory behind an export alive (no Python objects inside); it
@@ -144,6 +146,7 @@ enum KeepAlive {
     Scratch(SharedScratchStack),
     Block(SharedBlockRef),
     Pinned(Arc<PinnedBuffer>),
+    Pool(SharedBlockPool),
 }
 
 struct Resolved {
@@ -160,6 +163,7 @@ impl Owner {
             Owner::Block(b) => Owner::Block(b.clone_ref(py)),
             Owner::Batch(b, i) => Owner::Batch(b.clone_ref(py), *i),
             Owner::Pinned(p) => Owner::Pinned(p.clone_ref(py)),
+            Owner::Pool(p) => Owner::Pool(p.clone()),
         }
     }
 
@@ -214,6 +218,10 @@ impl Owner {
                     .ok_or_else(|| invalid("an empty PinnedBuffer has no memory to view"))?;
                 let r = from(s);
                 Ok((r, keep.then(|| KeepAlive::Pinned(live.clone()))))
+            }
+            Owner::Pool(pool) => {
+                let r = from(pool.reservation().py()?);
+                Ok((r, keep.then(|| KeepAlive::Pool(pool.clone()))))
             }
         }
     }
@@ -949,6 +957,64 @@ impl PyBlockPool {
         d.set_item("min_idle_steps", p.min_idle_steps)?;
         d.set_item("keep_chunks", p.keep_chunks)?;
         Ok(d)
+    }
+
+    /// The pool's whole reservation as one `StableSpan`: `max_blocks *
+    /// block_bytes` bytes from the base, block `id` at `id * block_bytes`.
+    /// The base never moves, so the span (and anything viewing it) stays
+    /// valid across growth and shrinking, as long as the pool lives (an
+    /// export keeps it alive). Only committed blocks have memory behind
+    /// them: touch only blocks you hold a ref to, or the ids a
+    /// `KVCacheManager` over this pool handed out for a live sequence.
+    fn span(&self) -> PyResult<PyStableSpan> {
+        let len = self.pool.reservation().py()?.len();
+        Ok(stable(Owner::Pool(self.pool.clone()), len, self.exportable))
+    }
+
+    /// A typed view of the whole pool: shape `[max_blocks, *block_shape]`,
+    /// one row per block id, for DLPack / `__cuda_array_interface__`
+    /// (`torch.from_dlpack(pool.view("bfloat16", (layers, 2, block_size,
+    /// kv_heads, head_dim)))`). One block of `block_shape` must fill
+    /// exactly `block_bytes`. Valid across growth, as `span()` is, and with
+    /// the same rule: only committed blocks — those whose ids you hold —
+    /// may be touched.
+    fn view(
+        &self,
+        py: Python<'_>,
+        dtype: &Bound<'_, PyAny>,
+        block_shape: &Bound<'_, PyAny>,
+    ) -> PyResult<PyTensorView> {
+        let parsed = dlpack::parse_dtype(dtype)?;
+        let dims: Vec<i64> = if let Ok(n) = block_shape.extract::<i64>() {
+            vec![n]
+        } else {
+            block_shape
+                .extract()
+                .map_err(|_| invalid("block_shape must be an int or a sequence of ints"))?
+        };
+        if dims.iter().any(|&d| d <= 0) {
+            return Err(invalid(format!(
+                "block_shape {dims:?} has a dimension below 1"
+            )));
+        }
+        let per_block = dims.iter().try_fold(parsed.itemsize() as u64, |acc, &d| {
+            acc.checked_mul(d as u64)
+        });
+        let block_bytes = self.pool.block_bytes() as u64;
+        if per_block != Some(block_bytes) {
+            return Err(invalid(format!(
+                "a {} block of shape {dims:?} is {} B; this pool's blocks are {block_bytes} B — \
+                 the shape must fill a block exactly",
+                parsed.name,
+                per_block.map_or("too many".to_string(), |n| n.to_string())
+            )));
+        }
+        let span = self.span()?;
+        let blocks = (span.inner.len as u64 / block_bytes.max(1)) as i64;
+        let mut shape = vec![blocks];
+        shape.extend(dims);
+        span.inner
+            .view(py, dtype, Some(&PyTuple::new(py, &shape)?.into_any()))
     }
 
     /// One block, with one ref.
