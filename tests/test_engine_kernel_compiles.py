@@ -77,4 +77,4 @@ def test_kernels_compile_for_sm90():
     for name, kernel in result.items():
         assert kernel["cubin"] > 0, name
         assert kernel["spill_bytes"] == 0, f"{name} spills registers: {kernel}"
-        assert kernel["registers"] <= 168, f"{name} needs {kernel['registers']} registers"
+        assert kernel["registers"] <= 200, f"{name} needs {kernel['registers']} registers"
