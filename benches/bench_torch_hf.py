@@ -174,8 +174,8 @@ def child_imp(args) -> dict:
         "plan_activations": int(plan.activations),
         "committed": committed,
         "outside_charge": charge,
-        "steady_state_allocations": int(b1["steady_state_allocations_total"])
-        - int(b0["steady_state_allocations_total"]),
+        "steady_state_allocations": sum(b1["steady_state_allocations_total"].values())
+        - sum(b0["steady_state_allocations_total"].values()),
         "backend_acquisitions_serving": int(b1["acquisitions"]) - int(b0["acquisitions"]),
         "driver_allocs_serving": t1_stats.get("num_device_alloc", 0)
         - t0_stats.get("num_device_alloc", 0),
