@@ -252,3 +252,214 @@ impl IdNarrower {
         self.high == 0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SIZES: [usize; 4] = [1, 2, 4, 8];
+
+    /// The rule written the slow way: each integer decoded into an `i128`
+    /// and tested on its own, the first one outside `0..=u32::MAX` named.
+    fn model(bytes: &[u8], layout: IntLayout) -> Result<Vec<u32>, String> {
+        bytes
+            .chunks_exact(layout.size)
+            .map(|chunk| {
+                let mut ordered = chunk.to_vec();
+                if layout.big_endian {
+                    ordered.reverse();
+                }
+                let mut v: i128 = 0;
+                for (k, &b) in ordered.iter().enumerate() {
+                    v |= i128::from(b) << (8 * k);
+                }
+                let top = 8 * layout.size as u32;
+                if layout.signed && v >> (top - 1) == 1 {
+                    v -= 1i128 << top;
+                }
+                u32::try_from(v).map_err(|_| format!("token id {v} is outside 0..=4294967295"))
+            })
+            .collect()
+    }
+
+    /// The list reader's two loops: the fast one (every item narrowed, one
+    /// range test) and, when it gives up, the careful one (`item_id` on
+    /// each, the first error kept).
+    fn read_items(items: &[TokenItem<'_>]) -> Result<Vec<u32>, String> {
+        let mut narrow = IdNarrower::default();
+        let mut fast = Vec::new();
+        for item in items {
+            match item {
+                TokenItem::Int(v) => fast.push(narrow.narrow(*v)),
+                _ => break,
+            }
+        }
+        if fast.len() == items.len() && narrow.in_range() {
+            return Ok(fast);
+        }
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, &item)| item_id(i, item))
+            .collect::<Result<_, _>>()
+            .map_err(|e| e.to_string())
+    }
+
+    fn layouts() -> impl Strategy<Value = IntLayout> {
+        (
+            prop::sample::select(&SIZES[..]),
+            any::<bool>(),
+            any::<bool>(),
+        )
+            .prop_map(|(size, signed, big_endian)| IntLayout {
+                size,
+                signed,
+                big_endian,
+            })
+    }
+
+    /// Ids near the edges of every width, so that both sides of each range
+    /// test are drawn often.
+    fn edgy_i64() -> impl Strategy<Value = i64> {
+        prop_oneof![
+            0i64..70_000,
+            (-3i64..3).prop_map(|d| i64::from(u32::MAX) + d),
+            (-3i64..3).prop_map(|d| i64::from(i32::MAX) + d),
+            (-3i64..3).prop_map(|d| (1i64 << 30) + d),
+            -70_000i64..0,
+            any::<i64>(),
+            Just(i64::MIN),
+            Just(i64::MAX),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        /// Every layout's conversion (the vectorised loops and the general
+        /// one) reads what the slow rule reads, and refuses with its message.
+        #[test]
+        fn bytes_convert_as_the_slow_rule_says(
+            layout in layouts(),
+            bytes in prop::collection::vec(any::<u8>(), 0..200),
+        ) {
+            let got = ids_from_bytes(&bytes, layout).map_err(|e| e.to_string());
+            prop_assert_eq!(got, model(&bytes, layout));
+        }
+
+        /// The same ids as a list of ints and as an int64 array (what NumPy
+        /// makes of that list): the same ids, or the same refusal naming
+        /// the same first id.
+        #[test]
+        fn a_list_reads_as_its_int64_array(values in prop::collection::vec(edgy_i64(), 0..300)) {
+            let items: Vec<_> = values.iter().map(|&v| TokenItem::Int(v)).collect();
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let array = ids_from_bytes(&bytes, IntLayout::native(8, true));
+            prop_assert_eq!(read_items(&items), array.map_err(|e| e.to_string()));
+        }
+
+        /// And as an int32 array read in place (`check_int32` on the raw
+        /// words), for the ids that fit one.
+        #[test]
+        fn a_list_reads_as_its_int32_array(values in prop::collection::vec(any::<i32>(), 0..300)) {
+            let items: Vec<_> = values.iter().map(|&v| TokenItem::Int(i64::from(v))).collect();
+            let words: Vec<u32> = values.iter().map(|&v| v as u32).collect();
+            let in_place = check_int32(&words).map(|()| words).map_err(|e| e.to_string());
+            prop_assert_eq!(read_items(&items), in_place);
+        }
+
+        /// An item that is not an integer is refused by position wherever
+        /// it is, unless an id before it is already out of range.
+        #[test]
+        fn the_first_bad_item_is_named(
+            values in prop::collection::vec(0i64..100, 1..50),
+            at in any::<prop::sample::Index>(),
+            kind in 0..4u8,
+            earlier_bad in any::<bool>(),
+        ) {
+            let at = at.index(values.len());
+            let mut items: Vec<_> = values.iter().map(|&v| TokenItem::Int(v)).collect();
+            items[at] = match kind {
+                0 => TokenItem::Bool,
+                1 => TokenItem::NotInteger("float"),
+                2 => TokenItem::Huge("18446744073709551616"),
+                _ => TokenItem::Int(-1),
+            };
+            let expected = match kind {
+                0 => format!("tokens must be integers; item {at} is a bool"),
+                1 => format!("tokens must be integers; item {at} is a float"),
+                2 => "token id 18446744073709551616 is outside 0..=4294967295".to_string(),
+                _ => "token id -1 is outside 0..=4294967295".to_string(),
+            };
+            if earlier_bad && at > 0 {
+                items[0] = TokenItem::Int(1 << 33);
+                prop_assert_eq!(
+                    read_items(&items),
+                    Err("token id 8589934592 is outside 0..=4294967295".to_string())
+                );
+            } else {
+                prop_assert_eq!(read_items(&items), Err(expected));
+            }
+        }
+
+        /// Any format string and item size is read or refused, never a panic.
+        #[test]
+        fn any_format_is_read_or_refused(format in ".{0,3}", itemsize in 0usize..20) {
+            if let Ok(layout) = IntLayout::from_format(&format, itemsize) {
+                prop_assert!(SIZES.contains(&layout.size));
+                prop_assert_eq!(layout.size, itemsize);
+            }
+        }
+    }
+
+    #[test]
+    fn struct_formats_name_their_layouts() {
+        let le = cfg!(target_endian = "little");
+        for (format, signed, big) in [
+            ("i", true, !le),
+            ("<i", true, false),
+            (">I", false, true),
+            ("!q", true, true),
+            ("=H", false, !le),
+            ("@B", false, !le),
+            ("n", true, !le),
+        ] {
+            let layout = IntLayout::from_format(format, 4);
+            assert_eq!(
+                layout.map(|l| (l.signed, l.big_endian)),
+                Ok((signed, big)),
+                "{format}"
+            );
+        }
+        for refused in ["d", "f", "?", "e", "<d", "xi", "", "ii", "O"] {
+            let err = IntLayout::from_format(refused, 8).map_err(|e| e.to_string());
+            assert_eq!(
+                err,
+                Err(format!(
+                    "tokens must be integers; the buffer's format is {refused:?}"
+                ))
+            );
+        }
+        assert_eq!(
+            IntLayout::from_format("i", 3).map_err(|e| e.to_string()),
+            Err("unsupported integer size 3".to_string())
+        );
+        assert!(ids_from_bytes(&[0; 6], IntLayout::native(3, false)).is_err());
+        assert!(one_dimensional(1).is_ok() && one_dimensional(0).is_ok());
+        assert_eq!(
+            one_dimensional(2).map_err(|e| e.to_string()),
+            Err("tokens must be one-dimensional, got 2 dimensions".to_string())
+        );
+    }
+
+    #[test]
+    fn an_int32_read_in_place_names_its_first_negative_id() {
+        let words = [5, i32::MAX as u32, (-7i32) as u32, (-9i32) as u32];
+        assert_eq!(
+            check_int32(&words).map_err(|e| e.to_string()),
+            Err("token id -7 is outside 0..=4294967295".to_string())
+        );
+        assert_eq!(check_int32(&words[..2]), Ok(()));
+    }
+}
