@@ -1,6 +1,6 @@
 //! Token ids read straight out of a list or tuple of Python ints, in one
-//! pass with no intermediate object (it used to go through `array('q')`
-//! and `tobytes()`).
+//! pass with no intermediate object (they used to go through `array('q')`
+//! and `tobytes()`, 8x the NumPy path's time on `bench_kv.py`'s churn).
 //!
 //! Three loops, each falling back to the next:
 //!
@@ -9,30 +9,31 @@
 //!   tuple's inline items, an int's header word and first 30-bit digit
 //!   (the header is the signed digit count up to 3.11, `lv_tag` — the
 //!   count over three flag bits — from 3.12). None of that is in the
-//!   limited API, but it has not changed within a CPython version, so the
-//!   loop is turned on only for CPython 3.9–3.14 and only after a
-//!   self-check on objects it builds agrees with what the API reads (the
-//!   scheme of `ndarray.rs`). A single-digit int (below 2^30, every real
-//!   vocabulary) is read in place; any other int is read through
+//!   limited API, but none of it changes within a CPython version, so the
+//!   loop is turned on only for CPython 3.9–3.14 with 30-bit digits, and
+//!   only after a self-check on objects it builds agrees with what the API
+//!   reads (the scheme of `ndarray.rs`). An int of one digit (below 2^30:
+//!   every real vocabulary) is read in place, any other through
 //!   `PyLong_AsLongLongAndOverflow`. `_core._set_list_direct(False)` turns
-//!   it off, so the tests run both this loop and the next;
+//!   the loop off, so the tests run it and the next;
 //! * the API loop takes the items by index (`PyList_GetItem` /
 //!   `PyTuple_GetItem`, borrowed) and reads each exact `int` with
-//!   `PyLong_AsLongLongAndOverflow`, all in the limited API, at about twice
-//!   the direct loop's cost an item.
+//!   `PyLong_AsLongLongAndOverflow`, all in the limited API, at about three
+//!   times the direct loop's cost an item (two calls into libpython).
 //!
 //!   Neither runs Python code (an exact int is read without calling into
 //!   Python), so the sequence cannot change under them. Both narrow each
 //!   value to `u32` and gather the high bits (`IdNarrower`), testing the
 //!   range once at the end;
 //! * the careful loop: the first item that is not an exact int, one beyond
-//!   `i64`, or a failed range sends the whole sequence here, read again
-//!   from the start applying the core's rule (`kv::tokens::item_id`) to
-//!   each item: a bool is refused (as a NumPy bool array is), an `int`
-//!   subclass is read as its value, any other object is taken as
-//!   `operator.index` gives it (a NumPy integer scalar), and the first bad
-//!   item is named. It runs Python code (`__index__`), so it re-reads the
-//!   length at each item and holds its own reference to each.
+//!   `i64`, or a failed range test sends the whole sequence here, read
+//!   again from the start applying the core's rule
+//!   (`kv::tokens::item_id`) to each item: a bool (`numpy.bool_` too) is
+//!   refused, as a NumPy bool array is; an `int` subclass is read as its
+//!   value; any other object is taken as `operator.index` gives it (a NumPy
+//!   integer scalar); the first bad item is named. It runs Python code
+//!   (`__index__`), so it re-reads the length at each item and holds its
+//!   own reference to each.
 //!
 //! All run with the GIL held, as they must; the ids come out owned.
 
@@ -392,6 +393,11 @@ fn one_id(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
     }
     let int = match item.downcast::<PyInt>() {
         Ok(int) => int.clone(),
+        Err(_) if is_numpy_bool(item)? => {
+            // Older NumPy gives its bools an `__index__`; refused all the
+            // same, as their arrays are.
+            return rule::item_id(index, TokenItem::Bool).py();
+        }
         Err(_) => {
             // SAFETY: `item` is live and the GIL is held; `PyNumber_Index`
             // returns a new reference or null with the error set, which
@@ -425,6 +431,14 @@ fn one_id(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
             };
             rule::item_id(index, TokenItem::Huge(&text)).py()
         }
+    }
+}
+
+/// True when `obj` is a `numpy.bool_` (NumPy is looked up, never imported).
+fn is_numpy_bool(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match crate::ndarray::loaded_numpy(obj.py())? {
+        Some(numpy) => obj.is_instance(&numpy.getattr("bool_")?),
+        None => Ok(false),
     }
 }
 
