@@ -70,8 +70,8 @@ struct LongHead {
 struct Layout {
     /// 3.12+: the header word is `lv_tag`.
     tagged: bool,
-    /// Byte offset of a tuple's first item (3.14 put a cached hash
-    /// before them).
+    /// Byte offset of a tuple's first item: right after the header, or
+    /// after a cached hash (added in 3.14), as the self-check found.
     tuple_items: usize,
 }
 
@@ -138,15 +138,16 @@ fn build(py: Python<'_>) -> PyResult<Option<Layout>> {
     if name != "cpython" || major != 3 || !(9..=14).contains(&minor) || bits != 30 || digit != 4 {
         return Ok(None);
     }
-    let layout = Layout {
-        tagged: minor >= 12,
-        tuple_items: std::mem::size_of::<ffi::PyVarObject>() + if minor >= 14 { 8 } else { 0 },
-    };
-    Ok(self_check(py, layout)?.then_some(layout))
+    self_check(py, minor >= 12)
 }
 
-/// Reads ints, a list and a tuple built here both ways and compares.
-fn self_check(py: Python<'_>, layout: Layout) -> PyResult<bool> {
+/// Reads ints, a list and a tuple built here both ways and compares; the
+/// layout when all agree.
+fn self_check(py: Python<'_>, tagged: bool) -> PyResult<Option<Layout>> {
+    let mut layout = Layout {
+        tagged,
+        tuple_items: std::mem::size_of::<ffi::PyVarObject>(),
+    };
     let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
     // Fresh objects (parsed from text, not constants), small cached ones
     // among them.
@@ -161,7 +162,7 @@ fn self_check(py: Python<'_>, layout: Layout) -> PyResult<bool> {
         // SAFETY: `obj` is live; its type pointer is in the stable ABI's
         // header.
         if unsafe { ffi::Py_TYPE(obj.as_ptr()) } != int_type {
-            return Ok(false);
+            return Ok(None);
         }
         // SAFETY: `obj` is a live exact int and the GIL is held. The
         // header word is read before the digit, and the digit only for a
@@ -171,7 +172,7 @@ fn self_check(py: Python<'_>, layout: Layout) -> PyResult<bool> {
         match read {
             Some(v) if single && i128::from(v) == value => {}
             None if !single => {}
-            _ => return Ok(false),
+            _ => return Ok(None),
         }
         values.push(obj);
     }
@@ -189,21 +190,26 @@ fn self_check(py: Python<'_>, layout: Layout) -> PyResult<bool> {
                 .enumerate()
                 .all(|(i, v)| *(*head).ob_item.add(i) == v.as_ptr())
     };
-    // SAFETY: `tuple` is a live exact tuple of `values.len()` items, so it
-    // is at least `tuple_items + 8 * len` bytes long (its items sit after
-    // the header, and after 3.14's hash field): every word read is inside
-    // the object.
-    let tuple_ok = unsafe {
-        let items =
-            tuple.as_ptr().cast::<u8>().add(layout.tuple_items) as *const *mut ffi::PyObject;
-        values
-            .iter()
-            .enumerate()
-            .all(|(i, v)| *items.add(i) == v.as_ptr())
+    // The tuple's items right after its header, or one word later. All
+    // but the last are compared at each place: that many words end inside
+    // a tuple of this length in either layout.
+    let header = std::mem::size_of::<ffi::PyVarObject>();
+    let at = |offset: usize| {
+        // SAFETY: `tuple` is a live exact tuple of `values.len()` items, so
+        // at least `header + 8 * len` bytes long; the words read end at
+        // `offset + 8 * (len - 1)`, at most `header + 8 * len`.
+        unsafe {
+            let items = tuple.as_ptr().cast::<u8>().add(offset) as *const *mut ffi::PyObject;
+            (0..values.len() - 1).all(|i| *items.add(i) == values[i].as_ptr())
+        }
     };
-    if !(list_ok && tuple_ok) {
-        return Ok(false);
+    let Some(offset) = [header, header + 8].into_iter().find(|&o| at(o)) else {
+        return Ok(None);
+    };
+    if !list_ok {
+        return Ok(None);
     }
+    layout.tuple_items = offset;
     // And the loop itself: single digits read in place, larger ints
     // through the API, a negative one refused.
     let expected: Vec<u32> = [0, 1, 5, 255, 256, 257, 1000, 50000, 1048579, 1073741823]
@@ -212,11 +218,10 @@ fn self_check(py: Python<'_>, layout: Layout) -> PyResult<bool> {
         .collect();
     let good = PyList::new(py, &values[..expected.len()])?;
     let good_tuple = PyTuple::new(py, &values[..expected.len()])?;
-    Ok(
-        direct_ints(&good, true, layout).as_deref() == Some(&expected[..])
-            && direct_ints(&good_tuple, false, layout).as_deref() == Some(&expected[..])
-            && direct_ints(&list, true, layout).is_none(),
-    )
+    let agrees = direct_ints(&good, true, layout).as_deref() == Some(&expected[..])
+        && direct_ints(&good_tuple, false, layout).as_deref() == Some(&expected[..])
+        && direct_ints(&list, true, layout).is_none();
+    Ok(agrees.then_some(layout))
 }
 
 /// Turns the direct loop on or off (a test hook); returns whether it was on.
@@ -283,15 +288,13 @@ fn direct_ints(seq: &Bound<'_, PyAny>, list: bool, layout: Layout) -> Option<Vec
     // this interpreter: a list's head is `ListHead`, a tuple's items start
     // `tuple_items` bytes in, and both hold `ob_size` live items.
     let (items, len) = unsafe {
-        let head = ptr as *const ListHead;
-        let len = (*head).ob_base.ob_size;
+        let len = (*(ptr as *const ffi::PyVarObject)).ob_size;
         if list {
+            let head = ptr as *const ListHead;
             ((*head).ob_item as *const *mut ffi::PyObject, len)
         } else {
-            (
-                ptr.cast::<u8>().add(layout.tuple_items) as *const *mut ffi::PyObject,
-                len,
-            )
+            let items = ptr.cast::<u8>().add(layout.tuple_items);
+            (items as *const *mut ffi::PyObject, len)
         }
     };
     let len = usize::try_from(len).ok()?;
