@@ -8,7 +8,10 @@
 //! cannot be exported C-contiguous, and every buffer before 3.11 (where the
 //! protocol is not in the limited API), is copied once to bytes
 //! (`tobytes()`) and reinterpreted in Rust. Either way there is no per-token
-//! Python work. Hashing, matching and allocation run with the GIL released,
+//! Python work. A list or tuple is read item by item in Rust
+//! (`sequence.rs`). What counts as an id, and every refusal's message, is
+//! the core's rule (`imp_mem_core::kv::tokens`), the same for every input.
+//! Hashing, matching and allocation run with the GIL released,
 //! except a small call (up to `SMALL_TOKENS` tokens) that finds the
 //! manager's lock free: it keeps the GIL, which costs less than releasing
 //! it (see `PyKVCacheManager::run`).
