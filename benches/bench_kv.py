@@ -207,7 +207,7 @@ FORMATS = {
 }
 
 
-def bench_churn_formats(n: int, n_ref: int, slices: int = 4) -> dict[str, tuple[float, float]]:
+def bench_churn_formats(n: int, n_ref: int, slices: int = 16) -> dict[str, tuple[float, float]]:
     """Per-request churn time of each of `FORMATS`, ours and the
     reference's: the formats take turns (in alternating order) on slices of
     fresh prompts, each on its own manager, so drift is shared; the fastest
@@ -247,7 +247,7 @@ def bench_churn_formats(n: int, n_ref: int, slices: int = 4) -> dict[str, tuple[
     return out
 
 
-def bench_append(n: int, rounds: int = 5) -> dict[str, float]:
+def bench_append(n: int, rounds: int = 15) -> dict[str, float]:
     """Per-call time of `append` of one token and of 8, from fresh lists
     and fresh int32 arrays (a decode step's output, as an engine holds it),
     each shape in turn on its own sequence; the fastest round counts."""
@@ -340,7 +340,7 @@ def main() -> int:
         "run);\n  SGLang's radix tree (Rust core) did about 23 k requests/s on the same churn."
     )
     print(f"\n{'request churn by token format':<44} {'imp-mem':>11} {'Python':>11} {'ratio':>8}")
-    formats = bench_churn_formats(2000 // k, 200 // k)
+    formats = bench_churn_formats(4000 // k, 200 // k, slices=16 if k == 1 else 4)
     for name, (a, b) in formats.items():
         print(f"{'  ' + name:<44} {fmt(a)} {fmt(b)} {b / a:7.1f}x")
     appends = bench_append(20_000 // k)

@@ -122,8 +122,10 @@ pub enum Tokens<'a> {
     Borrowed(WordView<'a>),
     /// Native 4-byte ids read in place from a NumPy array (`ndarray.rs`).
     InPlace(&'a [u32]),
-    /// Ids converted from a list, a tuple or any other integer buffer.
+    /// Ids converted from any other integer buffer.
     Owned(Vec<u32>),
+    /// Ids read from a list or a tuple (`sequence.rs`).
+    Read(crate::sequence::Ids),
 }
 
 impl Deref for Tokens<'_> {
@@ -134,6 +136,7 @@ impl Deref for Tokens<'_> {
             Tokens::Borrowed(words) => words,
             Tokens::InPlace(ids) => ids,
             Tokens::Owned(ids) => ids,
+            Tokens::Read(ids) => ids,
         }
     }
 }
@@ -200,7 +203,7 @@ fn read_other_tokens<'a>(
 ) -> PyResult<(Tokens<'a>, IdSource)> {
     let py = obj.py();
     if let Some(ids) = crate::sequence::token_ids(obj)? {
-        return Ok((Tokens::Owned(ids), IdSource::U32));
+        return Ok((Tokens::Read(ids), IdSource::U32));
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(invalid(

@@ -37,6 +37,7 @@
 //!
 //! All run with the GIL held, as they must; the ids come out owned.
 
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::exceptions::PyTypeError;
@@ -245,9 +246,60 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+/// Ids this many or fewer are kept inline: an append's one token, or a
+/// speculative step's few, allocate nothing.
+const INLINE: usize = 16;
+
+/// Token ids read from a list or tuple: inline when few, else on the heap.
+/// Derefs to `&[u32]`.
+pub enum Ids {
+    /// Up to [`INLINE`] ids, the first `len` of `ids`.
+    Inline {
+        /// How many of `ids` are ids.
+        len: usize,
+        /// The ids, zeros after `len`.
+        ids: [u32; INLINE],
+    },
+    /// More ids.
+    Heap(Vec<u32>),
+}
+
+impl Ids {
+    fn zeroed(len: usize) -> Self {
+        if len <= INLINE {
+            Ids::Inline {
+                len,
+                ids: [0; INLINE],
+            }
+        } else {
+            Ids::Heap(vec![0; len])
+        }
+    }
+}
+
+impl Deref for Ids {
+    type Target = [u32];
+
+    fn deref(&self) -> &[u32] {
+        match self {
+            Ids::Inline { len, ids } => &ids[..*len],
+            Ids::Heap(ids) => ids,
+        }
+    }
+}
+
+impl DerefMut for Ids {
+    fn deref_mut(&mut self) -> &mut [u32] {
+        match self {
+            Ids::Inline { len, ids } => &mut ids[..*len],
+            Ids::Heap(ids) => ids,
+        }
+    }
+}
+
 /// Token ids from `obj` when it is a list or a tuple (subclasses too);
 /// `None` for anything else.
-pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Ids>> {
     let list = if obj.is_instance_of::<PyList>() {
         true
     } else if obj.is_instance_of::<PyTuple>() {
@@ -261,7 +313,7 @@ pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
     };
     match fast {
         Some(ids) => Ok(Some(ids)),
-        None => careful(obj).map(Some),
+        None => careful(obj).map(|ids| Some(Ids::Heap(ids))),
     }
 }
 
@@ -281,7 +333,7 @@ unsafe fn api_int(int: *mut ffi::PyObject) -> Option<i64> {
 /// The direct loop: the ids when every item is an exact `int` in range,
 /// `None` at the first item that is not.
 #[inline]
-fn direct_ints(seq: &Bound<'_, PyAny>, list: bool, layout: Layout) -> Option<Vec<u32>> {
+fn direct_ints(seq: &Bound<'_, PyAny>, list: bool, layout: Layout) -> Option<Ids> {
     let ptr = seq.as_ptr();
     // SAFETY: `ptr` is a live list (or tuple, as `list` says; subclasses
     // share the layout), the GIL is held, and `layout` was checked against
@@ -299,7 +351,7 @@ fn direct_ints(seq: &Bound<'_, PyAny>, list: bool, layout: Layout) -> Option<Vec
     };
     let len = usize::try_from(len).ok()?;
     let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
-    let mut out = vec![0u32; len];
+    let mut out = Ids::zeroed(len);
     let mut narrow = IdNarrower::default();
     for (i, o) in out.iter_mut().enumerate() {
         // SAFETY: `i` is below the length read above, which holds: nothing
@@ -324,7 +376,7 @@ fn direct_ints(seq: &Bound<'_, PyAny>, list: bool, layout: Layout) -> Option<Vec
 
 /// The API loop: [`direct_ints`] through the limited API alone.
 #[inline]
-fn api_ints(seq: &Bound<'_, PyAny>, list: bool) -> Option<Vec<u32>> {
+fn api_ints(seq: &Bound<'_, PyAny>, list: bool) -> Option<Ids> {
     let ptr = seq.as_ptr();
     // SAFETY: `ptr` is a live list (or tuple, as `list` says), checked by
     // the caller, and the GIL is held.
@@ -337,7 +389,7 @@ fn api_ints(seq: &Bound<'_, PyAny>, list: bool) -> Option<Vec<u32>> {
     };
     let len = usize::try_from(len).ok()?;
     let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
-    let mut out = vec![0u32; len];
+    let mut out = Ids::zeroed(len);
     let mut narrow = IdNarrower::default();
     for (i, o) in out.iter_mut().enumerate() {
         // SAFETY: `i` is below the length read above, which holds: nothing
