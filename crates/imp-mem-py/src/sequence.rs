@@ -72,7 +72,8 @@ struct Layout {
     /// 3.12+: the header word is `lv_tag`.
     tagged: bool,
     /// Byte offset of a tuple's first item: right after the header, or
-    /// after a cached hash (added in 3.14), as the self-check found.
+    /// after the cached hash that newer versions keep there (3.14), as the
+    /// self-check found.
     tuple_items: usize,
 }
 
@@ -90,8 +91,8 @@ impl Layout {
         unsafe {
             let header = (*head).header;
             let one_digit = if self.tagged {
-                // Digit count << 3 | bit 2 (3.14's immortal small ints) |
-                // sign (0 positive, 1 zero, 2 negative).
+                // Digit count << 3 | bit 2 (reserved for an immortality
+                // flag, ignored) | sign (0 positive, 1 zero, 2 negative).
                 match header & !4 {
                     8 => true,
                     1 => return Some(0),
@@ -349,29 +350,24 @@ fn direct_ints(seq: &Bound<'_, PyAny>, list: bool, layout: Layout) -> Option<Ids
             (items as *const *mut ffi::PyObject, len)
         }
     };
-    let len = usize::try_from(len).ok()?;
     let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
-    let mut out = Ids::zeroed(len);
-    let mut narrow = IdNarrower::default();
-    for (i, o) in out.iter_mut().enumerate() {
+    narrow_all(len, |i| {
         // SAFETY: `i` is below the length read above, which holds: nothing
         // in this loop runs Python code or releases the GIL, so no one can
         // resize the sequence or drop an item. Each item is a live object,
         // read through its stable-ABI header; `small_int` and `api_int`
         // see only exact ints.
-        let v = unsafe {
+        unsafe {
             let item = *items.add(i);
             if ffi::Py_TYPE(item) != int_type {
                 return None;
             }
             match layout.small_int(item) {
-                Some(v) => i64::from(v),
-                None => api_int(item)?,
+                Some(v) => Some(i64::from(v)),
+                None => api_int(item),
             }
-        };
-        *o = narrow.narrow(v);
-    }
-    narrow.in_range().then_some(out)
+        }
+    })
 }
 
 /// The API loop: [`direct_ints`] through the limited API alone.
@@ -387,17 +383,14 @@ fn api_ints(seq: &Bound<'_, PyAny>, list: bool) -> Option<Ids> {
             ffi::PyTuple_Size(ptr)
         }
     };
-    let len = usize::try_from(len).ok()?;
     let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
-    let mut out = Ids::zeroed(len);
-    let mut narrow = IdNarrower::default();
-    for (i, o) in out.iter_mut().enumerate() {
+    narrow_all(len, |i| {
         // SAFETY: `i` is below the length read above, which holds: nothing
         // in this loop runs Python code or releases the GIL. The item is
         // borrowed from the sequence, which the caller holds, and used
         // before the next call; a non-null one is live, its type pointer in
         // the stable ABI's header, and `api_int` sees only exact ints.
-        let v = unsafe {
+        unsafe {
             let item = if list {
                 ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t)
             } else {
@@ -406,9 +399,21 @@ fn api_ints(seq: &Bound<'_, PyAny>, list: bool) -> Option<Ids> {
             if item.is_null() || ffi::Py_TYPE(item) != int_type {
                 return None;
             }
-            api_int(item)?
-        };
-        *o = narrow.narrow(v);
+            api_int(item)
+        }
+    })
+}
+
+/// The ids `read` gives for items `0..len` of a sequence whose length is
+/// `len` (negative: none), narrowed with one range test at the end;
+/// `None` when `read` gives up on one or the test fails.
+#[inline(always)]
+fn narrow_all(len: ffi::Py_ssize_t, mut read: impl FnMut(usize) -> Option<i64>) -> Option<Ids> {
+    let len = usize::try_from(len).ok()?;
+    let mut out = Ids::zeroed(len);
+    let mut narrow = IdNarrower::default();
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = narrow.narrow(read(i)?);
     }
     narrow.in_range().then_some(out)
 }
