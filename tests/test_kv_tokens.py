@@ -69,6 +69,21 @@ def everything(tokens):
     return hashed, admitted, table, appended, outcome(lambda: m.probe(tokens))
 
 
+class _Sub(int):
+    pass
+
+
+class _Index:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __index__(self) -> int:
+        return self.v
+
+
+INT_LIKE = [int, int, _Sub, _Index, np.int64]
+
+
 def edgy_ids():
     return st.one_of(
         st.integers(0, 70_000),
@@ -93,6 +108,28 @@ class TestLists:
     @given(ids=st.lists(st.integers(0, U32_MAX), max_size=80))
     def test_ids_in_range_are_accepted_as_uint32(self, ids):
         assert everything(ids) == everything(np.array(ids, dtype=np.uint32))
+
+    @given(ids=st.lists(edgy_ids(), max_size=60), data=st.data())
+    def test_int_like_items_read_as_their_values(self, ids, data):
+        """Any mix of ints, int subclasses, ``__index__`` objects and NumPy
+        scalars reads as the NumPy array of the same ids (the careful loop
+        takes over at the first item that is not an exact int)."""
+        kinds = data.draw(st.lists(st.sampled_from(INT_LIKE), min_size=len(ids), max_size=len(ids)))
+        tokens = [kind(v) for kind, v in zip(kinds, ids)]
+        assert everything(tokens) == everything(np.array(ids, dtype=np.int64))
+
+    @given(
+        ids=st.lists(st.integers(0, U32_MAX), min_size=1, max_size=60),
+        data=st.data(),
+        bad=st.sampled_from([True, False, 1.0, np.float32(2), "3", None, np.True_]),
+    )
+    def test_a_non_integer_anywhere_is_named_by_position(self, ids, data, bad):
+        at = data.draw(st.integers(0, len(ids) - 1), label="at")
+        tokens = [*ids[:at], bad, *ids[at + 1 :]]
+        kind = "bool" if isinstance(bad, (bool, np.bool_)) else type(bad).__name__
+        refusal = (imp_mem.InvalidArgument, f"tokens must be integers; item {at} is a {kind}")
+        assert outcome(kv().admit, 1, tokens) == refusal
+        assert outcome(kv().hash_blocks, tuple(tokens)) == refusal
 
     def test_the_first_bad_id_is_named_with_numpys_message(self):
         for ids in ([1, 2, -3, -4], [5, 2**32, 7], [1, 2**63 - 1], [0, -(2**63)], [2**31 - 1, -1]):
