@@ -354,9 +354,11 @@ fn direct_ints(seq: &Bound<'_, PyAny>, list: bool, layout: Layout) -> Option<Ids
     narrow_all(len, |i| {
         // SAFETY: `i` is below the length read above, which holds: nothing
         // in this loop runs Python code or releases the GIL, so no one can
-        // resize the sequence or drop an item. Each item is a live object,
-        // read through its stable-ABI header; `small_int` and `api_int`
-        // see only exact ints.
+        // resize the sequence or drop an item. Each item is a live object
+        // (a list or tuple that Python code can hand over holds no null,
+        // as CPython's own `PyList_GET_ITEM` readers assume), read through
+        // its stable-ABI header; `small_int` and `api_int` see only exact
+        // ints.
         unsafe {
             let item = *items.add(i);
             if ffi::Py_TYPE(item) != int_type {
