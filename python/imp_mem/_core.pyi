@@ -141,8 +141,11 @@ class FakeBackend(Backend):
     def device_used(self) -> int: ...
 
 TokenIds: TypeAlias = Any
-"""Token ids: a list or tuple of ints, or any one-dimensional buffer of
-integers (a NumPy integer array, ``array.array``, a ``memoryview``)."""
+"""Token ids in ``0..=4294967295``: a list or tuple of ints (``int``
+subclasses and objects with ``__index__``, such as NumPy integer scalars,
+count as ints; ``bool`` and ``float`` are refused), or any one-dimensional
+buffer of integers (a NumPy integer array, ``array.array``, a
+``memoryview``)."""
 
 MmItem = tuple[int, int, int]
 """``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
@@ -165,6 +168,16 @@ def _set_buffer_protocol(enabled: bool) -> bool:
     """Test hook: read token buffers in place through the buffer protocol
     (the default on Python 3.11+) or copy them as before 3.11; returns the
     previous setting. ``True`` before 3.11 raises ``InvalidArgument``."""
+
+def _set_list_direct(enabled: bool) -> bool:
+    """Test hook: read lists and tuples of ints straight from the objects'
+    C structs (the default, on CPython 3.9-3.14 once self-checked) or
+    through the limited API's item and int calls; returns the previous
+    setting."""
+
+def _list_direct_active() -> bool:
+    """Test hook: whether lists and tuples of ints are read straight from
+    the objects now (the hook on, the interpreter's layout self-checked)."""
 
 class KVCacheManager:
     """Paged KV: sequence block tables with holes, a prefix cache that owns

@@ -18,6 +18,7 @@ pub mod hooks;
 pub mod kv;
 pub mod ndarray;
 pub mod planner;
+pub mod sequence;
 pub mod system;
 pub mod tiers;
 
@@ -33,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     kv::register(m)?;
+    sequence::register(m)?;
     tiers::register(m)?;
     cuda::register(m)?;
     planner::register(m)?;

@@ -147,16 +147,10 @@ pub enum IdSource {
 impl IdSource {
     /// Refuses `tokens` when an id is out of range, naming the first.
     fn check(self, tokens: &[u32]) -> Result<(), MemError> {
-        // One branch-free pass (it vectorises); the search runs only when
-        // there is an id to name.
-        if self == IdSource::U32 || tokens.iter().fold(0, |a, &t| a | t) <= i32::MAX as u32 {
-            return Ok(());
+        match self {
+            IdSource::U32 => Ok(()),
+            IdSource::I32 => super::tokens::check_int32(tokens),
         }
-        let bad = tokens.iter().find(|&&t| t > i32::MAX as u32);
-        Err(MemError::invalid(format!(
-            "token id {} is outside 0..=4294967295",
-            bad.map_or(-1, |&t| t as i32)
-        )))
     }
 }
 

@@ -68,6 +68,7 @@ pub mod hash;
 mod manager;
 pub mod persist;
 mod prefix;
+pub mod tokens;
 mod xxh3_block;
 
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
