@@ -25,10 +25,14 @@ The bf16 tolerance. Per position, ``max_v |ours - HF forward|`` must stay
 within ``TOL = max(TOL_FLOOR, 2 x HF's own decode-vs-forward p99)`` at the
 99th percentile of positions, and within ``2 x TOL`` everywhere: ours is one
 more set of bf16 kernels, so its distance to HF's forward pass should be of
-the order of HF's distance to itself. ``TOL_FLOOR`` = 0.1 (logits have a
-standard deviation of about 0.65 at this scale; bf16 rounds values of 2-4
-to steps of 0.016, and 28 layers compound such roundings). Greedy tokens must
-be identical wherever HF's top-2 margin exceeds ``2 x TOL``. The figures
+the order of HF's distance to itself. ``TOL_FLOOR`` = 0.1: logits have a
+standard deviation of about 0.65 at this scale, bf16 rounds values of 2-4
+to steps of 0.016, and 28 layers compound such roundings. Measured on the
+CPU (bf16, this shape, 4 prompts): HF decode vs its forward p50/p99/max
+0.034/0.040/0.041, ours vs HF's forward 0.037/0.043/0.047. Greedy tokens
+must be identical wherever HF's top-2 margin exceeds twice HF's own noise
+(p99), since each logit moves by up to that noise (CPU: 45 % of positions,
+all identical; above 1x the noise, 69 %, also all identical). The figures
 are printed (run with ``-s``) whatever the outcome.
 """
 
@@ -246,7 +250,8 @@ def test_paged_model_matches_hf(setup):
     tol = max(TOL_FLOOR, 2 * hf_noise)
     top2 = ref.topk(2, dim=-1).values
     margin = (top2[..., 0] - top2[..., 1])[computed]
-    decisive = margin > 2 * tol
+    # A logit moves by up to HF's noise, so a top-2 gap by twice that.
+    decisive = margin > 2 * hf_noise
     above_noise = margin > hf_noise
     agree = (ours.argmax(-1) == ref.argmax(-1))[computed]
     report = {
@@ -261,11 +266,11 @@ def test_paged_model_matches_hf(setup):
         ],
         "HF top-2 margin p10/p50": [round(margin.quantile(q).item(), 4) for q in (0.1, 0.5)],
         "positions compared": int(computed.sum()),
-        "margin > HF noise p99 / > 2 x tolerance": [
+        "positions with margin > HF noise p99 / > 2 x HF noise p99": [
             f"{above_noise.float().mean().item():.1%}",
             f"{decisive.float().mean().item():.1%}",
         ],
-        "greedy agreement: all / margin > HF noise / margin > 2 x tol": [
+        "greedy agreement: all / margin > HF noise / margin > 2 x HF noise": [
             f"{agree.float().mean().item():.2%}",
             f"{agree[above_noise].float().mean().item():.2%}",
             f"{agree[decisive].float().mean().item():.2%}",

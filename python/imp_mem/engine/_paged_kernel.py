@@ -85,12 +85,13 @@ def _split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(POS + b) + 1
+    ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
-    start = tl.maximum(split * SPLIT_TOKENS, lo)
-    end = tl.minimum(split * SPLIT_TOKENS + SPLIT_TOKENS, ctx)
+    split_start = split.to(tl.int64) * SPLIT_TOKENS
+    start = tl.maximum(split_start, lo)
+    end = tl.minimum(split_start + SPLIT_TOKENS, ctx)
     if start < end:
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
@@ -168,7 +169,7 @@ def _merge_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    ctx = tl.load(POS + b) + 1
+    ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
