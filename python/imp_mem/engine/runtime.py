@@ -209,6 +209,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = min(prefill_chunk, max_seq_len)
         self.keep_logits = keep_logits
+        self.kv_growable = kv_growable
         self._torch_pool = torch_pool
         self.stats = EngineStats()
         self._step_imp_mem = 0.0
@@ -565,6 +566,15 @@ class Engine:
                 stats.decode_imp_mem_seconds += (
                     sched.kv_seconds - kv_dec + self._step_imp_mem - imp_dec
                 )
+        if self.kv_growable:
+            # The growable pool's hysteretic shrink, fenced after this step.
+            fence = None
+            if self.on_gpu:
+                fence = torch.cuda.Event()
+                fence.record()
+            t0 = time.perf_counter()
+            self.system.step(fence)
+            self._count_imp_mem(time.perf_counter() - t0)
         stats.imp_mem_seconds += sched.kv_seconds - kv0
         stats.steps += 1
         stats.step_seconds += time.perf_counter() - t_step
