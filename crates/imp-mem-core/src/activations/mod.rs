@@ -396,6 +396,9 @@ impl Core {
             self.unlist(next, shift);
             self.absorb_next(idx);
         }
+        // The merged block may be a fresh neighbour's entry: it is now
+        // `stream`'s.
+        self.slab[idx as usize].stream = stream;
         let units = self.slab[idx as usize].size >> shift;
         self.lanes[lane as usize].insert(&mut self.slab, idx, units, lane);
     }
