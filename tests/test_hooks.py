@@ -15,7 +15,12 @@ import imp_mem
 from imp_mem import _core
 
 MIB = 1 << 20
-c_void_p, c_ssize_t, c_size_t, c_int = ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_size_t, ctypes.c_int
+c_void_p, c_ssize_t, c_size_t, c_int = (
+    ctypes.c_void_p,
+    ctypes.c_ssize_t,
+    ctypes.c_size_t,
+    ctypes.c_int,
+)
 
 
 def _lib():
