@@ -21,6 +21,8 @@
 //!   backend, accounted to the byte and counted as steady-state while
 //!   serving.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
+
 use std::sync::Arc;
 
 use imp_mem_core::activations::{
