@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT, MAX_ALIGNMENT};
 use crate::error::MemError;
+use crate::pinned::{PinnedBuffer, PinnedHost};
 use crate::span::{MintKey, Placement, StableSpan};
 use crate::tag::Tag;
 use crate::tier::{next_tier_id, Tier};
@@ -69,7 +70,8 @@ pub(crate) fn placement_of(region: &Region) -> Placement {
 pub struct ArenaStats {
     /// Bytes handed out since the last reset (including alignment padding).
     pub used: usize,
-    /// Bytes the arena can hand out in all (its reservation).
+    /// Bytes the arena can hand out in all (its reservation, or the limit
+    /// a memory system set inside it).
     pub capacity: usize,
     /// Bytes committed now (equal to `capacity` unless the region grows).
     pub committed: usize,
@@ -92,6 +94,22 @@ pub struct ArenaCore {
     high_water: usize,
     generation: u64,
     takes: u64,
+    /// Live exports of this generation ([`ArenaExport`]).
+    exports: usize,
+    /// Takes end here (at most the reservation): a memory system reserves
+    /// T1 larger than its plan so that a model swap grows it in place.
+    limit: usize,
+    /// Set while the arena sleeps: its region is decommitted.
+    sleep: Option<ArenaSleep>,
+}
+
+/// What a sleeping arena needs to wake: the committed length to restore,
+/// and at level 1 the host copy of its used bytes.
+#[derive(Debug)]
+struct ArenaSleep {
+    level: u8,
+    committed: usize,
+    copy: Option<PinnedBuffer>,
 }
 
 impl ArenaCore {
@@ -106,20 +124,37 @@ impl ArenaCore {
         Ok(Self {
             id: next_tier_id(),
             tier,
-            region,
             placement,
             offset: 0,
             high_water: 0,
             generation: 0,
             takes: 0,
+            exports: 0,
+            limit: region.reserved(),
+            sleep: None,
+            region,
+        })
+    }
+
+    fn asleep_error(&self, what: &str) -> Option<MemError> {
+        self.sleep.as_ref().map(|s| {
+            MemError::Asleep(format!(
+                "{what} on arena {} ({}), which sleeps (level {}); call wake() first",
+                self.tier.label(),
+                self.region.tag(),
+                s.level
+            ))
         })
     }
 
     /// Bumps: returns the address of `bytes` aligned to `align`.
     fn take(&mut self, bytes: usize, align: usize) -> Result<usize, MemError> {
         check_take(bytes, align)?;
+        if let Some(err) = self.asleep_error("take") {
+            return Err(err);
+        }
         let base = self.region.base();
-        let capacity = self.region.reserved();
+        let capacity = self.limit;
         let start = align_up(base + self.offset, align).map(|a| a - base);
         let end = start.and_then(|s| s.checked_add(bytes));
         let (start, end) = match (start, end) {
@@ -147,6 +182,10 @@ impl ArenaCore {
     }
 
     fn reset(&mut self) {
+        // A sleeping arena's old bytes are not worth restoring any more.
+        if let Some(sleep) = self.sleep.as_mut() {
+            sleep.copy = None;
+        }
         // SAFETY: every span of the old generation is refused from now on (the
         // borrowed API cannot even hold one across `reset(&mut self)`), so no
         // live handle refers to `[0, offset)`.
@@ -154,12 +193,77 @@ impl ArenaCore {
         self.offset = 0;
         self.takes = 0;
         self.generation += 1;
+        self.exports = 0;
+    }
+
+    /// Sleep (see [`SharedArena::sleep`]). All or nothing.
+    fn sleep(&mut self, level: u8, host: Option<&PinnedHost>) -> Result<u64, MemError> {
+        if let Some(s) = &self.sleep {
+            return Err(MemError::invalid(format!(
+                "arena {} already sleeps (level {}); call wake() first",
+                self.tier.label(),
+                s.level
+            )));
+        }
+        if !self.region.is_growable() {
+            return Err(MemError::BackendUnavailable(format!(
+                "arena {} cannot sleep: its region is fixed, and only a growable (VMM) region \
+                 can give its physical memory back and take it again at the same addresses; open \
+                 the system on a VMM backend",
+                self.tier.label()
+            )));
+        }
+        let copy = match (level, host) {
+            (1, _) if self.offset == 0 => None,
+            (1, Some(host)) => {
+                let mut buffer = host.allocate(self.offset)?;
+                self.region.copy_to_host(0, buffer.as_mut_slice())?;
+                Some(buffer)
+            }
+            (1, None) => {
+                return Err(MemError::invalid(
+                    "sleep level 1 copies T1 to pinned host memory; pass a PinnedHost",
+                ))
+            }
+            (2, _) => None,
+            (other, _) => {
+                return Err(MemError::invalid(format!(
+                    "level={other}: a sleep level is 1 (keep the bytes in host memory) or 2 (drop \
+                     them)"
+                )))
+            }
+        };
+        let host_bytes = copy.as_ref().map_or(0, |c| c.len() as u64);
+        let committed = self.region.len();
+        self.region.decommit(0)?;
+        self.sleep = Some(ArenaSleep {
+            level,
+            committed,
+            copy,
+        });
+        Ok(host_bytes)
+    }
+
+    /// Wake (see [`SharedArena::wake`]). On failure it still sleeps.
+    fn wake(&mut self) -> Result<(), MemError> {
+        let Some(sleep) = self.sleep.as_ref() else {
+            return Ok(());
+        };
+        self.region.commit(sleep.committed as u64)?;
+        if let Some(copy) = &sleep.copy {
+            if let Err(err) = self.region.copy_from_host(0, copy.as_slice()) {
+                let _ = self.region.decommit(0);
+                return Err(err);
+            }
+        }
+        self.sleep = None;
+        Ok(())
     }
 
     fn stats(&self) -> ArenaStats {
         ArenaStats {
             used: self.offset,
-            capacity: self.region.reserved(),
+            capacity: self.limit,
             committed: self.region.len(),
             high_water: self.high_water,
             generation: self.generation,
@@ -167,8 +271,17 @@ impl ArenaCore {
         }
     }
 
-    /// Checks a ticket against this arena: identity, then generation.
+    /// Checks a ticket against this arena: identity, generation, and that
+    /// the arena is awake.
     fn check(&self, span: &ArenaSpan) -> Result<(), MemError> {
+        self.check_ticket(span)?;
+        match self.asleep_error("use of a span") {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    fn check_ticket(&self, span: &ArenaSpan) -> Result<(), MemError> {
         if span.arena_id != self.id {
             return Err(MemError::invalid(format!(
                 "this span belongs to arena #{}, not #{}; use it with the arena that took it",
@@ -299,6 +412,22 @@ impl ArenaSpan {
     }
 }
 
+/// An export of a [`SharedArena`]'s memory, counted while it lives.
+#[derive(Debug)]
+pub struct ArenaExport {
+    arena: SharedArena,
+    generation: u64,
+}
+
+impl Drop for ArenaExport {
+    fn drop(&mut self) {
+        let mut core = self.arena.core();
+        if core.generation == self.generation {
+            core.exports = core.exports.saturating_sub(1);
+        }
+    }
+}
+
 #[derive(Debug)]
 struct SharedArenaInner {
     tier: Tier,
@@ -366,9 +495,126 @@ impl SharedArena {
         ))
     }
 
-    /// Whether a ticket is still valid here.
+    /// Counts an export of `ticket`'s memory (a DLPack capsule, a tensor
+    /// viewing it) until the returned guard drops, and keeps the arena alive
+    /// meanwhile. A model swap refuses while exports of T1's current
+    /// generation live.
+    pub fn export(&self, ticket: &ArenaSpan) -> Result<ArenaExport, MemError> {
+        let mut core = self.core();
+        core.check(ticket)?;
+        core.exports += 1;
+        Ok(ArenaExport {
+            arena: self.clone(),
+            generation: core.generation,
+        })
+    }
+
+    /// Live exports of the current generation.
+    pub fn live_exports(&self) -> usize {
+        self.core().exports
+    }
+
+    /// Whether a ticket is still valid here (and the arena awake).
     pub fn is_valid(&self, ticket: &ArenaSpan) -> bool {
         self.core().check(ticket).is_ok()
+    }
+
+    /// Puts the arena to sleep: at level 1 its used bytes are copied to
+    /// pinned memory from `host` first; at level 2 they are dropped. Then
+    /// the whole region is decommitted (its reservation, and so every
+    /// address, stays). Takes and spans are refused with
+    /// [`MemError::Asleep`] until [`SharedArena::wake`]. Needs a growable
+    /// region ([`MemError::BackendUnavailable`] otherwise). All or nothing:
+    /// on failure the arena is awake and unchanged. Returns the host bytes
+    /// held.
+    pub fn sleep(&self, level: u8, host: Option<&PinnedHost>) -> Result<u64, MemError> {
+        self.core().sleep(level, host)
+    }
+
+    /// Recommits the region at the same base and, after a level-1 sleep,
+    /// copies the saved bytes back; the host copy is freed. After level 2
+    /// the bytes are undefined (the caller reloads them into the same
+    /// spans). A no-op when awake; on failure it still sleeps.
+    pub fn wake(&self) -> Result<(), MemError> {
+        self.core().wake()
+    }
+
+    /// The sleep level, `None` when awake.
+    pub fn asleep(&self) -> Option<u8> {
+        self.core().sleep.as_ref().map(|s| s.level)
+    }
+
+    /// Bytes of pinned host memory a sleeping arena holds.
+    pub fn host_bytes(&self) -> u64 {
+        self.core()
+            .sleep
+            .as_ref()
+            .and_then(|s| s.copy.as_ref())
+            .map_or(0, |c| c.len() as u64)
+    }
+
+    /// Whether its region is growable (it can sleep, and a swap resizes it
+    /// in place).
+    pub fn is_growable(&self) -> bool {
+        self.core().region.is_growable()
+    }
+
+    /// Handles to this arena alive now (this one included).
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// What a sleeping arena had committed (0 when awake).
+    pub fn sleeping_committed(&self) -> usize {
+        self.core().sleep.as_ref().map_or(0, |s| s.committed)
+    }
+
+    /// Address space held by the region (at least the capacity).
+    pub fn reserved(&self) -> usize {
+        self.core().region.reserved()
+    }
+
+    /// The first address.
+    pub fn base(&self) -> usize {
+        self.core().region.base()
+    }
+
+    /// A new size for a model swap: resets the arena, sets the limit of
+    /// its takes to `limit` and commits or decommits its region to it. The
+    /// commit (growth) comes before the reset, so a refused commit changes
+    /// nothing; a decommit runs after it. Refused while asleep or when
+    /// `limit` is past the reservation.
+    pub(crate) fn resize_for_swap(&self, limit: usize) -> Result<(), MemError> {
+        let mut core = self.core();
+        if let Some(err) = core.asleep_error("a resize") {
+            return Err(err);
+        }
+        if limit > core.region.reserved() {
+            return Err(MemError::invalid(format!(
+                "a limit of {limit} B is past the arena's reservation of {} B",
+                core.region.reserved()
+            )));
+        }
+        if core.region.is_growable() && limit > core.region.len() {
+            core.region.commit(limit as u64)?;
+        }
+        core.reset();
+        core.limit = limit;
+        if core.region.is_growable() && limit < core.region.len() {
+            core.region.decommit(limit as u64)?;
+        }
+        Ok(())
+    }
+
+    /// An arena over `region` whose takes end at `limit` (at most the
+    /// reservation).
+    pub fn from_region_limited(tier: Tier, region: Region, limit: usize) -> Result<Self, MemError> {
+        let arena = Self::from_region(tier, region)?;
+        {
+            let mut core = arena.core();
+            core.limit = limit.min(core.region.reserved());
+        }
+        Ok(arena)
     }
 
     /// Frees everything at once and bumps the generation; older tickets are
