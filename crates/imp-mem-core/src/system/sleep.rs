@@ -117,8 +117,14 @@ impl MemorySystem {
                 "sleep level 1 copies T1 to pinned host memory; pass the PinnedHost to copy into",
             ));
         }
+        // Pools first: they are idle, so waking one back on a later
+        // refusal loses nothing; T1 (whose level-2 sleep drops its bytes)
+        // sleeps last, when nothing after it can refuse for a reason it
+        // could check first.
+        let mut order: Vec<&Slot> = chosen.iter().copied().filter(|s| !is_arena(s)).collect();
+        order.extend(chosen.iter().copied().filter(|s| is_arena(s)));
         let mut done: Vec<SleptTier> = Vec::new();
-        for slot in &chosen {
+        for slot in order {
             let released = committed_of(slot);
             let result = match &slot.handle {
                 Handle::Arena(a) => a.sleep(level, host),
@@ -146,6 +152,7 @@ impl MemorySystem {
                 }
             }
         }
+        done.sort_by_key(|t| self.slots.iter().position(|s| s.key == t.key));
         Ok(SleepReport { level, tiers: done })
     }
 
