@@ -47,6 +47,7 @@ from imp_mem._core import (
     plan_memory,
 )
 from imp_mem.errors import (
+    Asleep,
     BackendUnavailable,
     CapacityError,
     DriverError,
@@ -61,6 +62,7 @@ from imp_mem.errors import (
 
 __all__ = [
     "Arena",
+    "Asleep",
     "Backend",
     "BackendUnavailable",
     "BlockPool",
