@@ -854,9 +854,7 @@ class MemorySystem:
         ``relaid``, ``opened``, ``released``, ``t1_in_place``, ``t1_base``
         and ``prefix_cache_dropped``. A failure's exception carries
         ``old_model_kept`` and ``missing``."""
-    def sleep(
-        self, level: int = 1, tiers: str | Iterable[str] | None = None
-    ) -> dict[str, Any]:
+    def sleep(self, level: int = 1, tiers: str | Iterable[str] | None = None) -> dict[str, Any]:
         """Give the tiers' memory back (VMM backend): level 1 keeps T1 in pinned
         host memory, level 2 drops it; the KV pool is dropped at both. Every
         address is the same after ``wake()``. Returns ``level``, ``released``,
