@@ -87,6 +87,10 @@ def test_sleep_returns_what_it_did_and_wake_brings_the_bytes_back(system):
     assert span.address == address
     assert fb.read(address, len(data)) == data
     assert s.wake() == []
+    # The pinned buffer stays for the next sleep, until released.
+    assert s.mem_report()["sleep_host"] == t1.used
+    assert s.release_sleep_host() == t1.used
+    assert s.mem_report()["sleep_host"] == 0
 
 
 def test_every_sleeping_tier_raises_asleep_a_phase_violation(system):

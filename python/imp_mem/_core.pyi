@@ -862,6 +862,9 @@ class MemorySystem:
     def wake(self) -> list[str]:
         """Recommit every sleeping tier at its addresses and restore T1's bytes
         after a level-1 sleep; returns the keys woken."""
+    def release_sleep_host(self) -> int:
+        """Free the pinned buffer a level-1 sleep keeps after ``wake()`` for the
+        next sleep (T5b); returns the bytes freed."""
     @property
     def asleep(self) -> dict[str, int]:
         """The tiers asleep now, ``{key: level}``."""

@@ -101,6 +101,10 @@ pub struct ArenaCore {
     limit: usize,
     /// Set while the arena sleeps: its region is decommitted.
     sleep: Option<ArenaSleep>,
+    /// The pinned buffer of the last level-1 sleep, kept after wake so the
+    /// next sleep copies at once instead of pinning gigabytes again (the
+    /// planned T5b charge); freed by [`SharedArena::release_host_copy`].
+    spare_copy: Option<PinnedBuffer>,
 }
 
 /// What a sleeping arena needs to wake: the committed length to restore,
@@ -110,6 +114,8 @@ struct ArenaSleep {
     level: u8,
     committed: usize,
     copy: Option<PinnedBuffer>,
+    /// Bytes of `copy` that hold T1's (the buffer may be a larger spare).
+    saved: usize,
 }
 
 impl ArenaCore {
@@ -132,6 +138,7 @@ impl ArenaCore {
             exports: 0,
             limit: region.reserved(),
             sleep: None,
+            spare_copy: None,
             region,
         })
     }
@@ -216,8 +223,17 @@ impl ArenaCore {
         let copy = match (level, host) {
             (1, _) if self.offset == 0 => None,
             (1, Some(host)) => {
-                let mut buffer = host.allocate(self.offset)?;
-                self.region.copy_to_host(0, buffer.as_mut_slice())?;
+                let mut buffer = match self.spare_copy.take() {
+                    Some(b) if b.len() >= self.offset => b,
+                    _ => host.allocate(self.offset)?,
+                };
+                if let Err(err) = self
+                    .region
+                    .copy_to_host(0, &mut buffer.as_mut_slice()[..self.offset])
+                {
+                    self.spare_copy = Some(buffer);
+                    return Err(err);
+                }
                 Some(buffer)
             }
             (1, None) => {
@@ -233,13 +249,17 @@ impl ArenaCore {
                 )))
             }
         };
-        let host_bytes = copy.as_ref().map_or(0, |c| c.len() as u64);
+        let host_bytes = copy.as_ref().map_or(0, |_| self.offset as u64);
         let committed = self.region.len();
-        self.region.decommit(0)?;
+        if let Err(err) = self.region.decommit(0) {
+            self.spare_copy = copy;
+            return Err(err);
+        }
         self.sleep = Some(ArenaSleep {
             level,
             committed,
             copy,
+            saved: host_bytes as usize,
         });
         Ok(host_bytes)
     }
@@ -251,12 +271,15 @@ impl ArenaCore {
         };
         self.region.commit(sleep.committed as u64)?;
         if let Some(copy) = &sleep.copy {
-            if let Err(err) = self.region.copy_from_host(0, copy.as_slice()) {
+            let len = sleep.saved.min(copy.len());
+            if let Err(err) = self.region.copy_from_host(0, &copy.as_slice()[..len]) {
                 let _ = self.region.decommit(0);
                 return Err(err);
             }
         }
-        self.sleep = None;
+        if let Some(sleep) = self.sleep.take() {
+            self.spare_copy = sleep.copy;
+        }
         Ok(())
     }
 
@@ -544,13 +567,20 @@ impl SharedArena {
         self.core().sleep.as_ref().map(|s| s.level)
     }
 
-    /// Bytes of pinned host memory a sleeping arena holds.
+    /// Bytes of pinned host memory the arena holds for sleeping: the copy
+    /// of a sleeping arena, or the buffer kept after a wake for the next
+    /// sleep.
     pub fn host_bytes(&self) -> u64 {
-        self.core()
-            .sleep
-            .as_ref()
-            .and_then(|s| s.copy.as_ref())
+        let core = self.core();
+        let copy = core.sleep.as_ref().and_then(|s| s.copy.as_ref());
+        copy.or(core.spare_copy.as_ref())
             .map_or(0, |c| c.len() as u64)
+    }
+
+    /// Frees the pinned buffer kept after a wake (a no-op while asleep:
+    /// that copy is T1's bytes). Returns the bytes freed.
+    pub fn release_host_copy(&self) -> u64 {
+        self.core().spare_copy.take().map_or(0, |c| c.len() as u64)
     }
 
     /// Whether its region is growable (it can sleep, and a swap resizes it

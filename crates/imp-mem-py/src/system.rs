@@ -613,6 +613,12 @@ impl PyMemorySystem {
         system.wake().py()
     }
 
+    /// Frees the pinned host buffer a level-1 sleep keeps after the wake
+    /// for the next sleep (T5b); returns the bytes freed.
+    fn release_sleep_host(&self) -> PyResult<u64> {
+        Ok(self.open()?.release_sleep_host())
+    }
+
     /// The tiers asleep now, as `{key: level}`.
     #[getter]
     fn asleep<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

@@ -15,6 +15,10 @@
 //! and the report lists it. A backend without growable regions refuses with
 //! [`MemError::BackendUnavailable`] before anything changes.
 //!
+//! The pinned buffer of a level-1 sleep is kept after the wake, so the next
+//! sleep copies at once instead of pinning gigabytes again (what T5b was
+//! planned for); [`MemorySystem::release_sleep_host`] frees it.
+//!
 //! A sleep is all or nothing: if one tier refuses, those already asleep are
 //! woken again before the error returns. A wake that fails part-way leaves
 //! the tiers it could not wake asleep (the error names them); calling it
@@ -217,6 +221,18 @@ impl MemorySystem {
             woken.push(slot.key.clone());
         }
         Ok(woken)
+    }
+
+    /// Frees the pinned host buffers kept after a wake for the next
+    /// level-1 sleep (T5b); returns the bytes freed.
+    pub fn release_sleep_host(&self) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| match &s.handle {
+                Handle::Arena(a) => a.release_host_copy(),
+                _ => 0,
+            })
+            .sum()
     }
 
     /// The tiers asleep now, with their levels, in open order.
