@@ -530,3 +530,78 @@ fn a_fixed_t1_cannot_sleep_and_says_why() {
     assert!(err.to_string().contains("level=3"), "{err}");
     system.check().unwrap();
 }
+
+/// A fixed T1 (a backend or an option without growable T1) is replaced by a
+/// new region: beside the old one when the budget holds both (a failure
+/// keeps the old model), else after releasing it (a failure restores the
+/// old layout with T1 reset, and says so).
+#[test]
+fn a_fixed_t1_is_replaced_and_a_late_failure_says_t1_was_reset() {
+    let plans = plans();
+    let fixed = SystemOptions {
+        sleepable: Some(false),
+        kv_growable: Some(false),
+        ..SystemOptions::default()
+    };
+    let fb = FakeBackend::new(FakeConfig {
+        capacity: 256 * MIB,
+        granularity: 64 * 1024,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    // Beside the old T1 (the budget holds both once the old KV pool is
+    // gone), a refused acquisition keeps the old model, bytes and all.
+    {
+        let mut system = MemorySystem::open(&fb, &plans[0], fixed.clone()).unwrap();
+        let t1 = system.weights_arena().unwrap();
+        let ticket = t1.take(512, 64).unwrap();
+        let addr = t1.span(&ticket).unwrap().addr();
+        fb.write(addr, &[9u8; 512]).unwrap();
+        drop(t1);
+        fb.fail_nth(Some(2)).unwrap();
+        let err = system.swap_model(&plans[1]).unwrap_err();
+        fb.fail_nth(None).unwrap();
+        assert!(err.old_model_kept, "{err}");
+        assert_eq!(fb.read(addr, 512).unwrap(), vec![9u8; 512]);
+        assert!(system.weights_arena().unwrap().is_valid(&ticket));
+        system.check().unwrap();
+    }
+    assert_eq!(fb.live(), 0);
+    // The new plan's KV pool takes all its headroom, so its T1 cannot sit
+    // beside the old one.
+    let mut big_kv = plans[1].clone();
+    let extra = (big_kv.headroom - MIB) / big_kv.kv.block_bytes;
+    big_kv.kv.blocks += extra;
+    big_kv.kv.bytes += extra * big_kv.kv.block_bytes;
+    big_kv.total += extra * big_kv.kv.block_bytes;
+    big_kv.headroom -= extra * big_kv.kv.block_bytes;
+    let plans = [plans[0].clone(), big_kv];
+    let mut system = MemorySystem::open(&fb, &plans[0], fixed.clone()).unwrap();
+    system.begin_serving().unwrap();
+    let t2_base = system.engine_arena().unwrap().base();
+    // T1 goes first, and a refused acquisition after that restores the old
+    // layout with T1 empty.
+    fb.fail_nth(Some(1)).unwrap();
+    let err = system.swap_model(&plans[1]).unwrap_err();
+    fb.fail_nth(None).unwrap();
+    assert!(!err.old_model_kept, "{err}");
+    assert!(err.missing.is_empty(), "{err}");
+    assert!(err.to_string().contains("reload"), "{err}");
+    assert_eq!(system.plan(), &plans[0]);
+    assert_eq!(system.weights_arena().unwrap().stats().used, 0);
+    system.check().unwrap();
+    assert_eq!(fb.device_used(), fb.stats().total.committed);
+    // Without a fault it goes through, T2 where it was.
+    let report = system.swap_model(&plans[1]).unwrap();
+    assert!(!report.t1_in_place);
+    assert_eq!(system.plan(), &plans[1]);
+    assert_eq!(system.engine_arena().unwrap().base(), t2_base);
+    assert_eq!(
+        system.weights_arena().unwrap().stats().capacity as u64,
+        plans[1].model_resident
+    );
+    system.check().unwrap();
+    assert_eq!(system.backend().phase(), imp_mem_core::Phase::Serving);
+    drop(system);
+    assert_eq!(fb.live(), 0, "nothing leaked");
+}

@@ -197,6 +197,9 @@ impl MemorySystem {
             (None, None) => T1Change::None,
             (_, new) => T1Change::Replace { new },
         };
+        let t1_before = old_t1.as_ref().map(SharedArena::base);
+        // Our own clone must not count as a handle below.
+        drop(old_t1);
         // The idle checks that depend on the classification.
         for slot in &self.slots {
             if let Handle::Pool(p) = &slot.handle {
@@ -240,7 +243,7 @@ impl MemorySystem {
             T1Change::Replace { new } => (0, new.as_ref().map_or(0, |s| s.cost)),
             T1Change::None => (0, 0),
         };
-        let base = stats.total.committed - freed - t1_now;
+        let base = stats.total.committed.saturating_sub(freed + t1_now);
         let after = base + others + t1_new;
         if after > stats.budget {
             return Err(SwapError::refused(MemError::invalid(format!(
@@ -260,7 +263,6 @@ impl MemorySystem {
             .filter(|s| goes(&s.key) || (s.key == T1 && matches!(t1, T1Change::Replace { .. })))
             .collect();
         report.t1_in_place = matches!(t1, T1Change::InPlace { .. });
-        let t1_before = old_t1.as_ref().map(SharedArena::base);
         let bracket = self.swap_bracket().map_err(SwapError::refused)?;
         let result = self.swap_execute(t1, new_steps, old_steps, &goes_list(&report), others);
         drop(bracket);
