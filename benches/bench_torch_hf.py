@@ -180,7 +180,7 @@ def child_imp(args) -> dict:
         "driver_allocs_serving": t1_stats.get("num_device_alloc", 0)
         - t0_stats.get("num_device_alloc", 0),
         "device_free_delta": free0 - free1,
-        "hook_calls_serving": {k: h1[k] - h0.get(k, 0) for k in h1},
+        "hook_calls_serving": {k: h1[k] - h0.get(k, 0) for k in h1 if k in h0},
         "attribution_pct": report["device"]["attribution_pct"] if report.get("device") else None,
         "pool_stats": stats,
         "report": text,

@@ -195,12 +195,13 @@ class Pool:
             )
         if self._loading_pool is None:
             self._loading_pool = torch.cuda.MemPool(pluggable_allocator().allocator())
-        previous = _core.set_hook_route("weights")
+        previous = _core.hook_route()
+        _core.set_hook_route("weights")
         try:
             with torch.cuda.use_mem_pool(self._loading_pool, device=self.device):
                 yield self
         finally:
-            _core.set_hook_route(previous if previous else "activations")
+            _core.set_hook_route(previous)
 
     def graph(self, cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Any:
         """``torch.cuda.graph(cuda_graph, pool=self.id, ...)``: a capture whose
@@ -277,7 +278,7 @@ def install(system: Any, *, device: Any = None) -> None:
 
 def hook_stats() -> dict[str, int]:
     """The entry points' counters: calls, refusals by kind, caught panics."""
-    return dict(_core.hook_stats())
+    return {k: v for k, v in _core.hook_stats().items() if isinstance(v, int)}
 
 
 _TORCH_KEYS = {

@@ -277,6 +277,7 @@ driver_api! {
     event_query = "cuEventQuery": fn(CuEvent);
     event_synchronize = "cuEventSynchronize": fn(CuEvent);
     event_destroy = "cuEventDestroy_v2": fn(CuEvent);
+    stream_wait_event = "cuStreamWaitEvent": fn(CuStream, CuEvent, c_uint);
 }
 
 /// A failed driver call: which call, and the result code.

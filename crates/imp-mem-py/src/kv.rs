@@ -488,6 +488,91 @@ fn request<'a>(
     Ok((extras, self::tokens(tokens)?))
 }
 
+/// `block_tables`' `pool` argument: `"full"` (false) or `"swa"` (true).
+fn table_pool(pool: &str) -> PyResult<bool> {
+    match pool {
+        "full" => Ok(false),
+        "swa" => Ok(true),
+        other => Err(invalid(format!(
+            "pool must be \"full\" or \"swa\", got {other:?}"
+        ))),
+    }
+}
+
+/// `block_tables`' sequence ids: a list, tuple or 1-D array of ints.
+fn seq_id_list(seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if seq_ids.is_instance_of::<PyString>() || seq_ids.is_instance_of::<PyBytes>() {
+        return Err(invalid(
+            "seq_ids must be a sequence of ints, not str or bytes",
+        ));
+    }
+    seq_ids.extract::<Vec<u64>>().map_err(|_| {
+        invalid(format!(
+            "seq_ids must be a sequence of sequence ids (ints in 0..=18446744073709551615), got \
+             {}",
+            type_name(seq_ids)
+        ))
+    })
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
+/// Whether a struct-module format names a native-endian signed 4-byte int.
+fn native_int32(format: &str, itemsize: usize) -> bool {
+    itemsize == 4
+        && match format.as_bytes() {
+            [b'<', c] => cfg!(target_endian = "little") && matches!(c, b'i' | b'l'),
+            [b'>' | b'!', c] => cfg!(target_endian = "big") && matches!(c, b'i' | b'l'),
+            [b'=' | b'@', c] | [c] => matches!(c, b'i' | b'l'),
+            _ => false,
+        }
+}
+
+/// Why `out` cannot take `rows` block-table rows: the typed refusal, read
+/// through a `memoryview` (the error path, and every path before 3.11).
+/// `Ok((memoryview, width))` when it can.
+fn check_out<'py>(out: &Bound<'py, PyAny>, rows: usize) -> PyResult<(Bound<'py, PyAny>, usize)> {
+    let py = out.py();
+    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
+    })?;
+    let view = memoryview.bind(py).call1((out,)).map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "out must be a writable int32 buffer of shape [n, width] (a NumPy array, a CPU \
+             tensor's .numpy()), got {}",
+            type_name(out)
+        ))
+    })?;
+    let format: String = view.getattr(intern!(py, "format"))?.extract()?;
+    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
+    if !native_int32(&format, itemsize) {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "out must hold int32 values; its format is {format:?} ({itemsize}-byte items) — \
+             allocate it with dtype int32"
+        )));
+    }
+    if view.getattr(intern!(py, "readonly"))?.is_truthy()? {
+        return Err(invalid("out is read-only; pass a writable buffer"));
+    }
+    if !view.getattr(intern!(py, "c_contiguous"))?.is_truthy()? {
+        return Err(invalid(
+            "out must be C-contiguous; pass a contiguous array (numpy.ascontiguousarray)",
+        ));
+    }
+    let shape: Vec<usize> = view.getattr(intern!(py, "shape"))?.extract()?;
+    match shape.as_slice() {
+        [n, width] if *n == rows => Ok((view, *width)),
+        _ => Err(invalid(format!(
+            "out must have shape [{rows}, width] (one row per seq id), got {shape:?}"
+        ))),
+    }
+}
+
 fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("capacity", s.capacity)?;
@@ -786,6 +871,26 @@ impl PyKVCacheManager {
         self.append_impl(py, seq_id, tokens)
     }
 
+    /// One decode step's appends in one call: `tokens[i]` onto
+    /// `seq_ids[i]`, in order, each all or nothing. Stops at the first
+    /// sequence the pools cannot take and returns how many were appended
+    /// (`len(seq_ids)` when all were): the caller makes room (preempts) and
+    /// calls again with the rest. An unknown id or a length mismatch raises
+    /// `InvalidArgument` and appends nothing.
+    fn append_each(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let ids = seq_id_list(seq_ids)?;
+        let toks = self::tokens(tokens)?;
+        let words: &[u32] = &toks;
+        let n = ids.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append_each(&ids, words))
+            .py()
+    }
+
     /// True when `n` more tokens fit `seq_id` now.
     fn can_append(&self, seq_id: u64, n: usize) -> PyResult<bool> {
         self.lock().can_append(seq_id, n).py()
@@ -833,6 +938,85 @@ impl PyKVCacheManager {
             raw.extend_from_slice(&id.to_ne_bytes());
         }
         Ok(PyBytes::new(py, &raw))
+    }
+
+    /// The block tables of a whole batch in one call: row `i` of `out`
+    /// gets `seq_ids[i]`'s table (`pool="full"`) or SWA table
+    /// (`pool="swa"`), padded with -1. `out` is a writable, C-contiguous
+    /// int32 buffer of shape `[len(seq_ids), width]` (a NumPy array, a CPU
+    /// or pinned torch tensor's `.numpy()`); the call returns the columns
+    /// used (the longest row). Without `out` it returns a new NumPy array
+    /// of exactly that width. An unknown id or a row wider than `width` is
+    /// refused with `InvalidArgument`, a non-int32 or non-buffer `out` with
+    /// `TypeError`; a refused call writes nothing.
+    #[pyo3(signature = (seq_ids, out = None, *, pool = "full"))]
+    fn block_tables(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        pool: &str,
+    ) -> PyResult<PyObject> {
+        let swa = table_pool(pool)?;
+        let ids = seq_id_list(seq_ids)?;
+        let rows = ids.len();
+        let Some(out) = out.filter(|o| !o.is_none()) else {
+            let (width, values) = {
+                let mut m = self.lock();
+                let mut width = 0;
+                for &id in &ids {
+                    let t = if swa {
+                        m.swa_table(id)
+                    } else {
+                        m.block_table(id)
+                    };
+                    width = width.max(t.py()?.len());
+                }
+                let mut values = vec![-1i32; rows * width];
+                m.block_tables(&ids, &mut values, width, swa).py()?;
+                (width, values)
+            };
+            let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+            let numpy = py.import("numpy")?;
+            let array = numpy
+                .call_method1("frombuffer", (PyBytes::new(py, &raw), "int32"))?
+                .call_method1("reshape", ((rows, width),))?
+                .call_method0("copy")?;
+            return Ok(array.unbind());
+        };
+        // The direct path: the buffer lent for writing, the rows written
+        // into it under the manager's lock.
+        if let Some(mut view) = BufferView::get_writable(out) {
+            let shape = view.shape();
+            if native_int32(&view.format(), view.itemsize()) && shape.len() == 2 && shape[0] == rows
+            {
+                let width = shape[1];
+                if let Some(values) = view.as_i32_mut() {
+                    let used = self
+                        .run(
+                            py,
+                            |_| rows <= SMALL_TOKENS,
+                            |m| m.block_tables(&ids, values, width, swa),
+                        )
+                        .py()?;
+                    return Ok(used.into_pyobject(py)?.into_any().unbind());
+                }
+            }
+        }
+        // Everything else: the refusal, or (an empty buffer, Python before
+        // 3.11) the rows written through a memoryview.
+        let (view, width) = check_out(out, rows)?;
+        let mut values = vec![-1i32; rows * width];
+        let used = self
+            .lock()
+            .block_tables(&ids, &mut values, width, swa)
+            .py()?;
+        if !values.is_empty() {
+            let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+            let bytes_view = view.call_method1(intern!(py, "cast"), ("B",))?;
+            bytes_view.set_item(pyo3::types::PySlice::full(py), PyBytes::new(py, &raw))?;
+        }
+        Ok(used.into_pyobject(py)?.into_any().unbind())
     }
 
     /// The SWA table: positional, -1 outside the trailing window.

@@ -6,6 +6,7 @@
 
 use pyo3::prelude::*;
 
+pub mod activations;
 pub mod backend;
 pub mod buffer;
 pub mod convert;
@@ -13,6 +14,7 @@ pub mod cuda;
 pub mod dlpack;
 pub mod errors;
 pub mod fastcall;
+pub mod hooks;
 pub mod kv;
 pub mod ndarray;
 pub mod planner;
@@ -35,5 +37,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cuda::register(m)?;
     planner::register(m)?;
     system::register(m)?;
+    activations::register(m)?;
+    hooks::register(m)?;
     Ok(())
 }

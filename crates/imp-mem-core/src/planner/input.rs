@@ -87,6 +87,11 @@ pub struct Features {
     pub scratch_bytes: Option<u64>,
     /// A measured T2 size, replacing the estimate.
     pub engine_persistent_bytes: Option<u64>,
+    /// The measured warm-up high-water of a framework's own allocations in
+    /// one step (torch's activations, seed A3.3): the T4a activation pool.
+    /// `None`: no pool and no plan line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_bytes: Option<u64>,
 }
 
 /// Everything `plan_memory` reads. Seed A4.2 plus D7's two measured charges.
@@ -153,6 +158,11 @@ impl PlanInput {
             positive("lora_rank", u64::from(f.lora_rank))?;
         }
         at_most("scratch_bytes", f.scratch_bytes.unwrap_or(0), MAX_BYTES)?;
+        at_most(
+            "activation_bytes",
+            f.activation_bytes.unwrap_or(0),
+            MAX_BYTES,
+        )?;
         at_most(
             "engine_persistent_bytes",
             f.engine_persistent_bytes.unwrap_or(0),

@@ -36,7 +36,7 @@ use crate::tag::Tag;
 use super::{Handle, MemorySystem, Slot};
 
 /// Tier keys that sleep when the caller names none.
-pub const DEFAULT_SLEEP_TIERS: [&str; 2] = ["model_resident", "kv_pool"];
+pub const DEFAULT_SLEEP_TIERS: [&str; 3] = ["model_resident", "activations", "kv_pool"];
 
 /// One tier put to sleep.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +76,7 @@ fn committed_of(slot: &Slot) -> u64 {
     match &slot.handle {
         Handle::Arena(a) => a.stats().committed as u64,
         Handle::Pool(p) => p.stats().committed_bytes,
+        Handle::Activations(p) => p.committed(),
         Handle::Scratch(s) => s.stats().capacity as u64,
     }
 }
@@ -133,6 +134,7 @@ impl MemorySystem {
             let result = match &slot.handle {
                 Handle::Arena(a) => a.sleep(level, host),
                 Handle::Pool(p) => p.sleep(level).map(|_| 0),
+                Handle::Activations(p) => p.sleep(level).map(|_| 0),
                 Handle::Scratch(_) => Err(MemError::invalid("scratch does not sleep")),
             };
             match result {
@@ -251,6 +253,7 @@ impl MemorySystem {
             .map(|s| match &s.handle {
                 Handle::Arena(a) => a.sleeping_committed() as u64,
                 Handle::Pool(p) => p.sleeping_committed() as u64,
+                Handle::Activations(p) => p.sleeping_committed() as u64,
                 Handle::Scratch(_) => 0,
             })
             .sum()
@@ -269,6 +272,7 @@ fn wake_slot(system: &MemorySystem, slot: &Slot) -> Result<(), MemError> {
     match &slot.handle {
         Handle::Arena(a) => a.wake()?,
         Handle::Pool(p) => p.wake()?,
+        Handle::Activations(p) => p.wake()?,
         Handle::Scratch(_) => {}
     }
     // A tag shared by several tiers (the state pools) stays marked while

@@ -139,6 +139,7 @@ fn committed(slot: &Slot) -> u64 {
     match &slot.handle {
         Handle::Arena(a) => a.stats().committed as u64,
         Handle::Pool(p) => p.stats().committed_bytes,
+        Handle::Activations(p) => p.committed(),
         Handle::Scratch(s) => s.stats().capacity as u64,
     }
 }
@@ -210,6 +211,16 @@ impl MemorySystem {
                          them first and build a new manager after the swap",
                         slot.label,
                         p.handles() - 1
+                    ))));
+                }
+            }
+            if let Handle::Activations(p) = &slot.handle {
+                let live = p.stats().live;
+                if goes(&slot.key) && live > 0 {
+                    return Err(SwapError::refused(MemError::invalid(format!(
+                        "swap_model refused: the new plan re-lays the activation pool but {live} \
+                         allocation(s) in it are live (torch's cached segments among them); \
+                         free them and call torch.cuda.empty_cache() first"
                     ))));
                 }
             }
@@ -351,7 +362,8 @@ impl MemorySystem {
                         busy.push(format!("{} has {used} B open", slot.label));
                     }
                 }
-                Handle::Arena(_) => {}
+                // Kept as it is unless the new plan re-lays it (below).
+                Handle::Arena(_) | Handle::Activations(_) => {}
             }
         }
         if !busy.is_empty() {
