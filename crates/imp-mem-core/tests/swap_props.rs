@@ -605,3 +605,59 @@ fn a_fixed_t1_is_replaced_and_a_late_failure_says_t1_was_reset() {
     drop(system);
     assert_eq!(fb.live(), 0, "nothing leaked");
 }
+
+/// The activation pool (T4a, torch's segments) sleeps with T1 and the KV
+/// pool by default: its bytes are dropped, its blocks' bookkeeping kept, so
+/// a live allocation (a graph's intermediate) has the same address after
+/// the wake; while asleep it refuses allocations with `Asleep`.
+#[test]
+fn the_activation_pool_sleeps_and_wakes_at_the_same_addresses() {
+    let mut limits = Limits::new(4, 1024);
+    limits.kv_policy = KvPolicy::Fit;
+    let features = Features {
+        engine_persistent_bytes: Some(4 * MIB),
+        scratch_bytes: Some(2 * MIB),
+        activation_bytes: Some(8 * MIB),
+        ..Features::default()
+    };
+    let plan = plan_memory(&PlanInput {
+        model: shape(4, 256),
+        limits,
+        features,
+        tp: 1,
+        budget: BUDGET,
+        context_bytes: 8 * MIB,
+        library_reserve_bytes: 4 * MIB,
+    })
+    .unwrap();
+    let fb = FakeBackend::new(FakeConfig {
+        capacity: 256 * MIB,
+        granularity: 64 * 1024,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let system = MemorySystem::open(&fb, &plan, SystemOptions::default()).unwrap();
+    let pool = system.activations().unwrap();
+    let live = pool.allocate(4096, 0).unwrap();
+    fb.write(live, &[3u8; 4096]).unwrap();
+    let host = PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 30)));
+    let report = system.sleep(1, None, Some(&host)).unwrap();
+    let keys: Vec<&str> = report.tiers.iter().map(|t| t.key.as_str()).collect();
+    assert_eq!(keys, ["model_resident", "activations", "kv_pool"]);
+    assert_eq!(pool.committed(), 0);
+    assert!(
+        fb.is_poisoned(live, 4096).unwrap(),
+        "the bytes were given back"
+    );
+    assert!(matches!(pool.allocate(512, 0), Err(MemError::Asleep(_))));
+    system.check().unwrap();
+    system.wake().unwrap();
+    assert!(pool.committed() >= plan.activations);
+    let again = pool.allocate(4096, 0).unwrap();
+    assert!(again != live, "the live block kept its place");
+    pool.free(live, 0).unwrap();
+    pool.free(again, 0).unwrap();
+    pool.check_invariants().unwrap();
+    system.check().unwrap();
+    assert_eq!(fb.device_used(), fb.stats().total.committed);
+}
