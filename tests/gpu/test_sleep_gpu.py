@@ -203,3 +203,68 @@ def test_a_swap_between_two_shapes_keeps_t2_and_t1_base():
     system.check()
     del w, new, t2
     system.close()
+
+
+def test_torchs_pool_sleeps_and_a_graph_captured_into_it_replays_after_wake():
+    """imp_mem.torch: torch's MemPool lives on the activation tier (T4a),
+    which sleeps with T1 and the KV pool; a graph captured into the pool
+    (its intermediates and output in T4a, its weights in T1) replays after
+    the wake at the same addresses with the same result."""
+    imt = pytest.importorskip("imp_mem.torch")
+    shape = imp_mem.ModelShape.from_hf_config(SHAPE).with_weights_bytes(64 * MIB)
+    features = imp_mem.Features(
+        activation_bytes=256 * MIB, scratch_bytes=2 * MIB, engine_persistent_bytes=2 * MIB
+    )
+    plan = imp_mem.plan_memory(
+        imp_mem.PlanInput(shape, imp_mem.Limits(2, 64), features, budget="8GiB")
+    )
+    backend = imp_mem.VmmBackend(0)
+    system = imp_mem.MemorySystem(backend, plan)
+    try:
+        pool = imt.pool(system)
+        w = imt.arena_tensor(system.weights_arena, (512, 512), torch.float32)
+        torch.manual_seed(2)
+        w.normal_()
+        x = torch.randn(64, 512, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), pool.scope():
+            for _ in range(3):
+                (x @ w).relu()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with pool.graph(graph):
+            out = (x @ w).relu()
+        base = system.activations.base
+        assert base <= out.data_ptr() < base + system.activations.capacity
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = out.clone()
+
+        free0, _ = imp_mem.cuda_mem_get_info(0)
+        cached0 = backend.cached_bytes
+        slept = system.sleep(1)
+        keys = [t["key"] for t in slept["tiers"]]
+        assert "activations" in keys and "model_resident" in keys
+        activations = next(t for t in slept["tiers"] if t["key"] == "activations")
+        assert activations["released"] >= plan.activations
+        free1, _ = imp_mem.cuda_mem_get_info(0)
+        gained = free1 - free0
+        expected = slept["released"] - (backend.cached_bytes - cached0)
+        assert abs(gained - expected) <= SLACK, (gained, expected)
+        with pytest.raises(imp_mem.Asleep):
+            system.activations.allocate(512)
+
+        system.wake()
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), "the graph in torch's pool replays differently"
+        del graph, out, w, x, ref
+    finally:
+        torch.cuda.synchronize()
+        for p in list(imt._pools.values()):
+            del p
+        imt._pools.clear()
+        torch.cuda.empty_cache()
+        system.close()
