@@ -193,7 +193,10 @@ impl FakeSource {
         let Some(a) = state.allocs.get_mut(&addr) else {
             return;
         };
-        let (len, align) = (a.len, a.align);
+        // A reservation's uncommitted part was poisoned when it was
+        // decommitted, or never handed out: poisoning it again would touch
+        // every page of a reservation sized for growth.
+        let (len, align) = (if a.reservation { a.committed } else { a.len }, a.align);
         a.state = AllocState::Quarantined;
         self.poison(addr, 0, len);
         state.quarantine.push_back(addr);

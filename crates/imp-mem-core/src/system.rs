@@ -569,11 +569,13 @@ impl MemorySystem {
                 // Address space for the largest T1 a plan with this budget,
                 // context, library reserve and T2 can give: a swap to a
                 // larger model commits more of it, at the same base.
+                // (Never past the backend's budget: nothing could commit it.)
                 let reserve = round(
                     plan.budget
                         .saturating_sub(plan.context)
                         .saturating_sub(plan.library_reserve)
                         .saturating_sub(plan.engine_persistent)
+                        .min(backend.budget())
                         .max(bytes),
                 );
                 let limit = to_usize(bytes, "T1")?;
