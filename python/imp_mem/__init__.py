@@ -48,6 +48,7 @@ from imp_mem._core import (
     plan_memory,
 )
 from imp_mem.errors import (
+    Asleep,
     BackendUnavailable,
     CapacityError,
     DriverError,
@@ -64,6 +65,7 @@ from imp_mem.errors import (
 __all__ = [
     "ActivationPool",
     "Arena",
+    "Asleep",
     "Backend",
     "BackendUnavailable",
     "BlockPool",

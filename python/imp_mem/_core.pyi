@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeAlias, overload
 
@@ -912,6 +912,9 @@ class MemoryPlan:
     @property
     def weights(self) -> int: ...
     @property
+    def sleep_host(self) -> int:
+        """T5b, host side: pinned host bytes a level-1 sleep holds (T1's copy)."""
+    @property
     def engine_persistent(self) -> int: ...
     @property
     def scratch(self) -> int: ...
@@ -957,6 +960,7 @@ class MemorySystem:
         kv_grow_blocks: int | None = None,
         apply_budget: bool = True,
         activation_strict: bool | None = None,
+        sleepable: bool | None = None,
     ) -> None: ...
     @property
     def backend(self) -> Backend: ...
@@ -982,6 +986,26 @@ class MemorySystem:
     def activations(self) -> ActivationPool | None: ...
     @property
     def tiers(self) -> list[str]: ...
+    def swap_model(self, plan: MemoryPlan) -> dict[str, Any]:
+        """Swap the model in place: T2 kept, idle tiers re-laid, T1 reset and
+        resized at the same base on a VMM backend. Returns ``kept``,
+        ``relaid``, ``opened``, ``released``, ``t1_in_place``, ``t1_base``
+        and ``prefix_cache_dropped``. A failure's exception carries
+        ``old_model_kept`` and ``missing``."""
+    def sleep(self, level: int = 1, tiers: str | Iterable[str] | None = None) -> dict[str, Any]:
+        """Give the tiers' memory back (VMM backend): level 1 keeps T1 in pinned
+        host memory, level 2 drops it; the KV pool is dropped at both. Every
+        address is the same after ``wake()``. Returns ``level``, ``released``,
+        ``host_bytes`` and ``tiers``."""
+    def wake(self) -> list[str]:
+        """Recommit every sleeping tier at its addresses and restore T1's bytes
+        after a level-1 sleep; returns the keys woken."""
+    def release_sleep_host(self) -> int:
+        """Free the pinned buffer a level-1 sleep keeps after ``wake()`` for the
+        next sleep (T5b); returns the bytes freed."""
+    @property
+    def asleep(self) -> dict[str, int]:
+        """The tiers asleep now, ``{key: level}``."""
     def begin_planning(self) -> None: ...
     def begin_serving(self) -> None: ...
     def set_charge(self, key: str, nbytes: ByteCount, label: str | None = None) -> None: ...

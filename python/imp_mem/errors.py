@@ -44,6 +44,10 @@ class PhaseViolation(ImpMemError):
     """An acquisition while serving (strict mode) or a refused phase transition."""
 
 
+class Asleep(PhaseViolation):
+    """A tier put to sleep (``MemorySystem.sleep``) was used before ``wake()``."""
+
+
 class StaleSpan(ImpMemError):
     """A span or handle used after the memory behind it was reset or released."""
 

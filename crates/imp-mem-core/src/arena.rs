@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT, MAX_ALIGNMENT};
 use crate::error::MemError;
+use crate::pinned::{PinnedBuffer, PinnedHost};
 use crate::span::{MintKey, Placement, StableSpan};
 use crate::tag::Tag;
 use crate::tier::{next_tier_id, Tier};
@@ -69,7 +70,8 @@ pub(crate) fn placement_of(region: &Region) -> Placement {
 pub struct ArenaStats {
     /// Bytes handed out since the last reset (including alignment padding).
     pub used: usize,
-    /// Bytes the arena can hand out in all (its reservation).
+    /// Bytes the arena can hand out in all (its reservation, or the limit
+    /// a memory system set inside it).
     pub capacity: usize,
     /// Bytes committed now (equal to `capacity` unless the region grows).
     pub committed: usize,
@@ -92,6 +94,28 @@ pub struct ArenaCore {
     high_water: usize,
     generation: u64,
     takes: u64,
+    /// Live exports of this generation ([`ArenaExport`]).
+    exports: usize,
+    /// Takes end here (at most the reservation): a memory system reserves
+    /// T1 larger than its plan so that a model swap grows it in place.
+    limit: usize,
+    /// Set while the arena sleeps: its region is decommitted.
+    sleep: Option<ArenaSleep>,
+    /// The pinned buffer of the last level-1 sleep, kept after wake so the
+    /// next sleep copies at once instead of pinning gigabytes again (the
+    /// planned T5b charge); freed by [`SharedArena::release_host_copy`].
+    spare_copy: Option<PinnedBuffer>,
+}
+
+/// What a sleeping arena needs to wake: the committed length to restore,
+/// and at level 1 the host copy of its used bytes.
+#[derive(Debug)]
+struct ArenaSleep {
+    level: u8,
+    committed: usize,
+    copy: Option<PinnedBuffer>,
+    /// Bytes of `copy` that hold T1's (the buffer may be a larger spare).
+    saved: usize,
 }
 
 impl ArenaCore {
@@ -106,20 +130,38 @@ impl ArenaCore {
         Ok(Self {
             id: next_tier_id(),
             tier,
-            region,
             placement,
             offset: 0,
             high_water: 0,
             generation: 0,
             takes: 0,
+            exports: 0,
+            limit: region.reserved(),
+            sleep: None,
+            spare_copy: None,
+            region,
+        })
+    }
+
+    fn asleep_error(&self, what: &str) -> Option<MemError> {
+        self.sleep.as_ref().map(|s| {
+            MemError::Asleep(format!(
+                "{what} on arena {} ({}), which sleeps (level {}); call wake() first",
+                self.tier.label(),
+                self.region.tag(),
+                s.level
+            ))
         })
     }
 
     /// Bumps: returns the address of `bytes` aligned to `align`.
     fn take(&mut self, bytes: usize, align: usize) -> Result<usize, MemError> {
         check_take(bytes, align)?;
+        if let Some(err) = self.asleep_error("take") {
+            return Err(err);
+        }
         let base = self.region.base();
-        let capacity = self.region.reserved();
+        let capacity = self.limit;
         let start = align_up(base + self.offset, align).map(|a| a - base);
         let end = start.and_then(|s| s.checked_add(bytes));
         let (start, end) = match (start, end) {
@@ -147,6 +189,10 @@ impl ArenaCore {
     }
 
     fn reset(&mut self) {
+        // A sleeping arena's old bytes are not worth restoring any more.
+        if let Some(sleep) = self.sleep.as_mut() {
+            sleep.copy = None;
+        }
         // SAFETY: every span of the old generation is refused from now on (the
         // borrowed API cannot even hold one across `reset(&mut self)`), so no
         // live handle refers to `[0, offset)`.
@@ -154,12 +200,93 @@ impl ArenaCore {
         self.offset = 0;
         self.takes = 0;
         self.generation += 1;
+        self.exports = 0;
+    }
+
+    /// Sleep (see [`SharedArena::sleep`]). All or nothing.
+    fn sleep(&mut self, level: u8, host: Option<&PinnedHost>) -> Result<u64, MemError> {
+        if let Some(s) = &self.sleep {
+            return Err(MemError::invalid(format!(
+                "arena {} already sleeps (level {}); call wake() first",
+                self.tier.label(),
+                s.level
+            )));
+        }
+        if !self.region.is_growable() {
+            return Err(MemError::BackendUnavailable(format!(
+                "arena {} cannot sleep: its region is fixed, and only a growable (VMM) region \
+                 can give its physical memory back and take it again at the same addresses; open \
+                 the system on a VMM backend",
+                self.tier.label()
+            )));
+        }
+        let copy = match (level, host) {
+            (1, _) if self.offset == 0 => None,
+            (1, Some(host)) => {
+                let mut buffer = match self.spare_copy.take() {
+                    Some(b) if b.len() >= self.offset => b,
+                    _ => host.allocate(self.offset)?,
+                };
+                if let Err(err) = self
+                    .region
+                    .copy_to_host(0, &mut buffer.as_mut_slice()[..self.offset])
+                {
+                    self.spare_copy = Some(buffer);
+                    return Err(err);
+                }
+                Some(buffer)
+            }
+            (1, None) => {
+                return Err(MemError::invalid(
+                    "sleep level 1 copies T1 to pinned host memory; pass a PinnedHost",
+                ))
+            }
+            (2, _) => None,
+            (other, _) => {
+                return Err(MemError::invalid(format!(
+                    "level={other}: a sleep level is 1 (keep the bytes in host memory) or 2 (drop \
+                     them)"
+                )))
+            }
+        };
+        let host_bytes = copy.as_ref().map_or(0, |_| self.offset as u64);
+        let committed = self.region.len();
+        if let Err(err) = self.region.decommit(0) {
+            self.spare_copy = copy;
+            return Err(err);
+        }
+        self.sleep = Some(ArenaSleep {
+            level,
+            committed,
+            copy,
+            saved: host_bytes as usize,
+        });
+        Ok(host_bytes)
+    }
+
+    /// Wake (see [`SharedArena::wake`]). On failure it still sleeps.
+    fn wake(&mut self) -> Result<(), MemError> {
+        let Some(sleep) = self.sleep.as_ref() else {
+            return Ok(());
+        };
+        self.region.commit(sleep.committed as u64)?;
+        if let Some(copy) = &sleep.copy {
+            let len = sleep.saved.min(copy.len());
+            if let Err(err) = self.region.copy_from_host(0, &copy.as_slice()[..len]) {
+                let _ = self.region.decommit(0);
+                return Err(err);
+            }
+        }
+        if let Some(sleep) = self.sleep.take() {
+            self.spare_copy = sleep.copy;
+        }
+        Ok(())
     }
 
     fn stats(&self) -> ArenaStats {
         ArenaStats {
             used: self.offset,
-            capacity: self.region.reserved(),
+            capacity: self.limit,
             committed: self.region.len(),
             high_water: self.high_water,
             generation: self.generation,
@@ -167,8 +294,17 @@ impl ArenaCore {
         }
     }
 
-    /// Checks a ticket against this arena: identity, then generation.
+    /// Checks a ticket against this arena: identity, generation, and that
+    /// the arena is awake.
     fn check(&self, span: &ArenaSpan) -> Result<(), MemError> {
+        self.check_ticket(span)?;
+        match self.asleep_error("use of a span") {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    fn check_ticket(&self, span: &ArenaSpan) -> Result<(), MemError> {
         if span.arena_id != self.id {
             return Err(MemError::invalid(format!(
                 "this span belongs to arena #{}, not #{}; use it with the arena that took it",
@@ -299,6 +435,22 @@ impl ArenaSpan {
     }
 }
 
+/// An export of a [`SharedArena`]'s memory, counted while it lives.
+#[derive(Debug)]
+pub struct ArenaExport {
+    arena: SharedArena,
+    generation: u64,
+}
+
+impl Drop for ArenaExport {
+    fn drop(&mut self) {
+        let mut core = self.arena.core();
+        if core.generation == self.generation {
+            core.exports = core.exports.saturating_sub(1);
+        }
+    }
+}
+
 #[derive(Debug)]
 struct SharedArenaInner {
     tier: Tier,
@@ -366,9 +518,133 @@ impl SharedArena {
         ))
     }
 
-    /// Whether a ticket is still valid here.
+    /// Counts an export of `ticket`'s memory (a DLPack capsule, a tensor
+    /// viewing it) until the returned guard drops, and keeps the arena alive
+    /// meanwhile. A model swap refuses while exports of T1's current
+    /// generation live.
+    pub fn export(&self, ticket: &ArenaSpan) -> Result<ArenaExport, MemError> {
+        let mut core = self.core();
+        core.check(ticket)?;
+        core.exports += 1;
+        Ok(ArenaExport {
+            arena: self.clone(),
+            generation: core.generation,
+        })
+    }
+
+    /// Live exports of the current generation.
+    pub fn live_exports(&self) -> usize {
+        self.core().exports
+    }
+
+    /// Whether a ticket is still valid here (and the arena awake).
     pub fn is_valid(&self, ticket: &ArenaSpan) -> bool {
         self.core().check(ticket).is_ok()
+    }
+
+    /// Puts the arena to sleep: at level 1 its used bytes are copied to
+    /// pinned memory from `host` first; at level 2 they are dropped. Then
+    /// the whole region is decommitted (its reservation, and so every
+    /// address, stays). Takes and spans are refused with
+    /// [`MemError::Asleep`] until [`SharedArena::wake`]. Needs a growable
+    /// region ([`MemError::BackendUnavailable`] otherwise). All or nothing:
+    /// on failure the arena is awake and unchanged. Returns the host bytes
+    /// held.
+    pub fn sleep(&self, level: u8, host: Option<&PinnedHost>) -> Result<u64, MemError> {
+        self.core().sleep(level, host)
+    }
+
+    /// Recommits the region at the same base and, after a level-1 sleep,
+    /// copies the saved bytes back; the host copy is freed. After level 2
+    /// the bytes are undefined (the caller reloads them into the same
+    /// spans). A no-op when awake; on failure it still sleeps.
+    pub fn wake(&self) -> Result<(), MemError> {
+        self.core().wake()
+    }
+
+    /// The sleep level, `None` when awake.
+    pub fn asleep(&self) -> Option<u8> {
+        self.core().sleep.as_ref().map(|s| s.level)
+    }
+
+    /// Bytes of pinned host memory the arena holds for sleeping: the copy
+    /// of a sleeping arena, or the buffer kept after a wake for the next
+    /// sleep.
+    pub fn host_bytes(&self) -> u64 {
+        let core = self.core();
+        let copy = core.sleep.as_ref().and_then(|s| s.copy.as_ref());
+        copy.or(core.spare_copy.as_ref())
+            .map_or(0, |c| c.len() as u64)
+    }
+
+    /// Frees the pinned buffer kept after a wake (a no-op while asleep:
+    /// that copy is T1's bytes). Returns the bytes freed.
+    pub fn release_host_copy(&self) -> u64 {
+        self.core().spare_copy.take().map_or(0, |c| c.len() as u64)
+    }
+
+    /// Whether its region is growable (it can sleep, and a swap resizes it
+    /// in place).
+    pub fn is_growable(&self) -> bool {
+        self.core().region.is_growable()
+    }
+
+    /// Handles to this arena alive now (this one included).
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// What a sleeping arena had committed (0 when awake).
+    pub fn sleeping_committed(&self) -> usize {
+        self.core().sleep.as_ref().map_or(0, |s| s.committed)
+    }
+
+    /// Address space held by the region (at least the capacity).
+    pub fn reserved(&self) -> usize {
+        self.core().region.reserved()
+    }
+
+    /// The first address.
+    pub fn base(&self) -> usize {
+        self.core().region.base()
+    }
+
+    /// A new size for a model swap: resets the arena, sets the limit of
+    /// its takes to `limit` and commits or decommits its region to it. The
+    /// commit (growth) comes before the reset, so a refused commit changes
+    /// nothing; a decommit runs after it. Refused while asleep or when
+    /// `limit` is past the reservation.
+    pub(crate) fn resize_for_swap(&self, limit: usize) -> Result<(), MemError> {
+        let mut core = self.core();
+        if let Some(err) = core.asleep_error("a resize") {
+            return Err(err);
+        }
+        if limit > core.region.reserved() {
+            return Err(MemError::invalid(format!(
+                "a limit of {limit} B is past the arena's reservation of {} B",
+                core.region.reserved()
+            )));
+        }
+        if core.region.is_growable() && limit > core.region.len() {
+            core.region.commit(limit as u64)?;
+        }
+        core.reset();
+        core.limit = limit;
+        if core.region.is_growable() && limit < core.region.len() {
+            core.region.decommit(limit as u64)?;
+        }
+        Ok(())
+    }
+
+    /// An arena over `region` whose takes end at `limit` (at most the
+    /// reservation).
+    pub fn from_region_limited(tier: Tier, region: Region, limit: usize) -> Result<Self, MemError> {
+        let arena = Self::from_region(tier, region)?;
+        {
+            let mut core = arena.core();
+            core.limit = limit.min(core.region.reserved());
+        }
+        Ok(arena)
     }
 
     /// Frees everything at once and bumps the generation; older tickets are

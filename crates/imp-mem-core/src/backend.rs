@@ -88,6 +88,9 @@ pub enum SourceError {
     /// A source-level check failed (a base that moved, a range outside a
     /// reservation). Always a bug.
     Invariant(String),
+    /// The source cannot do this at all (a copy to the host on a source
+    /// without one); the message names the operation.
+    Unsupported(String),
 }
 
 /// The physical side of a backend: one kind of memory on one device.
@@ -173,6 +176,45 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
     /// synthetic addresses; the default is true.
     fn addressable(&self) -> bool {
         true
+    }
+
+    /// Copies `len` bytes at `src`, this source's memory, to host memory at
+    /// `dst`, and returns when the bytes are there (sleep level 1 saves T1
+    /// this way). The default refuses: a source without a host path.
+    ///
+    /// # Safety
+    /// `[src, src + len)` lies inside a live allocation or the committed
+    /// part of a live reservation of this source; `[dst, dst + len)` is host
+    /// memory this process may write; nothing else writes either range
+    /// during the call.
+    unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
+        let _ = (src, dst, len);
+        Err(SourceError::Unsupported(format!(
+            "the {} source cannot copy its memory to the host",
+            self.info().name
+        )))
+    }
+
+    /// Copies `len` bytes of host memory at `src` into this source's memory
+    /// at `dst`, and returns when they are there (wake restores T1 this
+    /// way). The default refuses.
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` lies inside a live allocation or the committed
+    /// part of a live reservation of this source and nothing else uses it
+    /// during the call; `[src, src + len)` is host memory this process may
+    /// read.
+    unsafe fn copy_from_host(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), SourceError> {
+        let _ = (dst, src, len);
+        Err(SourceError::Unsupported(format!(
+            "the {} source cannot copy host memory into its own",
+            self.info().name
+        )))
     }
 }
 
@@ -271,6 +313,7 @@ impl Shared {
             )),
             SourceError::Driver(msg) => MemError::Driver(msg),
             SourceError::Invariant(msg) => MemError::Invariant(msg),
+            SourceError::Unsupported(msg) => MemError::BackendUnavailable(msg),
         }
     }
 
@@ -445,6 +488,19 @@ impl Backend {
             backend: self.clone(),
             reason: reason.to_string(),
         })
+    }
+
+    /// Marks `tag` asleep at `level` (1 or 2), or awake with `None`: while
+    /// a tag sleeps the phase guard refuses acquisitions for it
+    /// ([`MemError::Asleep`]), and [`Backend::asleep`] lists it. Set by
+    /// [`MemorySystem::sleep`](crate::system::MemorySystem::sleep) and `wake`.
+    pub fn set_asleep(&self, tag: Tag, level: Option<u8>) {
+        self.shared.state().guard.set_asleep(tag, level);
+    }
+
+    /// The tags asleep now, with their levels.
+    pub fn asleep(&self) -> Vec<(Tag, u8)> {
+        self.shared.state().guard.asleep()
     }
 
     /// The budget cap.
@@ -800,6 +856,55 @@ impl Region {
 }
 
 impl Region {
+    fn check_copy(&self, offset: usize, len: usize) -> Result<(), MemError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.committed => Ok(()),
+            _ => Err(MemError::invalid(format!(
+                "copy of {len} B at offset {offset} runs past the {} B committed in this region",
+                self.committed
+            ))),
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of this region to `dst`,
+    /// through the source ([`MemorySource::copy_to_host`]); pinned host
+    /// memory makes it a DMA at full speed on a device.
+    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), MemError> {
+        self.check_copy(offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let shared = &self.backend.shared;
+        // SAFETY: `[base + offset, + len)` is inside this live region's
+        // committed part (checked just above); `dst` is a host slice we hold
+        // exclusively for the call.
+        unsafe {
+            shared
+                .source
+                .copy_to_host(self.base + offset, dst.as_mut_ptr(), dst.len())
+        }
+        .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
+    }
+
+    /// Copies `src` into this region at `offset`, through the source
+    /// ([`MemorySource::copy_from_host`]). `&mut self`: nothing of this
+    /// crate borrows the range meanwhile.
+    pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), MemError> {
+        self.check_copy(offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        let shared = &self.backend.shared;
+        // SAFETY: as in `copy_to_host`, the range is committed in this live
+        // region, and `src` is a host slice borrowed for the call.
+        unsafe {
+            shared
+                .source
+                .copy_from_host(self.base + offset, src.as_ptr(), src.len())
+        }
+        .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
+    }
+
     /// Tells the source that `[offset, offset + len)` of this region was
     /// released by the tier allocator that owns it (see
     /// [`MemorySource::scrub`]). Ranges past the committed part are clipped.

@@ -196,6 +196,8 @@ pub struct PoolStats {
     pub chunk_blocks: u32,
     /// Consecutive idle steps counted towards the next shrink.
     pub idle_steps: u32,
+    /// The sleep level (1 or 2) while the pool sleeps, 0 when awake.
+    pub asleep: u8,
 }
 
 /// Most chunks a pool is divided into (a two-level bitmap of 64 × 64 bits).
@@ -513,6 +515,8 @@ pub struct PoolCore {
     shrinks: u32,
     cancelled_shrinks: u32,
     decommitted_bytes: u64,
+    /// While the pool sleeps: its level and the committed bytes to restore.
+    sleep: Option<(u8, usize)>,
 }
 
 impl PoolCore {
@@ -579,6 +583,7 @@ impl PoolCore {
             shrinks: 0,
             cancelled_shrinks: 0,
             decommitted_bytes: 0,
+            sleep: None,
         }
     }
 
@@ -645,6 +650,9 @@ impl PoolCore {
     /// committing more of the region. All or nothing, except that a
     /// reclaim stays done.
     fn ensure_free(&mut self, need: u32) -> Result<(), MemError> {
+        if let Some((level, _)) = self.sleep {
+            return Err(self.asleep_error(level));
+        }
         if need <= self.free {
             return Ok(());
         }
@@ -806,7 +814,72 @@ impl PoolCore {
     // ------------------------------------------------------------ shrinking
 
     fn shrinkable(&self) -> bool {
-        self.stride > 0 && self.region.as_ref().is_some_and(Region::is_growable)
+        self.stride > 0
+            && self.sleep.is_none()
+            && self.region.as_ref().is_some_and(Region::is_growable)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn asleep_error(&self, level: u8) -> MemError {
+        MemError::Asleep(format!(
+            "block pool #{} sleeps (level {level}): its memory was given back; call wake() \
+             before allocating",
+            self.id
+        ))
+    }
+
+    // ------------------------------------------------------- sleep / wake
+
+    /// Gives the whole region's physical memory back, keeping its
+    /// reservation (so every block's address) and its free lists. Only an
+    /// idle pool sleeps: a live block's bytes would be lost under its
+    /// holder. Returns the bytes decommitted.
+    fn sleep(&mut self, level: u8) -> Result<u64, MemError> {
+        if let Some((level, _)) = self.sleep {
+            return Err(MemError::invalid(format!(
+                "block pool #{} already sleeps (level {level}); call wake() first",
+                self.id
+            )));
+        }
+        if !self.region.as_ref().is_some_and(Region::is_growable) || self.stride == 0 {
+            return Err(MemError::BackendUnavailable(format!(
+                "block pool #{} cannot sleep: only a pool over a growable (VMM) region can give \
+                 its physical memory back and take it again at the same addresses",
+                self.id
+            )));
+        }
+        let live = self.capacity() - self.free;
+        if live > 0 {
+            return Err(MemError::invalid(format!(
+                "block pool #{} cannot sleep: {live} block(s) are live (sequences, or prefix-cache \
+                 entries that hold them), and a sleep drops the pool's bytes; free or abort the \
+                 sequences and evict the cache (or drop the KV manager) first",
+                self.id
+            )));
+        }
+        // A withdrawn tail comes back first, so the decommit is one range.
+        self.reclaim();
+        let Some(region) = self.region.as_mut() else {
+            return Ok(0);
+        };
+        let committed = region.len();
+        region.decommit(0)?;
+        self.sleep = Some((level, committed));
+        Ok(committed as u64)
+    }
+
+    /// Recommits what the pool had at the same base; on failure it sleeps
+    /// on.
+    fn wake(&mut self) -> Result<(), MemError> {
+        let Some((_, committed)) = self.sleep else {
+            return Ok(());
+        };
+        if let Some(region) = self.region.as_mut() {
+            region.commit(committed as u64)?;
+        }
+        self.sleep = None;
+        Ok(())
     }
 
     /// Chunks that must stay: up to the highest live block, and never fewer
@@ -988,11 +1061,12 @@ impl PoolCore {
             shrinks: self.shrinks,
             decommitted_bytes: self.decommitted_bytes,
             cancelled_shrinks: self.cancelled_shrinks,
-            pending_blocks: self.committed_blocks() - self.capacity(),
+            pending_blocks: self.committed_blocks().saturating_sub(self.capacity()),
             committed_bytes: self.region.as_ref().map_or(0, |r| r.len() as u64),
             min_blocks: self.min_blocks,
             chunk_blocks: self.lists.chunk_blocks(),
             idle_steps: self.tracker.idle_steps(),
+            asleep: self.sleep.map_or(0, |(level, _)| level),
         }
     }
 
@@ -1110,6 +1184,13 @@ impl PoolCore {
             .any(|e| matches!(e, Entry::Occupied { refs: 0 }))
         {
             return broken("a live block has no refs".into());
+        }
+        if self.sleep.is_some() {
+            // Nothing is committed, and nothing may be live.
+            if capacity != self.free {
+                return broken(format!("{} blocks live while asleep", capacity - self.free));
+            }
+            return Ok(());
         }
         if capacity > self.committed_blocks() {
             return broken(format!(
@@ -1546,6 +1627,32 @@ impl SharedBlockPool {
     /// Walks the pool and checks V4 and the refcount sum.
     pub fn check_invariants(&self) -> Result<(), MemError> {
         self.core().check_invariants()
+    }
+
+    /// Puts an idle pool to sleep at `level` (the KV pool's bytes are
+    /// dropped at either level): its region is decommitted whole, its
+    /// reservation and free lists kept, and every allocation is refused
+    /// with [`MemError::Asleep`] until [`SharedBlockPool::wake`]. Refused
+    /// while a block is live, and on a fixed region
+    /// ([`MemError::BackendUnavailable`]). Returns the bytes given back.
+    pub fn sleep(&self, level: u8) -> Result<u64, MemError> {
+        self.core().sleep(level)
+    }
+
+    /// Recommits the region at the same base; a no-op when awake.
+    pub fn wake(&self) -> Result<(), MemError> {
+        self.core().wake()
+    }
+
+    /// What a sleeping pool had committed (0 when awake).
+    pub fn sleeping_committed(&self) -> usize {
+        self.core().sleep.map_or(0, |(_, committed)| committed)
+    }
+
+    /// Handles to this pool alive now (this one included): the system's,
+    /// and any a KV manager or a caller holds.
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.inner)
     }
 
     /// One engine step of the shrink policy; call it once per step with a

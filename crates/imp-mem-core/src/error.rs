@@ -136,6 +136,11 @@ pub enum MemError {
     /// The driver reported an error.
     #[error("driver error: {0}")]
     Driver(String),
+    /// A tier put to sleep ([`MemorySystem::sleep`](crate::system::MemorySystem::sleep))
+    /// was used before [`MemorySystem::wake`](crate::system::MemorySystem::wake).
+    /// Python raises it as `Asleep`, a `PhaseViolation`.
+    #[error("{0}")]
+    Asleep(String),
     /// An internal invariant was found broken. Always a bug in imp-mem.
     #[error("internal invariant broken (a bug in imp-mem, please report it): {0}")]
     Invariant(String),

@@ -193,7 +193,10 @@ impl FakeSource {
         let Some(a) = state.allocs.get_mut(&addr) else {
             return;
         };
-        let (len, align) = (a.len, a.align);
+        // A reservation's uncommitted part was poisoned when it was
+        // decommitted, or never handed out: poisoning it again would touch
+        // every page of a reservation sized for growth.
+        let (len, align) = (if a.reservation { a.committed } else { a.len }, a.align);
         a.state = AllocState::Quarantined;
         self.poison(addr, 0, len);
         state.quarantine.push_back(addr);
@@ -231,6 +234,32 @@ impl FakeSource {
             _ => Err(MemError::invalid(format!(
                 "[{addr:#x}, {end:#x}) is not inside any live or quarantined region of this fake \
                  backend; read only what it handed out"
+            ))),
+        }
+    }
+
+    /// Checks that `[addr, addr + len)` is committed memory of a live
+    /// allocation (for a reservation: inside its committed prefix), as a
+    /// device copy would need.
+    fn check_committed(
+        &self,
+        state: &FakeState,
+        addr: usize,
+        len: usize,
+    ) -> Result<(), SourceError> {
+        let found = state.allocs.range(..=addr).next_back();
+        match found {
+            Some((&start, a))
+                if a.state == AllocState::Live
+                    && addr
+                        .checked_add(len)
+                        .is_some_and(|end| end <= start + a.committed) =>
+            {
+                Ok(())
+            }
+            _ => Err(SourceError::Invariant(format!(
+                "copy of [{addr:#x}, +{len}) outside the committed memory of any live region of \
+                 this fake backend"
             ))),
         }
     }
@@ -380,6 +409,35 @@ unsafe impl MemorySource for FakeSource {
 
     fn addressable(&self) -> bool {
         self.backed
+    }
+
+    unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
+        let state = self.state();
+        self.check_committed(&state, src, len)?;
+        if self.backed {
+            // SAFETY: `[src, src + len)` is committed memory of a live host
+            // allocation (checked above, under the lock that keeps it alive);
+            // the caller promises `dst` is writable host memory of `len` bytes
+            // that does not overlap ours.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst, len) };
+        }
+        // Unbacked: synthetic memory has no bytes; the copy leaves `dst` as is.
+        Ok(())
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), SourceError> {
+        let state = self.state();
+        self.check_committed(&state, dst, len)?;
+        if self.backed {
+            // SAFETY: as in `copy_to_host`, with the roles swapped.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len) };
+        }
+        Ok(())
     }
 
     unsafe fn scrub(&self, addr: usize, len: usize) {

@@ -72,6 +72,8 @@ pub struct PhaseGuard {
     /// `Planning` and returns to `Serving` when the last one closes.
     replanning: u32,
     steady_state: [u64; Tag::ALL.len()],
+    /// Per tag: 0 awake, else the sleep level its tier was put to.
+    asleep: [u8; Tag::ALL.len()],
 }
 
 impl PhaseGuard {
@@ -82,6 +84,7 @@ impl PhaseGuard {
             mode,
             replanning: 0,
             steady_state: [0; Tag::ALL.len()],
+            asleep: [0; Tag::ALL.len()],
         }
     }
 
@@ -172,6 +175,20 @@ impl PhaseGuard {
         Ok(())
     }
 
+    /// Marks `tag` asleep at `level`, or awake with `None` (or level 0).
+    pub fn set_asleep(&mut self, tag: Tag, level: Option<u8>) {
+        self.asleep[tag.index()] = level.unwrap_or(0);
+    }
+
+    /// The tags asleep now, with their levels, in [`Tag::ALL`] order.
+    pub fn asleep(&self) -> Vec<(Tag, u8)> {
+        Tag::ALL
+            .iter()
+            .filter(|t| self.asleep[t.index()] > 0)
+            .map(|&t| (t, self.asleep[t.index()]))
+            .collect()
+    }
+
     /// True while a re-entry to planning is open.
     pub fn is_replanning(&self) -> bool {
         self.replanning > 0
@@ -179,6 +196,13 @@ impl PhaseGuard {
 
     /// Decides whether an acquisition of `bytes` for `tag` may proceed now.
     pub fn admit(&mut self, tag: Tag, bytes: u64) -> Result<Admission, MemError> {
+        let level = self.asleep[tag.index()];
+        if level > 0 {
+            return Err(MemError::Asleep(format!(
+                "acquisition of {bytes} B for tag '{tag}' while its tier sleeps (level {level}); \
+                 call wake() first"
+            )));
+        }
         if self.phase != Phase::Serving {
             return Ok(Admission::Allowed);
         }

@@ -154,6 +154,7 @@ impl PinnedHost {
                 device_refused: true,
             }),
             SourceError::Driver(msg) => MemError::Driver(format!("{what}: {msg}")),
+            SourceError::Unsupported(msg) => MemError::BackendUnavailable(format!("{what}: {msg}")),
             SourceError::NotGrowable | SourceError::Invariant(_) => {
                 MemError::Invariant(format!("{what}: {err:?}"))
             }

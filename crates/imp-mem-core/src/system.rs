@@ -101,6 +101,12 @@ pub struct SystemOptions {
     pub kv_grow_blocks: Option<u32>,
     /// Lower the backend's budget to what the plan gives the tiers.
     pub apply_budget: bool,
+    /// Open T1 over a growable region, reserved for the largest T1 a
+    /// compatible plan can give (so a model swap resizes it in place) and
+    /// able to sleep; default: when the backend is growable and the plan's
+    /// headroom covers rounding T1 up to the granularity. `Some(true)` is
+    /// still refused where it does not fit.
+    pub sleepable: Option<bool>,
     /// The activation pool's strictness; default: the backend's phase mode.
     pub activation_strict: Option<bool>,
     /// The activation pool's stream order; default: none ([`NoStreams`]),
@@ -117,6 +123,7 @@ impl Default for SystemOptions {
             kv_initial_blocks: None,
             kv_grow_blocks: None,
             apply_budget: true,
+            sleepable: None,
             activation_strict: None,
             activation_order: None,
         }
@@ -155,6 +162,9 @@ struct Slot {
     tier: Tier,
     tag: Tag,
     planned: u64,
+    /// The tier's geometry (sizes and pool configuration): a model swap
+    /// keeps a tier whose layout the new plan does not change.
+    layout: String,
     handle: Handle,
 }
 
@@ -220,6 +230,8 @@ pub struct TierLine {
     pub peak: u64,
     /// Block counters, for a pool.
     pub blocks: Option<BlockLine>,
+    /// The sleep level while the tier sleeps, 0 when awake.
+    pub asleep: u8,
 }
 
 /// Per-tag counters from the backend's ledger.
@@ -335,6 +347,15 @@ pub struct MemReport {
     pub steady_state_allocations_total: u64,
     /// The device reading and the attribution, if a reading was given.
     pub device: Option<DeviceLine>,
+    /// The keys of the tiers asleep now.
+    pub asleep: Vec<String>,
+    /// What the sleeping tiers had committed, now given back.
+    pub asleep_released: u64,
+    /// T5b: pinned host bytes held for sleeping tiers (T1's level-1 copy);
+    /// host memory, so not part of `attributed`.
+    pub sleep_host: u64,
+    /// What the plan gives T5b for it.
+    pub sleep_host_planned: u64,
 }
 
 /// What `close` released, and what someone else still holds.
@@ -386,6 +407,8 @@ struct Step {
     /// The most it can commit on this backend (a growable region commits
     /// whole granules).
     cost: u64,
+    /// See [`Slot::layout`].
+    layout: String,
     open: Opener,
 }
 
@@ -452,6 +475,7 @@ impl MemorySystem {
                     tier: step.tier,
                     tag: step.tag,
                     planned: step.planned,
+                    layout: step.layout,
                     handle,
                 }),
                 Err(error) => {
@@ -510,6 +534,10 @@ impl MemorySystem {
         options: &SystemOptions,
     ) -> Result<Vec<Step>, MemError> {
         let mut steps: Vec<Step> = Vec::new();
+        let granule = backend.info().granularity.max(1) as u64;
+        let round = |bytes: u64| bytes.div_ceil(granule).saturating_mul(granule);
+        // What the plan leaves for rounding growable regions up to granules.
+        let mut spare = plan.headroom;
         let arena = |tier: Tier, tag: Tag, bytes: u64| -> Opener {
             Box::new(move |b: &Backend| {
                 SharedArena::new(b, tier, bytes, Some(tag)).map(Handle::Arena)
@@ -523,6 +551,7 @@ impl MemorySystem {
                 tag: Tag::Workspace,
                 planned: plan.engine_persistent,
                 cost: plan.engine_persistent,
+                layout: format!("arena {}", plan.engine_persistent),
                 open: arena(
                     Tier::EnginePersistent,
                     Tag::Workspace,
@@ -531,28 +560,60 @@ impl MemorySystem {
             });
         }
         if plan.model_resident > 0 {
+            let bytes = plan.model_resident;
+            let rounded = round(bytes);
+            let sleepable = options.sleepable.unwrap_or_else(|| backend.info().growable)
+                && rounded - bytes <= spare;
+            let (cost, open) = if sleepable {
+                spare -= rounded - bytes;
+                // Address space for the largest T1 a plan with this budget,
+                // context, library reserve and T2 can give: a swap to a
+                // larger model commits more of it, at the same base.
+                // (Never past the backend's budget: nothing could commit it.)
+                let reserve = round(
+                    plan.budget
+                        .saturating_sub(plan.context)
+                        .saturating_sub(plan.library_reserve)
+                        .saturating_sub(plan.engine_persistent)
+                        .min(backend.budget())
+                        .max(bytes),
+                );
+                let limit = to_usize(bytes, "T1")?;
+                let open: Opener = Box::new(move |b: &Backend| {
+                    let region = b.acquire_growable(reserve, bytes, Tag::Weights)?;
+                    SharedArena::from_region_limited(Tier::ModelResident, region, limit)
+                        .map(Handle::Arena)
+                });
+                (rounded, open)
+            } else {
+                (bytes, arena(Tier::ModelResident, Tag::Weights, bytes))
+            };
             steps.push(Step {
                 key: "model_resident".into(),
                 label: "model-resident arena".into(),
                 tier: Tier::ModelResident,
                 tag: Tag::Weights,
-                planned: plan.model_resident,
-                cost: plan.model_resident,
-                open: arena(Tier::ModelResident, Tag::Weights, plan.model_resident),
+                planned: bytes,
+                cost,
+                layout: format!("arena {bytes}"),
+                open,
             });
         }
         let fixed_pool = |block_bytes: u64, blocks: u64, tag: Tag, what: &str| {
             let config = PoolConfig::fixed(to_usize(block_bytes, what)?, to_u32(blocks, what)?)
                 .with_tag(tag);
+            let layout = format!("{config:?}");
             let open: Opener =
                 Box::new(move |b: &Backend| SharedBlockPool::new(b, &config).map(Handle::Pool));
-            Ok::<_, MemError>(open)
+            Ok::<_, MemError>((open, layout))
         };
         if let Some(swa) = plan
             .swa
             .as_ref()
             .filter(|s| s.blocks > 0 && s.block_bytes > 0)
         {
+            let (open, layout) =
+                fixed_pool(swa.block_bytes, swa.blocks, Tag::SwaCache, "SWA pool")?;
             steps.push(Step {
                 key: "swa_pool".into(),
                 label: "SWA KV pool".into(),
@@ -560,13 +621,16 @@ impl MemorySystem {
                 tag: Tag::SwaCache,
                 planned: swa.bytes,
                 cost: swa.bytes,
-                open: fixed_pool(swa.block_bytes, swa.blocks, Tag::SwaCache, "SWA pool")?,
+                layout,
+                open,
             });
         }
         for (i, pool) in plan.pools.iter().enumerate() {
             if pool.slots == 0 || pool.bytes_per_slot == 0 {
                 continue;
             }
+            let (open, layout) =
+                fixed_pool(pool.bytes_per_slot, pool.slots, Tag::State, &pool.name)?;
             steps.push(Step {
                 key: if i == 0 {
                     "state".into()
@@ -578,7 +642,8 @@ impl MemorySystem {
                 tag: Tag::State,
                 planned: pool.bytes,
                 cost: pool.bytes,
-                open: fixed_pool(pool.bytes_per_slot, pool.slots, Tag::State, &pool.name)?,
+                layout,
+                open,
             });
         }
         if plan.scratch > 0 {
@@ -590,6 +655,7 @@ impl MemorySystem {
                 tag: Tag::Scratch,
                 planned: bytes,
                 cost: bytes,
+                layout: format!("scratch {bytes}"),
                 open: Box::new(move |b: &Backend| {
                     SharedScratchStack::new(b, bytes, Some(Tag::Scratch)).map(Handle::Scratch)
                 }),
@@ -599,6 +665,17 @@ impl MemorySystem {
             let bytes = plan.activations;
             let mut config = ActivationConfig::new(bytes);
             config.strict = options.activation_strict;
+            // Growable (so it can sleep) where the headroom covers rounding
+            // it to a granule, as for T1.
+            let rounded = round(bytes);
+            config.growable = options.sleepable.unwrap_or_else(|| backend.info().growable)
+                && rounded - bytes <= spare;
+            let cost = if config.growable {
+                spare -= rounded - bytes;
+                rounded
+            } else {
+                bytes
+            };
             let order: Arc<dyn StreamOrder> = match &options.activation_order {
                 Some(o) => o.0.clone(),
                 None => Arc::new(NoStreams),
@@ -609,7 +686,8 @@ impl MemorySystem {
                 tier: Tier::Activations,
                 tag: Tag::Activations,
                 planned: bytes,
-                cost: bytes,
+                cost,
+                layout: format!("activations {bytes}"),
                 open: Box::new(move |b: &Backend| {
                     ActivationPool::new(b, &config, order).map(Handle::Activations)
                 }),
@@ -624,13 +702,12 @@ impl MemorySystem {
             // plan's headroom covers that rounding, else hold the exact
             // bytes in a fixed region.
             let exact = kv.blocks.saturating_mul(kv.block_bytes);
-            let granule = backend.info().granularity.max(1) as u64;
-            let rounded = exact.div_ceil(granule).saturating_mul(granule);
+            let rounded = round(exact);
             let growable = options
                 .kv_growable
                 .unwrap_or_else(|| backend.info().growable)
                 && blocks > 1
-                && rounded <= kv.bytes.saturating_add(plan.headroom);
+                && rounded <= kv.bytes.saturating_add(spare);
             let cost = if growable { rounded } else { exact };
             let config = if growable {
                 let per_seq = to_u32(kv.blocks_per_sequence.max(1), "KV pool")?;
@@ -648,6 +725,7 @@ impl MemorySystem {
                 PoolConfig::fixed(block_bytes, blocks)
             }
             .with_tag(Tag::KvCache);
+            let layout = format!("{config:?} {:?} {}", kv.dtype, kv.block_size);
             steps.push(Step {
                 key: "kv_pool".into(),
                 label: if config.max_blocks > config.blocks {
@@ -659,6 +737,7 @@ impl MemorySystem {
                 tag: Tag::KvCache,
                 planned: kv.bytes,
                 cost,
+                layout,
                 open: Box::new(move |b: &Backend| {
                     SharedBlockPool::new(b, &config).map(Handle::Pool)
                 }),
@@ -943,11 +1022,12 @@ impl MemorySystem {
         sole: bool,
     ) -> TierLine {
         let tag = tags.get(&slot.tag).copied().unwrap_or_default();
+        let asleep = slot_asleep(slot);
         let (reserved, committed, in_use, high_water, blocks) = match &slot.handle {
             Handle::Arena(a) => {
                 let s = a.stats();
                 (
-                    s.capacity as u64,
+                    a.reserved() as u64,
                     s.committed as u64,
                     s.used as u64,
                     s.high_water as u64,
@@ -961,7 +1041,13 @@ impl MemorySystem {
             }
             Handle::Activations(p) => {
                 let s = p.stats();
-                (s.capacity, s.capacity, s.allocated, s.allocated_peak, None)
+                (
+                    s.capacity,
+                    p.committed(),
+                    s.allocated,
+                    s.allocated_peak,
+                    None,
+                )
             }
             Handle::Pool(p) => {
                 let s = p.stats();
@@ -1001,6 +1087,7 @@ impl MemorySystem {
             high_water,
             peak: if sole { tag.peak } else { committed },
             blocks,
+            asleep,
         }
     }
 
@@ -1110,6 +1197,22 @@ impl MemorySystem {
             attributed,
             steady_state_allocations_total: stats.steady_state_allocations_total.values().sum(),
             device,
+            asleep: self
+                .slots
+                .iter()
+                .filter(|s| slot_asleep(s) > 0)
+                .map(|s| s.key.clone())
+                .collect(),
+            sleep_host: self
+                .slots
+                .iter()
+                .map(|s| match &s.handle {
+                    Handle::Arena(a) => a.host_bytes(),
+                    _ => 0,
+                })
+                .sum(),
+            sleep_host_planned: self.plan.sleep_host,
+            asleep_released: self.sleep_released(),
         }
     }
 
@@ -1127,7 +1230,8 @@ impl MemorySystem {
                 Handle::Activations(pool) => pool.check_invariants()?,
                 _ => {}
             }
-            if line.in_use > line.committed {
+            // A sleeping tier has given its memory back, its takes kept.
+            if line.asleep == 0 && line.in_use > line.committed {
                 return Err(MemError::Invariant(format!(
                     "{} {}: {} B in use but {} B committed",
                     slot.tier.label(),
@@ -1198,6 +1302,16 @@ impl Drop for MemorySystem {
     }
 }
 
+/// A slot's sleep level, 0 when awake.
+fn slot_asleep(slot: &Slot) -> u8 {
+    match &slot.handle {
+        Handle::Arena(a) => a.asleep().unwrap_or(0),
+        Handle::Pool(p) => p.stats().asleep,
+        Handle::Activations(p) => p.asleep().unwrap_or(0),
+        Handle::Scratch(_) => 0,
+    }
+}
+
 const COMMITTED_LABEL: &str = "backend committed (every region, by tag)";
 
 fn mib1(bytes: u64) -> String {
@@ -1224,6 +1338,15 @@ impl MemReport {
             mib1(self.plan_total),
             mib1(self.plan_headroom)
         );
+        if !self.asleep.is_empty() {
+            let _ = writeln!(
+                out,
+                "asleep: {}; T5b pinned host copy {} MiB (plan: {} MiB)",
+                self.asleep.join(", "),
+                mib1(self.sleep_host),
+                mib1(self.sleep_host_planned)
+            );
+        }
         let _ = writeln!(out);
         let w = self
             .tiers
@@ -1566,6 +1689,16 @@ impl MemReport {
             &[(None, named as f64)],
         );
         m.gauge(
+            "imp_mem_asleep_committed_bytes",
+            "Bytes the sleeping tiers committed before they slept, given back to the device.",
+            &[(None, self.asleep_released as f64)],
+        );
+        m.gauge(
+            "imp_mem_sleep_host_bytes",
+            "Pinned host memory held for sleeping tiers (T5b).",
+            &[(None, self.sleep_host as f64)],
+        );
+        m.gauge(
             "imp_mem_attributed_bytes",
             "Backend-committed bytes plus every named charge.",
             &[(None, self.attributed as f64)],
@@ -1642,5 +1775,10 @@ impl Metrics {
     }
 }
 
+mod sleep;
+mod swap;
 #[cfg(test)]
 mod tests;
+
+pub use sleep::{SleepReport, SleptTier, DEFAULT_SLEEP_TIERS};
+pub use swap::SwapReport;

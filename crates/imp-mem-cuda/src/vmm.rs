@@ -137,6 +137,34 @@ pub unsafe trait VmmDriver: Send + Sync + 'static {
     /// # Safety
     /// `[addr, addr + size)` is fully mapped.
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<(), CuError>;
+
+    /// `cuMemcpyDtoH`: `len` bytes at device address `src` to host `dst`,
+    /// returning when they are there. The default (a driver with no memory
+    /// behind its addresses, the simulation) refuses.
+    ///
+    /// # Safety
+    /// `[src, src + len)` is mapped with access; `[dst, dst + len)` is host
+    /// memory this process may write.
+    unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), CuError> {
+        let _ = (dst, src, len);
+        Err(CuError {
+            call: "cuMemcpyDtoH_v2",
+            code: crate::driver::CUDA_ERROR_NOT_SUPPORTED,
+        })
+    }
+
+    /// `cuMemcpyHtoD`: `len` bytes of host `src` to device address `dst`.
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` is mapped with access and unused meanwhile;
+    /// `[src, src + len)` is host memory this process may read.
+    unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<(), CuError> {
+        let _ = (dst, src, len);
+        Err(CuError {
+            call: "cuMemcpyHtoD_v2",
+            code: crate::driver::CUDA_ERROR_NOT_SUPPORTED,
+        })
+    }
 }
 
 /// The CUDA driver as a [`VmmDriver`].
@@ -270,6 +298,21 @@ unsafe impl VmmDriver for CudaVmm {
         // SAFETY: the caller passes a fully mapped range; one descriptor.
         check("cuMemSetAccess", unsafe {
             (self.device.api().mem_set_access)(addr, size, &self.access, 1)
+        })
+    }
+
+    unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: usize) -> Result<(), CuError> {
+        // SAFETY: the caller vouches for both ranges; from device memory to
+        // pinned host memory this is one DMA, synchronous with the host.
+        check("cuMemcpyDtoH_v2", unsafe {
+            (self.device.api().memcpy_dtoh)(dst.cast(), src, len)
+        })
+    }
+
+    unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<(), CuError> {
+        // SAFETY: as above, in the other direction.
+        check("cuMemcpyHtoD_v2", unsafe {
+            (self.device.api().memcpy_htod)(dst, src.cast(), len)
         })
     }
 }
@@ -882,6 +925,24 @@ unsafe impl<D: VmmDriver> MemorySource for VmmCore<D> {
             return;
         };
         self.free_reservation(&mut state, base);
+    }
+
+    unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
+        let _scope = self.driver.enter()?;
+        // SAFETY: the backend passes a committed (mapped, accessible) range of
+        // a live region of this source, and a host buffer of `len` bytes.
+        unsafe { self.driver.copy_dtoh(dst, src as u64, len) }.map_err(SourceError::from)
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), SourceError> {
+        let _scope = self.driver.enter()?;
+        // SAFETY: as in `copy_to_host`, in the other direction.
+        unsafe { self.driver.copy_htod(dst as u64, src, len) }.map_err(SourceError::from)
     }
 }
 

@@ -10,6 +10,7 @@ pyo3::import_exception!(imp_mem.errors, ImpMemError);
 pyo3::import_exception!(imp_mem.errors, OutOfMemory);
 pyo3::import_exception!(imp_mem.errors, CapacityError);
 pyo3::import_exception!(imp_mem.errors, PhaseViolation);
+pyo3::import_exception!(imp_mem.errors, Asleep);
 pyo3::import_exception!(imp_mem.errors, StaleSpan);
 pyo3::import_exception!(imp_mem.errors, PlanFailure);
 pyo3::import_exception!(imp_mem.errors, BackendUnavailable);
@@ -42,6 +43,7 @@ pub fn to_py(err: MemError) -> PyErr {
         }),
         MemError::InvalidArgument(_) => InvalidArgument::new_err(message),
         MemError::StaleSpan(_) => StaleSpan::new_err(message),
+        MemError::Asleep(_) => Asleep::new_err(message),
         MemError::Capacity(_) => CapacityError::new_err(message),
         MemError::KvCapacity(report) => Python::with_gil(|py| {
             let exc = CapacityError::new_err(message);

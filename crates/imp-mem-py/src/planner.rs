@@ -589,6 +589,11 @@ impl PyMemoryPlan {
     fn weights(&self) -> u64 {
         self.inner.weights
     }
+    /// T5b, host side: pinned host bytes a level-1 sleep holds (T1's copy).
+    #[getter]
+    fn sleep_host(&self) -> u64 {
+        self.inner.sleep_host
+    }
     /// T2: workspaces, logits, block tables, LoRA.
     #[getter]
     fn engine_persistent(&self) -> u64 {

@@ -58,7 +58,8 @@ fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>
 pub struct PyMemorySystem {
     inner: Mutex<MemorySystem>,
     backend: Py<PyBackend>,
-    plan: Py<PyMemoryPlan>,
+    /// The plan now (replaced by a model swap).
+    plan: Mutex<Py<PyMemoryPlan>>,
     exportable: bool,
     /// One `BlockPool` object per pool, by pool id, made on first use: the
     /// Python fences a `step()` hands a pool are watched by its object, so
@@ -190,7 +191,7 @@ impl PyMemorySystem {
     #[pyo3(signature = (
         backend, plan, *, context = None, library_reserve = None, kv_growable = None,
         kv_initial_blocks = None, kv_grow_blocks = None, apply_budget = true,
-        activation_strict = None
+        activation_strict = None, sleepable = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -204,6 +205,7 @@ impl PyMemorySystem {
         kv_grow_blocks: Option<&Bound<'_, PyAny>>,
         apply_budget: bool,
         activation_strict: Option<bool>,
+        sleepable: Option<bool>,
     ) -> PyResult<Self> {
         let core_backend = backend.get().inner.clone();
         let activation_order = if plan.get().core().activations > 0 {
@@ -218,6 +220,7 @@ impl PyMemorySystem {
             kv_initial_blocks: u32_opt(kv_initial_blocks, "kv_initial_blocks")?,
             kv_grow_blocks: u32_opt(kv_grow_blocks, "kv_grow_blocks")?,
             apply_budget,
+            sleepable,
             activation_strict,
             activation_order,
         };
@@ -227,7 +230,7 @@ impl PyMemorySystem {
         Ok(Self {
             inner: Mutex::new(system),
             backend: backend.clone().unbind(),
-            plan: plan.clone().unbind(),
+            plan: Mutex::new(plan.clone().unbind()),
             exportable: core_backend.addressable(),
             pools: Mutex::new(Vec::new()),
         })
@@ -242,7 +245,10 @@ impl PyMemorySystem {
     /// The plan the tiers were sized from.
     #[getter]
     fn plan(&self, py: Python<'_>) -> Py<PyMemoryPlan> {
-        self.plan.clone_ref(py)
+        self.plan
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone_ref(py)
     }
 
     /// The backend's phase.
@@ -495,6 +501,154 @@ impl PyMemorySystem {
     /// block ref, an export or a tier object still holds is released when
     /// that is dropped; an `ImpMemWarning` names it. Returns
     /// `{"released": bytes, "still_held": {tag: bytes}}`.
+    /// Swaps the model: checks `plan` against what survives (budget, T2,
+    /// context, library reserve: an itemised InvalidArgument otherwise),
+    /// refuses while T1 is exported, a pool holds blocks or a re-laid pool
+    /// has another handle (a KV manager), then re-lays what the new plan
+    /// changes inside the replanning bracket and resets T1 (same base on a
+    /// VMM backend). Returns what it did. A failure raises the error's
+    /// exception with `old_model_kept` (True: the old model serves on with
+    /// its weights) and `missing`.
+    fn swap_model<'py>(
+        &self,
+        py: Python<'py>,
+        plan: &Bound<'py, PyMemoryPlan>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        // The system's own pool objects would count as handles to a pool
+        // the swap re-lays; the caller's still do.
+        let pools = std::mem::take(&mut *self.pools.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(pools);
+        let core_plan = plan.get().core().clone();
+        let result = {
+            let mut system = self.open()?;
+            system.swap_model(&core_plan)
+        };
+        self.emit(py)?;
+        let report = match result {
+            Ok(report) => report,
+            Err(err) => {
+                let message = err.to_string();
+                let exc = to_py(err.error.clone());
+                let value = exc.value(py);
+                if let Ok(args) = PyTuple::new(py, [message]) {
+                    let _ = value.setattr("args", args);
+                }
+                let _ = value.setattr("old_model_kept", err.old_model_kept);
+                let _ = value.setattr("missing", err.missing.clone());
+                return Err(exc);
+            }
+        };
+        *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan.clone().unbind();
+        let out = PyDict::new(py);
+        out.set_item("kept", report.kept)?;
+        out.set_item("relaid", report.relaid)?;
+        out.set_item("opened", report.opened)?;
+        out.set_item("released", report.released)?;
+        out.set_item("t1_in_place", report.t1_in_place)?;
+        out.set_item("t1_base", report.t1_base)?;
+        out.set_item("prefix_cache_dropped", report.prefix_cache_dropped)?;
+        Ok(out)
+    }
+
+    /// Puts tiers to sleep on a growable (VMM) backend: at `level=1` T1's
+    /// bytes are copied to pinned host memory and its memory given back,
+    /// and the KV pool's memory is dropped; `level=2` drops both. `tiers`
+    /// names tier keys or tags (default: `model_resident` and `kv_pool`).
+    /// Every address stays: `wake()` recommits at the same ones. Raises
+    /// BackendUnavailable on a backend without growable regions and
+    /// InvalidArgument for a busy pool; nothing changes then. Returns
+    /// `{"level", "released", "host_bytes", "tiers": [...]}`.
+    #[pyo3(signature = (level = None, tiers = None))]
+    fn sleep<'py>(
+        &self,
+        py: Python<'py>,
+        level: Option<&Bound<'py, PyAny>>,
+        tiers: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let level = match level.filter(|l| !l.is_none()) {
+            Some(l) => convert::index(l, "level")?,
+            None => 1,
+        };
+        let level = u8::try_from(level)
+            .ok()
+            .filter(|l| (1..=2).contains(l))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "level={level}: a sleep level is 1 (T1 kept in pinned host memory, the KV \
+                     cache dropped) or 2 (both dropped)"
+                ))
+            })?;
+        let names: Option<Vec<String>> = match tiers.filter(|t| !t.is_none()) {
+            None => None,
+            Some(t) if t.is_instance_of::<pyo3::types::PyString>() => Some(vec![t.extract()?]),
+            Some(t) => Some(
+                t.try_iter()
+                    .map_err(|_| {
+                        pyo3::exceptions::PyTypeError::new_err(
+                            "tiers: expected a tier name or an iterable of tier names (str)",
+                        )
+                    })?
+                    .map(|n| {
+                        n.and_then(|n| n.extract::<String>()).map_err(|_| {
+                            pyo3::exceptions::PyTypeError::new_err(
+                                "tiers: every tier name must be a str",
+                            )
+                        })
+                    })
+                    .collect::<PyResult<Vec<String>>>()?,
+            ),
+        };
+        let backend = self.backend.get().inner.clone();
+        let host = crate::tiers::pinned_host_for(&backend)?;
+        let report = {
+            let system = self.open()?;
+            let refs: Option<Vec<&str>> = names
+                .as_ref()
+                .map(|v| v.iter().map(String::as_str).collect());
+            system.sleep(level, refs.as_deref(), Some(&host))
+        }
+        .py()?;
+        let out = PyDict::new(py);
+        out.set_item("level", report.level)?;
+        out.set_item("released", report.released())?;
+        out.set_item("host_bytes", report.host_bytes())?;
+        let tiers = pyo3::types::PyList::empty(py);
+        for t in &report.tiers {
+            let d = PyDict::new(py);
+            d.set_item("key", &t.key)?;
+            d.set_item("tag", t.tag.name())?;
+            d.set_item("released", t.released)?;
+            d.set_item("host_bytes", t.host_bytes)?;
+            tiers.append(d)?;
+        }
+        out.set_item("tiers", tiers)?;
+        Ok(out)
+    }
+
+    /// Wakes every sleeping tier at its old addresses and restores T1's
+    /// bytes after a level-1 sleep; returns the keys woken (none when
+    /// nothing slept). On failure the tiers not woken still sleep.
+    fn wake(&self) -> PyResult<Vec<String>> {
+        let system = self.open()?;
+        system.wake().py()
+    }
+
+    /// Frees the pinned host buffer a level-1 sleep keeps after the wake
+    /// for the next sleep (T5b); returns the bytes freed.
+    fn release_sleep_host(&self) -> PyResult<u64> {
+        Ok(self.open()?.release_sleep_host())
+    }
+
+    /// The tiers asleep now, as `{key: level}`.
+    #[getter]
+    fn asleep<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (key, level) in self.lock().asleep() {
+            out.set_item(key, level)?;
+        }
+        Ok(out)
+    }
+
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // The system's own pool objects go first, so only what the caller
         // still holds is reported as held.

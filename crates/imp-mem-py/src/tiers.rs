@@ -1477,6 +1477,16 @@ fn fake_pinned_host() -> &'static PinnedHost {
     HOST.get_or_init(|| PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 40))))
 }
 
+/// The pinned host memory that goes with `backend`: the fake's for the
+/// fake, the driver's for a device backend.
+pub(crate) fn pinned_host_for(backend: &imp_mem_core::Backend) -> PyResult<PinnedHost> {
+    if backend.info().name == "fake" {
+        Ok(fake_pinned_host().clone())
+    } else {
+        cuda_pinned_host(backend.info().device)
+    }
+}
+
 /// The driver's pinned host memory for `device`, opened once per device.
 fn cuda_pinned_host(device: i32) -> PyResult<PinnedHost> {
     static HOSTS: OnceLock<Mutex<Vec<(i32, PinnedHost)>>> = OnceLock::new();
@@ -1513,8 +1523,7 @@ impl PyPinnedBuffer {
         let len = size(nbytes, "nbytes")?;
         let host = match &backend {
             None => fake_pinned_host().clone(),
-            Some(b) if b.inner.info().name == "fake" => fake_pinned_host().clone(),
-            Some(b) => cuda_pinned_host(b.inner.info().device)?,
+            Some(b) => pinned_host_for(&b.inner)?,
         };
         let buf = if or_empty {
             host.allocate_or_empty(len)

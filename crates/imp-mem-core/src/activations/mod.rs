@@ -92,6 +92,9 @@ pub struct ActivationConfig {
     /// Strict (refuse on exhaustion) or production (fall back to the
     /// backend); `None` follows the backend's phase mode.
     pub strict: Option<bool>,
+    /// Hold the region as a growable one, fully committed, so that it can
+    /// sleep ([`ActivationPool::sleep`]); needs a growable backend.
+    pub growable: bool,
 }
 
 impl ActivationConfig {
@@ -101,6 +104,7 @@ impl ActivationConfig {
             capacity,
             align: DEFAULT_ACTIVATION_ALIGN,
             strict: None,
+            growable: false,
         }
     }
 }
@@ -275,6 +279,9 @@ struct Core {
     /// Live fallback regions by address.
     fallback: OffsetMap<Fallback>,
     c: Counters,
+    /// While the region sleeps: its level and the committed bytes to
+    /// restore.
+    asleep: Option<(u8, usize)>,
 }
 
 struct Inner {
@@ -288,7 +295,8 @@ struct Inner {
     order: Arc<dyn StreamOrder>,
     state: Mutex<Core>,
     /// Declared last: released after the state (and its fallbacks) is gone.
-    region: Region,
+    /// Locked after `state` (a sleep decommits it), never before.
+    region: Mutex<Region>,
 }
 
 /// The activation pool (see the module documentation). Cloning gives
@@ -545,11 +553,15 @@ impl ActivationPool {
         let mut live: OffsetMap<u32> = OffsetMap::default();
         live.try_reserve(INITIAL_BLOCKS)
             .map_err(|_| reserve_err("pointer map"))?;
-        let region = backend.acquire(
-            capacity,
-            align.max(DEFAULT_ALIGNMENT as u64),
-            Tag::Activations,
-        )?;
+        let region = if config.growable {
+            backend.acquire_growable(capacity, capacity, Tag::Activations)?
+        } else {
+            backend.acquire(
+                capacity,
+                align.max(DEFAULT_ALIGNMENT as u64),
+                Tag::Activations,
+            )?
+        };
         let mut core = Core {
             slab,
             spare: NONE,
@@ -560,6 +572,7 @@ impl ActivationPool {
                 reserved_peak: capacity,
                 ..Counters::default()
             },
+            asleep: None,
         };
         core.slab.push(Block {
             offset: 0,
@@ -578,7 +591,7 @@ impl ActivationPool {
                 backend: backend.clone(),
                 order,
                 state: Mutex::new(core),
-                region,
+                region: Mutex::new(region),
             }),
         })
     }
@@ -623,9 +636,67 @@ impl ActivationPool {
         &self.inner.backend
     }
 
-    /// The region (for reports: its tag, its committed bytes).
-    pub fn region(&self) -> &Region {
-        &self.inner.region
+    fn region(&self) -> MutexGuard<'_, Region> {
+        self.inner
+            .region
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Bytes of the region committed now (0 while it sleeps).
+    pub fn committed(&self) -> u64 {
+        self.region().len() as u64
+    }
+
+    /// The sleep level, `None` when awake.
+    pub fn asleep(&self) -> Option<u8> {
+        self.core().asleep.map(|(level, _)| level)
+    }
+
+    /// What a sleeping pool had committed (0 when awake).
+    pub fn sleeping_committed(&self) -> usize {
+        self.core().asleep.map_or(0, |(_, committed)| committed)
+    }
+
+    /// Gives the region's physical memory back, keeping its addresses and
+    /// every block's bookkeeping: the bytes of live blocks are dropped (an
+    /// activation or a graph's intermediate is rewritten before it is read;
+    /// a tensor that must survive is copied out first), and allocations are
+    /// refused with [`MemError::Asleep`] (the C hooks return null) until
+    /// [`ActivationPool::wake`]. Fallback regions are not touched. Needs a
+    /// growable region ([`MemError::BackendUnavailable`] otherwise).
+    /// Returns the bytes decommitted.
+    pub fn sleep(&self, level: u8) -> Result<u64, MemError> {
+        let mut core = self.core();
+        if let Some((level, _)) = core.asleep {
+            return Err(MemError::invalid(format!(
+                "the activation pool already sleeps (level {level}); call wake() first"
+            )));
+        }
+        let mut region = self.region();
+        if !region.is_growable() {
+            return Err(MemError::BackendUnavailable(
+                "the activation pool cannot sleep: its region is fixed; open the system on a \
+                 VMM backend"
+                    .into(),
+            ));
+        }
+        let committed = region.len();
+        region.decommit(0)?;
+        core.asleep = Some((level, committed));
+        Ok(committed as u64)
+    }
+
+    /// Recommits the region at the same base; a no-op when awake. On
+    /// failure it sleeps on.
+    pub fn wake(&self) -> Result<(), MemError> {
+        let mut core = self.core();
+        let Some((_, committed)) = core.asleep else {
+            return Ok(());
+        };
+        self.region().commit(committed as u64)?;
+        core.asleep = None;
+        Ok(())
     }
 
     /// Whether `addr` lies inside the region.
@@ -654,6 +725,12 @@ impl ActivationPool {
         let shift = inner.shift;
         {
             let mut core = self.core();
+            if let Some((level, _)) = core.asleep {
+                return Err(MemError::Asleep(format!(
+                    "allocate of {bytes} B from the activation pool, which sleeps (level \
+                     {level}); call wake() first"
+                )));
+            }
             if core.live.try_reserve(1).is_err() {
                 core.c.ooms += 1;
                 return Err(reserve_err("pointer map"));
@@ -846,7 +923,7 @@ impl ActivationPool {
             let b = core.slab[idx as usize];
             // SAFETY: the block is live and was just removed from the map,
             // so no handle to it remains; it lies inside the region.
-            unsafe { inner.region.scrub(b.offset as usize, b.size as usize) };
+            unsafe { self.region().scrub(b.offset as usize, b.size as usize) };
             core.put_free(idx, stream, inner.shift);
             let c = &mut core.c;
             c.allocated -= b.size;
@@ -1100,7 +1177,7 @@ impl ActivationPool {
 
     /// Where the memory lives (the backend's kind and device).
     pub fn placement(&self) -> crate::span::Placement {
-        crate::arena::placement_of(&self.inner.region)
+        crate::arena::placement_of(&self.region())
     }
 
     /// A short description of the pool's size, for messages.

@@ -100,6 +100,11 @@ pub struct MemoryPlan {
     pub headroom: u64,
     /// Every charge in report order; they add up to `total`.
     pub charges: Vec<Charge>,
+    /// T5b, host side: the pinned host memory a level-1 sleep holds while
+    /// T1 sleeps (a copy of T1, at most its size). Host memory, so outside
+    /// `total` and the device budget.
+    #[serde(default)]
+    pub sleep_host: u64,
 }
 
 impl MemoryPlan {
@@ -544,6 +549,7 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
         total,
         headroom: budget - total,
         charges: planned,
+        sleep_host: d.weights + d.vision + d.draft,
     })
 }
 

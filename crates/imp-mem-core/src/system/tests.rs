@@ -161,10 +161,20 @@ fn a_failure_at_every_step_leaves_nothing_acquired() {
             .count();
         assert_eq!(acquired, n as usize - 1);
     }
-    // A growable KV pool's first commit failing is the last step's failure.
+    // A growable T1's first commit failing is T1's step (the second)...
     let fb = fake(GIB_TEST, true);
     fb.fail_commits(1);
     let err = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap_err();
+    assert_eq!(err.step, 2, "{err}");
+    assert_eq!(fb.live(), 0);
+    // ... and with a fixed T1, a growable KV pool's is the last step's.
+    let fb = fake(GIB_TEST, true);
+    fb.fail_commits(1);
+    let options = SystemOptions {
+        sleepable: Some(false),
+        ..SystemOptions::default()
+    };
+    let err = MemorySystem::open(&fb, &p, options).unwrap_err();
     assert_eq!(err.step, ORDER.len());
     assert_eq!(fb.live(), 0);
 }

@@ -1,0 +1,291 @@
+//! Sleep and wake (issue 19): a system's tiers hand their physical memory
+//! back to the driver and take it again at the same virtual addresses.
+//!
+//! Algorithm: a tier sleeps by decommitting its whole growable region; the
+//! reservation stays, so every base and every address inside it is the same
+//! after [`MemorySystem::wake`] recommits it — a CUDA graph captured over
+//! those addresses replays without re-capture. At level 1 T1's used bytes are
+//! first copied to pinned host memory (T5b, planned as
+//! [`MemoryPlan::sleep_host`](crate::planner::MemoryPlan::sleep_host)) and
+//! copied back on wake; the KV pool's bytes are dropped at either level (it
+//! must be idle). Level 2 drops T1's bytes too: the caller reloads the weights
+//! into the same spans. T2 never sleeps (the engine's own buffers, graph
+//! workspaces included). While a tier sleeps its allocator refuses use
+//! ([`MemError::Asleep`]), the phase guard refuses acquisitions for its tag,
+//! and the report lists it. A backend without growable regions refuses with
+//! [`MemError::BackendUnavailable`] before anything changes.
+//!
+//! The pinned buffer of a level-1 sleep is kept after the wake, so the next
+//! sleep copies at once instead of pinning gigabytes again (what T5b was
+//! planned for); [`MemorySystem::release_sleep_host`] frees it.
+//!
+//! A sleep is all or nothing: if one tier refuses, those already asleep are
+//! woken again before the error returns. A wake that fails part-way leaves
+//! the tiers it could not wake asleep (the error names them); calling it
+//! again retries them.
+//!
+//! Thread safety: each tier sleeps under its own lock; the system's methods
+//! take `&self`. A sleep racing the tiers' users is refused by the tiers
+//! (a live block, a take) rather than corrupting them; the caller is expected
+//! to quiesce the engine first, as for any sleep.
+
+use crate::error::MemError;
+use crate::pinned::PinnedHost;
+use crate::tag::Tag;
+
+use super::{Handle, MemorySystem, Slot};
+
+/// Tier keys that sleep when the caller names none.
+pub const DEFAULT_SLEEP_TIERS: [&str; 3] = ["model_resident", "activations", "kv_pool"];
+
+/// One tier put to sleep.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SleptTier {
+    /// The tier's key (`model_resident`, `kv_pool`, ...).
+    pub key: String,
+    /// Its tag.
+    pub tag: Tag,
+    /// Bytes of device memory it gave back.
+    pub released: u64,
+    /// Bytes of pinned host memory now holding its copy (level 1, T1).
+    pub host_bytes: u64,
+}
+
+/// What [`MemorySystem::sleep`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SleepReport {
+    /// The level slept at.
+    pub level: u8,
+    /// The tiers, in open order.
+    pub tiers: Vec<SleptTier>,
+}
+
+impl SleepReport {
+    /// Device bytes given back, over every tier.
+    pub fn released(&self) -> u64 {
+        self.tiers.iter().map(|t| t.released).sum()
+    }
+
+    /// Pinned host bytes held, over every tier.
+    pub fn host_bytes(&self) -> u64 {
+        self.tiers.iter().map(|t| t.host_bytes).sum()
+    }
+}
+
+fn committed_of(slot: &Slot) -> u64 {
+    match &slot.handle {
+        Handle::Arena(a) => a.stats().committed as u64,
+        Handle::Pool(p) => p.stats().committed_bytes,
+        Handle::Activations(p) => p.committed(),
+        Handle::Scratch(s) => s.stats().capacity as u64,
+    }
+}
+
+impl MemorySystem {
+    /// Puts tiers to sleep at `level` (1: T1's bytes kept in pinned memory
+    /// from `host`; 2: dropped). `tiers` names tier keys or tags
+    /// (`model_resident` / `weights`, `kv_pool` / `kv_cache`, `swa_pool`,
+    /// `state`); `None` sleeps T1 and the KV pool, those the plan has. See
+    /// the module documentation for what is refused.
+    pub fn sleep(
+        &self,
+        level: u8,
+        tiers: Option<&[&str]>,
+        host: Option<&PinnedHost>,
+    ) -> Result<SleepReport, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        if !(1..=2).contains(&level) {
+            return Err(MemError::invalid(format!(
+                "level={level}: a sleep level is 1 (T1 kept in pinned host memory, the KV cache \
+                 dropped) or 2 (both dropped)"
+            )));
+        }
+        if !self.backend.info().growable {
+            return Err(MemError::BackendUnavailable(format!(
+                "the {} backend has no growable regions, so its tiers cannot give their memory \
+                 back and take it again at the same addresses; sleep needs a VMM backend",
+                self.backend.info().name
+            )));
+        }
+        let chosen = self.sleep_selection(tiers)?;
+        if let Some(slot) = chosen.iter().find(|s| slot_level(s) > 0) {
+            return Err(MemError::invalid(format!(
+                "tier {} already sleeps (level {}); call wake() first",
+                slot.key,
+                slot_level(slot)
+            )));
+        }
+        if level == 1 && host.is_none() && chosen.iter().any(|s| is_arena(s)) {
+            return Err(MemError::invalid(
+                "sleep level 1 copies T1 to pinned host memory; pass the PinnedHost to copy into",
+            ));
+        }
+        // Pools first: they are idle, so waking one back on a later
+        // refusal loses nothing; T1 (whose level-2 sleep drops its bytes)
+        // sleeps last, when nothing after it can refuse for a reason it
+        // could check first.
+        let mut order: Vec<&Slot> = chosen.iter().copied().filter(|s| !is_arena(s)).collect();
+        order.extend(chosen.iter().copied().filter(|s| is_arena(s)));
+        let mut done: Vec<SleptTier> = Vec::new();
+        for slot in order {
+            let released = committed_of(slot);
+            let result = match &slot.handle {
+                Handle::Arena(a) => a.sleep(level, host),
+                Handle::Pool(p) => p.sleep(level).map(|_| 0),
+                Handle::Activations(p) => p.sleep(level).map(|_| 0),
+                Handle::Scratch(_) => Err(MemError::invalid("scratch does not sleep")),
+            };
+            match result {
+                Ok(host_bytes) => {
+                    self.backend.set_asleep(slot.tag, Some(level));
+                    done.push(SleptTier {
+                        key: slot.key.clone(),
+                        tag: slot.tag,
+                        released,
+                        host_bytes,
+                    });
+                }
+                Err(err) => {
+                    // All or nothing: wake what already slept, newest first.
+                    for slept in done.iter().rev() {
+                        if let Some(s) = self.slot(&slept.key) {
+                            let _ = wake_slot(self, s);
+                        }
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        done.sort_by_key(|t| self.slots.iter().position(|s| s.key == t.key));
+        Ok(SleepReport { level, tiers: done })
+    }
+
+    /// The tiers a sleep applies to, in open order; a name that is no
+    /// tier of this system, or one that cannot sleep, is refused.
+    fn sleep_selection(&self, tiers: Option<&[&str]>) -> Result<Vec<&Slot>, MemError> {
+        let Some(names) = tiers else {
+            return Ok(self
+                .slots
+                .iter()
+                .filter(|s| DEFAULT_SLEEP_TIERS.contains(&s.key.as_str()))
+                .collect());
+        };
+        let mut chosen: Vec<&Slot> = Vec::new();
+        for name in names {
+            let matching: Vec<&Slot> = self
+                .slots
+                .iter()
+                .filter(|s| s.key == *name || s.tag.name() == *name)
+                .collect();
+            if matching.is_empty() {
+                return Err(MemError::invalid(format!(
+                    "tiers: {name:?} is no tier of this system; name one of {:?} (or its tag)",
+                    self.tier_keys()
+                )));
+            }
+            for slot in matching {
+                match slot.handle {
+                    Handle::Arena(_) if slot.key == "engine_persistent" => {
+                        return Err(MemError::invalid(
+                            "tiers: engine_persistent (T2) does not sleep: it holds the \
+                             engine's own buffers, which a sleeping engine keeps",
+                        ))
+                    }
+                    Handle::Scratch(_) => {
+                        return Err(MemError::invalid(
+                            "tiers: scratch (T4) does not sleep: its region is fixed; it is \
+                             what the report names as still committed",
+                        ))
+                    }
+                    _ => {}
+                }
+                if !chosen.iter().any(|c| c.key == slot.key) {
+                    chosen.push(slot);
+                }
+            }
+        }
+        chosen.sort_by_key(|c| self.slots.iter().position(|s| s.key == c.key));
+        Ok(chosen)
+    }
+
+    /// Wakes every sleeping tier, in open order: recommits each at its
+    /// base and restores T1's bytes after a level-1 sleep. Returns the keys
+    /// woken. On failure the tiers not yet woken still sleep.
+    pub fn wake(&self) -> Result<Vec<String>, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        let mut woken = Vec::new();
+        for slot in self.slots.iter().filter(|s| slot_level(s) > 0) {
+            wake_slot(self, slot)?;
+            woken.push(slot.key.clone());
+        }
+        Ok(woken)
+    }
+
+    /// Frees the pinned host buffers kept after a wake for the next
+    /// level-1 sleep (T5b); returns the bytes freed.
+    pub fn release_sleep_host(&self) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| match &s.handle {
+                Handle::Arena(a) => a.release_host_copy(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// The tiers asleep now, with their levels, in open order.
+    pub fn asleep(&self) -> Vec<(String, u8)> {
+        self.slots
+            .iter()
+            .filter(|s| slot_level(s) > 0)
+            .map(|s| (s.key.clone(), slot_level(s)))
+            .collect()
+    }
+
+    /// Bytes the sleeping tiers had committed (given back while they sleep).
+    pub(super) fn sleep_released(&self) -> u64 {
+        self.slots
+            .iter()
+            .map(|s| match &s.handle {
+                Handle::Arena(a) => a.sleeping_committed() as u64,
+                Handle::Pool(p) => p.sleeping_committed() as u64,
+                Handle::Activations(p) => p.sleeping_committed() as u64,
+                Handle::Scratch(_) => 0,
+            })
+            .sum()
+    }
+}
+
+fn slot_level(slot: &Slot) -> u8 {
+    super::slot_asleep(slot)
+}
+
+fn is_arena(slot: &Slot) -> bool {
+    matches!(slot.handle, Handle::Arena(_))
+}
+
+fn wake_slot(system: &MemorySystem, slot: &Slot) -> Result<(), MemError> {
+    match &slot.handle {
+        Handle::Arena(a) => a.wake()?,
+        Handle::Pool(p) => p.wake()?,
+        Handle::Activations(p) => p.wake()?,
+        Handle::Scratch(_) => {}
+    }
+    // A tag shared by several tiers (the state pools) stays marked while
+    // any of them sleeps.
+    let still = system
+        .slots
+        .iter()
+        .filter(|s| s.tag == slot.tag)
+        .map(slot_level)
+        .max()
+        .unwrap_or(0);
+    system
+        .backend
+        .set_asleep(slot.tag, (still > 0).then_some(still));
+    Ok(())
+}
