@@ -25,6 +25,15 @@ TagName = Literal[
     "other",
 ]
 
+KvEventTuple: TypeAlias = (
+    tuple[str, list[int], int | None, list[int], int, int | None, str]
+    | tuple[str, list[int], str]
+    | tuple[str]
+)
+"""``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium)``, ``("BlockRemoved", block_hashes, medium)`` or
+``("AllBlocksCleared",)``; hashes are the 128-bit block hashes."""
+
 JournalRow = tuple[int, str, str, int, str]
 """``(seq, phase, tag, bytes, op)``; op is acquire, release, commit or decommit."""
 
@@ -184,6 +193,7 @@ class KVCacheManager:
         model_fingerprint: str = "",
         dtype: str = "",
         layout: str = "",
+        kv_events: bool = False,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -255,6 +265,14 @@ class KVCacheManager:
     def evict(self, n: int) -> int: ...
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
+    def drain_events(self) -> list[KvEventTuple]:
+        """The KV events since the last call, oldest first, each a tuple in
+        the field order of vLLM's event (``imp_mem.events`` wraps them).
+        Empty unless built with ``kv_events=True``."""
+    def pending_events(self) -> int: ...
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache when no cached block is in use or
+        pinned; False (nothing changed) otherwise."""
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> None: ...
 
@@ -873,6 +891,7 @@ class MemorySystem:
         model_fingerprint: str = "",
         dtype: str | None = None,
         layout: str = "",
+        kv_events: bool = False,
     ) -> KVCacheManager:
         """A KVCacheManager over this system's KV (and SWA) pool: its blocks are
         the ones the report attributes to ``kv_cache``. Defaults come from the

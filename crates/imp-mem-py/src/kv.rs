@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::{
-    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, IdSource, KVCacheManager, KvConfig, KvStats,
-    MmSpan, DEFAULT_HASH_SEED,
+    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, IdSource, KVCacheManager, KvConfig, KvEvent,
+    KvStats, MmSpan, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
 use imp_mem_cuda::CudaBlockIo;
@@ -506,6 +506,8 @@ fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>>
     d.set_item("prefix_queries", s.prefix_queries)?;
     d.set_item("prefix_query_blocks", s.prefix_query_blocks)?;
     d.set_item("prefix_hit_blocks", s.prefix_hit_blocks)?;
+    d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
+    d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
     d.set_item("evictions", s.evictions)?;
     Ok(d)
 }
@@ -672,7 +674,7 @@ impl PyKVCacheManager {
         num_blocks, block_size, *, backend = None, block_bytes = 0, swa_blocks = 0,
         swa_window = 0, swa_block_bytes = 0, enable_prefix_caching = true, hash_seed = None,
         pin_budget = None, model_fingerprint = String::new(), dtype = String::new(),
-        layout = String::new()
+        layout = String::new(), kv_events = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -689,6 +691,7 @@ impl PyKVCacheManager {
         model_fingerprint: String,
         dtype: String,
         layout: String,
+        kv_events: bool,
     ) -> PyResult<Self> {
         let mut cfg = KvConfig::new(block_size, num_blocks);
         cfg.block_bytes = block_bytes;
@@ -703,6 +706,7 @@ impl PyKVCacheManager {
         cfg.model_fingerprint = model_fingerprint;
         cfg.dtype = dtype;
         cfg.layout = layout;
+        cfg.kv_events = kv_events;
         let backend = backend.filter(|b| !b.is_none());
         let core: Option<Backend> = match backend {
             Some(b) => Some(
@@ -928,6 +932,67 @@ impl PyKVCacheManager {
     fn load_prefix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<u64> {
         py.allow_threads(|| self.lock().load_prefix_cache(&path))
             .py()
+    }
+
+    /// Takes the KV events recorded since the last call (one batch per
+    /// engine step), oldest first, each a tuple in the field order of
+    /// vLLM's events: `("BlockStored", block_hashes, parent_block_hash,
+    /// token_ids, block_size, lora_id, medium)`, `("BlockRemoved",
+    /// block_hashes, medium)`, `("AllBlocksCleared",)`. Hashes are the
+    /// 128-bit block hashes as ints. Empty unless built with
+    /// `kv_events=True`.
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.lock().drain_events();
+        let out = PyList::empty(py);
+        for e in events {
+            let item = match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    lora_id,
+                    medium,
+                } => PyTuple::new(
+                    py,
+                    [
+                        intern!(py, "BlockStored").clone().into_any(),
+                        PyList::new(py, block_hashes)?.into_any(),
+                        parent_block_hash.into_pyobject(py)?.into_any(),
+                        PyList::new(py, token_ids)?.into_any(),
+                        self.block_size.into_pyobject(py)?.into_any(),
+                        lora_id.into_pyobject(py)?.into_any(),
+                        PyString::new(py, medium.as_str()).into_any(),
+                    ],
+                )?,
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => PyTuple::new(
+                    py,
+                    [
+                        intern!(py, "BlockRemoved").clone().into_any(),
+                        PyList::new(py, block_hashes)?.into_any(),
+                        PyString::new(py, medium.as_str()).into_any(),
+                    ],
+                )?,
+                KvEvent::AllBlocksCleared => {
+                    PyTuple::new(py, [intern!(py, "AllBlocksCleared").clone()])?
+                }
+            };
+            out.append(item)?;
+        }
+        Ok(out)
+    }
+
+    /// Events waiting for `drain_events`.
+    fn pending_events(&self) -> usize {
+        self.lock().pending_events()
+    }
+
+    /// Empties the prefix cache when no sequence uses a cached block and
+    /// none is pinned; returns False (and changes nothing) otherwise.
+    fn reset_prefix_cache(&self) -> bool {
+        self.lock().reset_prefix_cache()
     }
 
     /// The counters, as a dict.

@@ -297,7 +297,7 @@ impl PyMemorySystem {
     #[pyo3(signature = (
         block_size = None, *, swa_window = None, enable_prefix_caching = true,
         hash_seed = None, pin_budget = None, model_fingerprint = String::new(), dtype = None,
-        layout = String::new()
+        layout = String::new(), kv_events = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn kv_manager(
@@ -311,6 +311,7 @@ impl PyMemorySystem {
         model_fingerprint: String,
         dtype: Option<String>,
         layout: String,
+        kv_events: bool,
     ) -> PyResult<PyKVCacheManager> {
         let mut m = {
             let system = self.open()?;
@@ -331,6 +332,7 @@ impl PyMemorySystem {
                 config.dtype = d;
             }
             config.layout = layout;
+            config.kv_events = kv_events;
             system.kv_manager(config).py()?
         };
         let block_bytes = m.config().block_bytes;

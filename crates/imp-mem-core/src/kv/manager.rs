@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 use crate::backend::Backend;
 use crate::block_pool::{BlockId, BlockToken, PoolConfig, SharedBlockPool};
 use crate::error::{KvCapacityReport, MemError};
+use crate::kv::events::{EventLog, KvEvent, Medium};
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
 use crate::kv::persist::BlockIo;
 use crate::kv::prefix::{Entry, FastMap, Insert, PrefixCache};
@@ -44,6 +45,10 @@ pub struct KvConfig {
     pub dtype: String,
     /// The KV layout, recorded in persisted files.
     pub layout: String,
+    /// Record KV events for [`KVCacheManager::drain_events`] (the manager
+    /// then also keeps each sequence's token ids, which `BlockStored`
+    /// carries).
+    pub kv_events: bool,
 }
 
 impl KvConfig {
@@ -63,6 +68,7 @@ impl KvConfig {
             model_fingerprint: String::new(),
             dtype: String::new(),
             layout: String::new(),
+            kv_events: false,
         }
     }
 
@@ -126,6 +132,11 @@ pub struct KvStats {
     pub prefix_query_blocks: u64,
     /// Blocks they found cached.
     pub prefix_hit_blocks: u64,
+    /// Prompt tokens those lookups were made for (vLLM's prefix-cache
+    /// queries).
+    pub prefix_query_tokens: u64,
+    /// Tokens they found cached (vLLM's prefix-cache hits).
+    pub prefix_hit_tokens: u64,
     /// Cache entries evicted.
     pub evictions: u64,
 }
@@ -210,6 +221,9 @@ struct Sequence {
     /// The tokens of the partial last block (the full ones live on only as
     /// hashes).
     tail: Vec<u32>,
+    /// Every token, kept only while KV events are on (`BlockStored`
+    /// carries the ids of the blocks it names).
+    tokens: Vec<u32>,
     extras: ExtraKeys,
     root: BlockHash,
     /// Chained hashes of the full blocks (empty with prefix caching off).
@@ -280,6 +294,7 @@ impl Spare {
             return;
         }
         seq.tail.clear();
+        seq.tokens.clear();
         seq.extras = ExtraKeys::default();
         seq.hashes.clear();
         seq.table.clear();
@@ -311,6 +326,7 @@ pub struct KVCacheManager {
     pub(crate) io: Option<Box<dyn BlockIo>>,
     stats: KvStats,
     spare: Spare,
+    pub(crate) events: EventLog,
 }
 
 fn ceil_div(a: usize, b: usize) -> usize {
@@ -392,6 +408,7 @@ impl KVCacheManager {
             ..KvStats::default()
         };
         Ok(Self {
+            events: EventLog::new(config.kv_events),
             hasher: BlockHasher::new(config.block_size, config.hash_seed),
             cache: PrefixCache::new(&pool),
             config,
@@ -553,12 +570,11 @@ impl KVCacheManager {
         }
         let mut got = from_free;
         while got < need {
-            let Some(token) = self.cache.evict_take() else {
+            let Some(token) = self.evict_one() else {
                 break;
             };
             out.push(Slot::Own(token));
             got += 1;
-            self.stats.evictions += 1;
         }
         if got < need {
             self.pool
@@ -744,6 +760,11 @@ impl KVCacheManager {
             self.stats.prefix_queries += 1;
             self.stats.prefix_query_blocks += seq.hashes.len() as u64;
             self.stats.prefix_hit_blocks += hit_idx.len() as u64;
+            self.stats.prefix_query_tokens += tokens.len() as u64;
+            self.stats.prefix_hit_tokens += (hit_idx.len() * bs) as u64;
+        }
+        if self.events.enabled() {
+            seq.tokens.extend_from_slice(tokens);
         }
         let admission = Admission {
             cached_tokens: hit_idx.len() * bs,
@@ -838,6 +859,9 @@ impl KVCacheManager {
             return Err(MemError::Invariant(format!("sequence {id} vanished")));
         };
         let old_full = seq.len / bs;
+        if self.events.enabled() {
+            seq.tokens.extend_from_slice(tokens);
+        }
         seq.tail.extend_from_slice(tokens);
         seq.len += tokens.len();
         let filled = (seq.len / bs - old_full) * bs;
@@ -879,6 +903,7 @@ impl KVCacheManager {
         let limit = seq.hashes.len().min(seq.cacheable).min(computed / bs);
         let caching = self.config.enable_prefix_caching;
         let mut refused = None;
+        let mut stored = Vec::new();
         // The refs this frees, released under one pool lock at the end.
         let mut dropped = std::mem::take(&mut self.spare.tokens);
         // Last block first: each entry joins the LRU's recent end, so the
@@ -898,7 +923,11 @@ impl KVCacheManager {
             };
             if caching && i < limit {
                 match self.cache.insert(seq.hashes[i], block, 0) {
-                    Ok(Insert::Added(_)) => {}
+                    Ok(Insert::Added(_)) => {
+                        if self.events.enabled() {
+                            stored.push(i);
+                        }
+                    }
                     Ok(Insert::Present(dup)) => dropped.push(dup),
                     Err((e, back)) => {
                         dropped.push(back);
@@ -909,6 +938,14 @@ impl KVCacheManager {
                 dropped.push(block);
             }
         }
+        self.events.stored(
+            &mut stored,
+            &seq.hashes,
+            &seq.tokens,
+            bs,
+            seq.extras.lora_id,
+            Medium::Device,
+        );
         let released = self.pool.release_tokens(dropped.drain(..));
         self.spare.tokens = dropped;
         self.release_swa(seq.swa.drain(..));
@@ -939,6 +976,7 @@ impl KVCacheManager {
             .min(seq.cacheable)
             .min(computed_tokens.min(seq.len) / bs);
         let mut added = 0;
+        let mut stored = Vec::new();
         for i in seq.offered..limit {
             if !matches!(seq.blocks[i], Slot::Own(_)) || self.cache.get(&seq.hashes[i]).is_some() {
                 continue;
@@ -951,15 +989,32 @@ impl KVCacheManager {
                 Ok(Insert::Added(entry)) => {
                     seq.blocks[i] = Slot::Cached { entry, id };
                     added += 1;
+                    stored.push(i);
                 }
                 Ok(Insert::Present(back)) => seq.blocks[i] = Slot::Own(back),
                 Err((e, back)) => {
                     seq.blocks[i] = Slot::Own(back);
+                    self.events.stored(
+                        &mut stored,
+                        &seq.hashes,
+                        &seq.tokens,
+                        bs,
+                        seq.extras.lora_id,
+                        Medium::Device,
+                    );
                     return Err(e);
                 }
             }
         }
         seq.offered = seq.offered.max(limit);
+        self.events.stored(
+            &mut stored,
+            &seq.hashes,
+            &seq.tokens,
+            bs,
+            seq.extras.lora_id,
+            Medium::Device,
+        );
         Ok(added)
     }
 
@@ -1146,7 +1201,7 @@ impl KVCacheManager {
     pub fn evict(&mut self, n: u32) -> u32 {
         let mut evicted = Vec::new();
         while (evicted.len() as u64) < u64::from(n) {
-            let Some(token) = self.cache.evict_take() else {
+            let Some(token) = self.evict_one() else {
                 break;
             };
             evicted.push(token);
@@ -1154,12 +1209,48 @@ impl KVCacheManager {
         let done = evicted.len() as u32;
         // Every evicted token is this pool's, so the release cannot be refused.
         let _ = self.pool.release_tokens(evicted);
-        self.stats.evictions += done as u64;
         done
     }
 
-    pub(crate) fn record_evictions(&mut self, n: u32) {
-        self.stats.evictions += n as u64;
+    /// Evicts the LRU cache entry and hands over its block's token,
+    /// counting the eviction and recording its event.
+    pub(crate) fn evict_one(&mut self) -> Option<BlockToken> {
+        let (hash, token) = self.cache.evict_take_hashed()?;
+        self.stats.evictions += 1;
+        self.events.removed(hash, Medium::Device);
+        Some(token)
+    }
+
+    /// Empties the prefix cache, as vLLM's `reset_prefix_cache`: only when
+    /// no sequence uses a cached block and none is pinned (returns false
+    /// and changes nothing otherwise). Records `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.cache.evictable() != self.cache.len() {
+            return false;
+        }
+        let tokens = self.cache.drain();
+        self.stats.evictions += tokens.len() as u64;
+        let _ = self.pool.release_tokens(tokens);
+        self.events.cleared();
+        true
+    }
+
+    /// Takes the KV events recorded since the last drain, oldest first
+    /// (one batch per engine step). Empty with `kv_events` off.
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        let cache = &self.cache;
+        self.events.take(|| {
+            cache
+                .entries_in_order()
+                .into_iter()
+                .map(|e| (e.hash, Medium::Device))
+                .collect()
+        })
+    }
+
+    /// Events waiting for [`Self::drain_events`].
+    pub fn pending_events(&self) -> usize {
+        self.events.pending()
     }
 
     /// The counters.

@@ -64,12 +64,14 @@
 //! the engine recomputes the sliding-window layers for
 //! `[cached_tokens - window, cached_tokens)`.
 
+pub mod events;
 pub mod hash;
 mod manager;
 pub mod persist;
 mod prefix;
 mod xxh3_block;
 
+pub use events::{KvEvent, Medium};
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
 pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
 pub use persist::{BlockIo, FakeBlockIo, FILE_MAGIC, FILE_VERSION};

@@ -39,6 +39,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 use crate::block_pool::SharedBlockRef;
 use crate::error::{KvCapacityReport, MemError};
 use crate::fake::FakeBackend;
+use crate::kv::events::Medium;
 use crate::kv::hash::{BlockHash, HASH_ALGORITHM};
 use crate::kv::manager::KVCacheManager;
 use crate::kv::prefix::Insert;
@@ -402,12 +403,11 @@ impl KVCacheManager {
         let free = self.pool().stats().free;
         let mut evicted = Vec::new();
         while free as usize + evicted.len() < need as usize {
-            let Some(token) = self.cache.evict_take() else {
+            let Some(token) = self.evict_one() else {
                 break;
             };
             evicted.push(token);
         }
-        self.record_evictions(evicted.len() as u32);
         self.pool().release_tokens(evicted)?;
         let refs = self.pool().allocate_many(need)?.into_refs();
 
@@ -436,7 +436,7 @@ impl KVCacheManager {
         for (r, (hash, _, _)) in refs.into_iter().zip(&fresh_entries) {
             let token = self.pool().token_from_ref(r)?;
             match self.cache.insert(*hash, token, 0) {
-                Ok(Insert::Added(_)) => {}
+                Ok(Insert::Added(_)) => self.events.stored_alone(*hash, Medium::Device),
                 Ok(Insert::Present(dup)) => leftover.push(dup),
                 Err((e, back)) => {
                     leftover.push(back);
