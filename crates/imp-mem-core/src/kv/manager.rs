@@ -8,6 +8,7 @@ use crate::block_pool::{BlockId, BlockToken, PoolConfig, SharedBlockPool};
 use crate::error::{KvCapacityReport, MemError};
 use crate::kv::events::{EventLog, KvEvent, Medium};
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
+use crate::kv::host_tier::{CopyTicket, HostTier, TierIo};
 use crate::kv::persist::BlockIo;
 use crate::kv::prefix::{Entry, FastMap, Insert, PrefixCache};
 use crate::tag::Tag;
@@ -135,8 +136,30 @@ pub struct KvStats {
     /// Prompt tokens those lookups were made for (vLLM's prefix-cache
     /// queries).
     pub prefix_query_tokens: u64,
-    /// Tokens they found cached (vLLM's prefix-cache hits).
+    /// Tokens they found cached (vLLM's prefix-cache hits), in either tier.
     pub prefix_hit_tokens: u64,
+    /// Host slots of the host tier (0 without one).
+    pub host_capacity: u32,
+    /// Prefix blocks resident in the host tier.
+    pub host_cached: u32,
+    /// Host slots holding nothing.
+    pub host_free: u32,
+    /// Device → host copies in flight (their device blocks wait for them).
+    pub host_offloading: u32,
+    /// Host → device copies in flight (their host slots wait for them).
+    pub host_onboarding: u32,
+    /// Prefix hits served from the host tier, in blocks.
+    pub host_hit_blocks: u64,
+    /// Device → host copies completed, in blocks.
+    pub offloads: u64,
+    /// ... and in bytes.
+    pub offload_bytes: u64,
+    /// Host → device copies started, in blocks.
+    pub onboards: u64,
+    /// ... and in bytes.
+    pub onboard_bytes: u64,
+    /// Host blocks dropped to make room for newer ones.
+    pub host_evictions: u64,
     /// Cache entries evicted.
     pub evictions: u64,
 }
@@ -179,8 +202,11 @@ pub struct Admission {
     pub cached_tokens: usize,
     /// Blocks in the sequence's table.
     pub blocks: usize,
-    /// Blocks newly allocated for it.
+    /// Blocks newly allocated for it (onboarded ones included).
     pub new_blocks: usize,
+    /// Of the cached blocks, those being copied in from the host tier: the
+    /// sequence's first step waits for them ([`KVCacheManager::onboarding`]).
+    pub onboarded_blocks: usize,
 }
 
 /// A block of the SWA pool. The cache takes no `SwaRef` and there is no way
@@ -327,6 +353,7 @@ pub struct KVCacheManager {
     stats: KvStats,
     spare: Spare,
     pub(crate) events: EventLog,
+    pub(crate) host: Option<HostTier>,
 }
 
 fn ceil_div(a: usize, b: usize) -> usize {
@@ -408,6 +435,7 @@ impl KVCacheManager {
             ..KvStats::default()
         };
         Ok(Self {
+            host: None,
             events: EventLog::new(config.kv_events),
             hasher: BlockHasher::new(config.block_size, config.hash_seed),
             cache: PrefixCache::new(&pool),
@@ -426,6 +454,98 @@ impl KVCacheManager {
     pub fn set_block_io(&mut self, io: Box<dyn BlockIo>) -> Result<(), MemError> {
         self.io = Some(io);
         Ok(())
+    }
+
+    /// Puts a host tier behind the prefix cache: evicted blocks are copied
+    /// into `io`'s host slots instead of dropped, and prefix hits on them
+    /// are copied back (`kv::host_tier`). Needs a pool laid out over
+    /// memory (`block_bytes`), prefix caching, and no host tier yet.
+    pub fn set_host_tier(&mut self, io: Box<dyn TierIo>) -> Result<(), MemError> {
+        let bb = self.pool.block_bytes();
+        if bb == 0 {
+            return Err(MemError::invalid(
+                "a host tier copies block bytes: build the manager over a backend with \
+                 block_bytes > 0",
+            ));
+        }
+        if io.block_bytes() != bb {
+            return Err(MemError::invalid(format!(
+                "the host tier copies blocks of {} bytes but the pool's are {bb}",
+                io.block_bytes()
+            )));
+        }
+        if !self.config.enable_prefix_caching {
+            return Err(MemError::invalid(
+                "a host tier needs prefix caching enabled",
+            ));
+        }
+        if io.slots() == 0 {
+            return Err(MemError::invalid(
+                "a host tier needs at least one host block",
+            ));
+        }
+        if self.host.is_some() {
+            return Err(MemError::invalid("this manager has a host tier already"));
+        }
+        self.host = Some(HostTier::new(io));
+        Ok(())
+    }
+
+    /// Finishes the host tier's completed copies (without waiting, or
+    /// waiting for all with `wait`): an offloaded block's device block
+    /// returns to the free list and its hash becomes a host hit; an
+    /// onboarded block's host slot is free again. Call it once per engine
+    /// step. Returns the device blocks freed.
+    pub fn poll_copies(&mut self, wait: bool) -> Result<u32, MemError> {
+        let Some(host) = self.host.as_mut() else {
+            return Ok(0);
+        };
+        let cache = &self.cache;
+        let reaped = host.reap(wait, |h| cache.get(h).is_some(), &mut self.events)?;
+        let n = reaped.tokens.len() as u32;
+        self.pool.release_tokens(reaped.tokens)?;
+        Ok(n)
+    }
+
+    /// The host → device copies sequence `id`'s blocks still wait for
+    /// (its own onboarding, or another sequence's it hit).
+    pub fn onboarding(&self, id: SeqId) -> Result<Vec<CopyTicket>, MemError> {
+        let seq = self.seq(id)?;
+        let Some(host) = &self.host else {
+            return Ok(Vec::new());
+        };
+        if host.onboarding.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(seq
+            .blocks
+            .iter()
+            .filter_map(|s| s.id().and_then(|b| host.pending_onboard(b)))
+            .collect())
+    }
+
+    /// Waits until sequence `id`'s blocks hold their bytes: on the host, or,
+    /// given `stream` (a `CUstream` as an integer), by making the work
+    /// enqueued on it next wait on the device. Returns the copies waited on.
+    pub fn wait_onboarding(&mut self, id: SeqId, stream: Option<usize>) -> Result<u32, MemError> {
+        let tickets = self.onboarding(id)?;
+        let Some(host) = self.host.as_mut() else {
+            return Ok(0);
+        };
+        for &t in &tickets {
+            match stream {
+                Some(s) => host.io.stream_wait(t, s)?,
+                None => host.io.wait(t)?,
+            }
+        }
+        Ok(tickets.len() as u32)
+    }
+
+    /// Hashes resident in the host tier, least recently used first.
+    pub fn host_cached_blocks(&self) -> Vec<BlockHash> {
+        self.host
+            .as_ref()
+            .map_or_else(Vec::new, HostTier::resident_in_order)
     }
 
     /// The configuration.
@@ -493,6 +613,28 @@ impl KVCacheManager {
         evictable
     }
 
+    /// Host-tier hits continuing a prefix past its `device` device hits:
+    /// the resident leading blocks of `hashes[device..]`, under the same
+    /// limit as [`Self::match_prefix`].
+    fn match_host(&self, hashes: &[BlockHash], n_tokens: usize, device: usize) -> usize {
+        let Some(host) = &self.host else { return 0 };
+        let bs = self.config.block_size;
+        let max = if n_tokens > 0 && n_tokens % bs == 0 {
+            hashes.len().saturating_sub(1)
+        } else {
+            hashes.len()
+        };
+        hashes.get(device..max).map_or(0, |rest| {
+            rest.iter().take_while(|h| host.contains(h)).count()
+        })
+    }
+
+    /// Device blocks in flight to the host tier: room, once their copies
+    /// complete.
+    fn offloading(&self) -> u32 {
+        self.host.as_ref().map_or(0, |h| h.offloading.len() as u32)
+    }
+
     fn pinned_idle(&self) -> u32 {
         self.cache.pinned_idle()
     }
@@ -510,7 +652,7 @@ impl KVCacheManager {
         // is exact unless a `step()` is shrinking the pool right now — and
         // then an allocation takes withdrawn blocks back anyway.
         let (free, growable) = self.pool.room_hint();
-        let evictable = self.cache.evictable().saturating_sub(taken);
+        let evictable = self.cache.evictable().saturating_sub(taken) + self.offloading();
         if need as u64 > free as u64 + growable as u64 + evictable as u64 {
             return Err(MemError::KvCapacity(KvCapacityReport {
                 what: what(),
@@ -569,6 +711,17 @@ impl KVCacheManager {
                 .allocate_tokens(from_free, |t| out.push(Slot::Own(t)))?;
         }
         let mut got = from_free;
+        if self.host.is_some() && got < need {
+            // Evicted blocks go to the host tier first: the copies must
+            // complete before the blocks are reused (the fence).
+            self.make_room(need - got)?;
+            let free = self.pool.stats().free.min(need - got);
+            if free > 0 {
+                self.pool
+                    .allocate_tokens(free, |t| out.push(Slot::Own(t)))?;
+                got += free;
+            }
+        }
         while got < need {
             let Some(token) = self.evict_one() else {
                 break;
@@ -635,6 +788,86 @@ impl KVCacheManager {
         (need, swa)
     }
 
+    /// A hash just cached on the device leaves the host tier (one tier at
+    /// a time).
+    pub(crate) fn drop_host_copy(&mut self, hash: &BlockHash) {
+        if let Some(host) = self.host.as_mut() {
+            host.discard(hash, &mut self.events);
+        }
+    }
+
+    /// Takes the host slots of `hashes` (all resident: `match_host` said
+    /// so), with their LRU stamps for a rollback.
+    fn take_host_hits(&mut self, hashes: &[BlockHash]) -> Vec<(u32, u64)> {
+        let Some(host) = self.host.as_mut() else {
+            return Vec::new();
+        };
+        hashes
+            .iter()
+            .map(|h| host.take(h).unwrap_or((u32::MAX, 0)))
+            .collect()
+    }
+
+    /// Starts copying host `slots` into the fresh blocks of `seq` from
+    /// index `first` on, then turns each into a cache entry the sequence
+    /// uses. A copy that cannot start waits for those started (their bytes
+    /// land in blocks about to be released) and fails the admission; the
+    /// slots not started are the caller's to restore, the started ones are
+    /// lost (`u32::MAX` marks them).
+    fn onboard(
+        &mut self,
+        seq: &mut Sequence,
+        first: usize,
+        slots: &mut [(u32, u64)],
+    ) -> Result<(), MemError> {
+        let Some(host) = self.host.as_mut() else {
+            return Err(MemError::Invariant("onboarding without a host tier".into()));
+        };
+        let mut failed = None;
+        let mut started = 0;
+        for (j, &(slot, _)) in slots.iter().enumerate() {
+            let started_ok = match &seq.blocks[first + j] {
+                Slot::Own(t) if slot != u32::MAX => self
+                    .pool
+                    .token_span(t)
+                    .and_then(|span| host.begin_onboard(slot, t.id(), span.addr())),
+                _ => Err(MemError::Invariant(
+                    "an onboarding slot is not fresh".into(),
+                )),
+            };
+            if let Err(e) = started_ok {
+                failed = Some(e);
+                break;
+            }
+            started += 1;
+        }
+        if let Some(e) = failed {
+            let cache = &self.cache;
+            let _ = host.reap(true, |h| cache.get(h).is_some(), &mut self.events);
+            // The started copies' slots are free again; their hashes are
+            // gone from the host tier.
+            for (&h, slot) in seq.hashes[first..].iter().zip(&mut slots[..started]) {
+                self.events.removed(h, Medium::Host);
+                *slot = (u32::MAX, 0);
+            }
+            return Err(e);
+        }
+        for (j, &(_, _)) in slots.iter().enumerate() {
+            let i = first + j;
+            let hash = seq.hashes[i];
+            self.events.removed(hash, Medium::Host);
+            let Slot::Own(token) = std::mem::replace(&mut seq.blocks[i], Slot::Hole) else {
+                continue;
+            };
+            let id = token.id();
+            seq.blocks[i] = match self.cache.insert(hash, token, 1) {
+                Ok(Insert::Added(entry)) => Slot::Cached { entry, id },
+                Ok(Insert::Present(back)) | Err((_, back)) => Slot::Own(back),
+            };
+        }
+        Ok(())
+    }
+
     /// True when `tokens` could be admitted now (counting prefix hits and
     /// evictable blocks). Changes nothing.
     pub fn can_admit(&self, tokens: &[u32], extras: &ExtraKeys) -> bool {
@@ -668,7 +901,7 @@ impl KVCacheManager {
         let hashes = self.chain_if_caching(tokens, extras);
         let mut hits = Vec::new();
         self.match_prefix(&hashes, tokens.len(), &mut hits);
-        hits.len()
+        hits.len() + self.match_host(&hashes, tokens.len(), hits.len())
     }
 
     /// Admits sequence `id` with its prompt: matches the cached prefix, takes
@@ -716,6 +949,7 @@ impl KVCacheManager {
         let mut hit_idx = std::mem::take(&mut self.spare.hits);
         hit_idx.clear();
         let taken = self.match_prefix(&seq.hashes, tokens.len(), &mut hit_idx);
+        let host_hits = self.match_host(&seq.hashes, tokens.len(), hit_idx.len());
         let (need, swa_need) = self.admission_needs(tokens.len(), hit_idx.len());
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
         let checked = self
@@ -730,6 +964,10 @@ impl KVCacheManager {
             }
         };
 
+        // Host hits leave the host tier before anything is evicted into
+        // it, so no eviction can take them.
+        let dev_hits = hit_idx.len();
+        let mut slots = self.take_host_hits(&seq.hashes[dev_hits..dev_hits + host_hits]);
         // Use the hits first: once users > 0 they are off the LRU, so the
         // evictions below cannot pick them.
         seq.blocks.reserve(ceil_div(tokens.len(), bs));
@@ -741,9 +979,28 @@ impl KVCacheManager {
             })
             .and_then(|()| self.take_main(need, free, &mut seq.blocks))
             .and_then(|()| self.take_swa(swa_need));
+        let fresh = fresh.and_then(|swa| {
+            if slots.is_empty() {
+                return Ok(swa);
+            }
+            match self.onboard(&mut seq, dev_hits, &mut slots) {
+                Ok(()) => Ok(swa),
+                Err(e) => {
+                    self.release_swa(swa);
+                    Err(e)
+                }
+            }
+        });
         let swa_fresh = match fresh {
             Ok(v) => v,
             Err(e) => {
+                if let Some(host) = self.host.as_mut() {
+                    for (&h, &(slot, stamp)) in seq.hashes[dev_hits..].iter().zip(&slots) {
+                        if slot != u32::MAX {
+                            host.restore(h, slot, stamp);
+                        }
+                    }
+                }
                 self.release_slots(seq.blocks.drain(..));
                 self.spare.keep(seq);
                 self.spare.hits = hit_idx;
@@ -761,22 +1018,37 @@ impl KVCacheManager {
             self.stats.prefix_query_blocks += seq.hashes.len() as u64;
             self.stats.prefix_hit_blocks += hit_idx.len() as u64;
             self.stats.prefix_query_tokens += tokens.len() as u64;
-            self.stats.prefix_hit_tokens += (hit_idx.len() * bs) as u64;
+            self.stats.prefix_hit_tokens += ((dev_hits + host_hits) * bs) as u64;
+        }
+        if let Some(host) = self.host.as_mut() {
+            host.counters.hit_blocks += host_hits as u64;
         }
         if self.events.enabled() {
             seq.tokens.extend_from_slice(tokens);
+            if host_hits > 0 {
+                let mut run: Vec<usize> = (dev_hits..dev_hits + host_hits).collect();
+                self.events.stored(
+                    &mut run,
+                    &seq.hashes,
+                    &seq.tokens,
+                    bs,
+                    extras.lora_id,
+                    Medium::Device,
+                );
+            }
         }
         let admission = Admission {
-            cached_tokens: hit_idx.len() * bs,
+            cached_tokens: (dev_hits + host_hits) * bs,
             blocks: total,
             new_blocks: need as usize,
+            onboarded_blocks: host_hits,
         };
         seq.len = tokens.len();
         seq.tail
             .extend_from_slice(&tokens[tokens.len() / bs * bs..]);
         seq.extras = extras;
         seq.root = root;
-        seq.offered = hit_idx.len();
+        seq.offered = dev_hits + host_hits;
         seq.cacheable = usize::MAX;
         seq.dirty = true;
         self.seqs.insert(id, seq);
@@ -927,6 +1199,7 @@ impl KVCacheManager {
                         if self.events.enabled() {
                             stored.push(i);
                         }
+                        self.drop_host_copy(&seq.hashes[i]);
                     }
                     Ok(Insert::Present(dup)) => dropped.push(dup),
                     Err((e, back)) => {
@@ -990,6 +1263,9 @@ impl KVCacheManager {
                     seq.blocks[i] = Slot::Cached { entry, id };
                     added += 1;
                     stored.push(i);
+                    if let Some(host) = self.host.as_mut() {
+                        host.discard(&seq.hashes[i], &mut self.events);
+                    }
                 }
                 Ok(Insert::Present(back)) => seq.blocks[i] = Slot::Own(back),
                 Err((e, back)) => {
@@ -1199,6 +1475,15 @@ impl KVCacheManager {
     /// Evicts up to `n` LRU cached blocks (pinned and in-use ones are
     /// skipped). Returns the blocks freed.
     pub fn evict(&mut self, n: u32) -> u32 {
+        if self.host.is_some() {
+            // Into the host tier, asynchronously: the blocks return to the
+            // free list at a later `poll_copies`.
+            let mut done = 0;
+            while done < n && self.offload_one() {
+                done += 1;
+            }
+            return done;
+        }
         let mut evicted = Vec::new();
         while (evicted.len() as u64) < u64::from(n) {
             let Some(token) = self.evict_one() else {
@@ -1213,12 +1498,63 @@ impl KVCacheManager {
     }
 
     /// Evicts the LRU cache entry and hands over its block's token,
-    /// counting the eviction and recording its event.
+    /// counting the eviction and recording its event. (With a host tier,
+    /// room is made by [`Self::make_room`] instead; this then only takes
+    /// what could not be offloaded.)
     pub(crate) fn evict_one(&mut self) -> Option<BlockToken> {
         let (hash, token) = self.cache.evict_take_hashed()?;
         self.stats.evictions += 1;
         self.events.removed(hash, Medium::Device);
+        if let Some(host) = self.host.as_mut() {
+            // A block still being onboarded must have its bytes before it
+            // is reused.
+            let _ = host.settle_onboard(token.id());
+        }
         Some(token)
+    }
+
+    /// Evicts the LRU cache entry into the host tier (the copy starts; the
+    /// block is freed when it completes), or drops it when the host tier
+    /// cannot take it. False when nothing is evictable.
+    fn offload_one(&mut self) -> bool {
+        let Some((hash, token)) = self.cache.evict_take_hashed() else {
+            return false;
+        };
+        self.stats.evictions += 1;
+        self.events.removed(hash, Medium::Device);
+        if let Some(host) = self.host.as_mut() {
+            let _ = host.settle_onboard(token.id());
+        }
+        let addr = self.pool.token_span(&token).map(|s| s.addr());
+        let dropped = match (self.host.as_mut(), addr) {
+            (Some(host), Ok(addr)) => host
+                .begin_offload(hash, token, addr, &mut self.events)
+                .err(),
+            _ => Some(token),
+        };
+        if let Some(token) = dropped {
+            let _ = self.pool.release_tokens([token]);
+        }
+        true
+    }
+
+    /// Frees up to `n` device blocks onto the free list by eviction: into
+    /// the host tier when there is one (waiting for the copies, and for
+    /// offloads already in flight), released otherwise.
+    pub(crate) fn make_room(&mut self, n: u32) -> Result<(), MemError> {
+        if self.host.is_none() {
+            let mut evicted = Vec::new();
+            while (evicted.len() as u32) < n {
+                let Some(token) = self.evict_one() else { break };
+                evicted.push(token);
+            }
+            return self.pool.release_tokens(evicted);
+        }
+        let mut started = self.offloading();
+        while started < n && self.offload_one() {
+            started += 1;
+        }
+        self.poll_copies(true).map(|_| ())
     }
 
     /// Empties the prefix cache, as vLLM's `reset_prefix_cache`: only when
@@ -1228,9 +1564,14 @@ impl KVCacheManager {
         if self.cache.evictable() != self.cache.len() {
             return false;
         }
+        // No copy may still read or write a block released here.
+        let _ = self.poll_copies(true);
         let tokens = self.cache.drain();
         self.stats.evictions += tokens.len() as u64;
         let _ = self.pool.release_tokens(tokens);
+        if let Some(host) = self.host.as_mut() {
+            host.clear_resident();
+        }
         self.events.cleared();
         true
     }
@@ -1239,12 +1580,21 @@ impl KVCacheManager {
     /// (one batch per engine step). Empty with `kv_events` off.
     pub fn drain_events(&mut self) -> Vec<KvEvent> {
         let cache = &self.cache;
+        let host = &self.host;
         self.events.take(|| {
-            cache
-                .entries_in_order()
+            let mut all: Vec<(BlockHash, Medium)> = host
+                .as_ref()
+                .map_or_else(Vec::new, HostTier::resident_in_order)
                 .into_iter()
-                .map(|e| (e.hash, Medium::Device))
-                .collect()
+                .map(|h| (h, Medium::Host))
+                .collect();
+            all.extend(
+                cache
+                    .entries_in_order()
+                    .into_iter()
+                    .map(|e| (e.hash, Medium::Device)),
+            );
+            all
         })
     }
 
@@ -1269,7 +1619,7 @@ impl KVCacheManager {
             max_blocks: p.max_blocks,
             free: p.free,
             live: p.live,
-            active: p.live.saturating_sub(idle),
+            active: p.live.saturating_sub(idle + self.offloading()),
             cached: self.cache.len(),
             evictable: self.cache.evictable(),
             pinned: self.cache.pinned(),
@@ -1277,6 +1627,28 @@ impl KVCacheManager {
             sequences: self.seqs.len() as u32,
             swa_free,
             swa_live,
+            ..self.host_stats()
+        }
+    }
+
+    /// The counters with the host tier's filled in.
+    fn host_stats(&self) -> KvStats {
+        let Some(h) = &self.host else {
+            return self.stats;
+        };
+        let c = h.counters;
+        KvStats {
+            host_capacity: h.capacity(),
+            host_cached: h.resident_len(),
+            host_free: h.free_len(),
+            host_offloading: h.offloading.len() as u32,
+            host_onboarding: h.onboarding.len() as u32,
+            host_hit_blocks: c.hit_blocks,
+            offloads: c.offloads,
+            offload_bytes: c.offload_bytes,
+            onboards: c.onboards,
+            onboard_bytes: c.onboard_bytes,
+            host_evictions: c.evictions,
             ..self.stats
         }
     }
@@ -1398,11 +1770,39 @@ impl KVCacheManager {
             }
         }
         let refs = self.pool.stats().refs;
-        if refs != seq_refs + self.cache.len() as u64 {
+        let in_flight = self.offloading() as u64;
+        if refs != seq_refs + self.cache.len() as u64 + in_flight {
             return broken(format!(
-                "{refs} refs outstanding but sequences hold {seq_refs} and the cache {}",
+                "{refs} refs outstanding but sequences hold {seq_refs}, the cache {} and \
+                 offloads in flight {in_flight}",
                 self.cache.len()
             ));
+        }
+        if let Some(host) = &self.host {
+            host.check()?;
+            for h in host.resident_in_order() {
+                if self.cache.get(&h).is_some() {
+                    return broken(format!("block hash {h:x} is cached in both tiers"));
+                }
+            }
+            for o in &host.offloading {
+                if o.token.pool_tag() != self.pool.tag() || owned.contains_key(&o.token.id()) {
+                    return broken(format!("offloading block {} is also owned", o.token.id()));
+                }
+            }
+            for o in &host.onboarding {
+                let cached = self
+                    .cache
+                    .entries_in_order()
+                    .into_iter()
+                    .any(|e| e.block.id() == o.block);
+                if !cached {
+                    return broken(format!(
+                        "block {} is being onboarded but is no cache entry's",
+                        o.block
+                    ));
+                }
+            }
         }
         if let Some(swa) = &self.swa_pool {
             swa.check_invariants()?;
@@ -1445,6 +1845,10 @@ impl Drop for KVCacheManager {
     fn drop(&mut self) {
         let seqs = std::mem::take(&mut self.seqs);
         let mut main = self.cache.drain();
+        if let Some(host) = self.host.as_mut() {
+            // No copy may run on memory released here.
+            main.extend(host.wait_and_take_all());
+        }
         let mut swa = Vec::new();
         for (_, seq) in seqs {
             main.extend(seq.blocks.into_iter().filter_map(|s| match s {

@@ -66,6 +66,7 @@
 
 pub mod events;
 pub mod hash;
+pub mod host_tier;
 mod manager;
 pub mod persist;
 mod prefix;
@@ -73,6 +74,7 @@ mod xxh3_block;
 
 pub use events::{KvEvent, Medium};
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
+pub use host_tier::{CopyTicket, FakeTierIo, TierIo};
 pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
 pub use persist::{BlockIo, FakeBlockIo, FILE_MAGIC, FILE_VERSION};
 

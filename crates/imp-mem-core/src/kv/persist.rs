@@ -401,14 +401,7 @@ impl KVCacheManager {
         // Evicting to make room is the one change that precedes the copies;
         // it drops only entries eviction could have dropped at any time.
         let free = self.pool().stats().free;
-        let mut evicted = Vec::new();
-        while free as usize + evicted.len() < need as usize {
-            let Some(token) = self.evict_one() else {
-                break;
-            };
-            evicted.push(token);
-        }
-        self.pool().release_tokens(evicted)?;
+        self.make_room(need.saturating_sub(free))?;
         let refs = self.pool().allocate_many(need)?.into_refs();
 
         // Pass 2: the new blocks' bytes, straight from the file into them,
@@ -436,7 +429,10 @@ impl KVCacheManager {
         for (r, (hash, _, _)) in refs.into_iter().zip(&fresh_entries) {
             let token = self.pool().token_from_ref(r)?;
             match self.cache.insert(*hash, token, 0) {
-                Ok(Insert::Added(_)) => self.events.stored_alone(*hash, Medium::Device),
+                Ok(Insert::Added(_)) => {
+                    self.events.stored_alone(*hash, Medium::Device);
+                    self.drop_host_copy(hash);
+                }
                 Ok(Insert::Present(dup)) => leftover.push(dup),
                 Err((e, back)) => {
                     leftover.push(back);
