@@ -194,6 +194,7 @@ class KVCacheManager:
         dtype: str = "",
         layout: str = "",
         kv_events: bool = False,
+        host_blocks: int = 0,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -270,6 +271,17 @@ class KVCacheManager:
         the field order of vLLM's event (``imp_mem.events`` wraps them).
         Empty unless built with ``kv_events=True``."""
     def pending_events(self) -> int: ...
+    def poll_copies(self, wait: bool = False) -> int:
+        """Finishes the host tier's completed copies (all, waiting, with
+        ``wait=True``): offloaded blocks' device blocks are free again, their
+        hashes host hits. Once per engine step; returns device blocks freed."""
+    def onboarding(self, seq_id: int) -> list[int]:
+        """The host-to-device copies ``seq_id``'s blocks still wait for."""
+    def wait_onboarding(self, seq_id: int, stream: int | None = None) -> int:
+        """Waits for ``seq_id``'s onboarding on the host, or makes CUDA
+        stream ``stream`` wait for it; returns the copies waited on."""
+    def host_cached_blocks(self) -> list[int]:
+        """Hashes resident in the host tier, least recently used first."""
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache when no cached block is in use or
         pinned; False (nothing changed) otherwise."""
@@ -892,6 +904,7 @@ class MemorySystem:
         dtype: str | None = None,
         layout: str = "",
         kv_events: bool = False,
+        host_blocks: int = 0,
     ) -> KVCacheManager:
         """A KVCacheManager over this system's KV (and SWA) pool: its blocks are
         the ones the report attributes to ``kv_cache``. Defaults come from the

@@ -18,11 +18,11 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::{
-    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, IdSource, KVCacheManager, KvConfig, KvEvent,
-    KvStats, MmSpan, DEFAULT_HASH_SEED,
+    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, FakeTierIo, IdSource, KVCacheManager, KvConfig,
+    KvEvent, KvStats, MmSpan, TierIo, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
-use imp_mem_cuda::CudaBlockIo;
+use imp_mem_cuda::{CudaBlockIo, CudaTierIo};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
@@ -509,6 +509,17 @@ fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>>
     d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
     d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
     d.set_item("evictions", s.evictions)?;
+    d.set_item("host_capacity", s.host_capacity)?;
+    d.set_item("host_cached", s.host_cached)?;
+    d.set_item("host_free", s.host_free)?;
+    d.set_item("host_offloading", s.host_offloading)?;
+    d.set_item("host_onboarding", s.host_onboarding)?;
+    d.set_item("host_hit_blocks", s.host_hit_blocks)?;
+    d.set_item("offloads", s.offloads)?;
+    d.set_item("offload_bytes", s.offload_bytes)?;
+    d.set_item("onboards", s.onboards)?;
+    d.set_item("onboard_bytes", s.onboard_bytes)?;
+    d.set_item("host_evictions", s.host_evictions)?;
     Ok(d)
 }
 
@@ -667,6 +678,43 @@ pub(crate) fn block_io(backend: &Bound<'_, PyAny>, block_bytes: usize) -> Option
     }
 }
 
+/// The host tier's copies for a pool on `backend`: host memory copies on
+/// the fake (run as they are enqueued), pinned memory and a copy stream on
+/// a GPU.
+pub(crate) fn tier_io(
+    backend: Option<&Bound<'_, PyAny>>,
+    block_bytes: usize,
+    host_blocks: u32,
+) -> PyResult<Box<dyn TierIo>> {
+    let unsupported = || {
+        invalid(format!(
+            "host_blocks={host_blocks} needs a manager over a backend (FakeBackend, \
+             CudaBackend or VmmBackend) with block_bytes > 0; pass both, or host_blocks=0"
+        ))
+    };
+    let Some(b) = backend.filter(|_| block_bytes > 0) else {
+        return Err(unsupported());
+    };
+    if let Ok(fake) = b.downcast::<PyFakeBackend>() {
+        Ok(Box::new(FakeTierIo::new(
+            fake.get().fake.clone(),
+            block_bytes,
+            host_blocks,
+            true,
+        )))
+    } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
+        Ok(Box::new(
+            CudaTierIo::new(cuda.get().context(), block_bytes, host_blocks).py()?,
+        ))
+    } else if let Ok(vmm) = b.downcast::<crate::cuda::PyVmmBackend>() {
+        Ok(Box::new(
+            CudaTierIo::new(vmm.get().context(), block_bytes, host_blocks).py()?,
+        ))
+    } else {
+        Err(unsupported())
+    }
+}
+
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
@@ -674,7 +722,7 @@ impl PyKVCacheManager {
         num_blocks, block_size, *, backend = None, block_bytes = 0, swa_blocks = 0,
         swa_window = 0, swa_block_bytes = 0, enable_prefix_caching = true, hash_seed = None,
         pin_budget = None, model_fingerprint = String::new(), dtype = String::new(),
-        layout = String::new(), kv_events = false
+        layout = String::new(), kv_events = false, host_blocks = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -692,6 +740,7 @@ impl PyKVCacheManager {
         dtype: String,
         layout: String,
         kv_events: bool,
+        host_blocks: u32,
     ) -> PyResult<Self> {
         let mut cfg = KvConfig::new(block_size, num_blocks);
         cfg.block_bytes = block_bytes;
@@ -723,6 +772,10 @@ impl PyKVCacheManager {
             if let Some(io) = block_io(b, block_bytes) {
                 m.set_block_io(io).py()?;
             }
+        }
+        if host_blocks > 0 {
+            m.set_host_tier(tier_io(backend, block_bytes, host_blocks)?)
+                .py()?;
         }
         Ok(Self::from_core(m))
     }
@@ -982,6 +1035,34 @@ impl PyKVCacheManager {
             out.append(item)?;
         }
         Ok(out)
+    }
+
+    /// Finishes the host tier's completed copies (all of them, waiting,
+    /// with `wait=True`); returns the device blocks freed. Call once per
+    /// engine step.
+    #[pyo3(signature = (wait = false))]
+    fn poll_copies(&self, py: Python<'_>, wait: bool) -> PyResult<u32> {
+        py.allow_threads(|| self.lock().poll_copies(wait)).py()
+    }
+
+    /// The host-to-device copies `seq_id`'s blocks still wait for (tickets).
+    fn onboarding(&self, seq_id: u64) -> PyResult<Vec<u64>> {
+        self.lock().onboarding(seq_id).py()
+    }
+
+    /// Waits until `seq_id`'s onboarded blocks hold their bytes: on the
+    /// host, or, given `stream` (a CUstream as an int, e.g. torch's
+    /// `current_stream().cuda_stream`), by making that stream wait on the
+    /// device. Returns the copies waited on.
+    #[pyo3(signature = (seq_id, stream = None))]
+    fn wait_onboarding(&self, py: Python<'_>, seq_id: u64, stream: Option<usize>) -> PyResult<u32> {
+        py.allow_threads(|| self.lock().wait_onboarding(seq_id, stream))
+            .py()
+    }
+
+    /// Hashes resident in the host tier, least recently used first.
+    fn host_cached_blocks(&self) -> Vec<BlockHash> {
+        self.lock().host_cached_blocks()
     }
 
     /// Events waiting for `drain_events`.

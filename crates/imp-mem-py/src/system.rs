@@ -297,7 +297,7 @@ impl PyMemorySystem {
     #[pyo3(signature = (
         block_size = None, *, swa_window = None, enable_prefix_caching = true,
         hash_seed = None, pin_budget = None, model_fingerprint = String::new(), dtype = None,
-        layout = String::new(), kv_events = false
+        layout = String::new(), kv_events = false, host_blocks = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn kv_manager(
@@ -312,6 +312,7 @@ impl PyMemorySystem {
         dtype: Option<String>,
         layout: String,
         kv_events: bool,
+        host_blocks: u32,
     ) -> PyResult<PyKVCacheManager> {
         let mut m = {
             let system = self.open()?;
@@ -338,6 +339,15 @@ impl PyMemorySystem {
         let block_bytes = m.config().block_bytes;
         if let Some(io) = block_io(self.backend.bind(py).as_any(), block_bytes) {
             m.set_block_io(io).py()?;
+        }
+        if host_blocks > 0 {
+            let backend = self.backend.bind(py);
+            m.set_host_tier(crate::kv::tier_io(
+                Some(backend.as_any()),
+                block_bytes,
+                host_blocks,
+            )?)
+            .py()?;
         }
         Ok(PyKVCacheManager::from_core(m))
     }
