@@ -110,3 +110,50 @@ def test_host_tier_events_and_metrics():
     assert values["imp_mem_kv_offloaded_blocks_total"] == 2
     assert values["imp_mem_kv_offloaded_bytes_total"] == 2 * BLOCK
     assert values["imp_mem_kv_onboarded_bytes_total"] == 2 * BLOCK
+
+
+def test_the_plan_sizes_the_host_tier_of_a_systems_manager():
+    config = {
+        "model_type": "llama",
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+    def plan(**features):
+        return imp_mem.plan_memory(
+            imp_mem.PlanInput(
+                imp_mem.ModelShape.from_hf_config(config),
+                imp_mem.Limits(4, 1024, kv_policy="fit"),
+                imp_mem.Features(**features),
+                budget=1 << 30,
+                context=8 << 20,
+                library_reserve=4 << 20,
+            )
+        )
+
+    device_only = plan()
+    with_host = plan(kv_host_bytes="8MiB")
+    assert device_only.kv_host is None
+    host = with_host.kv_host
+    assert host["block_bytes"] == with_host.kv["block_bytes"]
+    assert host["blocks"] == (8 << 20) // host["block_bytes"] and host["blocks"] > 0
+    assert with_host.total() == device_only.total(), "host memory is not device memory"
+    assert imp_mem.MemoryPlan.from_json(with_host.to_json()).kv_host == host
+    with pytest.raises(imp_mem.InvalidArgument, match="kv_host_bytes"):
+        imp_mem.Features(kv_host_bytes=-1)
+
+    fake = imp_mem.FakeBackend(capacity=1 << 30)
+    with imp_mem.MemorySystem(fake, with_host) as system:
+        kv = system.kv_manager()
+        assert kv.stats()["host_capacity"] == host["blocks"]
+        del kv
+        kv = system.kv_manager(host_blocks=0)
+        assert kv.stats()["host_capacity"] == 0
+        del kv

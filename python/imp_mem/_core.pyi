@@ -745,6 +745,7 @@ class Features:
         lora_rank: int | None = None,
         scratch_bytes: ByteCount | None = None,
         engine_persistent_bytes: ByteCount | None = None,
+        kv_host_bytes: ByteCount | None = None,
     ) -> None: ...
     @property
     def spec_depth(self) -> int: ...
@@ -756,6 +757,9 @@ class Features:
     def lora_slots(self) -> int: ...
     @property
     def lora_rank(self) -> int: ...
+    @property
+    def kv_host_bytes(self) -> int:
+        """Pinned host bytes for the KV host tier (T5b; not device memory)."""
     @property
     def scratch_bytes(self) -> int | None: ...
     @property
@@ -816,6 +820,10 @@ class MemoryPlan:
     def kv(self) -> dict[str, Any]: ...
     @property
     def swa(self) -> dict[str, Any] | None: ...
+    @property
+    def kv_host(self) -> dict[str, Any] | None:
+        """The KV host tier (``blocks``, ``block_bytes``, ``bytes``): pinned
+        host memory within ``Features.kv_host_bytes``, outside ``total``."""
     @property
     def pools(self) -> list[dict[str, Any]]: ...
     @property
@@ -904,7 +912,7 @@ class MemorySystem:
         dtype: str | None = None,
         layout: str = "",
         kv_events: bool = False,
-        host_blocks: int = 0,
+        host_blocks: int | None = None,
     ) -> KVCacheManager:
         """A KVCacheManager over this system's KV (and SWA) pool: its blocks are
         the ones the report attributes to ``kv_cache``. Defaults come from the

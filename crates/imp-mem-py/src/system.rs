@@ -297,7 +297,7 @@ impl PyMemorySystem {
     #[pyo3(signature = (
         block_size = None, *, swa_window = None, enable_prefix_caching = true,
         hash_seed = None, pin_budget = None, model_fingerprint = String::new(), dtype = None,
-        layout = String::new(), kv_events = false, host_blocks = 0
+        layout = String::new(), kv_events = false, host_blocks = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn kv_manager(
@@ -312,10 +312,17 @@ impl PyMemorySystem {
         dtype: Option<String>,
         layout: String,
         kv_events: bool,
-        host_blocks: u32,
+        host_blocks: Option<u32>,
     ) -> PyResult<PyKVCacheManager> {
-        let mut m = {
+        let (mut m, host_blocks) = {
             let system = self.open()?;
+            // The plan's host tier unless told otherwise.
+            let planned = system
+                .plan()
+                .kv_host
+                .as_ref()
+                .map_or(0, |h| u32::try_from(h.blocks).unwrap_or(u32::MAX));
+            let host_blocks = host_blocks.unwrap_or(planned);
             let mut config = system.kv_config().py()?;
             if let Some(bs) = block_size {
                 config.block_size = bs;
@@ -334,7 +341,7 @@ impl PyMemorySystem {
             }
             config.layout = layout;
             config.kv_events = kv_events;
-            system.kv_manager(config).py()?
+            (system.kv_manager(config).py()?, host_blocks)
         };
         let block_bytes = m.config().block_bytes;
         if let Some(io) = block_io(self.backend.bind(py).as_any(), block_bytes) {

@@ -87,6 +87,11 @@ pub struct Features {
     pub scratch_bytes: Option<u64>,
     /// A measured T2 size, replacing the estimate.
     pub engine_persistent_bytes: Option<u64>,
+    /// Pinned host memory for the KV host tier (T5b): evicted prefix blocks
+    /// kept on the host. Its own budget — host memory, not in the device
+    /// plan's total.
+    #[serde(default)]
+    pub kv_host_bytes: u64,
 }
 
 /// Everything `plan_memory` reads. Seed A4.2 plus D7's two measured charges.
@@ -153,6 +158,7 @@ impl PlanInput {
             positive("lora_rank", u64::from(f.lora_rank))?;
         }
         at_most("scratch_bytes", f.scratch_bytes.unwrap_or(0), MAX_BYTES)?;
+        at_most("kv_host_bytes", f.kv_host_bytes, MAX_BYTES)?;
         at_most(
             "engine_persistent_bytes",
             f.engine_persistent_bytes.unwrap_or(0),
