@@ -366,6 +366,7 @@ impl PyFeatures {
     #[pyo3(signature = (*, spec_depth = None, draft_weights_bytes = None, vision_tower_bytes = None,
                         lora_slots = None, lora_rank = None, scratch_bytes = None,
                         engine_persistent_bytes = None, kv_host_bytes = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         spec_depth: Option<&Bound<'_, PyAny>>,
         draft_weights_bytes: Option<&Bound<'_, PyAny>>,
