@@ -157,3 +157,46 @@ def test_the_plan_sizes_the_host_tier_of_a_systems_manager():
         kv = system.kv_manager(host_blocks=0)
         assert kv.stats()["host_capacity"] == 0
         del kv
+
+
+def test_a_disk_tier_behind_the_host_tier(tmp_path):
+    fake = imp_mem.FakeBackend(capacity="4MiB")
+    kv = imp_mem.KVCacheManager(
+        8,
+        BS,
+        backend=fake,
+        block_bytes=BLOCK,
+        host_blocks=2,
+        disk_dir=tmp_path / "kv",
+        disk_bytes=1 << 20,
+    )
+    prompt = list(range(13))
+    kv.admit(1, prompt)
+    fill(kv, fake, 1)
+    hashes = kv.sequence_hashes(1)
+    kv.free(1)
+    kv.evict(2)
+    kv.poll_copies(wait=True)
+    kv.evict(1)  # the host tier's oldest block goes to disk
+    kv.poll_copies(wait=True)
+    s = kv.stats()
+    assert (s["host_cached"], s["disk_cached"], s["disk_spills"]) == (2, 1, 1)
+    (on_disk,) = kv.disk_cached_blocks()
+    files = list((tmp_path / "kv").iterdir())
+    assert [f.name for f in files] == [f"{on_disk:032x}.impkv"]
+    assert s["disk_bytes"] == files[0].stat().st_size
+    # A spilled block is a prefix-cache file of one entry.
+    other = imp_mem.KVCacheManager(8, BS, backend=fake, block_bytes=BLOCK)
+    assert other.load_prefix_cache(files[0]) == 1
+    assert [h for h, _, _ in other.cached_blocks()] == [on_disk]
+    del other
+    # The host tier holds two slots: two host hits and no room to stage the
+    # disk block, so the third block is recomputed.
+    assert kv.admit(2, prompt) == 8
+    kv.wait_onboarding(2)
+    for i in range(2):
+        want = (hashes[i] % 251).to_bytes(1, "little") * BLOCK
+        assert fake.read(kv.block_span(2, i)[0], BLOCK) == want
+    kv.check_invariants()
+    with pytest.raises(imp_mem.InvalidArgument, match="disk_dir and disk_bytes"):
+        imp_mem.KVCacheManager(8, BS, backend=fake, block_bytes=BLOCK, disk_bytes=1 << 20)

@@ -64,7 +64,7 @@ def test_names_are_conventional_and_the_values_are_the_snapshot():
     ):
         assert m[name][key] == 0, name
     for name in m:
-        assert name.endswith(("_total", "_blocks", "_ratio", "_sequences")), name
+        assert name.endswith(("_total", "_blocks", "_bytes", "_ratio", "_sequences")), name
 
 
 def test_two_ranks_are_two_label_sets_and_a_duplicate_is_refused():

@@ -195,6 +195,8 @@ class KVCacheManager:
         layout: str = "",
         kv_events: bool = False,
         host_blocks: int = 0,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 0,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -282,6 +284,9 @@ class KVCacheManager:
         stream ``stream`` wait for it; returns the copies waited on."""
     def host_cached_blocks(self) -> list[int]:
         """Hashes resident in the host tier, least recently used first."""
+    def disk_cached_blocks(self) -> list[int]:
+        """Hashes in the disk tier (one prefix-cache file each under
+        ``disk_dir``), least recently written first."""
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache when no cached block is in use or
         pinned; False (nothing changed) otherwise."""

@@ -13,8 +13,9 @@ vLLM's KV metric meanings under the ``imp_mem_kv_`` prefix:
   counted in tokens), so the hit rate is their ``rate()`` ratio;
 * the block counts by state, sequences, evictions;
 * the host tier: blocks it holds and can hold, blocks and bytes offloaded
-  (device to host) and onboarded (host to device). They read 0 for a
-  manager without a host tier, so every series exists on every process.
+  (device to host) and onboarded (host to device); the disk tier: blocks
+  and bytes it holds, blocks written and read back. They read 0 for a
+  manager without these tiers, so every series exists on every process.
 
 Names follow Prometheus conventions: base units (bytes; blocks and tokens
 as counted units), ``_total`` on counters, ``_ratio`` on a fraction. Every
@@ -50,6 +51,8 @@ _GAUGES = (
     ("imp_mem_kv_sequences", "sequences", "Sequences admitted and not freed."),
     ("imp_mem_kv_host_capacity_blocks", "host_capacity", "Blocks the host tier can hold."),
     ("imp_mem_kv_host_cached_blocks", "host_cached", "Prefix blocks held in the host tier."),
+    ("imp_mem_kv_disk_cached_blocks", "disk_cached", "Prefix blocks held in the disk tier."),
+    ("imp_mem_kv_disk_used_bytes", "disk_bytes", "Bytes of the disk tier's block files."),
 )
 _COUNTERS = (
     (
@@ -77,6 +80,8 @@ _COUNTERS = (
         "host_evictions",
         "Blocks the host tier dropped (or wrote to disk) for room.",
     ),
+    ("imp_mem_kv_disk_spilled_blocks", "disk_spills", "Blocks written to the disk tier."),
+    ("imp_mem_kv_disk_loaded_blocks", "disk_loads", "Blocks read back from the disk tier."),
 )
 
 

@@ -22,6 +22,8 @@ use proptest::prelude::*;
 const BS: usize = 4;
 const BLOCKS: u32 = 12;
 const HOST: u32 = 10;
+/// The host tier in front of a disk tier: small, so that it spills.
+const HOST_BEFORE_DISK: u32 = 4;
 const BYTES: usize = 32;
 
 #[derive(Debug, Clone)]
@@ -94,6 +96,8 @@ struct Harness {
     seqs: Vec<Seq>,
     next_id: u64,
     index: HashSet<(BlockHash, Medium)>,
+    host: u32,
+    _dir: Option<tempfile::TempDir>,
 }
 
 type Snapshot = (
@@ -101,19 +105,37 @@ type Snapshot = (
     Vec<(u64, Vec<i32>)>,
     Vec<BlockHash>,
     Vec<BlockHash>,
+    Vec<BlockHash>,
 );
 
 impl Harness {
     fn new() -> Result<Self, TestCaseError> {
+        Self::build(false)
+    }
+
+    /// `disk`: a host tier of [`HOST_BEFORE_DISK`] blocks that spills to a
+    /// disk tier of about eight block files.
+    fn build(disk: bool) -> Result<Self, TestCaseError> {
         let fake = FakeBackend::new(FakeConfig::default()).map_err(fail)?;
         let mut cfg = KvConfig::new(BS, BLOCKS);
         cfg.block_bytes = BYTES;
         cfg.pin_budget = 4;
         cfg.kv_events = true;
         let mut m = KVCacheManager::new(cfg, Some(fake.backend())).map_err(fail)?;
-        let tier = FakeTierIo::new(fake.clone(), BYTES, HOST, false);
+        let host = if disk { HOST_BEFORE_DISK } else { HOST };
+        let tier = FakeTierIo::new(fake.clone(), BYTES, host, false);
         m.set_host_tier(Box::new(tier.clone())).map_err(fail)?;
+        let dir = if disk {
+            let dir = tempfile::tempdir().map_err(fail)?;
+            m.set_disk_tier(dir.path(), 8 * (BYTES as u64 + 600))
+                .map_err(fail)?;
+            Some(dir)
+        } else {
+            None
+        };
         Ok(Self {
+            host,
+            _dir: dir,
             fake,
             tier,
             m,
@@ -129,7 +151,13 @@ impl Harness {
             tables.push((s.id, self.m.block_table(s.id).map_err(fail)?.to_vec()));
         }
         let cached = self.m.cached_blocks().iter().map(|c| c.0).collect();
-        Ok((self.m.stats(), tables, cached, self.m.host_cached_blocks()))
+        Ok((
+            self.m.stats(),
+            tables,
+            cached,
+            self.m.host_cached_blocks(),
+            self.m.disk_cached_blocks(),
+        ))
     }
 
     /// The engine computes the newly full blocks of a sequence, after its
@@ -158,7 +186,7 @@ impl Harness {
         prop_assert_eq!(s.free + s.live, s.capacity, "V4 on the device pool");
         prop_assert_eq!(
             s.host_free + s.host_cached + s.host_offloading + s.host_onboarding,
-            HOST,
+            self.host,
             "V4 on the host tier"
         );
         prop_assert!(
@@ -210,6 +238,12 @@ impl Harness {
                 .host_cached_blocks()
                 .into_iter()
                 .map(|h| (h, Medium::Host)),
+        );
+        want.extend(
+            self.m
+                .disk_cached_blocks()
+                .into_iter()
+                .map(|h| (h, Medium::Disk)),
         );
         prop_assert_eq!(&self.index, &want, "the router's index of both tiers");
         Ok(())
@@ -361,7 +395,7 @@ impl Harness {
                 prop_assert_eq!(self.m.reset_prefix_cache(), idle);
                 if idle {
                     let s = self.m.stats();
-                    prop_assert_eq!((s.cached, s.host_cached), (0, 0));
+                    prop_assert_eq!((s.cached, s.host_cached, s.disk_cached), (0, 0, 0));
                 }
                 Ok(())
             }
@@ -384,8 +418,8 @@ impl Harness {
     }
 }
 
-fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let mut h = Harness::new()?;
+fn run(ops: Vec<Op>, disk: bool) -> Result<(), TestCaseError> {
+    let mut h = Harness::build(disk)?;
     for op in ops {
         h.apply(op)?;
     }
@@ -401,7 +435,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     prop_assert!(h.m.reset_prefix_cache());
     let s = h.m.stats();
     prop_assert_eq!((s.live, s.free, s.cached, s.host_cached), (0, BLOCKS, 0, 0));
-    prop_assert_eq!(s.host_free, HOST);
+    prop_assert_eq!((s.host_free, s.disk_cached), (h.host, 0));
     h.check()
 }
 
@@ -410,7 +444,12 @@ proptest! {
 
     #[test]
     fn host_tier_state_machine(ops in proptest::collection::vec(op(), 1..100)) {
-        run(ops)?;
+        run(ops, false)?;
+    }
+
+    #[test]
+    fn host_tier_over_a_disk_tier_state_machine(ops in proptest::collection::vec(op(), 1..100)) {
+        run(ops, true)?;
     }
 }
 
@@ -454,4 +493,52 @@ fn an_evicted_prefix_comes_back_from_the_host_with_its_bytes() {
     h.m.poll_copies(false).unwrap();
     assert_eq!(h.m.stats().host_free, HOST);
     h.m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_prefix_spilled_to_disk_comes_back_with_its_bytes() {
+    let mut h = Harness::build(true).unwrap();
+    let a = tokens(0, 17);
+    h.apply(Op::Admit { fam: 0, len: 17 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(4), 4);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    assert_eq!(h.m.stats().host_cached, 4);
+    // Another prefix pushes the first one's tail out of the host tier, to
+    // the disk.
+    h.apply(Op::Admit { fam: 3, len: 9 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(2), 2);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    let s = h.m.stats();
+    assert_eq!((s.host_cached, s.disk_cached, s.disk_spills), (4, 2, 2));
+    let hashes = h.m.hash_blocks(&a, &ExtraKeys::default());
+    let on_disk: HashSet<BlockHash> = h.m.disk_cached_blocks().into_iter().collect();
+    assert_eq!(on_disk, hashes[2..4].iter().copied().collect());
+    // Scribble over the device blocks.
+    h.m.admit(50, &tokens(5, 48), ExtraKeys::default()).unwrap();
+    for i in 0..BLOCKS as usize {
+        if let Some((addr, _)) = h.m.block_span(50, i).unwrap() {
+            h.fake.write(addr, &[0x5A; BYTES]).unwrap();
+        }
+    }
+    h.m.abort(50).unwrap();
+    assert_eq!(h.m.probe(&a, &ExtraKeys::default()), 4);
+    let got = h.m.admit(51, &a, ExtraKeys::default()).unwrap();
+    assert_eq!((got.cached_tokens, got.onboarded_blocks), (16, 4));
+    h.m.wait_onboarding(51, None).unwrap();
+    for (i, &hash) in hashes.iter().enumerate() {
+        let (addr, _) = h.m.block_span(51, i).unwrap().unwrap();
+        assert_eq!(
+            h.fake.read(addr, BYTES).unwrap(),
+            pattern(hash),
+            "block {i}"
+        );
+    }
+    let s = h.m.stats();
+    assert_eq!(s.disk_loads, 2);
+    // Staging took the host slots of the other prefix, which went to disk.
+    assert_eq!(s.disk_cached, 2);
+    h.m.check_invariants().unwrap();
+    h.check().unwrap();
 }

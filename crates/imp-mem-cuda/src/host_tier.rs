@@ -259,6 +259,26 @@ impl TierIo for CudaTierIo {
         self.retire()
     }
 
+    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError> {
+        let src = self.slot_ptr(slot)?;
+        let n = dst.len().min(self.block_bytes);
+        // SAFETY: `src` is `block_bytes` of our pinned buffer and no copy is
+        // in flight on the slot (the manager reads only resident slots).
+        let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, n) };
+        dst[..n].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError> {
+        let dst = self.slot_ptr(slot)?;
+        let n = src.len().min(self.block_bytes);
+        // SAFETY: `dst` is `block_bytes` of our pinned buffer, owned here, and
+        // no copy is in flight on the slot (the manager writes only a slot it
+        // just freed or took from a resident).
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.cast::<u8>(), n) };
+        Ok(())
+    }
+
     fn stream_wait(&mut self, ticket: CopyTicket, stream: usize) -> Result<(), MemError> {
         let Some(event) = self.pending_event(ticket)? else {
             return Ok(());

@@ -520,6 +520,10 @@ fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>>
     d.set_item("onboards", s.onboards)?;
     d.set_item("onboard_bytes", s.onboard_bytes)?;
     d.set_item("host_evictions", s.host_evictions)?;
+    d.set_item("disk_cached", s.disk_cached)?;
+    d.set_item("disk_bytes", s.disk_bytes)?;
+    d.set_item("disk_spills", s.disk_spills)?;
+    d.set_item("disk_loads", s.disk_loads)?;
     Ok(d)
 }
 
@@ -722,7 +726,8 @@ impl PyKVCacheManager {
         num_blocks, block_size, *, backend = None, block_bytes = 0, swa_blocks = 0,
         swa_window = 0, swa_block_bytes = 0, enable_prefix_caching = true, hash_seed = None,
         pin_budget = None, model_fingerprint = String::new(), dtype = String::new(),
-        layout = String::new(), kv_events = false, host_blocks = 0
+        layout = String::new(), kv_events = false, host_blocks = 0, disk_dir = None,
+        disk_bytes = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -741,6 +746,8 @@ impl PyKVCacheManager {
         layout: String,
         kv_events: bool,
         host_blocks: u32,
+        disk_dir: Option<PathBuf>,
+        disk_bytes: u64,
     ) -> PyResult<Self> {
         let mut cfg = KvConfig::new(block_size, num_blocks);
         cfg.block_bytes = block_bytes;
@@ -776,6 +783,17 @@ impl PyKVCacheManager {
         if host_blocks > 0 {
             m.set_host_tier(tier_io(backend, block_bytes, host_blocks)?)
                 .py()?;
+        }
+        match (disk_dir, disk_bytes) {
+            (None, 0) => {}
+            (Some(dir), bytes) if bytes > 0 && host_blocks > 0 => {
+                m.set_disk_tier(&dir, bytes).py()?;
+            }
+            _ => {
+                return Err(invalid(
+                    "disk_dir and disk_bytes: a disk tier needs both, and host_blocks > 0",
+                ))
+            }
         }
         Ok(Self::from_core(m))
     }
@@ -1063,6 +1081,11 @@ impl PyKVCacheManager {
     /// Hashes resident in the host tier, least recently used first.
     fn host_cached_blocks(&self) -> Vec<BlockHash> {
         self.lock().host_cached_blocks()
+    }
+
+    /// Hashes in the disk tier, least recently written first.
+    fn disk_cached_blocks(&self) -> Vec<BlockHash> {
+        self.lock().disk_cached_blocks()
     }
 
     /// Events waiting for `drain_events`.

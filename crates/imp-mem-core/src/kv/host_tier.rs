@@ -39,6 +39,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::block_pool::{BlockId, BlockToken};
 use crate::error::MemError;
 use crate::fake::FakeBackend;
+use crate::kv::disk_tier::DiskTier;
 use crate::kv::events::{EventLog, Medium};
 use crate::kv::hash::BlockHash;
 use crate::kv::prefix::FastMap;
@@ -61,6 +62,10 @@ pub trait TierIo: Send + std::fmt::Debug {
     fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError>;
     /// Blocks until copy `ticket` has completed.
     fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError>;
+    /// Copies host `slot`'s bytes into `dst` (no copy is in flight on it).
+    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError>;
+    /// Copies `src` into host `slot` (no copy is in flight on it).
+    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError>;
     /// Makes work enqueued on `stream` (a `CUstream` as an integer; 0 the
     /// legacy default) after this call wait for copy `ticket`, without
     /// blocking the host where the device can. The default blocks.
@@ -112,6 +117,8 @@ pub(crate) struct HostTier {
     pub offloading: VecDeque<Offload>,
     pub onboarding: VecDeque<Onboard>,
     pub counters: HostCounters,
+    /// Where evicted host blocks go, when a disk budget was given.
+    pub disk: Option<DiskTier>,
 }
 
 /// What [`HostTier::reap`] finished.
@@ -134,6 +141,7 @@ impl HostTier {
             offloading: VecDeque::new(),
             onboarding: VecDeque::new(),
             counters: HostCounters::default(),
+            disk: None,
         }
     }
 
@@ -173,7 +181,57 @@ impl HostTier {
         let (slot, _) = self.resident.remove(&hash)?;
         self.counters.evictions += 1;
         events.removed(hash, Medium::Host);
+        if let Some(disk) = self.disk.as_mut() {
+            let mut bytes = vec![0u8; self.io.block_bytes()];
+            if self.io.read_slot(slot, &mut bytes).is_ok() {
+                disk.store(hash, &bytes, events);
+            }
+        }
         Some(slot)
+    }
+
+    /// Host slots a disk hit can be staged in now: free ones and those of
+    /// residents (whose eviction makes room).
+    pub fn stageable(&self) -> u32 {
+        (self.free.len() + self.resident.len()) as u32
+    }
+
+    /// Reads disk blocks `hashes` back into host slots, in order, stopping
+    /// at the first that cannot be (a bad file, or no slot): their slots
+    /// and stamps, as [`Self::take`] gives them, for onboarding.
+    pub fn stage_from_disk(
+        &mut self,
+        hashes: &[BlockHash],
+        events: &mut EventLog,
+    ) -> Vec<(u32, u64)> {
+        let Some(disk) = self.disk.as_mut() else {
+            return Vec::new();
+        };
+        // Every file is read before any slot is taken: a spill making room
+        // for one cannot then evict the next from the disk.
+        let mut blocks = Vec::new();
+        for h in hashes {
+            match disk.take(h, events) {
+                Some(bytes) => blocks.push(bytes),
+                None => break,
+            }
+        }
+        let mut out = Vec::new();
+        for (h, bytes) in hashes.iter().zip(blocks) {
+            let Some(slot) = self.slot_for_offload(events) else {
+                break;
+            };
+            if self.io.write_slot(slot, &bytes).is_err() {
+                self.free.push(slot);
+                break;
+            }
+            let stamp = self.next_stamp;
+            self.next_stamp += 1;
+            // On the host now, on its way to the device.
+            events.stored_alone(*h, Medium::Host);
+            out.push((slot, stamp));
+        }
+        out
     }
 
     /// Starts copying an evicted device block out. Hands the token back
@@ -246,9 +304,15 @@ impl HostTier {
             self.free.push(slot);
             events.removed(*hash, Medium::Host);
         }
+        if let Some(disk) = self.disk.as_mut() {
+            disk.discard(hash, events);
+        }
     }
 
     fn make_resident(&mut self, hash: BlockHash, slot: u32, events: &mut EventLog) {
+        if let Some(disk) = self.disk.as_mut() {
+            disk.discard(&hash, events);
+        }
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         self.resident.insert(hash, (slot, stamp));
@@ -320,6 +384,9 @@ impl HostTier {
 
     /// Forgets every resident block (a reset); copies in flight stay.
     pub fn clear_resident(&mut self) -> u32 {
+        if let Some(disk) = self.disk.as_mut() {
+            disk.clear();
+        }
         let n = self.resident.len() as u32;
         for (_, (slot, _)) in self.resident.drain() {
             self.free.push(slot);
@@ -524,6 +591,28 @@ impl TierIo for FakeTierIo {
 
     fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError> {
         Ok(ticket < self.lock().done_below)
+    }
+
+    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError> {
+        let s = self.lock();
+        let at = slot as usize * s.block_bytes;
+        let src = s
+            .host
+            .get(at..at + dst.len())
+            .ok_or_else(|| MemError::invalid(format!("host slot {slot} is out of range")))?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError> {
+        let mut s = self.lock();
+        let at = slot as usize * s.block_bytes;
+        let dst = s
+            .host
+            .get_mut(at..at + src.len())
+            .ok_or_else(|| MemError::invalid(format!("host slot {slot} is out of range")))?;
+        dst.copy_from_slice(src);
+        Ok(())
     }
 
     fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError> {

@@ -158,8 +158,17 @@ pub struct KvStats {
     pub onboards: u64,
     /// ... and in bytes.
     pub onboard_bytes: u64,
-    /// Host blocks dropped to make room for newer ones.
+    /// Host blocks evicted to make room for newer ones (to disk, with a
+    /// disk tier).
     pub host_evictions: u64,
+    /// Blocks held in the disk tier.
+    pub disk_cached: u32,
+    /// Bytes of the disk tier's files.
+    pub disk_bytes: u64,
+    /// Blocks written to the disk tier.
+    pub disk_spills: u64,
+    /// Blocks read back from it (prefix hits).
+    pub disk_loads: u64,
     /// Cache entries evicted.
     pub evictions: u64,
 }
@@ -541,6 +550,14 @@ impl KVCacheManager {
         Ok(tickets.len() as u32)
     }
 
+    /// Hashes in the disk tier, least recently written first.
+    pub fn disk_cached_blocks(&self) -> Vec<BlockHash> {
+        self.host
+            .as_ref()
+            .and_then(|h| h.disk.as_ref())
+            .map_or_else(Vec::new, |d| d.in_order())
+    }
+
     /// Hashes resident in the host tier, least recently used first.
     pub fn host_cached_blocks(&self) -> Vec<BlockHash> {
         self.host
@@ -613,20 +630,59 @@ impl KVCacheManager {
         evictable
     }
 
-    /// Host-tier hits continuing a prefix past its `device` device hits:
-    /// the resident leading blocks of `hashes[device..]`, under the same
-    /// limit as [`Self::match_prefix`].
-    fn match_host(&self, hashes: &[BlockHash], n_tokens: usize, device: usize) -> usize {
-        let Some(host) = &self.host else { return 0 };
+    /// Hits continuing a prefix past its `device` device hits: `(host,
+    /// disk)`, the leading blocks of `hashes[device..]` resident in the
+    /// host tier, then those on disk (as many as host slots can stage),
+    /// under the same limit as [`Self::match_prefix`].
+    fn match_host(&self, hashes: &[BlockHash], n_tokens: usize, device: usize) -> (usize, usize) {
+        let Some(host) = &self.host else {
+            return (0, 0);
+        };
         let bs = self.config.block_size;
         let max = if n_tokens > 0 && n_tokens % bs == 0 {
             hashes.len().saturating_sub(1)
         } else {
             hashes.len()
         };
-        hashes.get(device..max).map_or(0, |rest| {
-            rest.iter().take_while(|h| host.contains(h)).count()
-        })
+        let rest = hashes.get(device..max).unwrap_or_default();
+        let on_host = rest.iter().take_while(|h| host.contains(h)).count();
+        let Some(disk) = &host.disk else {
+            return (on_host, 0);
+        };
+        let room = (host.stageable() as usize).saturating_sub(on_host);
+        let on_disk = rest[on_host..]
+            .iter()
+            .take_while(|h| disk.contains(h))
+            .take(room)
+            .count();
+        (on_host, on_disk)
+    }
+
+    /// Puts a disk tier behind the host tier: its evictions are written to
+    /// `dir` (one prefix-cache file per block) within `budget_bytes`, and
+    /// read back on a hit (`kv::disk_tier`). Needs a host tier.
+    pub fn set_disk_tier(
+        &mut self,
+        dir: &std::path::Path,
+        budget_bytes: u64,
+    ) -> Result<(), MemError> {
+        let bb = self.pool.block_bytes();
+        let format = self.block_file_format(bb)?;
+        let Some(host) = self.host.as_mut() else {
+            return Err(MemError::invalid(
+                "a disk tier stands behind the host tier: give the manager host blocks first",
+            ));
+        };
+        if host.disk.is_some() {
+            return Err(MemError::invalid("this manager has a disk tier already"));
+        }
+        host.disk = Some(crate::kv::disk_tier::DiskTier::new(
+            dir,
+            budget_bytes,
+            bb,
+            format,
+        )?);
+        Ok(())
     }
 
     /// Device blocks in flight to the host tier: room, once their copies
@@ -901,7 +957,8 @@ impl KVCacheManager {
         let hashes = self.chain_if_caching(tokens, extras);
         let mut hits = Vec::new();
         self.match_prefix(&hashes, tokens.len(), &mut hits);
-        hits.len() + self.match_host(&hashes, tokens.len(), hits.len())
+        let (host, disk) = self.match_host(&hashes, tokens.len(), hits.len());
+        hits.len() + host + disk
     }
 
     /// Admits sequence `id` with its prompt: matches the cached prefix, takes
@@ -949,7 +1006,7 @@ impl KVCacheManager {
         let mut hit_idx = std::mem::take(&mut self.spare.hits);
         hit_idx.clear();
         let taken = self.match_prefix(&seq.hashes, tokens.len(), &mut hit_idx);
-        let host_hits = self.match_host(&seq.hashes, tokens.len(), hit_idx.len());
+        let (host_hits, disk_hits) = self.match_host(&seq.hashes, tokens.len(), hit_idx.len());
         let (need, swa_need) = self.admission_needs(tokens.len(), hit_idx.len());
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
         let checked = self
@@ -968,6 +1025,14 @@ impl KVCacheManager {
         // it, so no eviction can take them.
         let dev_hits = hit_idx.len();
         let mut slots = self.take_host_hits(&seq.hashes[dev_hits..dev_hits + host_hits]);
+        if disk_hits > 0 {
+            if let Some(host) = self.host.as_mut() {
+                let on_disk = &seq.hashes[dev_hits + host_hits..dev_hits + host_hits + disk_hits];
+                slots.extend(host.stage_from_disk(on_disk, &mut self.events));
+            }
+        }
+        // Disk hits that could not be read back are computed instead.
+        let host_hits = slots.len();
         // Use the hits first: once users > 0 they are off the LRU, so the
         // evictions below cannot pick them.
         seq.blocks.reserve(ceil_div(tokens.len(), bs));
@@ -1584,10 +1649,17 @@ impl KVCacheManager {
         self.events.take(|| {
             let mut all: Vec<(BlockHash, Medium)> = host
                 .as_ref()
-                .map_or_else(Vec::new, HostTier::resident_in_order)
+                .and_then(|h| h.disk.as_ref())
+                .map_or_else(Vec::new, |d| d.in_order())
                 .into_iter()
-                .map(|h| (h, Medium::Host))
+                .map(|h| (h, Medium::Disk))
                 .collect();
+            all.extend(
+                host.as_ref()
+                    .map_or_else(Vec::new, HostTier::resident_in_order)
+                    .into_iter()
+                    .map(|h| (h, Medium::Host)),
+            );
             all.extend(
                 cache
                     .entries_in_order()
@@ -1649,6 +1721,10 @@ impl KVCacheManager {
             onboards: c.onboards,
             onboard_bytes: c.onboard_bytes,
             host_evictions: c.evictions,
+            disk_cached: h.disk.as_ref().map_or(0, |d| d.len()),
+            disk_bytes: h.disk.as_ref().map_or(0, |d| d.used()),
+            disk_spills: h.disk.as_ref().map_or(0, |d| d.counters.spills),
+            disk_loads: h.disk.as_ref().map_or(0, |d| d.counters.loads),
             ..self.stats
         }
     }
@@ -1783,6 +1859,14 @@ impl KVCacheManager {
             for h in host.resident_in_order() {
                 if self.cache.get(&h).is_some() {
                     return broken(format!("block hash {h:x} is cached in both tiers"));
+                }
+            }
+            if let Some(disk) = &host.disk {
+                disk.check()?;
+                for h in disk.in_order() {
+                    if self.cache.get(&h).is_some() || host.contains(&h) {
+                        return broken(format!("block hash {h:x} is on disk and cached"));
+                    }
                 }
             }
             for o in &host.offloading {

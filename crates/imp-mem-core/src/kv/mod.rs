@@ -64,6 +64,7 @@
 //! the engine recomputes the sliding-window layers for
 //! `[cached_tokens - window, cached_tokens)`.
 
+mod disk_tier;
 pub mod events;
 pub mod hash;
 pub mod host_tier;
