@@ -13,9 +13,10 @@ lora_id, medium)``, ``BlockRemoved(block_hashes, medium)``,
 data_parallel_rank)``. On the wire each is a msgpack array: an event is its
 type name followed by its fields in that order, a batch ``[ts, events]``
 plus ``data_parallel_rank`` when it is set. ``medium`` is ``"GPU"`` for the
-device pool, ``"CPU"`` for the host tier. A block hash, 128 bits here, is
-sent as 16 big-endian bytes (vLLM sends its hashes as bytes by default), or,
-with ``int_hashes=True``, as its low 64 bits (vLLM's
+device pool, ``"CPU"`` for the host tier, ``"STORAGE"`` for the disk
+tier. A block hash, 128 bits here, is sent as 16 big-endian bytes (vLLM
+sends its hashes as bytes by default), or, with ``int_hashes=True``, as its
+low 64 bits (vLLM's
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
 
 A ZMQ message is three frames: the topic, the batch's sequence number (8
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -55,6 +57,7 @@ __all__ = [
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 
 _LOW64 = (1 << 64) - 1
 
