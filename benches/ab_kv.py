@@ -1,7 +1,8 @@
 """A/B of KV churn between builds of ``imp_mem._core``, in one process.
 
     python benches/ab_kv.py base=/tmp/base/imp_mem/_core.abi3.so \\
-        new=/tmp/new/imp_mem/_core.abi3.so [--slices 8] [--size 600]
+        new=/tmp/new/imp_mem/_core.abi3.so [--slices 8] [--size 600] \\
+        [--tokens int32|int64|list|array]
 
 Each ``name=path`` is an extension module built from some revision
 (``maturin build --release`` and ``pip install --target DIR`` the wheel; the
@@ -15,7 +16,9 @@ this. An A/A run (one build under two names) agrees within about 1 %.
 
 Each slice first runs a third of its requests untimed, so that the manager's
 structures are back in the cache after the other builds' turns, then times
-the rest. Prints the fastest and the median slice per build. A diagnostic:
+the rest. ``--tokens`` gives the prompts as int32 NumPy arrays (the
+default), int64 arrays, Python lists or ``array('i')`` (``bench_kv.FORMATS``).
+Prints the fastest and the median slice per build. A diagnostic:
 the ratios the project claims come from ``bench_kv.py``, against its
 reference in the same run.
 """
@@ -52,6 +55,9 @@ def main() -> int:
     parser.add_argument("builds", nargs="+", metavar="NAME=PATH")
     parser.add_argument("--slices", type=int, default=8, help="turns per build")
     parser.add_argument("--size", type=int, default=600, help="requests per turn")
+    parser.add_argument(
+        "--tokens", choices=["int32", "int64", "list", "array"], default="int32", help="prompt type"
+    )
     args = parser.parse_args()
     builds = {}
     for build in args.builds:
@@ -63,6 +69,8 @@ def main() -> int:
 
     warm = args.size // 3
     reqs = bench_kv.churn_requests(16 + args.slices * args.size * len(modules), 1)
+    make = bench_kv.FORMATS["array('i')" if args.tokens == "array" else args.tokens]
+    reqs = [make(r) for r in reqs]
     managers = {n: m.KVCacheManager(bench_kv.BLOCKS, bench_kv.BS) for n, m in modules.items()}
     next_id = {}
     for name, kv in managers.items():

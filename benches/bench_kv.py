@@ -21,7 +21,13 @@ Workloads (vLLM's BlockPool peer figures are in shared/SPEC.md):
 * batched allocate + free of 16 blocks (prefix caching off: a 256-token
   request admitted and aborted);
 * chained hashing, per block (one 64-block prompt, hashed over and over:
-  warm in the CPU caches).
+  warm in the CPU caches);
+* the churn again with the prompts held as Python lists of ints (what
+  vLLM's and SGLang's requests hold), int32 and int64 NumPy arrays and
+  ``array('i')``, the formats taking turns on slices of the same prompts,
+  each against the reference given the same objects; and ``append`` of one
+  token and of an 8-token list, from a list and from an int32 array (a
+  decode step), printed as list / NumPy ratios.
 
 Run with a release build of the wheel: ``python benches/bench_kv.py``.
 """
@@ -32,6 +38,7 @@ import hashlib
 import platform
 import sys
 import time
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -59,9 +66,13 @@ class RefKV:
         self.lru: OrderedDict[bytes, int] = OrderedDict()  # evictable entries
         self.seqs: dict[int, tuple] = {}
 
-    def hash_blocks(self, tokens: np.ndarray, parent: bytes = ROOT) -> list[bytes]:
+    def hash_blocks(self, tokens, parent: bytes = ROOT) -> list[bytes]:
+        # One bytes object per request, in whatever width the ids come in
+        # (a list is packed by `array`, the fastest way in plain Python).
+        if isinstance(tokens, (list, tuple)):
+            tokens = array("I", tokens)
         raw = tokens.tobytes()
-        step = 4 * self.bs
+        step = tokens.itemsize * self.bs
         out = []
         blake = hashlib.blake2b
         for off in range(0, len(raw) - step + 1, step):
@@ -187,6 +198,80 @@ def bench_churn(n_ours: int, n_ref: int, chunks: int = 3) -> tuple[float, float]
     return t_ours, t_ref
 
 
+# The token formats of the format churn, each made from an int32 prompt.
+FORMATS = {
+    "list": lambda t: t.tolist(),
+    "int32": lambda t: t,
+    "int64": lambda t: t.astype(np.int64),
+    "array('i')": lambda t: array("i", t.tobytes()),
+}
+
+
+def bench_churn_formats(n: int, n_ref: int, slices: int = 16) -> dict[str, tuple[float, float]]:
+    """Per-request churn time of each of `FORMATS`, ours and the
+    reference's: the formats take turns (in alternating order) on slices of
+    fresh prompts, each on its own manager, so drift is shared; the fastest
+    slice counts. The reference runs `n_ref` requests a format, after."""
+    base = churn_requests(16 + n * len(FORMATS), 2)
+    warm, rest = base[:16], base[16:]
+    size = n // slices
+    ours: dict[str, list[float]] = {f: [] for f in FORMATS}
+    managers = {f: KVCacheManager(BLOCKS, BS) for f in FORMATS}
+    prompts = {}
+    for k, (name, make) in enumerate(FORMATS.items()):
+        for i, toks in enumerate(warm):
+            managers[name].admit(i, make(toks))
+            managers[name].free(i)
+        prompts[name] = [make(t) for t in rest[k * n : (k + 1) * n]]
+    order = list(FORMATS)
+    for s in range(slices):
+        for name in order if s % 2 == 0 else order[::-1]:
+            kv, reqs = managers[name], prompts[name][s * size : (s + 1) * size]
+            first = 16 + s * size
+            t0 = time.perf_counter()
+            for i, toks in enumerate(reqs, first):
+                kv.admit(i, toks)
+                kv.free(i)
+            ours[name].append((time.perf_counter() - t0) / size)
+    out = {}
+    for name, make in FORMATS.items():
+        ref = RefKV(BLOCKS, BS)
+        for i, toks in enumerate(warm):
+            ref.admit(i, make(toks))
+            ref.free(i)
+        t0 = time.perf_counter()
+        for i, toks in enumerate(prompts[name][:n_ref], 16):
+            ref.admit(i, toks)
+            ref.free(i)
+        out[name] = (min(ours[name]), (time.perf_counter() - t0) / n_ref)
+    return out
+
+
+def bench_append(n: int, rounds: int = 15) -> dict[str, float]:
+    """Per-call time of `append` of one token and of 8, from fresh lists
+    and fresh int32 arrays (a decode step's output, as an engine holds it),
+    each shape in turn on its own sequence; the fastest round counts."""
+    rng = np.random.default_rng(4)
+    shapes = {}
+    for width in (1, 8):
+        ids = rng.integers(0, 50_000, (n, width), dtype=np.int32)
+        shapes[f"list/{width}"] = [row.tolist() for row in ids]
+        shapes[f"int32/{width}"] = list(ids)
+    kv = KVCacheManager(BLOCKS * 4, BS, enable_prefix_caching=False)
+    times: dict[str, list[float]] = {name: [] for name in shapes}
+    for r in range(rounds):
+        for k, (name, calls) in enumerate(shapes.items()):
+            sid = r * len(shapes) + k
+            kv.admit(sid, [1] * BS)
+            append = kv.append
+            t0 = time.perf_counter()
+            for toks in calls:
+                append(sid, toks)
+            times[name].append((time.perf_counter() - t0) / n)
+            kv.abort(sid)
+    return {name: min(t) for name, t in times.items()}
+
+
 def bench_alloc16(n: int) -> tuple[float, float]:
     toks = np.arange(16 * BS, dtype=np.int32)
 
@@ -253,6 +338,23 @@ def main() -> int:
     print(
         "* vLLM 0.33.0's own BlockPool on this class of machine, from shared/SPEC.md (not this "
         "run);\n  SGLang's radix tree (Rust core) did about 23 k requests/s on the same churn."
+    )
+    print(f"\n{'request churn by token format':<44} {'imp-mem':>11} {'Python':>11} {'ratio':>8}")
+    formats = bench_churn_formats(4000 // k, 200 // k, slices=16 if k == 1 else 4)
+    for name, (a, b) in formats.items():
+        print(f"{'  ' + name:<44} {fmt(a)} {fmt(b)} {b / a:7.1f}x")
+    appends = bench_append(20_000 // k)
+    print(f"{'append to a sequence, per call':<44} {'list':>11} {'int32':>11} {'ratio':>8}")
+    for width in (1, 8):
+        lst, arr = appends[f"list/{width}"], appends[f"int32/{width}"]
+        print(f"{f'  {width} token(s)':<44} {fmt(lst)} {fmt(arr)} {lst / arr:7.2f}x")
+    t_np, t_arr = formats["int32"][0], formats["array('i')"][0]
+    print(
+        f"list / int32 NumPy: churn {formats['list'][0] / t_np:.2f}x (goal <= 2), "
+        f"append of 1 {appends['list/1'] / appends['int32/1']:.2f}x (goal <= 1.5), "
+        f"of 8 {appends['list/8'] / appends['int32/8']:.2f}x; "
+        f"int64 / int32 {formats['int64'][0] / t_np:.2f}x, "
+        f"array('i') / int32 {t_arr / t_np:.2f}x"
     )
     return 0
 

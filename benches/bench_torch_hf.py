@@ -174,13 +174,13 @@ def child_imp(args) -> dict:
         "plan_activations": int(plan.activations),
         "committed": committed,
         "outside_charge": charge,
-        "steady_state_allocations": int(b1["steady_state_allocations_total"])
-        - int(b0["steady_state_allocations_total"]),
+        "steady_state_allocations": sum(b1["steady_state_allocations_total"].values())
+        - sum(b0["steady_state_allocations_total"].values()),
         "backend_acquisitions_serving": int(b1["acquisitions"]) - int(b0["acquisitions"]),
         "driver_allocs_serving": t1_stats.get("num_device_alloc", 0)
         - t0_stats.get("num_device_alloc", 0),
         "device_free_delta": free0 - free1,
-        "hook_calls_serving": {k: h1[k] - h0.get(k, 0) for k in h1},
+        "hook_calls_serving": {k: h1[k] - h0.get(k, 0) for k in h1 if k in h0},
         "attribution_pct": report["device"]["attribution_pct"] if report.get("device") else None,
         "pool_stats": stats,
         "report": text,

@@ -70,10 +70,14 @@ bench_rc=${PIPESTATUS[0]}
 "$PYTHON" benches/bench_torch_alloc.py --json "$OUT/bench_torch_alloc.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 for extra in bench_paged_attention bench_engine; do
-    if [ -f "benches/$extra.py" ]; then
-        "$PYTHON" "benches/$extra.py" --json "$OUT/$extra.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-    fi
+    [ -f "benches/$extra.py" ] || continue
+    args=()
+    # Each script takes --json / --quick only if its --help says so.
+    help=$("$PYTHON" "benches/$extra.py" --help 2>/dev/null)
+    [[ $help == *--json* ]] && args+=(--json "$OUT/$extra.json")
+    [[ $help == *--quick* ]] && args+=("${quick[@]}")
+    "$PYTHON" "benches/$extra.py" "${args[@]}" 2>&1 | tee -a "$OUT/bench.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 done
 # The KV manager's benchmark runs on the host CPU; this host's figures sit
 # beside the CI machine's.
@@ -108,6 +112,8 @@ try:
             data = json.loads(path.read_text())
             results += data if isinstance(data, list) else data.get("rows", [])
     for r in results:
+        if not all(k in r for k in ("benchmark", "peer", "ours_us", "peer_us", "ratio", "goal")):
+            continue
         rows.append((r["benchmark"] + " vs " + r["peer"],
                      f"{r['ours_us']} us / {r['peer_us']} us = {r['ratio']}x", r["goal"]))
 except (OSError, ValueError) as exc:

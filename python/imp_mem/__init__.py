@@ -10,6 +10,7 @@ The names below are the public API; everything else is private.
 from __future__ import annotations
 
 from imp_mem._core import (
+    ActivationPool,
     Arena,
     Backend,
     BlockPool,
@@ -57,9 +58,11 @@ from imp_mem.errors import (
     PhaseViolation,
     PlanFailure,
     StaleSpan,
+    WeightsOverflow,
 )
 
 __all__ = [
+    "ActivationPool",
     "Arena",
     "Backend",
     "BackendUnavailable",
@@ -97,6 +100,7 @@ __all__ = [
     "TensorView",
     "Tier",
     "VmmBackend",
+    "WeightsOverflow",
     "__version__",
     "cuda_available",
     "cuda_device_count",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, overload
 
 __version__: str
 
@@ -21,6 +21,7 @@ TagName = Literal[
     "state",
     "workspace",
     "scratch",
+    "activations",
     "pinned_host",
     "other",
 ]
@@ -120,6 +121,8 @@ class Backend:
     def kind(self) -> str: ...
     @property
     def live(self) -> int: ...
+    def enable_journal(self) -> None:
+        """Keep the journal from now on (a fake keeps it from the start)."""
     def journal(self) -> list[JournalRow] | None: ...
     def check_invariants(self) -> None: ...
 
@@ -147,8 +150,11 @@ class FakeBackend(Backend):
     def device_used(self) -> int: ...
 
 TokenIds: TypeAlias = Any
-"""Token ids: a list or tuple of ints, or any one-dimensional buffer of
-integers (a NumPy integer array, ``array.array``, a ``memoryview``)."""
+"""Token ids in ``0..=4294967295``: a list or tuple of ints (``int``
+subclasses and objects with ``__index__``, such as NumPy integer scalars,
+count as ints; ``bool`` and ``float`` are refused), or any one-dimensional
+buffer of integers (a NumPy integer array, ``array.array``, a
+``memoryview``)."""
 
 MmItem = tuple[int, int, int]
 """``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
@@ -171,6 +177,16 @@ def _set_buffer_protocol(enabled: bool) -> bool:
     """Test hook: read token buffers in place through the buffer protocol
     (the default on Python 3.11+) or copy them as before 3.11; returns the
     previous setting. ``True`` before 3.11 raises ``InvalidArgument``."""
+
+def _set_list_direct(enabled: bool) -> bool:
+    """Test hook: read lists and tuples of ints straight from the objects'
+    C structs (the default, on CPython 3.9-3.14 once self-checked) or
+    through the limited API's item and int calls; returns the previous
+    setting."""
+
+def _list_direct_active() -> bool:
+    """Test hook: whether lists and tuples of ints are read straight from
+    the objects now (the hook on, the interpreter's layout self-checked)."""
 
 class KVCacheManager:
     """Paged KV: sequence block tables with holes, a prefix cache that owns
@@ -232,6 +248,9 @@ class KVCacheManager:
     ) -> int:
         """Cached leading tokens now; a hint that takes no refs."""
     def append(self, seq_id: int, tokens: TokenIds) -> None: ...
+    def append_each(self, seq_ids: Sequence[int] | Any, tokens: TokenIds) -> int:
+        """Appends ``tokens[i]`` to ``seq_ids[i]`` in order; stops at the first
+        sequence the pools cannot take and returns how many were appended."""
     def can_append(self, seq_id: int, n: int) -> bool: ...
     def free(self, seq_id: int, computed_tokens: int | None = None) -> None: ...
     def cache_computed(self, seq_id: int, computed_tokens: int) -> int:
@@ -241,6 +260,24 @@ class KVCacheManager:
     def block_table(self, seq_id: int) -> list[int]: ...
     def block_table_bytes(self, seq_id: int) -> bytes: ...
     def swa_table(self, seq_id: int) -> list[int]: ...
+    @overload
+    def block_tables(
+        self,
+        seq_ids: Sequence[int] | Any,
+        out: None = None,
+        *,
+        pool: Literal["full", "swa"] = "full",
+    ) -> Any:
+        """A new NumPy int32 array ``[len(seq_ids), longest row]``, padded with -1."""
+    @overload
+    def block_tables(
+        self, seq_ids: Sequence[int] | Any, out: Any, *, pool: Literal["full", "swa"] = "full"
+    ) -> int:
+        """Writes the batch's block tables (or SWA tables) into ``out``, a
+        writable C-contiguous int32 buffer ``[len(seq_ids), width]``, padded
+        with -1; returns the columns used. An unknown id or a too-narrow
+        ``out`` raises ``InvalidArgument``, a non-int32 ``out`` ``TypeError``;
+        a refused call writes nothing."""
     def num_tokens(self, seq_id: int) -> int: ...
     def sequences(self) -> list[int]: ...
     def sequence_hashes(self, seq_id: int) -> list[int]: ...
@@ -305,10 +342,11 @@ class Tier(enum.Enum):
     ENGINE_PERSISTENT = 1
     POOLED = 2
     SCRATCH = 3
-    PINNED_HOST = 4
+    ACTIVATIONS = 4
+    PINNED_HOST = 5
     @property
     def label(self) -> str:
-        """``T1``, ``T2``, ``T3``, ``T4`` or ``T5b``."""
+        """``T1``, ``T2``, ``T3``, ``T4``, ``T4a`` or ``T5b``."""
 
 class StableSpan:
     """Memory whose address a tier allocator promises is stable while the span
@@ -475,6 +513,14 @@ class BlockPool:
     @staticmethod
     def slots(blocks: int) -> BlockPool:
         """An id space only: free list and refcounts, no memory."""
+    def span(self) -> StableSpan:
+        """The whole reservation (``max_blocks * block_bytes`` from the base,
+        which never moves); only committed blocks, whose ids you hold, may be
+        touched."""
+    def view(self, dtype: DTypeLike, block_shape: int | Sequence[int]) -> TensorView:
+        """A typed view ``[max_blocks, *block_shape]`` of the whole pool, for
+        DLPack / ``__cuda_array_interface__``; ``block_shape`` must fill exactly
+        ``block_bytes``. Valid across growth; touch only committed blocks."""
     def step(self, fence: Fence | Any | None = None) -> int:
         """One engine step of the shrink policy; call it once per step with a
         fence recorded after the step's work was enqueued: an ``imp_mem.Fence``,
@@ -538,6 +584,77 @@ class ScratchStack:
     def capacity(self) -> int: ...
     @property
     def high_water(self) -> int: ...
+
+class ActivationPool:
+    """A general-purpose, stream-ordered sub-allocator (TLSF, 512-B granule by
+    default) over one region of tag ``activations`` (T4a): what torch's and
+    CuPy's own allocations go through, via the C hooks once ``install()``-ed.
+    ``strict=None`` follows the backend's phase mode: strict refuses on
+    exhaustion (``OutOfMemory``; the hooks return null), production falls back
+    to a backend acquisition (counted while SERVING)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        capacity: ByteCount,
+        *,
+        strict: bool | None = None,
+        align: int | None = None,
+    ) -> None: ...
+    def allocate(self, nbytes: ByteCount, stream: int | None = None) -> int:
+        """An address of at least ``nbytes`` for work on ``stream`` (a raw
+        ``cudaStream_t``; 0 is the legacy default stream)."""
+    def free(self, ptr: int, stream: int | None = None) -> None:
+        """Frees an address ``allocate`` returned; anything else raises
+        InvalidArgument and changes nothing."""
+    def size_of(self, ptr: int) -> int | None:
+        """The requested size of the live allocation at ``ptr``, or None."""
+    def stats(self) -> dict[str, int]: ...
+    def memory_stats(self) -> dict[str, int]:
+        """The counters under ``torch.cuda.memory_stats`` key names."""
+    def reset_peak(self) -> None: ...
+    def check_invariants(self) -> None: ...
+    def install(self, device: int | None = None, weights_arena: Arena | None = None) -> None:
+        """Routes the C hooks to this pool for ``device`` (replacing any)."""
+    @property
+    def installed(self) -> bool: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def base(self) -> int: ...
+    @property
+    def strict(self) -> bool: ...
+    @property
+    def align(self) -> int: ...
+    @property
+    def tag(self) -> str: ...
+
+TORCH_MALLOC_SYMBOL: str
+"""``imp_mem_torch_malloc``: ``void* (ssize_t size, int device, cudaStream_t stream)``."""
+TORCH_FREE_SYMBOL: str
+"""``imp_mem_torch_free``: ``void (void* ptr, ssize_t size, int device, cudaStream_t stream)``."""
+CUPY_MALLOC_SYMBOL: str
+"""``imp_mem_cupy_malloc``: ``void* (void* param, size_t size, int device)``; param is the stream."""
+CUPY_FREE_SYMBOL: str
+"""``imp_mem_cupy_free``: ``void (void* param, void* ptr, int device)``; param is the stream."""
+
+def hook_stats() -> dict[str, Any]:
+    """The C hooks' counters (misuse counted by kind), ``installed`` and ``route``."""
+
+def reset_hook_stats() -> None: ...
+def uninstall_hooks() -> bool:
+    """Removes the installed pool (the hooks then return null); True if one was."""
+
+def set_hook_route(route: Literal["activations", "weights"]) -> None:
+    """Where the hooks' mallocs go: the installed pool, or (while loading) the
+    installed T1 arena, whose frees are counted as stranded."""
+
+def hook_route() -> str: ...
+def hook_library_path() -> str:
+    """The shared library exporting the hooks (this module's file)."""
+
+def hook_addresses() -> dict[str, int]:
+    """Each hook's address in this process, by symbol name."""
 
 class PinnedBuffer:
     """Pinned host memory (T5b), freed exactly once; ``or_empty=True`` gives an
@@ -751,6 +868,7 @@ class Features:
         scratch_bytes: ByteCount | None = None,
         engine_persistent_bytes: ByteCount | None = None,
         kv_host_bytes: ByteCount | None = None,
+        activation_bytes: ByteCount | None = None,
     ) -> None: ...
     @property
     def spec_depth(self) -> int: ...
@@ -769,6 +887,8 @@ class Features:
     def scratch_bytes(self) -> int | None: ...
     @property
     def engine_persistent_bytes(self) -> int | None: ...
+    @property
+    def activation_bytes(self) -> int | None: ...
 
 class PlanInput:
     """Everything ``plan_memory`` reads, validated at construction."""
@@ -822,6 +942,8 @@ class MemoryPlan:
     @property
     def scratch(self) -> int: ...
     @property
+    def activations(self) -> int: ...
+    @property
     def kv(self) -> dict[str, Any]: ...
     @property
     def swa(self) -> dict[str, Any] | None: ...
@@ -864,6 +986,7 @@ class MemorySystem:
         kv_initial_blocks: int | None = None,
         kv_grow_blocks: int | None = None,
         apply_budget: bool = True,
+        activation_strict: bool | None = None,
     ) -> None: ...
     @property
     def backend(self) -> Backend: ...
@@ -885,6 +1008,8 @@ class MemorySystem:
     def state_pools(self) -> list[BlockPool]: ...
     @property
     def scratch(self) -> ScratchStack | None: ...
+    @property
+    def activations(self) -> ActivationPool | None: ...
     @property
     def tiers(self) -> list[str]: ...
     def begin_planning(self) -> None: ...

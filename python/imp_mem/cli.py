@@ -28,11 +28,29 @@ def _pick_backend(kind: str, capacity: str):
     return cls(device=0, strict=True)
 
 
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def _demo(args: argparse.Namespace) -> int:
     import imp_mem
     from imp_mem.system import run_demo
 
     backend = _pick_backend(args.backend, args.capacity)
+    if backend.kind != "fake" and _torch_cuda():
+        # On a GPU with torch, the demo is the reference engine serving.
+        from imp_mem.engine.demo import run_engine_demo
+
+        return run_engine_demo(
+            backend,
+            seconds=args.seconds,
+            max_batch=args.max_batch,
+            max_seq_len=min(args.max_seq_len, 1024),
+        )
     try:
         return run_demo(
             backend,
@@ -66,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-batch", type=int, default=16, help="concurrent sequences (16)")
     demo.add_argument("--max-seq-len", type=int, default=8192, help="tokens a sequence (8192)")
     demo.add_argument("--steps", type=int, default=8, help="serving steps to simulate (8)")
+    demo.add_argument(
+        "--seconds",
+        type=float,
+        default=5.0,
+        help="on a GPU with torch: how long the engine serves (5)",
+    )
     demo.set_defaults(func=_demo)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -67,6 +67,20 @@ class PlanFailure(ImpMemError):
     report: str
 
 
+class WeightsOverflow(ImpMemError):
+    """A checkpoint holds more than the plan gave its weights (T1's weights
+    line); nothing was loaded.
+
+    Attributes: ``tensor`` (the first tensor that does not fit), ``end`` (the
+    bytes the load would reach with it, alignment included) and ``limit``
+    (the plan's weight bytes).
+    """
+
+    tensor: str
+    end: int
+    limit: int
+
+
 class BackendUnavailable(ImpMemError):
     """The requested backend cannot run on this machine (no driver, no device)."""
 

@@ -37,8 +37,10 @@ Known limits of torch's pluggable allocators (torch 2.11):
 * A custom ``MemPool`` has no expandable segments: torch asks for whole
   segments (2 MiB for small blocks, 20 MiB for 1-10 MiB ones, the rounded
   size above), and the tier serves each one as one block.
-* ``torch.cuda.empty_cache()`` gives a pool's cached free segments back to
-  the tier, not to the driver: the tier's region stays reserved, as planned.
+* A live ``MemPool`` keeps its free segments cached: ``torch.cuda.empty_cache()``
+  does not release a private pool's segments. They go back to the tier (never
+  to the driver: the tier's region stays reserved, as planned) when the pool
+  is dropped (:meth:`Pool.close`).
 * In process-wide mode torch keeps no statistics of its own
   (``torch.cuda.memory_stats`` raises or is empty); :func:`memory_stats`
   gives the tier's, under torch's key names.
@@ -170,8 +172,7 @@ class Pool:
         self.weights_arena = weights_arena
         _install_hooks(self.activations, self.device, weights_arena)
         allocator = pluggable_allocator().allocator()
-        self.mempool = torch.cuda.MemPool(allocator)
-        self._loading_pool: torch.cuda.MemPool | None = None
+        self.mempool: Any = torch.cuda.MemPool(allocator)
 
     @property
     def id(self) -> tuple[int, int]:
@@ -187,20 +188,40 @@ class Pool:
     @contextlib.contextmanager
     def loading(self) -> Iterator[Pool]:
         """Routes torch's allocations in the block to T1 (the weights arena), in a
-        MemPool of their own, so that loading segments never serve activations."""
+        MemPool of its own that is dropped when the block ends, so loading
+        segments never serve activations. Segments freed after that (loading
+        temporaries) cannot give their bytes back to a bump arena: the hooks
+        count them as stranded (``hook_stats()["stranded_bytes"]``)."""
         if self.weights_arena is None:
             raise InvalidArgument(
                 "weights_arena: this pool has no T1 arena to load into; pass "
                 "weights_arena= (or build the Pool from a MemorySystem)"
             )
-        if self._loading_pool is None:
-            self._loading_pool = torch.cuda.MemPool(pluggable_allocator().allocator())
-        previous = _core.set_hook_route("weights")
+        loading_pool = torch.cuda.MemPool(pluggable_allocator().allocator())
+        previous = _core.hook_route()
+        _core.set_hook_route("weights")
         try:
-            with torch.cuda.use_mem_pool(self._loading_pool, device=self.device):
+            with torch.cuda.use_mem_pool(loading_pool, device=self.device):
                 yield self
         finally:
-            _core.set_hook_route(previous if previous else "activations")
+            _core.set_hook_route(previous)
+            # torch releases a dropped pool's free segments at the next
+            # empty_cache; segments with live tensors stay until those die.
+            del loading_pool
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        """Drops the MemPool: torch gives its free segments back to the tier at
+        once, and the rest as their tensors die. The Pool cannot be used after."""
+        _pools.pop(id(self.activations), None)
+        if self.mempool is not None:
+            self.mempool = None
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def graph(self, cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Any:
         """``torch.cuda.graph(cuda_graph, pool=self.id, ...)``: a capture whose
@@ -210,11 +231,6 @@ class Pool:
     def memory_stats(self) -> dict[str, int]:
         """The tier's counters under ``torch.cuda.memory_stats`` key names."""
         return memory_stats(self.activations)
-
-    def empty_cache(self) -> None:
-        """Gives the pool's cached free segments back to the tier."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
 
     def __repr__(self) -> str:
         stats = self.activations.stats()
@@ -277,7 +293,7 @@ def install(system: Any, *, device: Any = None) -> None:
 
 def hook_stats() -> dict[str, int]:
     """The entry points' counters: calls, refusals by kind, caught panics."""
-    return dict(_core.hook_stats())
+    return {k: v for k, v in _core.hook_stats().items() if isinstance(v, int)}
 
 
 _TORCH_KEYS = {

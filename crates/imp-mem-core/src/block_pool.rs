@@ -1489,6 +1489,26 @@ impl SharedBlockPool {
         (packed as u32, (packed >> 32) as u32)
     }
 
+    /// The pool's whole reservation, `max_blocks * block_bytes` from the
+    /// base, block `id` at `id * block_bytes`: what a kernel indexes by
+    /// block id. The base never moves (V9), so the span holds across growth
+    /// and shrinking; but only committed blocks have memory behind them,
+    /// so only blocks the caller holds a ref to (directly, or through the
+    /// KV manager that handed out their ids) may be touched. An error in
+    /// slots mode, which has no memory.
+    pub fn reservation(&self) -> Result<StableSpan<'_>, MemError> {
+        let (Some(base), Some(placement)) = (self.inner.base, self.inner.placement) else {
+            return Err(slots_have_no_memory());
+        };
+        let blocks = self.core().max_blocks as usize;
+        Ok(StableSpan::new(
+            MintKey::new(),
+            base,
+            blocks * self.inner.stride,
+            placement,
+        ))
+    }
+
     /// Refuses a ref from another pool.
     pub fn check_owner(&self, block: &SharedBlockRef) -> Result<(), MemError> {
         let theirs = block.pool.id();
@@ -2362,6 +2382,12 @@ mod tests {
             assert_eq!(span.addr(), base + again.ids()[i] as usize * 256);
         }
         drop(again);
+        // The reservation's span starts at the base and spans max_blocks,
+        // across grow -> shrink -> grow.
+        let whole = pool.reservation().unwrap();
+        assert_eq!(whole.addr(), base);
+        assert_eq!(whole.len(), pool.stats().max_blocks as usize * 256);
+        assert!(SharedBlockPool::slots(4).unwrap().reservation().is_err());
         pool.check_invariants().unwrap();
     }
 

@@ -9,8 +9,8 @@
 //!   the same for every device: the phase guard ([`phase`]), per-tag
 //!   accounting ([`accounting`]), the budget cap and the journal.
 //! * **L2 — tier allocators**, one per lifetime tier ([`tier`]): [`Arena`]
-//!   (T1, T2), [`BlockPool`] (T3), [`ScratchStack`] (T4), [`PinnedHost`]
-//!   (T5b).
+//!   (T1, T2), [`BlockPool`] (T3), [`ScratchStack`] (T4), [`ActivationPool`]
+//!   (T4a, a framework's own allocations), [`PinnedHost`] (T5b).
 //! * **L3 — handles** ([`span`]): [`StableSpan`] (minted only by the tier
 //!   allocators), [`DeviceSpan`], [`BlockRef`] (move-only; `share()` is the
 //!   only alias), [`PinnedBuffer`], [`HostRegistration`].
@@ -25,6 +25,7 @@
 #![deny(missing_docs)]
 
 pub mod accounting;
+pub mod activations;
 pub mod arena;
 pub mod backend;
 pub mod block_pool;
@@ -43,6 +44,9 @@ pub mod tier;
 pub mod units;
 
 pub use accounting::{BackendStats, JournalEntry, JournalOp, TagStats};
+pub use activations::{
+    ActivationConfig, ActivationPool, ActivationStats, FakeStreamOrder, NoStreams, StreamOrder,
+};
 pub use backend::{Backend, MemoryKind, MemorySource, Region, SourceError, SourceInfo};
 pub use error::{MemError, OomReport};
 pub use fake::{FakeBackend, FakeConfig};

@@ -5,7 +5,8 @@
 //! order of allocation (A4.2): the library reserve and the CUDA context are
 //! charges that are already gone, then T2 (engine-persistent arena), T1
 //! (model-resident arena), the fixed T3 pools (the SWA pool, the per-sequence
-//! state pools), T4 (the scratch stack), and the KV pool last, because it is
+//! state pools), T4 (the scratch stack), T4a (the activation pool, when the
+//! plan measured one), and the KV pool last, because it is
 //! the one sized from the residual. On a growable backend the KV pool
 //! reserves the plan's bytes and commits a first part; it grows inside its
 //! reservation while serving, which is a commit and not an acquisition (R5).
@@ -39,6 +40,7 @@ use serde::Serialize;
 
 use std::sync::Arc;
 
+use crate::activations::{ActivationConfig, ActivationPool, NoStreams, StreamOrder};
 use crate::backend::Backend;
 use crate::block_pool::{PoolConfig, SharedBlockPool, MAX_BLOCKS};
 use crate::decommit::FenceLike;
@@ -57,6 +59,25 @@ pub const ATTRIBUTION_TARGET: f64 = 0.95;
 /// What a growable KV pool adds per growth step, at least (before rounding
 /// to whole blocks): SPEC's VMM figures favour chunks of tens of MiB.
 pub const KV_GROW_BYTES: u64 = 64 * MIB;
+
+/// The stream order an activation pool opened by a system uses (see
+/// [`StreamOrder`]); compared by identity.
+#[derive(Clone)]
+pub struct ActivationOrder(pub Arc<dyn StreamOrder>);
+
+impl std::fmt::Debug for ActivationOrder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ActivationOrder(..)")
+    }
+}
+
+impl PartialEq for ActivationOrder {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for ActivationOrder {}
 
 /// How to open a system. The defaults follow the plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +101,11 @@ pub struct SystemOptions {
     pub kv_grow_blocks: Option<u32>,
     /// Lower the backend's budget to what the plan gives the tiers.
     pub apply_budget: bool,
+    /// The activation pool's strictness; default: the backend's phase mode.
+    pub activation_strict: Option<bool>,
+    /// The activation pool's stream order; default: none ([`NoStreams`]),
+    /// right for host memory. A device caller passes its driver's.
+    pub activation_order: Option<ActivationOrder>,
 }
 
 impl Default for SystemOptions {
@@ -91,6 +117,8 @@ impl Default for SystemOptions {
             kv_initial_blocks: None,
             kv_grow_blocks: None,
             apply_budget: true,
+            activation_strict: None,
+            activation_order: None,
         }
     }
 }
@@ -117,6 +145,7 @@ enum Handle {
     Arena(SharedArena),
     Pool(SharedBlockPool),
     Scratch(SharedScratchStack),
+    Activations(ActivationPool),
 }
 
 #[derive(Debug, Clone)]
@@ -566,6 +595,26 @@ impl MemorySystem {
                 }),
             });
         }
+        if plan.activations > 0 {
+            let bytes = plan.activations;
+            let mut config = ActivationConfig::new(bytes);
+            config.strict = options.activation_strict;
+            let order: Arc<dyn StreamOrder> = match &options.activation_order {
+                Some(o) => o.0.clone(),
+                None => Arc::new(NoStreams),
+            };
+            steps.push(Step {
+                key: "activations".into(),
+                label: "activation pool".into(),
+                tier: Tier::Activations,
+                tag: Tag::Activations,
+                planned: bytes,
+                cost: bytes,
+                open: Box::new(move |b: &Backend| {
+                    ActivationPool::new(b, &config, order).map(Handle::Activations)
+                }),
+            });
+        }
         let kv = &plan.kv;
         if kv.blocks > 0 && kv.block_bytes > 0 {
             let blocks = to_u32(kv.blocks, "KV pool")?;
@@ -810,6 +859,14 @@ impl MemorySystem {
         }
     }
 
+    /// T4a: the activation pool, if the plan has one.
+    pub fn activations(&self) -> Option<ActivationPool> {
+        match self.slot("activations").map(|s| &s.handle) {
+            Some(Handle::Activations(p)) => Some(p.clone()),
+            _ => None,
+        }
+    }
+
     /// The keys of the opened tiers, in open order.
     pub fn tier_keys(&self) -> Vec<&str> {
         self.slots.iter().map(|s| s.key.as_str()).collect()
@@ -901,6 +958,10 @@ impl MemorySystem {
                 let s = st.stats();
                 let cap = s.capacity as u64;
                 (cap, cap, s.used as u64, s.high_water as u64, None)
+            }
+            Handle::Activations(p) => {
+                let s = p.stats();
+                (s.capacity, s.capacity, s.allocated, s.allocated_peak, None)
             }
             Handle::Pool(p) => {
                 let s = p.stats();
@@ -1061,8 +1122,10 @@ impl MemorySystem {
         let granule = self.backend.info().granularity.max(1);
         let report = self.report(&ReportInput::default());
         for (slot, line) in self.slots.iter().zip(&report.tiers) {
-            if let Handle::Pool(pool) = &slot.handle {
-                pool.check_invariants()?;
+            match &slot.handle {
+                Handle::Pool(pool) => pool.check_invariants()?,
+                Handle::Activations(pool) => pool.check_invariants()?,
+                _ => {}
             }
             if line.in_use > line.committed {
                 return Err(MemError::Invariant(format!(
@@ -1359,6 +1422,7 @@ impl MemReport {
             Tier::EnginePersistent,
             Tier::Pooled,
             Tier::Scratch,
+            Tier::Activations,
         ];
         let per_tier = |f: &dyn Fn(&TierLine) -> u64| -> Vec<(Option<(&str, String)>, f64)> {
             device_tiers

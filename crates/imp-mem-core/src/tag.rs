@@ -28,6 +28,9 @@ pub enum Tag {
     Workspace,
     /// Forward-pass scratch (T4).
     Scratch,
+    /// A framework's own allocations (torch / CuPy activations, temporaries,
+    /// library workspaces) through the activation pool (T4a).
+    Activations,
     /// Pinned host staging (T5b).
     PinnedHost,
     /// Anything else.
@@ -36,7 +39,7 @@ pub enum Tag {
 
 impl Tag {
     /// Every tag, in report order.
-    pub const ALL: [Tag; 9] = [
+    pub const ALL: [Tag; 10] = [
         Tag::Weights,
         Tag::WeightCache,
         Tag::KvCache,
@@ -44,6 +47,7 @@ impl Tag {
         Tag::State,
         Tag::Workspace,
         Tag::Scratch,
+        Tag::Activations,
         Tag::PinnedHost,
         Tag::Other,
     ];
@@ -58,6 +62,7 @@ impl Tag {
             Tag::State => "state",
             Tag::Workspace => "workspace",
             Tag::Scratch => "scratch",
+            Tag::Activations => "activations",
             Tag::PinnedHost => "pinned_host",
             Tag::Other => "other",
         }

@@ -7,6 +7,7 @@
 //! | T2 engine-persistent | [`Arena`](crate::arena::Arena) (a separate one) | per-object leak |
 //! | T3 pooled fixed-block | [`BlockPool`](crate::block_pool::BlockPool) | external fragmentation |
 //! | T4 forward scratch | [`ScratchStack`](crate::scratch::ScratchStack) | fragmentation, leak |
+//! | T4a framework activations | [`ActivationPool`](crate::activations::ActivationPool) | unplanned acquisition while serving |
 //! | T5b pinned host | [`PinnedBuffer`](crate::pinned::PinnedBuffer) | per-object leak, asymmetric unregister |
 //!
 //! T5a (transient host staging during load) is ordinary host memory and has
@@ -30,17 +31,21 @@ pub enum Tier {
     Pooled,
     /// T4: one forward pass, LIFO.
     Scratch,
+    /// T4a: a framework's own allocations (torch, CuPy), any order, any
+    /// size, sub-allocated from one planned region.
+    Activations,
     /// T5b: engine-persistent pinned host memory.
     PinnedHost,
 }
 
 impl Tier {
     /// Every tier, in A2's order.
-    pub const ALL: [Tier; 5] = [
+    pub const ALL: [Tier; 6] = [
         Tier::ModelResident,
         Tier::EnginePersistent,
         Tier::Pooled,
         Tier::Scratch,
+        Tier::Activations,
         Tier::PinnedHost,
     ];
 
@@ -51,6 +56,7 @@ impl Tier {
             Tier::EnginePersistent => "ENGINE_PERSISTENT",
             Tier::Pooled => "POOLED",
             Tier::Scratch => "SCRATCH",
+            Tier::Activations => "ACTIVATIONS",
             Tier::PinnedHost => "PINNED_HOST",
         }
     }
@@ -62,6 +68,7 @@ impl Tier {
             Tier::EnginePersistent => "T2",
             Tier::Pooled => "T3",
             Tier::Scratch => "T4",
+            Tier::Activations => "T4a",
             Tier::PinnedHost => "T5b",
         }
     }
@@ -73,6 +80,7 @@ impl Tier {
             Tier::EnginePersistent => Tag::Workspace,
             Tier::Pooled => Tag::KvCache,
             Tier::Scratch => Tag::Scratch,
+            Tier::Activations => Tag::Activations,
             Tier::PinnedHost => Tag::PinnedHost,
         }
     }

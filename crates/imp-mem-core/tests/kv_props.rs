@@ -261,6 +261,29 @@ impl Harness {
                 }
             }
         }
+        // The batch form writes every row the per-sequence form returns,
+        // padded with -1 to the widest.
+        let ids: Vec<u64> = self.seqs.iter().map(|s| s.id).collect();
+        let width = ids
+            .iter()
+            .map(|&id| self.m.block_table(id).map(|t| t.len()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(fail)?
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        let mut out = vec![7i32; ids.len() * (width + 1)];
+        let used = self
+            .m
+            .block_tables(&ids, &mut out, width + 1, false)
+            .map_err(fail)?;
+        prop_assert_eq!(used, width);
+        for (i, &id) in ids.iter().enumerate() {
+            let row = &out[i * (width + 1)..(i + 1) * (width + 1)];
+            let table = self.m.block_table(id).map_err(fail)?;
+            prop_assert_eq!(&row[..table.len()], table);
+            prop_assert!(row[table.len()..].iter().all(|&b| b == -1));
+        }
         for (b, hs) in holders {
             prop_assert!(
                 hs.windows(2).all(|w| w[0] == w[1]),

@@ -12,6 +12,9 @@
 //!   `cuMemCreate` / `cuMemMap` / `cuMemSetAccess`, in chunks, with a handle
 //!   cache.
 //! * [`fence`] — [`Fence`]: a CUDA event a decommit waits for.
+//! * [`stream_order`] — [`CudaStreamOrder`]: the activation pool's
+//!   cross-stream order (an event recorded on one stream, waited on by
+//!   another).
 //! * the hysteretic decommit policy and the fenced, deferred decommit are
 //!   pure and live in the core (`imp_mem_core::decommit`, re-exported here);
 //!   [`Fence`] implements their [`FenceLike`].
@@ -28,6 +31,7 @@ pub mod fence;
 pub mod host_tier;
 pub mod pinned;
 pub mod reserve;
+pub mod stream_order;
 pub mod vmm;
 
 pub use block_io::CudaBlockIo;
@@ -41,6 +45,7 @@ pub use imp_mem_core::decommit::{
 pub use imp_mem_core::MemError;
 pub use pinned::{pinned_backend, CudaPinnedHost, PinnedHostSource};
 pub use reserve::{Fingerprint, ReserveCache, ReserveMeasurement, SelfCheck};
+pub use stream_order::CudaStreamOrder;
 pub use vmm::{vmm_backend, VmmBackend, VmmConfig, VmmCore, VmmSource};
 
 /// The CUDA driver's version (`13000` for CUDA 13.0), or why there is none.

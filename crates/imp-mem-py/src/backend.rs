@@ -296,6 +296,13 @@ impl PyBackend {
         self.inner.live()
     }
 
+    /// Starts keeping the journal (a fake keeps it from the start; a device
+    /// backend only from this call on): every acquisition, release, commit
+    /// and decommit from now, for `journal()` and the V8 replay.
+    fn enable_journal(&self) {
+        self.inner.enable_journal();
+    }
+
     /// The journal as a list of `(seq, phase, tag, bytes, op)` tuples, or
     /// None when the backend does not keep one.
     fn journal<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {

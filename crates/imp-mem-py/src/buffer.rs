@@ -60,6 +60,8 @@ impl RawBuffer {
     };
 }
 
+/// `PyBUF_WRITABLE`: the exporter must lend the memory for writing.
+const PYBUF_WRITABLE: c_int = 0x0001;
 /// `PyBUF_FORMAT`: fill in `format`.
 const PYBUF_FORMAT: c_int = 0x0004;
 /// `PyBUF_ND`: shape, no strides, so the exporter must be C-contiguous.
@@ -140,6 +142,65 @@ impl<'py> BufferView<'py> {
             raw,
             _gil: obj.py(),
         })
+    }
+
+    /// Exports `obj` writable and C-contiguous with its format, or `None`
+    /// (the error cleared) when the path is off or `obj` cannot lend its
+    /// memory that way: no buffer, read-only, or strided.
+    pub fn get_writable(obj: &Bound<'py, PyAny>) -> Option<Self> {
+        if !enabled(obj.py()) {
+            return None;
+        }
+        let mut raw = Box::new(RawBuffer::EMPTY);
+        let flags = PYBUF_WRITABLE | PYBUF_FORMAT | PYBUF_ND;
+        // SAFETY: as in `get`: the GIL is held, the interpreter is 3.11+,
+        // and `raw` is a writable `Py_buffer` of the documented layout.
+        let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *raw, flags) };
+        if rc != 0 {
+            // SAFETY: the GIL is held and the failed call set an exception.
+            unsafe { ffi::PyErr_Clear() };
+            return None;
+        }
+        Some(Self {
+            raw,
+            _gil: obj.py(),
+        })
+    }
+
+    /// The extent of each dimension.
+    pub fn shape(&self) -> Vec<usize> {
+        let ndim = self.ndim();
+        if self.raw.shape.is_null() || ndim == 0 {
+            return Vec::new();
+        }
+        // SAFETY: `PyBUF_ND` was asked for, so a non-null `shape` points to
+        // `ndim` extents, valid until the release, which `&self` precedes.
+        let dims = unsafe { std::slice::from_raw_parts(self.raw.shape, ndim) };
+        dims.iter()
+            .map(|&d| usize::try_from(d).unwrap_or(0))
+            .collect()
+    }
+
+    /// The buffer as `i32` values to write in place, when it was exported
+    /// writable ([`Self::get_writable`]) with 4-byte items at a 4-byte
+    /// aligned address; `None` otherwise (or when it is empty).
+    pub fn as_i32_mut(&mut self) -> Option<&mut [i32]> {
+        let len = usize::try_from(self.raw.len).unwrap_or(0);
+        if self.raw.readonly != 0
+            || self.itemsize() != 4
+            || len < 4
+            || self.raw.buf.is_null()
+            || self.raw.buf.align_offset(4) != 0
+        {
+            return None;
+        }
+        // SAFETY: the export is writable (`readonly == 0`, and only
+        // `get_writable` asks for that), `buf` is non-null, 4-byte aligned
+        // and holds `len` contiguous bytes (`PyBUF_ND`) until the release,
+        // which only `drop` calls, after this `&mut self` borrow ends; every
+        // bit pattern is a valid `i32`. Another thread writing the same
+        // buffer meanwhile is the caller's race, as for any buffer consumer.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.raw.buf as *mut i32, len / 4) })
     }
 
     /// Dimensions (0 for a scalar, whose one item is the whole buffer).

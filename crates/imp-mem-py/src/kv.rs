@@ -8,7 +8,10 @@
 //! cannot be exported C-contiguous, and every buffer before 3.11 (where the
 //! protocol is not in the limited API), is copied once to bytes
 //! (`tobytes()`) and reinterpreted in Rust. Either way there is no per-token
-//! Python work. Hashing, matching and allocation run with the GIL released,
+//! Python work. A list or tuple is read item by item in Rust
+//! (`sequence.rs`). What counts as an id, and every refusal's message, is
+//! the core's rule (`imp_mem_core::kv::tokens`), the same for every input.
+//! Hashing, matching and allocation run with the GIL released,
 //! except a small call (up to `SMALL_TOKENS` tokens) that finds the
 //! manager's lock free: it keeps the GIL, which costs less than releasing
 //! it (see `PyKVCacheManager::run`).
@@ -17,6 +20,7 @@ use std::ops::Deref;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
+use imp_mem_core::kv::tokens::{self as rule, IntLayout};
 use imp_mem_core::kv::{
     BlockHash, BlockIo, ExtraKeys, FakeBlockIo, FakeTierIo, IdSource, KVCacheManager, KvConfig,
     KvEvent, KvStats, MmSpan, TierIo, DEFAULT_HASH_SEED,
@@ -34,119 +38,13 @@ use crate::errors::{invalid, IntoPyResult};
 use crate::ndarray;
 
 static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
-static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
-
-fn out_of_range(v: i128) -> PyErr {
-    invalid(format!("token id {v} is outside 0..=4294967295"))
-}
-
-/// Refuses int32 ids read as `u32` that were negative, naming the first.
-/// The check is one branch-free pass (it vectorises); only a bad id is
-/// looked for.
-fn check_int32(ids: &[u32]) -> PyResult<()> {
-    if ids.iter().fold(0u32, |acc, &v| acc | v) > i32::MAX as u32 {
-        if let Some(&v) = ids.iter().find(|&&v| v > i32::MAX as u32) {
-            return Err(out_of_range(v as i32 as i128));
-        }
-    }
-    Ok(())
-}
-
-/// Reinterprets integers of `size` bytes (little- or big-endian) as token
-/// ids, refusing any outside `0..=u32::MAX`.
-fn ids_from_bytes(bytes: &[u8], size: usize, signed: bool, big: bool) -> PyResult<Vec<u32>> {
-    let bad = out_of_range;
-    // Little-endian integers of every size. Each is a loop over a zeroed
-    // vector (it vectorises; a collect over the chunks did not) and a
-    // branch-free check; only a bad id is looked for. (Signed 1- and 2-byte
-    // ids are sign-extended, so the int32 check finds a negative one.)
-    if !big {
-        match (size, signed) {
-            (4, _) => {
-                let mut out = vec![0u32; bytes.len() / 4];
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                    *o = u32::from_le_bytes(c.try_into().unwrap_or([0; 4]));
-                }
-                if signed {
-                    check_int32(&out)?;
-                }
-                return Ok(out);
-            }
-            (1, _) => {
-                let mut out = vec![0u32; bytes.len()];
-                for (o, &b) in out.iter_mut().zip(bytes) {
-                    *o = if signed { b as i8 as u32 } else { u32::from(b) };
-                }
-                if signed {
-                    check_int32(&out)?;
-                }
-                return Ok(out);
-            }
-            (2, _) => {
-                let mut out = vec![0u32; bytes.len() / 2];
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    let v = u16::from_le_bytes(c.try_into().unwrap_or([0; 2]));
-                    *o = if signed {
-                        v as i16 as u32
-                    } else {
-                        u32::from(v)
-                    };
-                }
-                if signed {
-                    check_int32(&out)?;
-                }
-                return Ok(out);
-            }
-            (8, _) => {
-                // One pass: narrow each id and gather its high halves.
-                let mut out = vec![0u32; bytes.len() / 8];
-                let mut high = 0u64;
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
-                    let v = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
-                    high |= v >> 32;
-                    *o = v as u32;
-                }
-                if high != 0 {
-                    let v = bytes
-                        .chunks_exact(8)
-                        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                        .map(|v| if signed { v as i64 as i128 } else { v as i128 })
-                        .find(|&v| !(0..=u32::MAX as i128).contains(&v))
-                        .unwrap_or(-1);
-                    return Err(bad(v));
-                }
-                return Ok(out);
-            }
-            _ => {}
-        }
-    }
-    let mut out = Vec::with_capacity(bytes.len() / size);
-    for chunk in bytes.chunks_exact(size) {
-        let mut word = [0u8; 8];
-        let u = if big {
-            word[8 - size..].copy_from_slice(chunk);
-            u64::from_be_bytes(word)
-        } else {
-            word[..size].copy_from_slice(chunk);
-            u64::from_le_bytes(word)
-        };
-        let shift = 64 - 8 * size as u32;
-        let v: i128 = if signed {
-            ((u << shift) as i64 >> shift) as i128
-        } else {
-            u as i128
-        };
-        out.push(u32::try_from(v).map_err(|_| bad(v))?);
-    }
-    Ok(out)
-}
 
 /// `numpy.ndarray`, once NumPy has been imported by someone.
 static NDARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
-/// NumPy dtypes seen so far and how to read them: `(itemsize, signed,
-/// big-endian)`, `None` for a non-integer dtype. Holding each dtype keeps
-/// its identity (the pointer compared) from being reused.
-type DtypeLayout = Option<(usize, bool, bool)>;
+/// NumPy dtypes seen so far and how to read them, `None` for a non-integer
+/// dtype. Holding each dtype keeps its identity (the pointer compared) from
+/// being reused.
+type DtypeLayout = Option<IntLayout>;
 static DTYPES: Mutex<Vec<(Py<PyAny>, DtypeLayout)>> = Mutex::new(Vec::new());
 
 fn ndarray_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyAny>>> {
@@ -188,7 +86,11 @@ fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
                 _ => cfg!(target_endian = "big"),
             };
             let layout = match kind.as_str() {
-                "i" | "u" if matches!(size, 1 | 2 | 4 | 8) => Some((size, kind == "i", big)),
+                "i" | "u" if matches!(size, 1 | 2 | 4 | 8) => Some(IntLayout {
+                    size,
+                    signed: kind == "i",
+                    big_endian: big,
+                }),
                 _ => None,
             };
             let mut cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
@@ -198,7 +100,7 @@ fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
             layout
         }
     };
-    let Some((size, signed, big)) = layout else {
+    let Some(layout) = layout else {
         return Ok(None);
     };
     let ndim: usize = obj.getattr(intern!(py, "ndim"))?.extract()?;
@@ -206,7 +108,9 @@ fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
         return Ok(None);
     }
     let raw = obj.call_method0(intern!(py, "tobytes"))?;
-    ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big).map(Some)
+    rule::ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), layout)
+        .py()
+        .map(Some)
 }
 
 /// Token ids: borrowed in place from a held buffer export, or owned.
@@ -218,8 +122,10 @@ pub enum Tokens<'a> {
     Borrowed(WordView<'a>),
     /// Native 4-byte ids read in place from a NumPy array (`ndarray.rs`).
     InPlace(&'a [u32]),
-    /// Ids converted from a list, a tuple or any other integer buffer.
+    /// Ids converted from any other integer buffer.
     Owned(Vec<u32>),
+    /// Ids read from a list or a tuple (`sequence.rs`).
+    Read(crate::sequence::Ids),
 }
 
 impl Deref for Tokens<'_> {
@@ -230,40 +136,9 @@ impl Deref for Tokens<'_> {
             Tokens::Borrowed(words) => words,
             Tokens::InPlace(ids) => ids,
             Tokens::Owned(ids) => ids,
+            Tokens::Read(ids) => ids,
         }
     }
-}
-
-/// How to read a buffer's items as ids, from its struct-module `format` and
-/// `itemsize`: `(itemsize, signed, big-endian)`, or the refusal.
-fn int_layout(format: &str, itemsize: usize) -> PyResult<(usize, bool, bool)> {
-    let (big, code) = match format.as_bytes() {
-        [b'>' | b'!', c] => (true, *c),
-        [b'<' | b'=' | b'@', c] | [c] => (cfg!(target_endian = "big"), *c),
-        _ => (false, b'?'),
-    };
-    let signed = match code {
-        b'b' | b'h' | b'i' | b'l' | b'q' | b'n' => true,
-        b'B' | b'H' | b'I' | b'L' | b'Q' | b'N' => false,
-        _ => {
-            return Err(invalid(format!(
-                "tokens must be integers; the buffer's format is {format:?}"
-            )))
-        }
-    };
-    if !matches!(itemsize, 1 | 2 | 4 | 8) {
-        return Err(invalid(format!("unsupported integer size {itemsize}")));
-    }
-    Ok((itemsize, signed, big))
-}
-
-fn one_dimensional(ndim: usize) -> PyResult<()> {
-    if ndim > 1 {
-        return Err(invalid(format!(
-            "tokens must be one-dimensional, got {ndim} dimensions"
-        )));
-    }
-    Ok(())
 }
 
 /// Who checks that int32 ids read in place are not negative.
@@ -282,12 +157,12 @@ enum Int32Check {
 /// non-negative, or left to the manager), converted from the exporter's
 /// memory otherwise.
 fn view_tokens(view: BufferView<'_>, check: Int32Check) -> PyResult<(Tokens<'_>, IdSource)> {
-    one_dimensional(view.ndim())?;
-    let (size, signed, big) = int_layout(&view.format(), view.itemsize())?;
-    let view = if size == 4 && big == cfg!(target_endian = "big") {
+    rule::one_dimensional(view.ndim()).py()?;
+    let layout = IntLayout::from_format(&view.format(), view.itemsize()).py()?;
+    let view = if layout == IntLayout::native(4, layout.signed) {
         match view.into_words() {
             Ok(words) => {
-                let source = int32_source(&words, signed, check)?;
+                let source = int32_source(&words, layout.signed, check)?;
                 return Ok((Tokens::Borrowed(words), source));
             }
             Err(view) => view,
@@ -295,7 +170,7 @@ fn view_tokens(view: BufferView<'_>, check: Int32Check) -> PyResult<(Tokens<'_>,
     } else {
         view
     };
-    let ids = ids_from_bytes(view.bytes(), size, signed, big)?;
+    let ids = rule::ids_from_bytes(view.bytes(), layout).py()?;
     Ok((Tokens::Owned(ids), IdSource::U32))
 }
 
@@ -304,7 +179,7 @@ fn int32_source(ids: &[u32], signed: bool, check: Int32Check) -> PyResult<IdSour
     match (signed, check) {
         (false, _) => Ok(IdSource::U32),
         (true, Int32Check::Manager) => Ok(IdSource::I32),
-        (true, Int32Check::Now) => check_int32(ids).map(|()| IdSource::U32),
+        (true, Int32Check::Now) => rule::check_int32(ids).py().map(|()| IdSource::U32),
     }
 }
 
@@ -312,7 +187,7 @@ fn int32_source(ids: &[u32], signed: bool, check: Int32Check) -> PyResult<IdSour
 pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
     if let Some((ids, signed)) = ndarray::int32_ids(obj) {
         if signed {
-            check_int32(ids)?;
+            rule::check_int32(ids).py()?;
         }
         return Ok(Tokens::InPlace(ids));
     }
@@ -327,21 +202,8 @@ fn read_other_tokens<'a>(
     check: Int32Check,
 ) -> PyResult<(Tokens<'a>, IdSource)> {
     let py = obj.py();
-    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        // `array('q', seq)` converts in C, about 5x faster than extracting
-        // each int here; it refuses non-integers and values beyond int64.
-        let array = ARRAY.get_or_try_init(py, || {
-            Ok::<_, PyErr>(py.import("array")?.getattr("array")?.unbind())
-        })?;
-        let packed = array.bind(py).call1(("q", obj)).map_err(|e| {
-            invalid(format!(
-                "tokens must be integers in 0..=4294967295 ({})",
-                e.value(py)
-            ))
-        })?;
-        let raw = packed.call_method0(intern!(py, "tobytes"))?;
-        let ids = ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), 8, true, false)?;
-        return Ok((Tokens::Owned(ids), IdSource::U32));
+    if let Some(ids) = crate::sequence::token_ids(obj)? {
+        return Ok((Tokens::Read(ids), IdSource::U32));
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(invalid(
@@ -369,18 +231,18 @@ fn read_other_tokens<'a>(
         ))
     })?;
     let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
-    one_dimensional(ndim)?;
+    rule::one_dimensional(ndim).py()?;
     let format = view.getattr(intern!(py, "format"))?;
     let format = format.downcast::<PyString>()?.to_cow()?;
     let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
-    let (size, signed, big) = int_layout(&format, itemsize)?;
+    let layout = IntLayout::from_format(&format, itemsize).py()?;
     let raw = view.call_method0(intern!(py, "tobytes"))?;
-    let ids = ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), size, signed, big)?;
+    let ids = rule::ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), layout).py()?;
     Ok((Tokens::Owned(ids), IdSource::U32))
 }
 
 /// A test hook's `enabled` argument: `True` or `False`, nothing else.
-fn switch(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
+pub(crate) fn switch(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
     match enabled.downcast::<PyBool>() {
         Ok(b) => Ok(b.is_true()),
         Err(_) => Err(invalid(format!(
@@ -486,6 +348,91 @@ fn request<'a>(
 ) -> PyResult<(ExtraKeys, Tokens<'a>)> {
     let extras = extras(lora_id, cache_salt, mm)?;
     Ok((extras, self::tokens(tokens)?))
+}
+
+/// `block_tables`' `pool` argument: `"full"` (false) or `"swa"` (true).
+fn table_pool(pool: &str) -> PyResult<bool> {
+    match pool {
+        "full" => Ok(false),
+        "swa" => Ok(true),
+        other => Err(invalid(format!(
+            "pool must be \"full\" or \"swa\", got {other:?}"
+        ))),
+    }
+}
+
+/// `block_tables`' sequence ids: a list, tuple or 1-D array of ints.
+fn seq_id_list(seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if seq_ids.is_instance_of::<PyString>() || seq_ids.is_instance_of::<PyBytes>() {
+        return Err(invalid(
+            "seq_ids must be a sequence of ints, not str or bytes",
+        ));
+    }
+    seq_ids.extract::<Vec<u64>>().map_err(|_| {
+        invalid(format!(
+            "seq_ids must be a sequence of sequence ids (ints in 0..=18446744073709551615), got \
+             {}",
+            type_name(seq_ids)
+        ))
+    })
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
+/// Whether a struct-module format names a native-endian signed 4-byte int.
+fn native_int32(format: &str, itemsize: usize) -> bool {
+    itemsize == 4
+        && match format.as_bytes() {
+            [b'<', c] => cfg!(target_endian = "little") && matches!(c, b'i' | b'l'),
+            [b'>' | b'!', c] => cfg!(target_endian = "big") && matches!(c, b'i' | b'l'),
+            [b'=' | b'@', c] | [c] => matches!(c, b'i' | b'l'),
+            _ => false,
+        }
+}
+
+/// Why `out` cannot take `rows` block-table rows: the typed refusal, read
+/// through a `memoryview` (the error path, and every path before 3.11).
+/// `Ok((memoryview, width))` when it can.
+fn check_out<'py>(out: &Bound<'py, PyAny>, rows: usize) -> PyResult<(Bound<'py, PyAny>, usize)> {
+    let py = out.py();
+    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
+    })?;
+    let view = memoryview.bind(py).call1((out,)).map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "out must be a writable int32 buffer of shape [n, width] (a NumPy array, a CPU \
+             tensor's .numpy()), got {}",
+            type_name(out)
+        ))
+    })?;
+    let format: String = view.getattr(intern!(py, "format"))?.extract()?;
+    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
+    if !native_int32(&format, itemsize) {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "out must hold int32 values; its format is {format:?} ({itemsize}-byte items) — \
+             allocate it with dtype int32"
+        )));
+    }
+    if view.getattr(intern!(py, "readonly"))?.is_truthy()? {
+        return Err(invalid("out is read-only; pass a writable buffer"));
+    }
+    if !view.getattr(intern!(py, "c_contiguous"))?.is_truthy()? {
+        return Err(invalid(
+            "out must be C-contiguous; pass a contiguous array (numpy.ascontiguousarray)",
+        ));
+    }
+    let shape: Vec<usize> = view.getattr(intern!(py, "shape"))?.extract()?;
+    match shape.as_slice() {
+        [n, width] if *n == rows => Ok((view, *width)),
+        _ => Err(invalid(format!(
+            "out must have shape [{rows}, width] (one row per seq id), got {shape:?}"
+        ))),
+    }
 }
 
 fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>> {
@@ -861,6 +808,26 @@ impl PyKVCacheManager {
         self.append_impl(py, seq_id, tokens)
     }
 
+    /// One decode step's appends in one call: `tokens[i]` onto
+    /// `seq_ids[i]`, in order, each all or nothing. Stops at the first
+    /// sequence the pools cannot take and returns how many were appended
+    /// (`len(seq_ids)` when all were): the caller makes room (preempts) and
+    /// calls again with the rest. An unknown id or a length mismatch raises
+    /// `InvalidArgument` and appends nothing.
+    fn append_each(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let ids = seq_id_list(seq_ids)?;
+        let toks = self::tokens(tokens)?;
+        let words: &[u32] = &toks;
+        let n = ids.len();
+        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append_each(&ids, words))
+            .py()
+    }
+
     /// True when `n` more tokens fit `seq_id` now.
     fn can_append(&self, seq_id: u64, n: usize) -> PyResult<bool> {
         self.lock().can_append(seq_id, n).py()
@@ -908,6 +875,85 @@ impl PyKVCacheManager {
             raw.extend_from_slice(&id.to_ne_bytes());
         }
         Ok(PyBytes::new(py, &raw))
+    }
+
+    /// The block tables of a whole batch in one call: row `i` of `out`
+    /// gets `seq_ids[i]`'s table (`pool="full"`) or SWA table
+    /// (`pool="swa"`), padded with -1. `out` is a writable, C-contiguous
+    /// int32 buffer of shape `[len(seq_ids), width]` (a NumPy array, a CPU
+    /// or pinned torch tensor's `.numpy()`); the call returns the columns
+    /// used (the longest row). Without `out` it returns a new NumPy array
+    /// of exactly that width. An unknown id or a row wider than `width` is
+    /// refused with `InvalidArgument`, a non-int32 or non-buffer `out` with
+    /// `TypeError`; a refused call writes nothing.
+    #[pyo3(signature = (seq_ids, out = None, *, pool = "full"))]
+    fn block_tables(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        pool: &str,
+    ) -> PyResult<PyObject> {
+        let swa = table_pool(pool)?;
+        let ids = seq_id_list(seq_ids)?;
+        let rows = ids.len();
+        let Some(out) = out.filter(|o| !o.is_none()) else {
+            let (width, values) = {
+                let mut m = self.lock();
+                let mut width = 0;
+                for &id in &ids {
+                    let t = if swa {
+                        m.swa_table(id)
+                    } else {
+                        m.block_table(id)
+                    };
+                    width = width.max(t.py()?.len());
+                }
+                let mut values = vec![-1i32; rows * width];
+                m.block_tables(&ids, &mut values, width, swa).py()?;
+                (width, values)
+            };
+            let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+            let numpy = py.import("numpy")?;
+            let array = numpy
+                .call_method1("frombuffer", (PyBytes::new(py, &raw), "int32"))?
+                .call_method1("reshape", ((rows, width),))?
+                .call_method0("copy")?;
+            return Ok(array.unbind());
+        };
+        // The direct path: the buffer lent for writing, the rows written
+        // into it under the manager's lock.
+        if let Some(mut view) = BufferView::get_writable(out) {
+            let shape = view.shape();
+            if native_int32(&view.format(), view.itemsize()) && shape.len() == 2 && shape[0] == rows
+            {
+                let width = shape[1];
+                if let Some(values) = view.as_i32_mut() {
+                    let used = self
+                        .run(
+                            py,
+                            |_| rows <= SMALL_TOKENS,
+                            |m| m.block_tables(&ids, values, width, swa),
+                        )
+                        .py()?;
+                    return Ok(used.into_pyobject(py)?.into_any().unbind());
+                }
+            }
+        }
+        // Everything else: the refusal, or (an empty buffer, Python before
+        // 3.11) the rows written through a memoryview.
+        let (view, width) = check_out(out, rows)?;
+        let mut values = vec![-1i32; rows * width];
+        let used = self
+            .lock()
+            .block_tables(&ids, &mut values, width, swa)
+            .py()?;
+        if !values.is_empty() {
+            let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+            let bytes_view = view.call_method1(intern!(py, "cast"), ("B",))?;
+            bytes_view.set_item(pyo3::types::PySlice::full(py), PyBytes::new(py, &raw))?;
+        }
+        Ok(used.into_pyobject(py)?.into_any().unbind())
     }
 
     /// The SWA table: positional, -1 outside the trailing window.

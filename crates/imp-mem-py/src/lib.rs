@@ -6,6 +6,7 @@
 
 use pyo3::prelude::*;
 
+pub mod activations;
 pub mod backend;
 pub mod buffer;
 pub mod convert;
@@ -13,9 +14,11 @@ pub mod cuda;
 pub mod dlpack;
 pub mod errors;
 pub mod fastcall;
+pub mod hooks;
 pub mod kv;
 pub mod ndarray;
 pub mod planner;
+pub mod sequence;
 pub mod system;
 pub mod tiers;
 
@@ -31,9 +34,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     kv::register(m)?;
+    sequence::register(m)?;
     tiers::register(m)?;
     cuda::register(m)?;
     planner::register(m)?;
     system::register(m)?;
+    activations::register(m)?;
+    hooks::register(m)?;
     Ok(())
 }

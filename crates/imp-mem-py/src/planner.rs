@@ -365,7 +365,8 @@ impl PyFeatures {
     #[new]
     #[pyo3(signature = (*, spec_depth = None, draft_weights_bytes = None, vision_tower_bytes = None,
                         lora_slots = None, lora_rank = None, scratch_bytes = None,
-                        engine_persistent_bytes = None, kv_host_bytes = None))]
+                        engine_persistent_bytes = None, kv_host_bytes = None,
+                        activation_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         spec_depth: Option<&Bound<'_, PyAny>>,
@@ -376,6 +377,7 @@ impl PyFeatures {
         scratch_bytes: Option<&Bound<'_, PyAny>>,
         engine_persistent_bytes: Option<&Bound<'_, PyAny>>,
         kv_host_bytes: Option<&Bound<'_, PyAny>>,
+        activation_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let count = |v: Option<&Bound<'_, PyAny>>, what: &str| -> PyResult<u32> {
             match v.filter(|v| !v.is_none()) {
@@ -392,6 +394,7 @@ impl PyFeatures {
             scratch_bytes: opt_size(scratch_bytes, "scratch_bytes")?,
             engine_persistent_bytes: opt_size(engine_persistent_bytes, "engine_persistent_bytes")?,
             kv_host_bytes: opt_size(kv_host_bytes, "kv_host_bytes")?.unwrap_or(0),
+            activation_bytes: opt_size(activation_bytes, "activation_bytes")?,
         };
         if inner.lora_slots > 0 && inner.lora_rank == 0 {
             return Err(invalid("lora_rank: must be at least 1 when lora_slots > 0"));
@@ -431,6 +434,10 @@ impl PyFeatures {
     #[getter]
     fn engine_persistent_bytes(&self) -> Option<u64> {
         self.inner.engine_persistent_bytes
+    }
+    #[getter]
+    fn activation_bytes(&self) -> Option<u64> {
+        self.inner.activation_bytes
     }
 
     fn __repr__(&self) -> String {
@@ -599,6 +606,11 @@ impl PyMemoryPlan {
     #[getter]
     fn scratch(&self) -> u64 {
         self.inner.scratch
+    }
+    /// T4a: the activation pool (0 when the input measured none).
+    #[getter]
+    fn activations(&self) -> u64 {
+        self.inner.activations
     }
     /// The full-attention KV pool as a dict (blocks, bytes, block_bytes, ...).
     #[getter]

@@ -12,12 +12,13 @@ use std::sync::{Mutex, MutexGuard};
 
 use imp_mem_core::kv::DEFAULT_HASH_SEED;
 use imp_mem_core::system::{
-    DeviceReading, MemReport, MemorySystem, OpenError, ReportInput, SystemOptions,
+    ActivationOrder, DeviceReading, MemReport, MemorySystem, OpenError, ReportInput, SystemOptions,
 };
 use imp_mem_core::{MemError, SharedBlockPool};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyTuple};
 
+use crate::activations::{stream_order_for, PyActivationPool};
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
 use crate::errors::{invalid, to_py, ImpMemWarning, IntoPyResult};
@@ -188,7 +189,8 @@ impl PyMemorySystem {
     #[new]
     #[pyo3(signature = (
         backend, plan, *, context = None, library_reserve = None, kv_growable = None,
-        kv_initial_blocks = None, kv_grow_blocks = None, apply_budget = true
+        kv_initial_blocks = None, kv_grow_blocks = None, apply_budget = true,
+        activation_strict = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -201,7 +203,14 @@ impl PyMemorySystem {
         kv_initial_blocks: Option<&Bound<'_, PyAny>>,
         kv_grow_blocks: Option<&Bound<'_, PyAny>>,
         apply_budget: bool,
+        activation_strict: Option<bool>,
     ) -> PyResult<Self> {
+        let core_backend = backend.get().inner.clone();
+        let activation_order = if plan.get().core().activations > 0 {
+            Some(ActivationOrder(stream_order_for(&core_backend).py()?))
+        } else {
+            None
+        };
         let options = SystemOptions {
             context_bytes: convert::opt_bytes(context, "context")?,
             library_reserve_bytes: convert::opt_bytes(library_reserve, "library_reserve")?,
@@ -209,8 +218,9 @@ impl PyMemorySystem {
             kv_initial_blocks: u32_opt(kv_initial_blocks, "kv_initial_blocks")?,
             kv_grow_blocks: u32_opt(kv_grow_blocks, "kv_grow_blocks")?,
             apply_budget,
+            activation_strict,
+            activation_order,
         };
-        let core_backend = backend.get().inner.clone();
         let result = MemorySystem::open(&core_backend, plan.get().core(), options);
         backend.get().notices.emit(py)?;
         let system = result.map_err(|err| open_error(py, err))?;
@@ -398,6 +408,16 @@ impl PyMemorySystem {
                 .extract::<u64>()?;
         }
         Ok(bytes)
+    }
+
+    /// T4a: the activation pool (torch's / CuPy's own allocations), if the
+    /// plan measured one (`Features(activation_bytes=...)`).
+    #[getter]
+    fn activations(&self, py: Python<'_>) -> PyResult<Option<PyActivationPool>> {
+        let system = self.open()?;
+        Ok(system
+            .activations()
+            .map(|p| PyActivationPool::wrap(p, self.backend.clone_ref(py))))
     }
 
     /// T4: the forward-pass scratch stack.

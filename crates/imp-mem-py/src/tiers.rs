@@ -43,6 +43,9 @@ pub enum PyTier {
     /// T4: one forward pass, LIFO.
     #[pyo3(name = "SCRATCH")]
     Scratch,
+    /// T4a: a framework's own allocations (the activation pool).
+    #[pyo3(name = "ACTIVATIONS")]
+    Activations,
     /// T5b: pinned host memory.
     #[pyo3(name = "PINNED_HOST")]
     PinnedHost,
@@ -55,6 +58,7 @@ impl From<PyTier> for Tier {
             PyTier::EnginePersistent => Tier::EnginePersistent,
             PyTier::Pooled => Tier::Pooled,
             PyTier::Scratch => Tier::Scratch,
+            PyTier::Activations => Tier::Activations,
             PyTier::PinnedHost => Tier::PinnedHost,
         }
     }
@@ -67,6 +71,7 @@ impl From<Tier> for PyTier {
             Tier::EnginePersistent => PyTier::EnginePersistent,
             Tier::Pooled => PyTier::Pooled,
             Tier::Scratch => PyTier::Scratch,
+            Tier::Activations => PyTier::Activations,
             Tier::PinnedHost => PyTier::PinnedHost,
         }
     }
@@ -78,7 +83,7 @@ impl PyTier {
         Tier::from(*self).name()
     }
 
-    /// The seed's short label: T1, T2, T3, T4, T5b.
+    /// The seed's short label: T1, T2, T3, T4, T4a, T5b.
     #[getter]
     fn label(&self) -> &'static str {
         Tier::from(*self).label()
@@ -129,6 +134,8 @@ enum Owner {
     Block(Py<PyBlockRef>),
     Batch(Py<PyBlockRefs>, usize),
     Pinned(Py<PyPinnedBuffer>),
+    /// A pool's whole reservation (`BlockPool.span()` / `view()`).
+    Pool(SharedBlockPool),
 }
 
 /// Holds the memory behind an export alive (no Python objects inside); it
@@ -139,6 +146,7 @@ enum KeepAlive {
     Scratch(SharedScratchStack),
     Block(SharedBlockRef),
     Pinned(Arc<PinnedBuffer>),
+    Pool(SharedBlockPool),
 }
 
 struct Resolved {
@@ -155,6 +163,7 @@ impl Owner {
             Owner::Block(b) => Owner::Block(b.clone_ref(py)),
             Owner::Batch(b, i) => Owner::Batch(b.clone_ref(py), *i),
             Owner::Pinned(p) => Owner::Pinned(p.clone_ref(py)),
+            Owner::Pool(p) => Owner::Pool(p.clone()),
         }
     }
 
@@ -209,6 +218,10 @@ impl Owner {
                     .ok_or_else(|| invalid("an empty PinnedBuffer has no memory to view"))?;
                 let r = from(s);
                 Ok((r, keep.then(|| KeepAlive::Pinned(live.clone()))))
+            }
+            Owner::Pool(pool) => {
+                let r = from(pool.reservation().py()?);
+                Ok((r, keep.then(|| KeepAlive::Pool(pool.clone()))))
             }
         }
     }
@@ -587,7 +600,7 @@ fn stable(owner: Owner, len: usize, exportable: bool) -> PyStableSpan {
 /// A bump arena for T1 (model-resident) or T2 (engine-persistent).
 #[pyclass(frozen, name = "Arena", module = "imp_mem._core")]
 pub struct PyArena {
-    arena: SharedArena,
+    pub(crate) arena: SharedArena,
     exportable: bool,
 }
 
@@ -944,6 +957,64 @@ impl PyBlockPool {
         d.set_item("min_idle_steps", p.min_idle_steps)?;
         d.set_item("keep_chunks", p.keep_chunks)?;
         Ok(d)
+    }
+
+    /// The pool's whole reservation as one `StableSpan`: `max_blocks *
+    /// block_bytes` bytes from the base, block `id` at `id * block_bytes`.
+    /// The base never moves, so the span (and anything viewing it) stays
+    /// valid across growth and shrinking, as long as the pool lives (an
+    /// export keeps it alive). Only committed blocks have memory behind
+    /// them: touch only blocks you hold a ref to, or the ids a
+    /// `KVCacheManager` over this pool handed out for a live sequence.
+    fn span(&self) -> PyResult<PyStableSpan> {
+        let len = self.pool.reservation().py()?.len();
+        Ok(stable(Owner::Pool(self.pool.clone()), len, self.exportable))
+    }
+
+    /// A typed view of the whole pool: shape `[max_blocks, *block_shape]`,
+    /// one row per block id, for DLPack / `__cuda_array_interface__`
+    /// (`torch.from_dlpack(pool.view("bfloat16", (layers, 2, block_size,
+    /// kv_heads, head_dim)))`). One block of `block_shape` must fill
+    /// exactly `block_bytes`. Valid across growth, as `span()` is, and with
+    /// the same rule: only committed blocks — those whose ids you hold —
+    /// may be touched.
+    fn view(
+        &self,
+        py: Python<'_>,
+        dtype: &Bound<'_, PyAny>,
+        block_shape: &Bound<'_, PyAny>,
+    ) -> PyResult<PyTensorView> {
+        let parsed = dlpack::parse_dtype(dtype)?;
+        let dims: Vec<i64> = if let Ok(n) = block_shape.extract::<i64>() {
+            vec![n]
+        } else {
+            block_shape
+                .extract()
+                .map_err(|_| invalid("block_shape must be an int or a sequence of ints"))?
+        };
+        if dims.iter().any(|&d| d <= 0) {
+            return Err(invalid(format!(
+                "block_shape {dims:?} has a dimension below 1"
+            )));
+        }
+        let per_block = dims.iter().try_fold(parsed.itemsize() as u64, |acc, &d| {
+            acc.checked_mul(d as u64)
+        });
+        let block_bytes = self.pool.block_bytes() as u64;
+        if per_block != Some(block_bytes) {
+            return Err(invalid(format!(
+                "a {} block of shape {dims:?} is {} B; this pool's blocks are {block_bytes} B — \
+                 the shape must fill a block exactly",
+                parsed.name,
+                per_block.map_or("too many".to_string(), |n| n.to_string())
+            )));
+        }
+        let span = self.span()?;
+        let blocks = (span.inner.len as u64 / block_bytes.max(1)) as i64;
+        let mut shape = vec![blocks];
+        shape.extend(dims);
+        span.inner
+            .view(py, dtype, Some(&PyTuple::new(py, &shape)?.into_any()))
     }
 
     /// One block, with one ref.

@@ -190,16 +190,10 @@ pub enum IdSource {
 impl IdSource {
     /// Refuses `tokens` when an id is out of range, naming the first.
     fn check(self, tokens: &[u32]) -> Result<(), MemError> {
-        // One branch-free pass (it vectorises); the search runs only when
-        // there is an id to name.
-        if self == IdSource::U32 || tokens.iter().fold(0, |a, &t| a | t) <= i32::MAX as u32 {
-            return Ok(());
+        match self {
+            IdSource::U32 => Ok(()),
+            IdSource::I32 => super::tokens::check_int32(tokens),
         }
-        let bad = tokens.iter().find(|&&t| t > i32::MAX as u32);
-        Err(MemError::invalid(format!(
-            "token id {} is outside 0..=4294967295",
-            bad.map_or(-1, |&t| t as i32)
-        )))
     }
 }
 
@@ -1410,6 +1404,88 @@ impl KVCacheManager {
         let seq = self.seq_mut(id)?;
         seq.rebuild();
         Ok(&seq.swa_table)
+    }
+
+    /// One decode step's appends: `tokens[i]` onto sequence `ids[i]`, in
+    /// order, each all or nothing ([`Self::append`]). Stops at the first
+    /// sequence the pools cannot take (a capacity refusal, which changes
+    /// nothing for it) and returns how many were appended, so the caller
+    /// can make room (preempt) and go on from there. Any other error is
+    /// returned before anything is appended: every id is checked first.
+    pub fn append_each(&mut self, ids: &[SeqId], tokens: &[u32]) -> Result<usize, MemError> {
+        if ids.len() != tokens.len() {
+            return Err(MemError::invalid(format!(
+                "{} sequence ids but {} tokens; give one token per sequence",
+                ids.len(),
+                tokens.len()
+            )));
+        }
+        for &id in ids {
+            self.seq(id)?;
+        }
+        for (i, (&id, tok)) in ids.iter().zip(tokens.chunks_exact(1)).enumerate() {
+            match self.append(id, tok) {
+                Ok(()) => {}
+                Err(MemError::KvCapacity(_)) => return Ok(i),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(ids.len())
+    }
+
+    /// The block tables of a whole batch, one row of `width` int32 columns
+    /// per id of `ids`, written into `out` (`ids.len() * width` values, row
+    /// after row) and padded with `-1`: [`Self::block_table`]'s rows, or
+    /// [`Self::swa_table`]'s with `swa`. Returns the columns used, the
+    /// longest row. Nothing is written unless every id is admitted and every
+    /// row fits, so a refused call leaves `out` as it was.
+    pub fn block_tables(
+        &mut self,
+        ids: &[SeqId],
+        out: &mut [i32],
+        width: usize,
+        swa: bool,
+    ) -> Result<usize, MemError> {
+        if out.len() != ids.len().saturating_mul(width) {
+            return Err(MemError::invalid(format!(
+                "out holds {} values; {} rows of {width} need {}",
+                out.len(),
+                ids.len(),
+                ids.len().saturating_mul(width)
+            )));
+        }
+        if swa && self.swa_pool.is_none() {
+            return Err(MemError::invalid(
+                "pool=\"swa\" asks for SWA tables, but this manager has no SWA pool; use \
+                 pool=\"full\"",
+            ));
+        }
+        let mut used = 0;
+        for &id in ids {
+            let seq = self.seq_mut(id)?;
+            seq.rebuild();
+            let n = if swa {
+                seq.swa_table.len()
+            } else {
+                seq.table.len()
+            };
+            if n > width {
+                return Err(MemError::invalid(format!(
+                    "sequence {id} has {n} blocks; out has {width} columns — give it at least {n}"
+                )));
+            }
+            used = used.max(n);
+        }
+        if width == 0 {
+            return Ok(0);
+        }
+        for (&id, row) in ids.iter().zip(out.chunks_exact_mut(width)) {
+            let seq = self.seq(id)?;
+            let table = if swa { &seq.swa_table } else { &seq.table };
+            row[..table.len()].copy_from_slice(table);
+            row[table.len()..].fill(-1);
+        }
+        Ok(used)
     }
 
     /// Tokens of sequence `id`.

@@ -71,6 +71,7 @@ pub mod host_tier;
 mod manager;
 pub mod persist;
 mod prefix;
+pub mod tokens;
 mod xxh3_block;
 
 pub use events::{KvEvent, Medium};

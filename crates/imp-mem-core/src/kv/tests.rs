@@ -940,3 +940,64 @@ fn an_overflowed_event_log_resyncs_with_the_cached_set() {
         [KvEvent::BlockRemoved { .. }]
     ));
 }
+
+#[test]
+fn block_tables_write_a_batch_padded_and_refuse_without_writing() {
+    let mut cfg = KvConfig::new(4, 32);
+    cfg.swa_blocks = 8;
+    cfg.swa_window = 8;
+    let mut m = KVCacheManager::new(cfg, None).unwrap();
+    m.admit(1, &toks(0..10), none()).unwrap(); // 3 blocks
+    m.admit(2, &toks(100..130), none()).unwrap(); // 8 blocks, window in 5..8
+    m.evict_middle(2, 1, 2).unwrap(); // a hole at block 1
+    let mut out = vec![9i32; 2 * 10];
+    assert_eq!(m.block_tables(&[2, 1], &mut out, 10, false).unwrap(), 8);
+    let t2 = m.block_table(2).unwrap().to_vec();
+    let t1 = m.block_table(1).unwrap().to_vec();
+    assert_eq!(t2[1], -1, "the hole");
+    assert_eq!(&out[..8], &t2[..]);
+    assert_eq!(&out[8..10], &[-1, -1]);
+    assert_eq!(&out[10..13], &t1[..]);
+    assert!(out[13..].iter().all(|&b| b == -1));
+
+    let mut swa = vec![0i32; 2 * 8];
+    assert_eq!(m.block_tables(&[1, 2], &mut swa, 8, true).unwrap(), 8);
+    assert_eq!(&swa[8..], m.swa_table(2).unwrap());
+    assert_eq!(&swa[..3], m.swa_table(1).unwrap());
+    assert_eq!(&swa[3..8], &[-1; 5]);
+
+    // Too narrow, unknown, or a wrong length: refused, nothing written.
+    let mut out = vec![5i32; 2 * 7];
+    let err = m.block_tables(&[1, 2], &mut out, 7, false).unwrap_err();
+    assert!(err.to_string().contains("at least 8"), "{err}");
+    assert!(out.iter().all(|&b| b == 5));
+    let err = m.block_tables(&[1, 3], &mut out, 7, false).unwrap_err();
+    assert!(err.to_string().contains("no sequence 3"), "{err}");
+    assert!(out.iter().all(|&b| b == 5));
+    assert!(m.block_tables(&[1], &mut out, 7, false).is_err());
+    assert_eq!(m.block_tables(&[], &mut [], 0, false).unwrap(), 0);
+    let mut plain = slots(4, 8);
+    plain.admit(1, &toks(0..4), none()).unwrap();
+    let err = plain.block_tables(&[1], &mut [0; 4], 4, true).unwrap_err();
+    assert!(err.to_string().contains("no SWA pool"), "{err}");
+}
+
+#[test]
+fn append_each_stops_at_the_first_sequence_that_does_not_fit() {
+    let mut m = slots(4, 4);
+    m.admit(1, &toks(0..4), none()).unwrap(); // 1 block, full
+    m.admit(2, &toks(10..13), none()).unwrap(); // 1 block, room for 1
+    m.admit(3, &toks(20..28), none()).unwrap(); // 2 blocks, full: the pool is full
+                                                // 2 fits in its block; 1 needs a new block: stop there.
+    assert_eq!(m.append_each(&[2, 1, 3], &[7, 8, 9]).unwrap(), 1);
+    assert_eq!(m.num_tokens(2).unwrap(), 4);
+    assert_eq!((m.num_tokens(1).unwrap(), m.num_tokens(3).unwrap()), (4, 8));
+    m.free(3, None).unwrap();
+    assert_eq!(m.append_each(&[1, 2], &[8, 8]).unwrap(), 2);
+    assert_eq!((m.num_tokens(1).unwrap(), m.num_tokens(2).unwrap()), (5, 5));
+    // An unknown id or a length mismatch appends nothing.
+    assert!(m.append_each(&[1, 9], &[1, 1]).is_err());
+    assert!(m.append_each(&[1], &[1, 1]).is_err());
+    assert_eq!(m.num_tokens(1).unwrap(), 5);
+    m.check_invariants().unwrap();
+}

@@ -92,6 +92,11 @@ pub struct Features {
     /// plan's total.
     #[serde(default)]
     pub kv_host_bytes: u64,
+    /// The measured warm-up high-water of a framework's own allocations in
+    /// one step (torch's activations, seed A3.3): the T4a activation pool.
+    /// `None`: no pool and no plan line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_bytes: Option<u64>,
 }
 
 /// Everything `plan_memory` reads. Seed A4.2 plus D7's two measured charges.
@@ -159,6 +164,11 @@ impl PlanInput {
         }
         at_most("scratch_bytes", f.scratch_bytes.unwrap_or(0), MAX_BYTES)?;
         at_most("kv_host_bytes", f.kv_host_bytes, MAX_BYTES)?;
+        at_most(
+            "activation_bytes",
+            f.activation_bytes.unwrap_or(0),
+            MAX_BYTES,
+        )?;
         at_most(
             "engine_persistent_bytes",
             f.engine_persistent_bytes.unwrap_or(0),

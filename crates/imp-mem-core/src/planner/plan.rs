@@ -92,6 +92,10 @@ pub struct MemoryPlan {
     pub lora: u64,
     /// T4: forward-pass scratch high-water.
     pub scratch: u64,
+    /// T4a: the activation pool (a framework's own allocations), from a
+    /// measured high-water; 0 when the input measured none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub activations: u64,
     /// The paged KV pool of the full-attention layers (T3).
     pub kv: KvPlan,
     /// The sliding-window KV pool, its own id space (T3).
@@ -148,6 +152,10 @@ impl MemoryPlan {
     }
 }
 
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
 fn mib(bytes: u64) -> u64 {
     bytes.div_ceil(MIB).saturating_mul(MIB)
 }
@@ -164,6 +172,7 @@ struct Demand {
     workspaces: u64,
     lora: u64,
     scratch: u64,
+    activations: u64,
     state_per_slot: u64,
     state: u64,
     kv_bytes_per_token: u64,
@@ -196,6 +205,7 @@ impl Demand {
             self.workspaces,
             self.lora,
             self.scratch,
+            self.activations,
             self.state,
             self.context,
             self.library,
@@ -308,6 +318,7 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
         workspaces: mib(workspaces),
         lora: mib(lora),
         scratch: mib(scratch),
+        activations: mib(f.activation_bytes.unwrap_or(0)),
         state_per_slot,
         state: mib(state),
         kv_bytes_per_token: per_token.full,
@@ -328,6 +339,7 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
     for (name, value) in [
         ("weights", d.weights),
         ("scratch", d.scratch),
+        ("activations", d.activations),
         ("engine_persistent", d.workspaces),
         ("lora", d.lora),
         ("state", d.state),
@@ -396,6 +408,11 @@ fn charges(input: &PlanInput, d: &Demand, kv_blocks: u64) -> Vec<Charge> {
         "scratch",
         "executor scratch (high-water)".to_string(),
         d.scratch,
+    );
+    push(
+        "activations",
+        "torch activations (measured high-water)".to_string(),
+        d.activations,
     );
     push(
         "engine_persistent",
@@ -544,6 +561,7 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
         engine_persistent: d.workspaces + d.lora,
         lora: d.lora,
         scratch: d.scratch,
+        activations: d.activations,
         kv,
         swa,
         pools,

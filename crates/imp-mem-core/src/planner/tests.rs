@@ -779,6 +779,8 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
                         scratch_bytes: scratch,
                         engine_persistent_bytes: None,
                         kv_host_bytes: 0,
+                        // The activation line rides on the scratch lever.
+                        activation_bytes: scratch.map(|s| s / 3),
                     },
                     tp,
                     budget,
@@ -828,7 +830,8 @@ proptest! {
                 prop_assert_eq!(plan.total + plan.headroom, inp.budget);
                 prop_assert_eq!(plan.charges.iter().map(|c| c.bytes).sum::<u64>(), plan.total);
                 prop_assert_eq!(
-                    plan.model_resident + plan.engine_persistent + plan.scratch + plan.kv.bytes
+                    plan.model_resident + plan.engine_persistent + plan.scratch
+                        + plan.activations + plan.kv.bytes
                         + plan.swa.as_ref().map_or(0, |s| s.bytes)
                         + plan.pools.iter().map(|p| p.bytes).sum::<u64>()
                         + plan.library_reserve + plan.context,
@@ -981,4 +984,34 @@ fn the_kv_host_tier_is_its_own_host_budget() {
     assert_eq!(plan_memory(&with_host).unwrap().kv_host, None);
     with_host.features.kv_host_bytes = MAX_BYTES + 1;
     assert!(plan_memory(&with_host).is_err());
+}
+
+#[test]
+fn a_measured_activation_high_water_is_its_own_line_and_none_changes_nothing() {
+    let base = input(shape(&llama3_8b()), 8, 4096, 80 * GIB);
+    let plain = plan_memory(&base).unwrap();
+    assert_eq!(plain.activations, 0);
+    assert!(plain.charges.iter().all(|c| c.key != "activations"));
+    assert!(!plain.to_json().unwrap().contains("activations"));
+    assert!(!base.to_json().unwrap().contains("activation_bytes"));
+
+    let mut with = base.clone();
+    with.features.activation_bytes = Some(300 * MIB + 1);
+    let plan = plan_memory(&with).unwrap();
+    assert_eq!(plan.activations, 301 * MIB);
+    let line = plan
+        .charges
+        .iter()
+        .find(|c| c.key == "activations")
+        .unwrap();
+    assert_eq!(line.bytes, 301 * MIB);
+    assert!(line.label.contains("activations"), "{}", line.label);
+    // The KV pool is sized from what is left, so it shrinks or stays.
+    assert!(plan.kv.bytes <= plain.kv.bytes);
+    assert_eq!(
+        plan.total,
+        plan.charges.iter().map(|c| c.bytes).sum::<u64>()
+    );
+    let back = MemoryPlan::from_json(&plan.to_json().unwrap()).unwrap();
+    assert_eq!(back, plan);
 }

@@ -1,0 +1,306 @@
+//! Python face of T4a: `ActivationPool`.
+//!
+//! Every rule is the core's (`imp_mem_core::activations`). This file
+//! converts arguments, picks the stream order for the backend (CUDA events
+//! on a device backend, none on host memory), renders the counters — once
+//! in the core's own names (`stats()`) and once in `torch.cuda.memory_stats`
+//! names (`memory_stats()`) — and installs a pool behind the C hooks
+//! (`hooks.rs`).
+
+use std::sync::Arc;
+
+use imp_mem_core::activations::{ActivationConfig, ActivationPool, NoStreams, StreamOrder};
+use imp_mem_core::{Backend, MemError, MemoryKind};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyInt};
+
+use crate::backend::PyBackend;
+use crate::convert;
+use crate::errors::{invalid, IntoPyResult};
+use crate::hooks;
+use crate::tiers::PyArena;
+
+/// The stream order for a pool on `backend`: CUDA events for device memory,
+/// nothing for host memory (no stream can touch it).
+pub(crate) fn stream_order_for(backend: &Backend) -> Result<Arc<dyn StreamOrder>, MemError> {
+    let info = backend.info();
+    if info.kind == MemoryKind::Device {
+        Ok(Arc::new(imp_mem_cuda::CudaStreamOrder::new(info.device)?))
+    } else {
+        Ok(Arc::new(NoStreams))
+    }
+}
+
+/// A plain int read without the general conversion (the hot calls).
+fn fast_u64(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    if let Ok(i) = value.downcast_exact::<PyInt>() {
+        if let Ok(n) = i.extract::<u64>() {
+            return Ok(n);
+        }
+    }
+    convert::index(value, what)
+}
+
+/// A general-purpose, stream-ordered sub-allocator over one region of tag
+/// `activations` (T4a): what torch's and CuPy's own allocations go through.
+#[pyclass(frozen, name = "ActivationPool", module = "imp_mem._core")]
+pub struct PyActivationPool {
+    pub(crate) pool: ActivationPool,
+    /// Where a fallback's notices (production mode) are delivered.
+    backend: Py<PyBackend>,
+}
+
+impl PyActivationPool {
+    /// Wraps a pool opened elsewhere (by a `MemorySystem`).
+    pub(crate) fn wrap(pool: ActivationPool, backend: Py<PyBackend>) -> Self {
+        Self { pool, backend }
+    }
+}
+
+#[pymethods]
+impl PyActivationPool {
+    #[new]
+    #[pyo3(signature = (backend, capacity, *, strict = None, align = None))]
+    fn new(
+        backend: &Bound<'_, PyBackend>,
+        capacity: &Bound<'_, PyAny>,
+        strict: Option<bool>,
+        align: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let capacity = convert::bytes(capacity, "capacity")?;
+        let mut config = ActivationConfig::new(capacity);
+        if let Some(a) = align.filter(|a| !a.is_none()) {
+            config.align = convert::index(a, "align")?;
+        }
+        config.strict = strict;
+        let core = &backend.get().inner;
+        let order = stream_order_for(core).py()?;
+        let pool = ActivationPool::new(core, &config, order).py();
+        backend.get().notices.emit(backend.py())?;
+        Ok(Self {
+            pool: pool?,
+            backend: backend.clone().unbind(),
+        })
+    }
+
+    /// Allocates `nbytes` (rounded up to `align`) for work on `stream` (a
+    /// raw `cudaStream_t` as an int; 0 is the legacy default stream) and
+    /// returns the address.
+    #[pyo3(signature = (nbytes, stream = None))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        nbytes: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let bytes = match nbytes.downcast_exact::<PyInt>() {
+            Ok(i) => match i.extract::<u64>() {
+                Ok(n) => n,
+                Err(_) => convert::bytes(nbytes, "nbytes")?,
+            },
+            Err(_) => convert::bytes(nbytes, "nbytes")?,
+        };
+        if bytes == 0 {
+            return Err(invalid(
+                "nbytes must be positive, got 0; ask for at least 1 byte",
+            ));
+        }
+        let stream = stream.map_or(Ok(0), |s| fast_u64(s, "stream"))?;
+        let result = self.pool.allocate(bytes, stream);
+        let fell_back = match &result {
+            Ok(addr) => !self.pool.contains(*addr),
+            Err(_) => !self.pool.is_strict(),
+        };
+        if fell_back {
+            // A fallback is a backend acquisition: deliver its notices (the
+            // steady-state warning) now.
+            self.backend.get().notices.emit(py)?;
+        }
+        result.py()
+    }
+
+    /// Frees what `allocate` returned, on the stream its last use was
+    /// queued on. An address this pool did not hand out, or a second free,
+    /// raises `InvalidArgument` and changes nothing.
+    #[pyo3(signature = (ptr, stream = None))]
+    fn free(&self, ptr: &Bound<'_, PyAny>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let addr = fast_u64(ptr, "ptr")?;
+        let addr = usize::try_from(addr)
+            .map_err(|_| invalid(format!("ptr {addr:#x} is not an address")))?;
+        let stream = stream.map_or(Ok(0), |s| fast_u64(s, "stream"))?;
+        self.pool.free(addr, stream).py()?;
+        Ok(())
+    }
+
+    /// The requested size of the live allocation at `ptr`, or None.
+    fn size_of(&self, ptr: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        let addr = fast_u64(ptr, "ptr")?;
+        Ok(usize::try_from(addr)
+            .ok()
+            .and_then(|a| self.pool.requested_size(a)))
+    }
+
+    /// The pool's counters, in its own names.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.pool.stats();
+        let d = PyDict::new(py);
+        d.set_item("capacity", s.capacity)?;
+        d.set_item("align", s.align)?;
+        d.set_item("allocated", s.allocated)?;
+        d.set_item("allocated_peak", s.allocated_peak)?;
+        d.set_item("in_use", s.in_use)?;
+        d.set_item("in_use_peak", s.in_use_peak)?;
+        d.set_item("requested", s.requested)?;
+        d.set_item("live", s.live)?;
+        d.set_item("live_peak", s.live_peak)?;
+        d.set_item("allocs_total", s.allocs_total)?;
+        d.set_item("frees_total", s.frees_total)?;
+        d.set_item("allocated_bytes_total", s.allocated_bytes_total)?;
+        d.set_item("freed_bytes_total", s.freed_bytes_total)?;
+        d.set_item("fallbacks_total", s.fallbacks_total)?;
+        d.set_item("fallback_bytes_total", s.fallback_bytes_total)?;
+        d.set_item("fallback_live", s.fallback_live)?;
+        d.set_item("fallback_bytes", s.fallback_bytes)?;
+        d.set_item("reserved", s.capacity + s.fallback_bytes)?;
+        d.set_item("reserved_peak", s.reserved_peak)?;
+        d.set_item("ooms", s.ooms)?;
+        d.set_item("refused_frees", s.refused_frees)?;
+        d.set_item("free_bytes", s.free_bytes)?;
+        d.set_item("free_blocks", s.free_blocks)?;
+        d.set_item("largest_free", s.largest_free)?;
+        d.set_item("cross_stream_reuses", s.cross_stream_reuses)?;
+        d.set_item("reclaims", s.reclaims)?;
+        d.set_item("streams", s.streams)?;
+        d.set_item("parked_blocks", s.parked_blocks)?;
+        Ok(d)
+    }
+
+    /// The counters under `torch.cuda.memory_stats` key names, for what the
+    /// pool tracks (every key is an `all` pool: the pool has no small/large
+    /// split). A fallback region counts as a segment and as reserved bytes.
+    fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.pool.stats();
+        let d = PyDict::new(py);
+        let segments = 1 + s.fallback_live;
+        let items: [(&str, u64); 22] = [
+            ("allocated_bytes.all.current", s.in_use),
+            ("allocated_bytes.all.peak", s.in_use_peak),
+            ("allocated_bytes.all.allocated", s.allocated_bytes_total),
+            ("allocated_bytes.all.freed", s.freed_bytes_total),
+            ("requested_bytes.all.current", s.requested),
+            ("active_bytes.all.current", s.in_use),
+            ("active_bytes.all.peak", s.in_use_peak),
+            ("reserved_bytes.all.current", s.capacity + s.fallback_bytes),
+            ("reserved_bytes.all.peak", s.reserved_peak),
+            ("allocation.all.current", s.live),
+            ("allocation.all.peak", s.live_peak),
+            ("allocation.all.allocated", s.allocs_total),
+            ("allocation.all.freed", s.frees_total),
+            ("active.all.current", s.live),
+            ("active.all.peak", s.live_peak),
+            ("segment.all.current", segments),
+            ("inactive_split.all.current", s.free_blocks),
+            ("inactive_split_bytes.all.current", s.free_bytes),
+            ("num_ooms", s.ooms),
+            ("num_alloc_retries", s.reclaims),
+            ("num_device_alloc", 1 + s.fallbacks_total),
+            ("num_device_free", s.fallbacks_total - s.fallback_live),
+        ];
+        for (key, value) in items {
+            d.set_item(key, value)?;
+        }
+        Ok(d)
+    }
+
+    /// Starts new peaks from the current values.
+    fn reset_peak(&self) {
+        self.pool.reset_peak();
+    }
+
+    /// Raises `ImpMemError` if an invariant is broken (a bug in imp-mem).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.pool.check_invariants().py()
+    }
+
+    /// Routes the C hooks (`imp_mem_torch_malloc`, `imp_mem_cupy_malloc`, …)
+    /// to this pool for device `device`, replacing any pool installed
+    /// before. `weights_arena` (a T1 `Arena`) serves the hooks while the
+    /// route is "weights" (`set_hook_route`).
+    #[pyo3(signature = (device = None, weights_arena = None))]
+    fn install(
+        &self,
+        device: Option<&Bound<'_, PyAny>>,
+        weights_arena: Option<PyRef<'_, PyArena>>,
+    ) -> PyResult<()> {
+        let device = device.map_or(Ok(0), |d| convert::index(d, "device"))?;
+        let device = i32::try_from(device)
+            .map_err(|_| invalid(format!("device {device} is not a device ordinal")))?;
+        let expected = self.pool.placement().device;
+        let kind = self.pool.placement().kind;
+        if kind == MemoryKind::Device && device != expected {
+            return Err(invalid(format!(
+                "device={device} but this pool's memory is on device {expected}; install it for \
+                 device {expected}"
+            )));
+        }
+        hooks::install(
+            self.pool.clone(),
+            device,
+            weights_arena.map(|a| a.arena.clone()),
+        );
+        Ok(())
+    }
+
+    /// Whether the C hooks route to this pool now.
+    #[getter]
+    fn installed(&self) -> bool {
+        hooks::installed_pool_id() == Some(self.pool.id())
+    }
+
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.pool.capacity()
+    }
+
+    #[getter]
+    fn base(&self) -> usize {
+        self.pool.base()
+    }
+
+    #[getter]
+    fn strict(&self) -> bool {
+        self.pool.is_strict()
+    }
+
+    #[getter]
+    fn align(&self) -> u64 {
+        self.pool.align()
+    }
+
+    #[getter]
+    fn tag(&self) -> &'static str {
+        imp_mem_core::Tag::Activations.name()
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.pool.stats();
+        format!(
+            "<ActivationPool {} B, {} live ({} B), largest free {} B, {}>",
+            s.capacity,
+            s.live,
+            s.in_use,
+            s.largest_free,
+            if self.pool.is_strict() {
+                "strict"
+            } else {
+                "production"
+            }
+        )
+    }
+}
+
+/// Registers the class.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyActivationPool>()?;
+    Ok(())
+}

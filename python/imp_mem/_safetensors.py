@@ -1,0 +1,292 @@
+"""Weights from safetensors into T1 (the model-resident arena).
+
+Algorithm. Every file's header is read first (an 8-byte little-endian
+length, then that much JSON: per tensor its dtype, shape and byte range
+after the header). The tensors are laid out in file order in the arena, each
+at a 256-byte aligned offset, and the whole layout is checked against the
+plan's weights line before a byte is taken: the first tensor whose end
+passes `plan.weights` is refused by name (`WeightsOverflow`), and so is a
+header whose sizes do not match its shapes. Then each tensor's bytes are
+taken from `system.weights_arena` and the file is streamed through two
+staging buffers of pinned host memory (imp-mem's `PinnedBuffer` over the
+system's backend: driver-pinned on a GPU, plain host memory on the fake), a
+chunk at a time: the file is read into one buffer while the other's copy to
+the device runs, and a buffer is reused only after its copy's event
+completed. The returned torch tensors view the arena in place (DLPack); on
+the fake backend they are CPU tensors over the fake's host memory.
+
+The tensors stay valid while T1 is not reset; each export holds the arena
+alive. Not thread-safe: one load at a time per system.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from imp_mem.errors import InvalidArgument, WeightsOverflow
+
+ALIGN = 256
+CHUNK_BYTES = 32 << 20
+# Loads at least this large show a progress bar (when tqdm is installed).
+PROGRESS_BYTES = 256 << 20
+
+# safetensors dtype -> (torch dtype name, bytes per element)
+DTYPES = {
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "F32": ("float32", 4),
+    "F64": ("float64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file, and where it goes in the arena."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    # Absolute byte range in the file.
+    begin: int
+    end: int
+    # Offset from the start of this load in the arena.
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoint's files: `path` itself, or every `*.safetensors` of a
+    directory (in name order, which is shard order)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise InvalidArgument(f"{p} holds no *.safetensors file; point path at a checkpoint")
+        return files
+    if not p.is_file():
+        raise InvalidArgument(f"{p} does not exist; pass a .safetensors file or its directory")
+    return [p]
+
+
+def read_header(file: Path) -> list[TensorEntry]:
+    """The tensors of one file, in file order, checked against its size."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise InvalidArgument(f"{file} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, 100 << 20):
+            raise InvalidArgument(f"{file}: header length {n} does not fit the file")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidArgument(f"{file}: the header is not JSON ({e})") from None
+    start = 8 + n
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise InvalidArgument(f"{file}: tensor {name!r} has a malformed entry") from None
+        if dtype not in DTYPES:
+            raise InvalidArgument(f"{file}: tensor {name!r} has unsupported dtype {dtype}")
+        want = math.prod(shape) * DTYPES[dtype][1]
+        if not (0 <= b <= e and start + e <= size) or e - b != want:
+            raise InvalidArgument(
+                f"{file}: tensor {name!r} ({dtype} {list(shape)}) spans [{b}, {e}), which is not "
+                f"its {want} bytes inside the file's {size - start}"
+            )
+        out.append(TensorEntry(name, dtype, shape, file, start + b, start + e))
+    out.sort(key=lambda t: t.begin)
+    return out
+
+
+def plan_layout(entries: list[TensorEntry], limit: int) -> tuple[list[TensorEntry], int]:
+    """Aligned offsets for `entries` in order; refuses the first tensor
+    whose end passes `limit`. Returns the placed entries and the end."""
+    placed, cursor, names = [], 0, set()
+    for t in entries:
+        if t.name in names:
+            raise InvalidArgument(f"tensor {t.name!r} appears in two files ({t.file})")
+        names.add(t.name)
+        offset = -(-cursor // ALIGN) * ALIGN
+        end = offset + t.nbytes
+        if end > limit:
+            err = WeightsOverflow(
+                f"tensor {t.name!r} ({t.dtype} {list(t.shape)}, {t.nbytes} B) would end the "
+                f"weights at {end} B; the plan gave weights {limit} B. Plan from this "
+                "checkpoint (ModelShape.from_hf_config(directory) reads its real sizes)"
+            )
+            err.tensor, err.end, err.limit = t.name, end, limit
+            raise err
+        placed.append(TensorEntry(t.name, t.dtype, t.shape, t.file, t.begin, t.end, offset))
+        cursor = end
+    return placed, cursor
+
+
+def load_safetensors(
+    system: Any,
+    path: str | os.PathLike[str],
+    *,
+    device: Any = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Loads a safetensors checkpoint (a file or a directory of shards) into
+    `system`'s weights arena and returns `{name: torch.Tensor}` viewing it.
+
+    Every tensor is checked against the plan's weights line first
+    (`WeightsOverflow` names the one that does not fit; nothing is taken).
+    The bytes travel through pinned host memory in chunks of `chunk_bytes`.
+    `device` (default: the backend's device, or the CPU on the fake) must be
+    where the arena lives. `progress`: a tqdm bar (None: for loads of 256
+    MiB or more, when tqdm is installed)."""
+    import torch
+
+    entries = [t for f in safetensors_files(path) for t in read_header(f)]
+    # Checked before the arena is held here, so a refusal's traceback keeps
+    # no tier object alive.
+    placed, total = plan_layout(entries, _weights_room(system))
+    arena = system.weights_arena
+
+    out: dict[str, Any] = {}
+    views = []
+    for t in placed:
+        torch_dtype = getattr(torch, DTYPES[t.dtype][0])
+        if t.nbytes == 0:
+            out[t.name] = torch.empty(t.shape, dtype=torch_dtype, device=_torch_device(system))
+            continue
+        span = arena.take(t.nbytes, ALIGN)
+        raw = torch.from_dlpack(span)
+        views.append((t, raw))
+        out[t.name] = raw.view(torch_dtype).view(t.shape)
+    target = views[0][1].device if views else _torch_device(system)
+    if device is not None and torch.device(device) != target:
+        if not (target.type == "cuda" and torch.device(device).type == "cuda"):
+            raise InvalidArgument(f"device={device} but the weights arena is on {target}")
+    _stream(system, views, total, chunk_bytes, progress, target)
+    return out
+
+
+def _weights_room(system: Any) -> int:
+    """The bytes a load may take: the plan's weights, at most what T1 has left."""
+    arena = system.weights_arena
+    if arena is None:
+        raise InvalidArgument("this MemorySystem has no weights arena (T1); plan weights first")
+    return min(int(system.plan.weights), arena.capacity - arena.used)
+
+
+def _torch_device(system: Any) -> Any:
+    import torch
+
+    backend = system.backend
+    if backend.kind in ("cuda", "vmm"):
+        return torch.device("cuda", backend.device)
+    return torch.device("cpu")
+
+
+def _progress(total: int, progress: bool | None) -> Any:
+    if progress is False or (progress is None and total < PROGRESS_BYTES):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, desc="weights -> T1")
+
+
+def _stream(system, views, total, chunk_bytes, progress, device) -> None:
+    """Copies every tensor's file bytes into its arena view, through two
+    pinned staging buffers."""
+    import torch
+
+    from imp_mem import PinnedBuffer
+
+    if not views:
+        return
+    chunk = max(ALIGN, min(chunk_bytes, max(t.nbytes for t, _ in views)))
+    cuda = device.type == "cuda"
+    buffers = [PinnedBuffer(chunk, backend=system.backend) for _ in range(2)]
+    staging = [torch.from_dlpack(b.span()) for b in buffers]
+    hosts = [s.numpy() for s in staging]
+    events: list[Any] = [None, None]
+    stream = torch.cuda.Stream(device) if cuda else None
+    bar = _progress(sum(t.nbytes for t, _ in views), progress)
+    which, fill, pending = 0, 0, []
+
+    def flush() -> None:
+        nonlocal which, fill, pending
+        if not pending:
+            return
+        src = staging[which]
+        if cuda:
+            with torch.cuda.stream(stream):
+                for dst, at, n in pending:
+                    dst.copy_(src[at : at + n], non_blocking=True)
+                events[which] = torch.cuda.Event()
+                events[which].record(stream)
+        else:
+            for dst, at, n in pending:
+                dst.copy_(src[at : at + n])
+        if bar is not None:
+            bar.update(fill)
+        which, fill, pending = 1 - which, 0, []
+        if events[which] is not None:
+            events[which].synchronize()
+
+    try:
+        files: dict[Path, Any] = {}
+        for t, raw in views:
+            f = files.get(t.file)
+            if f is None:
+                f = files[t.file] = open(t.file, "rb", buffering=0)
+            f.seek(t.begin)
+            done = 0
+            while done < t.nbytes:
+                if fill == chunk:
+                    flush()
+                n = min(t.nbytes - done, chunk - fill)
+                view = memoryview(hosts[which])[fill : fill + n]
+                got = 0
+                while got < n:
+                    r = f.readinto(view[got:])
+                    if not r:
+                        raise InvalidArgument(f"{t.file} ended inside tensor {t.name!r}")
+                    got += r
+                pending.append((raw[done : done + n], fill, n))
+                fill += n
+                done += n
+        flush()
+        if cuda:
+            stream.synchronize()
+    finally:
+        for f in files.values():
+            f.close()
+        if bar is not None:
+            bar.close()
+        for b in buffers:
+            b.release()

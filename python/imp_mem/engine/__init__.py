@@ -1,0 +1,57 @@
+"""A reference engine on imp-mem: continuous batching, paged KV over the
+KV pool, weights in T1, decode in CUDA graphs over T2 buffers.
+
+`imp_mem.engine` imports without torch: the scheduler is pure Python over a
+`KVCacheManager`, and the names that run a model (`Engine`, `KvViews`,
+`PagedModel`, `ModelConfig`'s checkpoint writer) import torch only when first
+used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from imp_mem.engine.scheduler import (
+    Prefill,
+    Request,
+    RequestState,
+    Scheduler,
+    SchedulerStats,
+)
+
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "KvViews",
+    "ModelConfig",
+    "PagedModel",
+    "Prefill",
+    "Request",
+    "RequestState",
+    "Scheduler",
+    "SchedulerStats",
+    "qwen3_0_6b_config",
+    "swa_config",
+    "write_random_checkpoint",
+]
+
+# Names that need torch, and the module each lives in.
+_LAZY = {
+    "Engine": "imp_mem.engine.runtime",
+    "EngineStats": "imp_mem.engine.runtime",
+    "KvViews": "imp_mem.engine.model",
+    "PagedModel": "imp_mem.engine.model",
+    "ModelConfig": "imp_mem.engine.config",
+    "qwen3_0_6b_config": "imp_mem.engine.config",
+    "swa_config": "imp_mem.engine.config",
+    "write_random_checkpoint": "imp_mem.engine.checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'imp_mem.engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

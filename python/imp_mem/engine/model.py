@@ -1,0 +1,339 @@
+"""`PagedModel`: the Qwen3 architecture over paged KV, weights by their
+Hugging Face names.
+
+The forward pass mirrors transformers 5.17's ``Qwen3ForCausalLM`` operation
+by operation and dtype by dtype, so that in bfloat16 the two round the same
+way wherever the kernels agree: RMSNorm in float32 cast back before the
+weight multiplies; per-head RMSNorm of q and k before RoPE; RoPE's cos/sin
+computed in float32 from ``1 / theta^(2i/d)`` and cast to the model dtype,
+applied as ``x * cos + rotate_half(x) * sin``; SwiGLU; the output head tied to
+the embeddings when the config says so; logits in the model dtype, returned
+as float32. Attention is the one deliberate difference: it reads K/V from
+the pages (`imp_mem.engine.attention`), accumulating in float32.
+
+The weights are used as given (views of imp-mem's T1 arena in the engine):
+nothing is copied, registered or re-laid out. The only tensors the model
+allocates itself are the RoPE tables, once, at construction.
+
+`decode` is written for CUDA-graph capture: static shapes, no host syncs,
+all index math on the device. `prefill` is not captured (its length varies)
+and may check its arguments on the host.
+
+A `PagedModel` holds no per-request state; calls must not overlap on the
+same pages (the engine runs one step at a time on one stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from imp_mem.engine.attention import (
+    paged_decode_attention,
+    prefill_attention,
+    slots,
+    store_kv,
+)
+from imp_mem.engine.config import FULL, ModelConfig
+from imp_mem.errors import InvalidArgument
+
+
+@dataclass
+class KvViews:
+    """The KV pools as the model reads them (layout in the module doc of
+    `imp_mem.engine.attention`)."""
+
+    full: torch.Tensor | None
+    swa: torch.Tensor | None
+    block_size: int
+
+
+def weight_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model reads, by its Hugging Face name, with its shape."""
+    h, d = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_heads * d, config.num_kv_heads * d
+    names: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q_dim, h),
+                p + "self_attn.k_proj.weight": (kv_dim, h),
+                p + "self_attn.v_proj.weight": (kv_dim, h),
+                p + "self_attn.o_proj.weight": (h, q_dim),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (config.intermediate_size, h),
+                p + "mlp.up_proj.weight": (config.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, config.intermediate_size),
+            }
+        )
+    return names
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm, rounding for rounding."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_tables(
+    config: ModelConfig, positions: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[positions, head_dim]`` in `dtype`, computed as
+    transformers computes them: the inverse frequencies in float32 on the
+    CPU, the angles and their cos/sin in float32 on `device`."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    pos = torch.arange(positions, device=device, dtype=torch.float)
+    freqs = torch.outer(pos, inv_freq.to(device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class PagedModel:
+    """A Qwen3-architecture causal LM over paged KV.
+
+    `weights` maps Hugging Face names (`weight_names`) to tensors already on
+    the target device. `attention_backend` is ``"triton"`` or ``"torch"``
+    (default: Triton on CUDA, torch elsewhere). `max_positions` sizes the
+    RoPE tables (default: the config's ``max_position_embeddings``).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        attention_backend: str | None = None,
+        max_positions: int | None = None,
+        split_blocks: int | None = None,
+    ) -> None:
+        expected = weight_names(config)
+        missing = [name for name in expected if name not in weights]
+        if missing:
+            raise InvalidArgument(
+                f"weights: {len(missing)} tensors are missing, first {missing[0]!r}; "
+                "pass every tensor of the checkpoint by its Hugging Face name"
+            )
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != shape:
+                raise InvalidArgument(
+                    f"weights: {name!r} has shape {tuple(weights[name].shape)}, "
+                    f"the config needs {shape}"
+                )
+        self.config = config
+        embed = weights["model.embed_tokens.weight"]
+        self.device = embed.device
+        self.dtype = embed.dtype
+        if attention_backend is None:
+            attention_backend = "triton" if self.device.type == "cuda" else "torch"
+        if attention_backend not in ("triton", "torch"):
+            raise InvalidArgument(
+                f"attention_backend must be 'triton' or 'torch', got {attention_backend!r}"
+            )
+        self.attention_backend = attention_backend
+        self.split_blocks = split_blocks
+        self.embed = embed
+        self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.norm = weights["model.norm.weight"]
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            pool, index = config.pool_slot(i)
+            self.layers.append(
+                _Layer(
+                    pool=pool,
+                    index=index,
+                    window=None if config.layer_types[i] == FULL else config.sliding_window,
+                    w={k[len(p) :]: v for k, v in weights.items() if k.startswith(p)},
+                )
+            )
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.cos, self.sin = rope_tables(config, self.max_positions, self.device, self.dtype)
+
+    # -- the two entry points -------------------------------------------------
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        start_pos: int,
+        block_table: torch.Tensor,
+        swa_block_table: torch.Tensor | None,
+        kv: KvViews,
+        *,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Runs the tokens at positions ``[start_pos, start_pos + T)`` of one
+        sequence, whose earlier tokens are already in the pages; writes the new
+        K/V. Returns float32 logits ``[T, vocab]`` (``[1, vocab]``, the last
+        token's, with `last_only`)."""
+        if input_ids.dim() != 1 or input_ids.shape[0] == 0:
+            raise InvalidArgument(
+                f"prefill: input_ids must be a non-empty 1-D tensor, got shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        tokens = input_ids.shape[0]
+        end = start_pos + tokens
+        if start_pos < 0 or end > self.max_positions:
+            raise InvalidArgument(
+                f"prefill: positions [{start_pos}, {end}) must lie in [0, {self.max_positions})"
+            )
+        self._check_tables(kv, block_table, swa_block_table, end, "prefill")
+        positions = torch.arange(start_pos, end, device=self.device)
+        tables = {"full": block_table, "swa": swa_block_table}
+        slot = {
+            name: slots(table, positions, kv.block_size)
+            for name, table in tables.items()
+            if table is not None
+        }
+        cos = self.cos[start_pos:end].unsqueeze(1)
+        sin = self.sin[start_pos:end].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            pages = kv.full if layer.pool == "full" else kv.swa
+
+            def attend(q, k, v, layer=layer, pages=pages):
+                store_kv(pages, layer.index, k, v, *slot[layer.pool])
+                return prefill_attention(
+                    q, pages, layer.index, tables[layer.pool], start_pos, window=layer.window
+                )
+
+            x = self._block(x, layer, cos, sin, attend)
+        if last_only:
+            x = x[-1:]
+        return self._logits(x)
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        swa_block_tables: torch.Tensor | None,
+        kv: KvViews,
+    ) -> torch.Tensor:
+        """One new token per sequence at ``positions[b]``: writes its K/V and
+        attends over the pages. Returns float32 logits ``[B, vocab]``.
+        Capturable in a CUDA graph (no host syncs, static shapes)."""
+        batch = input_ids.shape[0]
+        # Shapes only: metadata, no device sync.
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise InvalidArgument(
+                f"decode: input_ids and positions must both be [B]; got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        for name, table in (("block_tables", block_tables), ("swa_block_tables", swa_block_tables)):
+            if table is not None and (table.dim() != 2 or table.shape[0] != batch):
+                raise InvalidArgument(
+                    f"decode: {name} must be [B={batch}, M]; got {tuple(table.shape)}"
+                )
+        tables = {"full": block_tables, "swa": swa_block_tables}
+        for pool in {layer.pool for layer in self.layers}:
+            if tables[pool] is None or getattr(kv, pool) is None:
+                raise InvalidArgument(
+                    f"decode: the model has {pool} layers; pass kv.{pool} and its block tables"
+                )
+        slot = {
+            name: slots(table, positions, kv.block_size)
+            for name, table in tables.items()
+            if table is not None
+        }
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            pages = kv.full if layer.pool == "full" else kv.swa
+
+            def attend(q, k, v, layer=layer, pages=pages):
+                store_kv(pages, layer.index, k, v, *slot[layer.pool])
+                return paged_decode_attention(
+                    q,
+                    pages,
+                    layer.index,
+                    tables[layer.pool],
+                    positions,
+                    window=layer.window,
+                    backend=self.attention_backend,
+                    split_blocks=self.split_blocks,
+                )
+
+            x = self._block(x, layer, cos, sin, attend)
+        return self._logits(x)
+
+    # -- pieces ---------------------------------------------------------------
+
+    def _block(self, x, layer, cos, sin, attend):
+        """One decoder layer over ``x[N, hidden]`` (N tokens of one sequence in
+        prefill, N sequences in decode)."""
+        c = self.config
+        eps = c.rms_norm_eps
+        w = layer.w
+        n = x.shape[0]
+        h = rms_norm(x, w["input_layernorm.weight"], eps)
+        q = F.linear(h, w["self_attn.q_proj.weight"]).view(n, c.num_heads, c.head_dim)
+        k = F.linear(h, w["self_attn.k_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
+        v = F.linear(h, w["self_attn.v_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
+        q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        a = attend(q, k, v).reshape(n, c.num_heads * c.head_dim)
+        x = x + F.linear(a, w["self_attn.o_proj.weight"])
+        h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
+        gate = F.linear(h, w["mlp.gate_proj.weight"])
+        up = F.linear(h, w["mlp.up_proj.weight"])
+        return x + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _check_tables(self, kv, table, swa_table, end, where):
+        c = self.config
+        for pool, t, tname in (
+            ("full", table, "block_table"),
+            ("swa", swa_table, "swa_block_table"),
+        ):
+            layers = c.full_layers if pool == "full" else c.sliding_layers
+            pages = kv.full if pool == "full" else kv.swa
+            if not layers:
+                continue
+            if pages is None or t is None:
+                raise InvalidArgument(
+                    f"{where}: the model has {len(layers)} {pool} layers; pass kv.{pool} "
+                    f"and {tname}"
+                )
+            if pages.shape[1:] != (len(layers), 2, kv.block_size, c.num_kv_heads, c.head_dim):
+                raise InvalidArgument(
+                    f"{where}: kv.{pool} has shape {tuple(pages.shape)}; expected "
+                    f"[blocks, {len(layers)}, 2, {kv.block_size}, {c.num_kv_heads}, {c.head_dim}]"
+                )
+            if t.shape[-1] * kv.block_size < end:
+                raise InvalidArgument(
+                    f"{where}: {tname} has {t.shape[-1]} blocks of {kv.block_size} tokens, "
+                    f"fewer than the {end} positions asked for"
+                )
+
+
+@dataclass
+class _Layer:
+    pool: str
+    index: int
+    window: int | None
+    w: dict[str, torch.Tensor]

@@ -1,0 +1,303 @@
+"""The reference engine on the GPU (issue 13): criteria 3, 4, 6 and 8, V8 on
+the recorded load, and the engine's greedy tokens against Hugging Face.
+
+One random-weight checkpoint per shape (Qwen3-0.6B, and its sliding-window
+variant `swa_config`) is written once per module; one engine per shape
+(`VmmBackend`, strict: an acquisition while serving would raise) serves
+the workloads of several tests.
+
+* Criterion 3: no acquisition while serving, by imp-mem's counter over
+  the whole of serving and by independent counts over a second workload
+  (the first one warms what torch keeps lazily): torch's device allocations
+  (`num_device_alloc`), its allocator calls during decode-only steps
+  (`allocation.all.allocated`, 0: the graphs replay over T2 tensors), and
+  the device's free memory (`cuda_mem_get_info`).
+* Criterion 4: after random arrivals and cancellations drain, only the
+  engine's own sequences hold blocks; evicting the prefix cache brings the
+  pools' live blocks back to their baseline.
+* Criterion 6: >= 99 % of the device memory in use is attributed, in a fresh
+  child process (nothing else of this process on the device), with the
+  child's CUDA context measured from outside.
+* Criterion 8: peak memory per configuration against
+  `engine_peak_thresholds.json`; `IMP_MEM_UPDATE_THRESHOLDS=1` rewrites the
+  file from this run (measured + 2 %).
+* V8: the load's journal replays within the plan; with
+  `IMP_MEM_RECORD_JOURNAL=1` it is written to `tests/data/` for CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import imp_mem
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+pytest.importorskip("safetensors")
+
+from imp_mem.engine import journal  # noqa: E402
+from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
+from imp_mem.engine.config import qwen3_0_6b_config, swa_config  # noqa: E402
+from imp_mem.engine.runtime import Engine  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+THRESHOLDS = HERE / "engine_peak_thresholds.json"
+DATA = HERE.parent / "data"
+MIB = 1 << 20
+CONFIGS = {"qwen3_0_6b": qwen3_0_6b_config, "qwen3_0_6b_swa": swa_config}
+ENGINE = {"max_batch": 32, "max_seq_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-ckpt")
+    return {name: write_random_checkpoint(root / name, make()) for name, make in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def engine(request, checkpoints):
+    torch.cuda.reset_peak_memory_stats()
+    backend = imp_mem.VmmBackend(device=0, strict=True)
+    e = Engine(checkpoints[request.param], backend=backend, **ENGINE)
+    e.name = request.param
+    yield e
+    e.close()
+
+
+def workload(e, n, seed, cancel=0.0, prompt=(8, 400), new=(1, 64)):
+    """Random requests (some sharing prefixes), served to the end with
+    cancellations at random points; returns the requests."""
+    rng = random.Random(seed)
+    vocab = e.config.vocab_size
+    prefixes = [[rng.randrange(vocab) for _ in range(96)] for _ in range(4)]
+    reqs = []
+    for i in range(n):
+        own = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
+        p = (prefixes[i % 4] + own) if i % 3 == 0 else own
+        p = p[: e.max_seq_len - new[1] - 1]
+        reqs.append(e.submit(p, rng.randint(*new)))
+    while e.scheduler.has_work:
+        e.step()
+        for r in reqs:
+            if cancel and not r.done and rng.random() < cancel:
+                e.cancel(r.seq_id)
+    return reqs
+
+
+def decode_only_alloc_calls(e, batch=16, steps=8):
+    """Torch allocator calls during decode-only steps (no admission)."""
+    vocab = e.config.vocab_size
+    rng = random.Random(3)
+    reqs = [e.submit([rng.randrange(vocab) for _ in range(32)], steps + 4) for _ in range(batch)]
+    e.step()  # admits and prefills them all, and decodes once
+    assert all(not r.done for r in reqs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(steps):
+        e.step()
+    after = torch.cuda.memory_stats()["allocation.all.allocated"]
+    e.run()
+    return (after - before) / steps
+
+
+def test_zero_acquisitions_while_serving(engine):
+    e = engine
+    assert str(e.system.phase) == "SERVING"
+    assert e.use_graphs and e.graphs
+    workload(e, 48, seed=1, cancel=0.02)  # warms torch's lazy state
+    torch.cuda.synchronize()
+    stats0 = torch.cuda.memory_stats()
+    free0, _ = imp_mem.cuda_mem_get_info(0)
+    workload(e, 64, seed=2, cancel=0.02)
+    torch.cuda.synchronize()
+    stats1 = torch.cuda.memory_stats()
+    free1, _ = imp_mem.cuda_mem_get_info(0)
+    steady = e.backend.stats()["steady_state_allocations_total"]
+    print(
+        f"\n{e.name}: imp-mem acquisitions while serving {steady}; torch device allocs "
+        f"{stats1['num_device_alloc'] - stats0['num_device_alloc']}; device free "
+        f"{free0 - free1:+d} B over the second workload"
+    )
+    assert sum(steady.values()) == 0
+    assert e.system.mem_report()["steady_state_allocations_total"] == 0
+    assert stats1["num_device_alloc"] == stats0["num_device_alloc"], "torch called cudaMalloc"
+    # Exact but for lazily loaded kernel modules (the driver's, not ours).
+    assert abs(free1 - free0) <= 4 * MIB, "the device's free memory moved while serving"
+    calls = decode_only_alloc_calls(e)
+    print(f"{e.name}: torch allocator calls per decode-only step: {calls}")
+    assert calls == 0
+
+
+def test_live_blocks_back_to_baseline_after_draining(engine):
+    e = engine
+    kv = e.kv
+    kv.evict(kv.stats()["capacity"])
+    base_full = e.system.kv_pool.live
+    base_swa = e.system.swa_pool.live if e.sliding else 0
+    reqs = workload(e, 96, seed=4, cancel=0.05)
+    assert any(r.state.value == "cancelled" for r in reqs)
+    assert any(r.state.value == "finished" for r in reqs)
+    assert sorted(kv.sequences()) == sorted(e.engine_seqs)
+    kv.evict(kv.stats()["capacity"])
+    assert e.system.kv_pool.live == base_full
+    if e.sliding:
+        assert e.system.swa_pool.live == base_swa
+    kv.check_invariants()
+    e.system.check()
+
+
+def test_greedy_tokens_match_hf_where_its_margin_is_decisive(engine, checkpoints):
+    transformers = pytest.importorskip("transformers")
+    e = engine
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoints[e.name], dtype=torch.bfloat16
+    ).cuda()
+    hf.eval()
+    try:
+        rng = random.Random(5)
+        vocab = e.config.vocab_size
+        shared = [rng.randrange(vocab) for _ in range(160)]
+        prompts = [
+            shared[: 16 * (i % 8)] + [rng.randrange(vocab) for _ in range(300)] for i in range(32)
+        ]
+        # Two waves: the second's shared prefixes hit the first's blocks
+        # (full attention; prefix caching is off with sliding layers).
+        hits0 = e.scheduler.stats.prefix_hit_tokens
+        reqs = [e.submit(p, 24) for p in prompts[:8]]
+        e.step()
+        reqs += [e.submit(p, 24) for p in prompts[8:]]
+        cancelled = {reqs[3].seq_id, reqs[17].seq_id}
+        while e.scheduler.has_work:
+            e.step()
+            for sid in list(cancelled):
+                e.cancel(sid)
+        if not e.sliding:
+            assert e.scheduler.stats.prefix_hit_tokens > hits0
+        checked = decisive = 0
+        for r in reqs:
+            if r.seq_id in cancelled and r.state.value == "cancelled":
+                continue
+            tokens = r.prompt + r.output
+            with torch.no_grad():
+                logits = hf(torch.tensor([tokens[:-1]], device="cuda")).logits[0].float()
+            rows = logits[len(r.prompt) - 1 :]
+            top2 = rows.topk(2, dim=-1).values
+            margin = top2[:, 0] - top2[:, 1]
+            ok = rows.argmax(-1).cpu() == torch.tensor(r.output)
+            sure = margin.cpu() > 0.2
+            checked += len(r.output)
+            decisive += int(sure.sum())
+            assert ok[sure].all(), f"seq {r.seq_id}: a greedy token differs where HF is decisive"
+        print(f"\n{e.name}: {decisive} of {checked} tokens decisive, all equal to HF's")
+        assert decisive > checked // 4
+    finally:
+        del hf
+        torch.cuda.empty_cache()
+
+
+def measure_peak(e):
+    """Peak device bytes of this configuration: imp-mem's backend peak plus
+    torch's peak reserved, over a workload."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    workload(e, 32, seed=6)
+    return {
+        "imp_mem_peak": int(e.backend.stats()["peak"]),
+        "torch_peak_reserved": int(torch.cuda.max_memory_reserved()),
+    }
+
+
+def test_peak_memory_within_the_checked_in_thresholds(engine):
+    e = engine
+    got = measure_peak(e)
+    thresholds = json.loads(THRESHOLDS.read_text())
+    if os.environ.get("IMP_MEM_UPDATE_THRESHOLDS"):
+        entry = {k: int(v * 1.02) for k, v in got.items()}
+        entry["config"] = dict(ENGINE, model=e.name)
+        thresholds[e.name] = entry
+        THRESHOLDS.write_text(json.dumps(thresholds, indent=2, sort_keys=True) + "\n")
+    limit = thresholds[e.name]
+    print(f"\n{e.name}: peak {got} against {limit}")
+    for key, value in got.items():
+        assert value <= limit[key], f"{key} grew: {value} B > {limit[key]} B"
+
+
+def test_the_load_journal_replays_within_the_plan(checkpoints):
+    backend = imp_mem.VmmBackend(device=0, strict=True)
+    rows, plan, granularity = journal.record_engine_load(
+        backend, checkpoints["qwen3_0_6b"], **ENGINE
+    )
+    result = journal.replay(rows, plan, granularity)
+    assert result.ok, "\n".join(result.violations)
+    assert result.peaks["weights"] > 1 << 30
+    if os.environ.get("IMP_MEM_RECORD_JOURNAL"):
+        journal.save(
+            DATA / "engine_load_journal_gpu_qwen3_0_6b.json",
+            rows,
+            plan,
+            granularity,
+            f"VmmBackend on {torch.cuda.get_device_name()}, random-weight Qwen3-0.6B, "
+            f"Engine({ENGINE}): load, warm-up, graph capture, two requests served",
+        )
+
+
+CHILD = r"""
+import json, sys
+import torch
+import imp_mem
+from imp_mem.engine.runtime import Engine
+
+torch.zeros(1, device="cuda")  # this process's context, and torch's CUDA state
+backend = imp_mem.VmmBackend(device=0, strict=True)
+torch.cuda.synchronize()
+print("ready", torch.cuda.memory_reserved(), flush=True)
+context, other = (int(x) for x in sys.stdin.readline().split())
+# The library reserve stays the plan's measured cuBLAS figure.
+with Engine(sys.argv[1], backend=backend, max_batch=128, max_seq_len=2048,
+            context=context) as e:
+    e.generate([[1, 2, 3] * 40] * 8, 16)
+    torch.cuda.synchronize()
+    report = e.mem_report(other_processes=other)
+    text = e.mem_report_text(other_processes=other)
+print(json.dumps({"report": report, "text": text}), flush=True)
+"""
+
+
+def test_at_least_99_percent_of_device_memory_is_attributed(checkpoints):
+    holder = imp_mem.CudaBackend(device=0)  # keeps this process's context open
+    free_before, total = holder.mem_get_info()
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(checkpoints["qwen3_0_6b"])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        ready, torch_reserved = child.stdout.readline().split()
+        assert ready == "ready"
+        free_with_child, _ = holder.mem_get_info()
+        # The child's context: what it took before the engine, less torch's
+        # own first segment (which the engine names as a charge itself).
+        context = free_before - free_with_child - int(torch_reserved)
+        other = total - free_before
+        child.stdin.write(f"{context} {other}\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+    finally:
+        child.wait(timeout=600)
+    assert child.returncode == 0
+    result = json.loads(line)
+    device = result["report"]["device"]
+    print("\n" + result["text"])
+    assert device["attribution_pct"] >= 99.0, result["text"]
+    assert device["attribution_pct"] <= 101.0, "attributed more than is in use"

@@ -1,0 +1,80 @@
+"""The paged decode kernels compile for the H200 (sm_90) without a GPU
+(issue 13): Triton's own ptxas turns them into a cubin here, which catches
+what the interpreter does not check (layouts, dot shapes, types). The launch
+defaults must not spill registers. Runs in a subprocess, because the
+interpreter (switched on by ``test_engine_attention.py``) replaces the
+compiled kernels of the process that imports them under it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import json, os, re, subprocess, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from imp_mem.engine import _paged_kernel as K
+
+    target = GPUTarget("cuda", 90, 32)
+    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+    def compile(fn, args, consts, options):
+        names = [n for n in fn.arg_names if n not in consts]
+        sig = dict(zip(names, args))
+        sig.update({k: "constexpr" for k in consts})
+        # Strides and pointers divisible by 16, as Triton specialises them at
+        # a launch over the engine's pages.
+        div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if n.startswith(("stride", "Q", "KV", "O", "LSE", "POS", "TABLES", "OUT"))}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div)
+        c = triton.compile(src, target=target, options=options)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(c.asm["ptx"])
+            ptx.flush()
+            report = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx.name, "-o",
+                                     os.devnull], capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\d+) registers", report)
+        spills = re.search(r"(\d+) bytes spill stores", report)
+        return {"cubin": len(c.asm["cubin"]), "registers": int(regs.group(1)),
+                "spill_bytes": int(spills.group(1))}
+
+    split_args = ["*bf16", "*bf16", "*i32", "*i64", "*fp32", "*fp32"] + ["i32"] * 14 + ["fp32"]
+    merge_args = ["*fp32", "*fp32", "*i64", "*bf16"] + ["i32"] * 8
+    out = {}
+    for window in (False, True):
+        consts = dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT_TOKENS=128,
+                      TILE=K.DEFAULT_TILE, HAS_WINDOW=window, DOT_FP32=False)
+        out[f"split window={window}"] = compile(
+            K._split_kernel, split_args, consts,
+            {"num_warps": K.DEFAULT_WARPS, "num_stages": K.DEFAULT_STAGES})
+        consts = dict(HEAD_DIM=128, SPLIT_TOKENS=128, BLOCK_S=8, HAS_WINDOW=window)
+        out[f"merge window={window}"] = compile(K._merge_kernel, merge_args, consts,
+                                                {"num_warps": 1})
+    print(json.dumps(out))
+    """
+)
+
+
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(result) == 4
+    for name, kernel in result.items():
+        assert kernel["cubin"] > 0, name
+        assert kernel["spill_bytes"] == 0, f"{name} spills registers: {kernel}"
+        assert kernel["registers"] <= 200, f"{name} needs {kernel['registers']} registers"

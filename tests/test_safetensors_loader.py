@@ -1,0 +1,140 @@
+"""`load_safetensors` on the fake backend (CPU torch): every tensor lands in
+T1 byte for byte and views the arena in place, chunks of the staging
+buffers cross tensor boundaries, and a checkpoint larger than the plan's
+weights line is refused by tensor name before anything is taken."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from imp_mem import (  # noqa: E402
+    FakeBackend,
+    Features,
+    InvalidArgument,
+    Limits,
+    MemorySystem,
+    ModelShape,
+    PlanInput,
+    WeightsOverflow,
+    plan_memory,
+)
+from imp_mem._safetensors import load_safetensors, read_header  # noqa: E402
+
+MIB = 1 << 20
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def checkpoint(tmp_path, shards=1):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "embed.weight": torch.randn(1000, 512, generator=g).to(torch.bfloat16),
+        "norm.weight": torch.randn(256, generator=g).to(torch.float32),
+        "odd.bias": torch.randn(7, generator=g).to(torch.float16),  # 14 B: unaligned sizes
+        "ids": torch.arange(33, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(1000, 512, generator=g).to(torch.bfloat16),
+    }
+    names = list(tensors)
+    for k in range(shards):
+        part = {n: tensors[n] for n in names[k::shards]}
+        safetensors_torch.save_file(part, str(tmp_path / f"model-{k:05d}.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    return tensors
+
+
+def open_system(tmp_path, weights_bytes=None):
+    shape = ModelShape.from_hf_config(tmp_path, weights_bytes=weights_bytes)
+    plan = plan_memory(
+        PlanInput(
+            shape,
+            Limits(2, 256),
+            Features(),
+            budget="1GiB",
+            context=8 * MIB,
+            library_reserve=4 * MIB,
+        )
+    )
+    return MemorySystem(FakeBackend(capacity="1GiB"), plan)
+
+
+@pytest.mark.parametrize(("shards", "chunk"), [(1, 1 << 20), (3, 4096), (2, 300)])
+def test_every_tensor_lands_in_t1_in_place(tmp_path, shards, chunk):
+    want = checkpoint(tmp_path, shards)
+    system = open_system(tmp_path)
+    arena = system.weights_arena
+    base = arena.stats()["used"]
+    got = load_safetensors(system, tmp_path, chunk_bytes=chunk)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape
+        assert torch.equal(got[name], t), name
+        assert got[name].device.type == "cpu"
+    # In place: the tensors live at aligned addresses inside the arena,
+    # disjoint, and writing one writes T1.
+    spans = sorted(
+        (v.data_ptr(), v.data_ptr() + v.numel() * v.element_size())
+        for v in got.values()
+        if v.numel()
+    )
+    assert all(a % 256 == 0 for a, _ in spans)
+    assert all(e <= b for (_, e), (b, _) in zip(spans, spans[1:]))
+    used = arena.stats()["used"]
+    assert used - base >= sum(t.numel() * t.element_size() for t in want.values())
+    assert used <= system.plan.weights
+    got["norm.weight"][0] = 42.0
+    again = arena.take(256)  # the arena moved on past the weights
+    assert again.address >= spans[-1][1]
+    del got, again, arena
+    system.close()
+
+
+def test_a_checkpoint_larger_than_the_plan_is_refused_by_tensor(tmp_path):
+    checkpoint(tmp_path)
+    system = open_system(tmp_path, weights_bytes=MIB // 2)
+    assert system.plan.weights < 2_000_000  # the two 1 MB matrices do not both fit
+    used = system.weights_arena.used
+    with pytest.raises(WeightsOverflow) as e:
+        load_safetensors(system, tmp_path)
+    assert e.value.tensor == "lm_head.weight"
+    assert e.value.limit == system.plan.weights < e.value.end
+    assert "lm_head.weight" in str(e.value)
+    assert system.weights_arena.used == used, "nothing was taken"
+    del e  # its traceback holds the loader's frame, and the arena
+    system.close()
+
+
+def test_bad_files_are_refused(tmp_path):
+    checkpoint(tmp_path)
+    system = open_system(tmp_path)
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        load_safetensors(system, tmp_path / "nope.safetensors")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with pytest.raises(InvalidArgument, match=r"no \*\.safetensors"):
+        load_safetensors(system, bad)
+    (bad / "x.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    with pytest.raises(InvalidArgument, match="not JSON"):
+        read_header(bad / "x.safetensors")
+    # A header whose byte range disagrees with its shape.
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    (bad / "x.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(InvalidArgument, match="'w'"):
+        read_header(bad / "x.safetensors")
+    system.close()
