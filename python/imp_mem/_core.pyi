@@ -634,7 +634,8 @@ TORCH_MALLOC_SYMBOL: str
 TORCH_FREE_SYMBOL: str
 """``imp_mem_torch_free``: ``void (void* ptr, ssize_t size, int device, cudaStream_t stream)``."""
 CUPY_MALLOC_SYMBOL: str
-"""``imp_mem_cupy_malloc``: ``void* (void* param, size_t size, int device)``; param is the stream."""
+"""``imp_mem_cupy_malloc``: ``void* (void* param, size_t size, int device)``; param is
+the stream."""
 CUPY_FREE_SYMBOL: str
 """``imp_mem_cupy_free``: ``void (void* param, void* ptr, int device)``; param is the stream."""
 
