@@ -161,3 +161,68 @@ def test_an_admission_that_needs_room_offloads_and_waits():
         kv.free(100 + k)
     kv.poll_copies(wait=True)
     kv.check_invariants()
+
+
+def test_onboarded_blocks_serve_the_same_paged_attention():
+    """The engine's paged decode attention over a prefix, before its blocks
+    were evicted to the host tier and after they were onboarded into other
+    device blocks: the same output."""
+    attention = pytest.importorskip("imp_mem.engine.attention")
+    layers, kv_heads, head_dim, heads = 2, 8, 128, 16
+    shape = (layers, 2, BS, kv_heads, head_dim)
+    block_bytes = 2 * layers * 2 * BS * kv_heads * head_dim
+    blocks = 24
+    kv = imp_mem.KVCacheManager(
+        blocks, BS, backend=imp_mem.CudaBackend(device=0), block_bytes=block_bytes, host_blocks=32
+    )
+    ctx = 5 * BS
+    prompt = list(range(7, 7 + ctx + 1))
+    kv.admit(1, prompt)
+    address, _ = kv.block_span(1, 0)
+    base = address - kv.block_table(1)[0] * block_bytes
+    pool = (
+        torch.as_tensor(_View(base, blocks * block_bytes), device="cuda")
+        .view(torch.bfloat16)
+        .view(blocks, *shape)
+    )
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    table = torch.tensor([kv.block_table(1)], dtype=torch.int32, device="cuda")
+    positions = torch.arange(ctx, device="cuda")
+    blk, off = attention.slots(table[0], positions, BS)
+    for layer in range(layers):
+        k = torch.randn(ctx, kv_heads, head_dim, generator=gen, device="cuda")
+        v = torch.randn(ctx, kv_heads, head_dim, generator=gen, device="cuda")
+        attention.store_kv(pool, layer, k, v, blk, off)
+    q = torch.randn(1, heads, head_dim, generator=gen, device="cuda").bfloat16()
+    last = torch.tensor([ctx - 1], device="cuda")
+    try:
+        import triton  # noqa: F401
+
+        backend = "triton"
+    except ImportError:
+        backend = "torch"
+
+    def attend(table):
+        return [
+            attention.paged_decode_attention(q, pool, layer, table, last, backend=backend)
+            for layer in range(layers)
+        ]
+
+    before = attend(table)
+    torch.cuda.synchronize()
+    kv.free(1, ctx)
+    assert kv.evict(5) == 5
+    kv.poll_copies(wait=True)
+    pool.fill_(float("nan"))
+    torch.cuda.synchronize()
+    # Another request takes the freed blocks first, so the prefix comes back
+    # into other ones.
+    kv.admit(2, list(range(90_000, 90_000 + 3 * BS)))
+    assert kv.admit(3, prompt) == ctx
+    kv.wait_onboarding(3, stream=torch.cuda.current_stream().cuda_stream)
+    moved = torch.tensor([kv.block_table(3)], dtype=torch.int32, device="cuda")
+    assert moved[0, :5].tolist() != table[0, :5].tolist()
+    after = attend(moved)
+    for b, a in zip(before, after):
+        assert torch.equal(b, a)
+    kv.poll_copies(wait=True)
