@@ -2,11 +2,14 @@
 //! KV manager's pinned host blocks (`imp_mem_core::kv::host_tier`).
 //!
 //! Algorithm: one pinned host buffer of `slots × block_bytes`
-//! (`cuMemHostAlloc`, page-aligned, never write-combined) and one
-//! copy stream of its own. An offload is one
-//! `cuMemcpyDtoHAsync` from the device block into its slot, an onboard one
-//! `cuMemcpyHtoDAsync` back; after each, an event (timing disabled) is
-//! recorded on the stream, and the copy's ticket names that event. Copies
+//! (`cuMemHostAlloc`, page-aligned, never write-combined) and one copy
+//! stream of its own. An offload is one `cuMemcpyDtoHAsync` from the device
+//! block into its slot, followed by an event (timing disabled) that its
+//! ticket names. An admission's onboards are one batch: neighbours
+//! (consecutive slots into consecutive blocks) merge into one
+//! `cuMemcpyHtoDAsync`, and one event after the batch completes all of its
+//! tickets, so a long prefix costs a few large copies, not one per block.
+//! Copies
 //! run in enqueue order, so a ticket's completion implies every earlier
 //! one's: [`TierIo::is_done`] queries events from the oldest on and retires
 //! them, [`TierIo::wait`] synchronises the ticket's event, and
@@ -47,7 +50,8 @@ pub struct CudaTierIo {
     slots: u32,
     host: *mut c_void,
     stream: CuStream,
-    /// Copies not yet known complete, oldest first, with their events.
+    /// Events not yet known complete, oldest first, each with the last
+    /// ticket it completes (a batch of onboards shares one event).
     pending: VecDeque<(CopyTicket, CuEvent)>,
     spare: Vec<CuEvent>,
     next: CopyTicket,
@@ -140,6 +144,12 @@ impl CudaTierIo {
 
     /// Records the ticket of the copy just enqueued.
     fn record(&mut self) -> Result<CopyTicket, MemError> {
+        self.record_batch(1)
+    }
+
+    /// Records one event completing the `n` copies just enqueued; returns
+    /// the first of their `n` consecutive tickets.
+    fn record_batch(&mut self, n: u64) -> Result<CopyTicket, MemError> {
         let event = self.event()?;
         // SAFETY: the event is live and the stream is ours.
         if let Err(e) = check("cuEventRecord", unsafe {
@@ -148,10 +158,20 @@ impl CudaTierIo {
             self.spare.push(event);
             return Err(e.into());
         }
-        let ticket = self.next;
-        self.next += 1;
-        self.pending.push_back((ticket, event));
-        Ok(ticket)
+        let first = self.next;
+        self.next += n;
+        self.pending.push_back((self.next - 1, event));
+        Ok(first)
+    }
+
+    /// Blocks until everything enqueued has completed (after a failed
+    /// batch: no copy of it may stay in flight).
+    fn drain_stream(&mut self) {
+        if let Some(&(_, last)) = self.pending.back() {
+            // SAFETY: the event is live (owned by `pending`).
+            let _ = unsafe { (self.device.api().event_synchronize)(last) };
+        }
+        let _ = self.retire();
     }
 
     /// Retires the completed events from the oldest on.
@@ -182,7 +202,12 @@ impl CudaTierIo {
         if ticket < self.done_below {
             return Ok(None);
         }
-        match self.pending.iter().find(|(t, _)| *t == ticket) {
+        // The first event whose batch reaches the ticket completes it.
+        match self
+            .pending
+            .iter()
+            .find(|(last, _)| *last >= ticket && ticket < self.next)
+        {
             Some(&(_, e)) => Ok(Some(e)),
             None => Err(MemError::invalid(format!(
                 "copy {ticket} was never enqueued"
@@ -234,6 +259,50 @@ impl TierIo for CudaTierIo {
             )
         })?;
         self.record()
+    }
+
+    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+        if copies.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for &(slot, dev) in copies {
+            let src = self.slot_ptr(slot)? as usize;
+            match runs.last_mut() {
+                // The next slot into the next block: one longer copy.
+                Some((s, d, len)) if *s + *len == src && *d + *len == dev => {
+                    *len += self.block_bytes;
+                }
+                _ => runs.push((src, dev, self.block_bytes)),
+            }
+        }
+        let device = Arc::clone(&self.device);
+        let _scope = device.bind()?;
+        for &(src, dev, len) in &runs {
+            // SAFETY: each run is whole slots of our pinned buffer (checked by
+            // `slot_ptr`, merged only when adjacent), which the manager does
+            // not reuse before the tickets complete; `dev` starts the
+            // consecutive live blocks the manager allocated for the copies.
+            let rc = check("cuMemcpyHtoDAsync_v2", unsafe {
+                (self.device.api().memcpy_htod_async)(
+                    dev as u64,
+                    src as *const c_void,
+                    len,
+                    self.stream,
+                )
+            });
+            if let Err(e) = rc {
+                self.drain_stream();
+                return Err(e.into());
+            }
+        }
+        match self.record_batch(copies.len() as u64) {
+            Ok(first) => Ok((first..first + copies.len() as u64).collect()),
+            Err(e) => {
+                self.drain_stream();
+                Err(e)
+            }
+        }
     }
 
     fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError> {

@@ -58,6 +58,25 @@ pub trait TierIo: Send + std::fmt::Debug {
     fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError>;
     /// Enqueues a copy of host `slot` into the device block at `dev_addr`.
     fn onboard(&mut self, slot: u32, dev_addr: usize) -> Result<CopyTicket, MemError>;
+    /// Enqueues the copies `(slot, dev_addr)` of one admission, in order;
+    /// one ticket each. On an error none of them is in flight (any already
+    /// enqueued have completed). An implementation may merge neighbours
+    /// (consecutive slots into consecutive blocks) into one copy.
+    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+        let mut tickets = Vec::with_capacity(copies.len());
+        for &(slot, dev) in copies {
+            match self.onboard(slot, dev) {
+                Ok(t) => tickets.push(t),
+                Err(e) => {
+                    if let Some(&last) = tickets.last() {
+                        self.wait(last)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(tickets)
+    }
     /// Whether copy `ticket` has completed (does not block).
     fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError>;
     /// Blocks until copy `ticket` has completed.
@@ -280,22 +299,29 @@ impl HostTier {
         self.lru.insert(stamp, hash);
     }
 
-    /// Starts copying host `slot` into device block `block` at `dev_addr`.
-    pub fn begin_onboard(
-        &mut self,
-        slot: u32,
-        block: BlockId,
-        dev_addr: usize,
-    ) -> Result<CopyTicket, MemError> {
-        let ticket = self.io.onboard(slot, dev_addr)?;
-        self.onboarding.push_back(Onboard {
-            ticket,
-            slot,
-            block,
-        });
-        self.counters.onboards += 1;
-        self.counters.onboard_bytes += self.bytes();
-        Ok(ticket)
+    /// Starts copying each `(slot, block, dev_addr)`: host `slot` into
+    /// device block `block` at `dev_addr`. All or nothing: on an error no
+    /// copy is in flight and the slots are still the caller's.
+    pub fn begin_onboard(&mut self, copies: &[(u32, BlockId, usize)]) -> Result<(), MemError> {
+        let pairs: Vec<(u32, usize)> = copies.iter().map(|&(s, _, a)| (s, a)).collect();
+        let tickets = self.io.onboard_many(&pairs)?;
+        if tickets.len() != copies.len() {
+            return Err(MemError::Invariant(format!(
+                "{} onboarding copies got {} tickets",
+                copies.len(),
+                tickets.len()
+            )));
+        }
+        for (&(slot, block, _), ticket) in copies.iter().zip(tickets) {
+            self.onboarding.push_back(Onboard {
+                ticket,
+                slot,
+                block,
+            });
+        }
+        self.counters.onboards += copies.len() as u64;
+        self.counters.onboard_bytes += copies.len() as u64 * self.bytes();
+        Ok(())
     }
 
     /// Drops the host copy of `hash`, which is now cached on the device.
@@ -587,6 +613,19 @@ impl TierIo for FakeTierIo {
             slot,
             dev: dev_addr,
         })
+    }
+
+    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+        let mut s = self.lock();
+        if let Some(&(slot, _)) = copies.iter().find(|c| c.0 >= s.slots) {
+            return Err(MemError::invalid(format!(
+                "host slot {slot} is out of range"
+            )));
+        }
+        copies
+            .iter()
+            .map(|&(slot, dev)| s.enqueue(FakeCopy::In { slot, dev }))
+            .collect()
     }
 
     fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError> {

@@ -859,11 +859,9 @@ impl KVCacheManager {
     }
 
     /// Starts copying host `slots` into the fresh blocks of `seq` from
-    /// index `first` on, then turns each into a cache entry the sequence
-    /// uses. A copy that cannot start waits for those started (their bytes
-    /// land in blocks about to be released) and fails the admission; the
-    /// slots not started are the caller's to restore, the started ones are
-    /// lost (`u32::MAX` marks them).
+    /// index `first` on (one batch), then turns each into a cache entry the
+    /// sequence uses. All or nothing: when the copies cannot start, none is
+    /// in flight and the slots are the caller's to restore.
     fn onboard(
         &mut self,
         seq: &mut Sequence,
@@ -873,35 +871,20 @@ impl KVCacheManager {
         let Some(host) = self.host.as_mut() else {
             return Err(MemError::Invariant("onboarding without a host tier".into()));
         };
-        let mut failed = None;
-        let mut started = 0;
+        let mut copies = Vec::with_capacity(slots.len());
         for (j, &(slot, _)) in slots.iter().enumerate() {
-            let started_ok = match &seq.blocks[first + j] {
-                Slot::Own(t) if slot != u32::MAX => self
-                    .pool
-                    .token_span(t)
-                    .and_then(|span| host.begin_onboard(slot, t.id(), span.addr())),
-                _ => Err(MemError::Invariant(
-                    "an onboarding slot is not fresh".into(),
-                )),
-            };
-            if let Err(e) = started_ok {
-                failed = Some(e);
-                break;
+            match &seq.blocks[first + j] {
+                Slot::Own(t) if slot != u32::MAX => {
+                    copies.push((slot, t.id(), self.pool.token_span(t)?.addr()));
+                }
+                _ => {
+                    return Err(MemError::Invariant(
+                        "an onboarding slot is not fresh".into(),
+                    ))
+                }
             }
-            started += 1;
         }
-        if let Some(e) = failed {
-            let cache = &self.cache;
-            let _ = host.reap(true, |h| cache.get(h).is_some(), &mut self.events);
-            // The started copies' slots are free again; their hashes are
-            // gone from the host tier.
-            for (&h, slot) in seq.hashes[first..].iter().zip(&mut slots[..started]) {
-                self.events.removed(h, Medium::Host);
-                *slot = (u32::MAX, 0);
-            }
-            return Err(e);
-        }
+        host.begin_onboard(&copies)?;
         for (j, &(_, _)) in slots.iter().enumerate() {
             let i = first + j;
             let hash = seq.hashes[i];
