@@ -227,9 +227,10 @@ class KVCacheManager:
         cache_salt: str | bytes | None = None,
         mm: list[MmItem] | None = None,
     ) -> int:
-        """Admits a sequence; returns the cached leading tokens. Raises
-        ``CapacityError`` (``needed``, ``free``, ``evictable``, ``pinned``,
-        ``pool``) and changes nothing when it does not fit."""
+        """Admits a sequence; returns the cached leading tokens (host-tier
+        hits included: call ``wait_onboarding(seq_id)`` before its first
+        step). Raises ``CapacityError`` (``needed``, ``free``, ``evictable``,
+        ``pinned``, ``pool``) and changes nothing when it does not fit."""
     def can_admit(
         self,
         tokens: TokenIds,
@@ -302,7 +303,9 @@ class KVCacheManager:
         mm: list[MmItem] | None = None,
     ) -> int: ...
     def unpin(self, owner: int) -> int: ...
-    def evict(self, n: int) -> int: ...
+    def evict(self, n: int) -> int:
+        """Evicts up to ``n`` LRU cached blocks; with a host tier they are
+        copied there (device blocks free after a later ``poll_copies()``)."""
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
     def drain_events(self) -> list[KvEventTuple]:

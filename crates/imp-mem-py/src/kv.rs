@@ -1035,6 +1035,8 @@ impl PyKVCacheManager {
     }
 
     /// Evicts up to `n` least recently used cached blocks; returns how many.
+    /// With a host tier they are copied there, and their device blocks are
+    /// free after a later `poll_copies()`.
     fn evict(&self, n: u32) -> u32 {
         self.lock().evict(n)
     }

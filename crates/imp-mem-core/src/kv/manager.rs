@@ -1597,7 +1597,8 @@ impl KVCacheManager {
     }
 
     /// Evicts up to `n` LRU cached blocks (pinned and in-use ones are
-    /// skipped). Returns the blocks freed.
+    /// skipped). Returns the blocks evicted: freed now, or, with a host
+    /// tier, being copied there (freed by a later [`Self::poll_copies`]).
     pub fn evict(&mut self, n: u32) -> u32 {
         if self.host.is_some() {
             // Into the host tier, asynchronously: the blocks return to the
