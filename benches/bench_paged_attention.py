@@ -125,7 +125,7 @@ def main() -> None:
 def sweep(q, kv, tables, positions, args, roofline) -> None:
     results = []
     for split, tile, warps, stages in itertools.product(
-        (4, 8, 16, 32), (16, 32, 64, 128), (2, 4, 8), (1, 2, 3)
+        (4, 8, 16), (16, 32, 64, 128), (4, 8), (1, 2, 3)
     ):
         if tile > split * BLOCK:
             continue

@@ -20,6 +20,7 @@ SCRIPT = [
     ("kv_cache", 8 * MIB, True),
     ("state", MIB, False),
     ("scratch", 256 << 10, False),
+    ("activations", 128 << 10, False),
     ("swa_cache", 2 * MIB, True),
     ("pinned_host", 64 << 10, False),
     ("other", 4096, False),

@@ -637,13 +637,25 @@ TORCH_MALLOC_SYMBOL: str
 TORCH_FREE_SYMBOL: str
 """``imp_mem_torch_free``: ``void (void* ptr, ssize_t size, int device, cudaStream_t stream)``."""
 CUPY_MALLOC_SYMBOL: str
-"""``imp_mem_cupy_malloc``: ``void* (void* param, size_t size, int device)``; param is
-the stream."""
+"""``imp_mem_cupy_malloc``: ``void* (void* param, size_t size, int device)``; param: the stream."""
 CUPY_FREE_SYMBOL: str
-"""``imp_mem_cupy_free``: ``void (void* param, void* ptr, int device)``; param is the stream."""
+"""``imp_mem_cupy_free``: ``void (void* param, void* ptr, int device)``; param: the stream."""
 
 def hook_stats() -> dict[str, Any]:
-    """The C hooks' counters (misuse counted by kind), ``installed`` and ``route``."""
+    """The C hooks' counters, plus ``installed`` and ``route``. Calls:
+    ``mallocs``, ``malloc_ok``, ``frees``, ``free_ok``. Refused, by kind:
+    ``not_installed`` / ``free_not_installed`` (no pool), ``zero_size`` (torch
+    asks for 0 bytes for an empty tensor; null is returned), ``negative_size``,
+    ``absurd_size`` (above the device's capacity), ``wrong_device``, ``ooms``
+    (the pool, or its fallback, refused), ``malloc_errors`` (any other core
+    error), ``null_frees``, ``foreign_frees`` (never handed out by the
+    installed pool), ``double_frees`` (inside the pool but not a live block's
+    start: a second free, or a pointer into a block), ``bad_stream_frees``
+    (the reserved stream value). Accepted but odd: ``size_mismatches`` (a
+    free whose size disagrees; freed by the real size). Weights route:
+    ``weights_takes`` / ``weights_bytes``, ``weights_refused``,
+    ``stranded_frees`` / ``stranded_bytes`` (freed T1 takes, not reusable).
+    ``panics``: caught panics (always a bug)."""
 
 def reset_hook_stats() -> None: ...
 def uninstall_hooks() -> bool:

@@ -130,8 +130,13 @@ def test_zero_acquisitions_while_serving(engine):
     assert sum(steady.values()) == 0
     assert e.system.mem_report()["steady_state_allocations_total"] == 0
     assert stats1["num_device_alloc"] == stats0["num_device_alloc"], "torch called cudaMalloc"
-    # Exact but for lazily loaded kernel modules (the driver's, not ours).
-    assert abs(free1 - free0) <= 4 * MIB, "the device's free memory moved while serving"
+    # Exact but for kernel modules the driver loads at a kernel's first launch
+    # (CUDA_MODULE_LOADING=LAZY, the default): a prompt length the first
+    # workload did not have picks other GEMM kernels. The H200 runs of this
+    # session saw 6 and 8 MiB with torch's num_device_alloc flat (above); an
+    # allocation of any tier is a multiple of 2 MiB granules and would also
+    # show in the counters.
+    assert abs(free1 - free0) <= 16 * MIB, "the device's free memory moved while serving"
     calls = decode_only_alloc_calls(e)
     print(f"{e.name}: torch allocator calls per decode-only step: {calls}")
     assert calls == 0
@@ -301,3 +306,60 @@ def test_at_least_99_percent_of_device_memory_is_attributed(checkpoints):
     print("\n" + result["text"])
     assert device["attribution_pct"] >= 99.0, result["text"]
     assert device["attribution_pct"] <= 101.0, "attributed more than is in use"
+
+
+def test_engine_on_the_imp_mem_torch_pool_allocates_nothing_while_serving(checkpoints):
+    """torch's own allocations (prefill activations, the graphs' pool) in the
+    activations tier through imp_mem.torch: planned from a measured warm-up,
+    nothing acquired while serving, and the same greedy tokens as the engine
+    on torch's own allocator."""
+    import imp_mem.torch as imt
+    from imp_mem.engine.runtime import measure_torch_high_water
+
+    path = checkpoints["qwen3_0_6b"]
+    high = measure_torch_high_water(path, requests=48, **ENGINE)
+    rng = random.Random(7)
+    prompts = [
+        [rng.randrange(1000, 100000) for _ in range(rng.randint(16, 300))] for _ in range(48)
+    ]
+
+    def tokens(e):
+        reqs = [e.submit(p, 24) for p in prompts]
+        e.run()
+        return [list(r.output) for r in reqs]
+
+    with Engine(path, backend=imp_mem.VmmBackend(device=0, strict=True), **ENGINE) as e:
+        reference = tokens(e)
+    backend = imp_mem.VmmBackend(device=0, strict=True)
+    with Engine(
+        path,
+        backend=backend,
+        torch_pool="imp_mem",
+        activation_bytes=int(high * 1.1) + 64 * MIB,
+        **ENGINE,
+    ) as e:
+        acts = e.system.activations
+        assert acts is not None and acts.strict
+        workload(e, 48, seed=3, cancel=0.02)  # the first workload warms torch's lazy state
+        torch.cuda.synchronize()
+        h0, s0 = imt.hook_stats(), torch.cuda.memory_stats()
+        got = tokens(e)
+        torch.cuda.synchronize()
+        h1, s1 = imt.hook_stats(), torch.cuda.memory_stats()
+        steady = backend.stats()["steady_state_allocations_total"]
+        report = e.mem_report_text()
+        print("\n" + report)
+        print(
+            f"tier: {acts.stats()}; hook calls while serving: "
+            f"{ {k: h1[k] - h0[k] for k in h1 if h1[k] != h0.get(k)} }"
+        )
+        assert sum(steady.values()) == 0
+        assert s1["num_device_alloc"] == s0["num_device_alloc"], "torch called cudaMalloc"
+        assert h1["ooms"] == h0["ooms"] and h1["panics"] == 0
+        for misuse in ("foreign_frees", "double_frees", "wrong_device", "size_mismatches"):
+            assert h1[misuse] == h0[misuse], misuse
+        assert acts.stats()["fallbacks_total"] == 0
+        acts.check_invariants()
+    same = sum(a == b for a, b in zip(reference, got))
+    print(f"greedy outputs identical to torch's allocator's: {same} of {len(prompts)}")
+    assert same >= 0.9 * len(prompts)

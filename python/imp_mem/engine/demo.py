@@ -43,7 +43,30 @@ def run_engine_demo(
     with tempfile.TemporaryDirectory(prefix="imp-mem-demo-") as tmp:
         out("writing a random-weight checkpoint ...")
         directory = write_random_checkpoint(tmp, config or qwen3_0_6b_config(), seed=seed)
-        with Engine(directory, max_batch=max_batch, max_seq_len=max_seq_len, backend=backend) as e:
+        import torch
+
+        import imp_mem
+        from imp_mem.engine.runtime import measure_torch_high_water
+
+        pooled: dict[str, Any] = {}
+        on_gpu = torch.cuda.is_available() and imp_mem.cuda_available()
+        if on_gpu and (backend is None or backend.kind in ("cuda", "vmm")):
+            # torch's own allocations go to the activations tier (imp_mem.torch),
+            # planned from a measured warm-up of the same engine (seed A3.3).
+            out("measuring torch's high-water over a warm-up ...")
+            high = measure_torch_high_water(
+                directory, requests=2 * max_batch, max_batch=max_batch, max_seq_len=max_seq_len
+            )
+            activations = int(high * 1.1) + (64 << 20)
+            out(f"activations tier: {activations >> 20} MiB (torch's high-water {high >> 20} MiB)")
+            pooled = {"torch_pool": "imp_mem", "activation_bytes": activations}
+        with Engine(
+            directory,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            backend=backend,
+            **pooled,
+        ) as e:
             out(
                 f"engine: {e.backend!r}; opened in {e.open_seconds:.1f} s "
                 f"(weights {e.load_seconds:.1f} s), buckets {e.buckets}, "

@@ -189,6 +189,7 @@ class Engine:
         progress: bool | None = None,
         features: Any = None,
         scratch_bytes: int | None = None,
+        activation_bytes: int | None = None,
     ) -> None:
         t_open = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -209,7 +210,18 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = min(prefill_chunk, max_seq_len)
         self.keep_logits = keep_logits
+        self.kv_growable = kv_growable
         self._torch_pool = torch_pool
+        self.activation_bytes = activation_bytes
+        if torch_pool == "imp_mem":
+            if activation_bytes is None:
+                raise InvalidArgument(
+                    "activation_bytes: torch_pool='imp_mem' plans an activations tier; give its "
+                    "size (measure it with imp_mem.engine.runtime.measure_torch_high_water)"
+                )
+            import imp_mem.torch as imt
+
+            self._torch_pool = lambda system: imt.pool(system).mempool
         self.stats = EngineStats()
         self._step_imp_mem = 0.0
 
@@ -261,6 +273,9 @@ class Engine:
             context=context,
             library_reserve=library_reserve,
             kv_growable=kv_growable,
+            # With the tier torch's, a full tier returns null to torch, which
+            # gives its pool's cached segments back and retries.
+            activation_strict=True if activation_bytes is not None else None,
         )
         try:
             if self._torch_pool is not None:
@@ -353,10 +368,12 @@ class Engine:
         minimum unless `torch_pool` may draw activations from it or
         `scratch_bytes` says otherwise — the engine's own forward pass
         allocates through torch."""
-        if scratch_bytes is None and self._torch_pool is None:
+        if scratch_bytes is None and (self._torch_pool is None or self.activation_bytes):
             scratch_bytes = 1 << 20
         return imp_mem.Features(
-            engine_persistent_bytes=self._t2_bytes(block_size), scratch_bytes=scratch_bytes
+            engine_persistent_bytes=self._t2_bytes(block_size),
+            scratch_bytes=scratch_bytes,
+            activation_bytes=self.activation_bytes,
         )
 
     def _reserve_blocks(self) -> None:
@@ -565,6 +582,15 @@ class Engine:
                 stats.decode_imp_mem_seconds += (
                     sched.kv_seconds - kv_dec + self._step_imp_mem - imp_dec
                 )
+        if self.kv_growable:
+            # The growable pool's hysteretic shrink, fenced after this step.
+            fence = None
+            if self.on_gpu:
+                fence = torch.cuda.Event()
+                fence.record()
+            t0 = time.perf_counter()
+            self.system.step(fence)
+            self._count_imp_mem(time.perf_counter() - t0)
         stats.imp_mem_seconds += sched.kv_seconds - kv0
         stats.steps += 1
         stats.step_seconds += time.perf_counter() - t_step
@@ -704,6 +730,15 @@ class Engine:
         gc.collect()
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
+        if self.activation_bytes is not None and self.on_gpu:
+            # torch's MemPool over the activations tier: its segments go back
+            # to the tier before the tier closes.
+            import imp_mem.torch as imt
+
+            self._torch_pool = None
+            for p in [p for p in imt._pools.values() if p.activations is system.activations]:
+                p.close()
+            imt._core.uninstall_hooks()
         self.system = None
         return system.close()
 
@@ -720,3 +755,27 @@ def _pad_row(width: int, block: int):
     row = np.full(width, -1, dtype=np.int32)
     row[0] = block
     return row
+
+
+def measure_torch_high_water(model_dir: str | Path, *, requests: int = 0, **engine_kw: Any) -> int:
+    """The most device memory torch's allocator holds for an engine of these
+    arguments over its warm-up, graph capture and `requests` random requests
+    (torch's default allocator, a fresh engine): what to plan the activations
+    tier with (``Engine(torch_pool="imp_mem", activation_bytes=...)``, seed A3.3)."""
+    import random
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    with Engine(model_dir, **engine_kw) as e:
+        rng = random.Random(0)
+        for _ in range(requests):
+            n = rng.randint(1, max(1, e.max_seq_len // 2))
+            e.submit([rng.randrange(e.config.vocab_size) for _ in range(n)], 8)
+        e.run()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_reserved(dev) - base
+    torch.cuda.empty_cache()
+    return int(peak)

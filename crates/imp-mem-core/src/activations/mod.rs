@@ -25,7 +25,8 @@
 //! on and is listed under that stream's lane (memory never used yet is on
 //! the lane of [`FRESH_STREAM`], reusable on any stream with no order). A request on stream S is
 //! served from S's lane first, with no synchronisation. Failing that, it
-//! takes a fitting block from another lane T after ordering S after T
+//! takes never-used memory, then a fitting block from another lane T after
+//! ordering S after T
 //! ([`StreamOrder::order_after`]; counted as a cross-stream reuse). Failing
 //! that, it reclaims: it orders S after every other stream that holds free
 //! blocks, moves their blocks to S's lane, merging them with S's neighbours,
@@ -396,6 +397,9 @@ impl Core {
             self.unlist(next, shift);
             self.absorb_next(idx);
         }
+        // The merged block may be a fresh neighbour's entry: it is now
+        // `stream`'s.
+        self.slab[idx as usize].stream = stream;
         let units = self.slab[idx as usize].size >> shift;
         self.lanes[lane as usize].insert(&mut self.slab, idx, units, lane);
     }
@@ -693,15 +697,18 @@ impl ActivationPool {
         need: u64,
         bytes: u64,
     ) -> Result<Option<usize>, MemError> {
-        let found = core
+        // Never-used memory first: it needs no order (and so no driver
+        // call, which matters while a stream is being captured).
+        let fresh = core.lanes.iter().filter(|l| l.stream == FRESH_STREAM);
+        let others = core
             .lanes
             .iter()
-            .filter(|l| l.stream != stream && l.blocks > 0)
-            .find_map(|l| {
-                l.find(units)
-                    .or_else(|| l.find_exact(&core.slab, units, need))
-                    .map(|idx| (idx, l.stream))
-            });
+            .filter(|l| l.stream != stream && l.stream != FRESH_STREAM);
+        let found = fresh.chain(others).filter(|l| l.blocks > 0).find_map(|l| {
+            l.find(units)
+                .or_else(|| l.find_exact(&core.slab, units, need))
+                .map(|idx| (idx, l.stream))
+        });
         let Some((idx, producer)) = found else {
             return Ok(None);
         };

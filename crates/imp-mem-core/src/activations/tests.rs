@@ -169,3 +169,44 @@ fn the_pool_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<ActivationPool>();
 }
+
+#[test]
+fn threads_sharing_one_pool_keep_it_consistent() {
+    let fb = fake(PhaseMode::Strict);
+    let order = FakeStreamOrder::new();
+    let p = pool(&fb, 4 << 20, Arc::new(order.clone()));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let p = p.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                let mut x = 0x9E37_79B9u64 ^ t;
+                for i in 0..5_000u64 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if held.len() < 16 && (x % 3 != 0 || held.is_empty()) {
+                        // Each thread uses its own stream, and sometimes
+                        // another's, so every path runs concurrently.
+                        let stream = if i % 7 == 0 { (t + 1) % 4 } else { t };
+                        if let Ok(a) = p.allocate(1 + x % (64 * KIB), stream) {
+                            held.push(a);
+                        }
+                    } else if let Some(a) = held.pop() {
+                        p.free(a, t).unwrap();
+                    }
+                }
+                for a in held {
+                    p.free(a, t).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    p.check_invariants().unwrap();
+    let s = p.stats();
+    assert_eq!((s.live, s.allocated, s.allocs_total), (0, 0, s.frees_total));
+    assert!(s.allocs_total > 1000, "{s:?}");
+}

@@ -38,9 +38,11 @@ fn plan(budget: u64) -> MemoryPlan {
     .unwrap()
 }
 
-/// The plan plus an SWA pool and a state pool, so every step exists.
+/// The plan plus an SWA pool, a state pool and an activation pool, so
+/// every step exists.
 fn full_plan() -> MemoryPlan {
     let mut p = plan(256 * MIB);
+    p.activations = 2 * MIB;
     p.swa = Some(KvPlan {
         window: Some(128),
         blocks: 40,
@@ -67,12 +69,13 @@ fn fake(capacity: u64, backed: bool) -> FakeBackend {
     .unwrap()
 }
 
-const ORDER: [Tag; 6] = [
+const ORDER: [Tag; 7] = [
     Tag::Workspace,
     Tag::Weights,
     Tag::SwaCache,
     Tag::State,
     Tag::Scratch,
+    Tag::Activations,
     Tag::KvCache,
 ];
 
@@ -97,6 +100,7 @@ fn tiers_open_in_the_seed_order_and_the_journal_shows_it() {
             "swa_pool",
             "state",
             "scratch",
+            "activations",
             "kv_pool"
         ]
     );
@@ -111,6 +115,24 @@ fn tiers_open_in_the_seed_order_and_the_journal_shows_it() {
     assert_eq!(tags[&Tag::Weights].committed, p.model_resident);
     assert_eq!(tags[&Tag::Workspace].committed, p.engine_persistent);
     assert_eq!(tags[&Tag::Scratch].committed, p.scratch);
+    assert_eq!(tags[&Tag::Activations].committed, p.activations);
+    let pool = system.activations().unwrap();
+    assert_eq!(pool.capacity(), p.activations);
+    let a = pool.allocate(MIB, 0).unwrap();
+    let report = system.report(&ReportInput::default());
+    let line = report
+        .tiers
+        .iter()
+        .find(|t| t.key == "activations")
+        .unwrap();
+    assert_eq!(
+        (line.tier, line.tag, line.in_use),
+        ("T4a", "activations", MIB)
+    );
+    assert!(report
+        .metrics()
+        .contains("imp_mem_tier_live_bytes{tier=\"activations\"} 1048576"));
+    pool.free(a, 0).unwrap();
     system.check().unwrap();
 }
 

@@ -1,0 +1,243 @@
+"""The exported C entry points (torch's pluggable-allocator pair and CuPy's
+CFunctionAllocator pair), driven through ctypes on the fake backend: misuse
+never crashes, each kind is counted exactly, the pool's invariants hold
+afterwards, and good calls hand out memory that can be written and read."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import imp_mem
+from imp_mem import _core
+
+MIB = 1 << 20
+c_void_p, c_ssize_t, c_size_t, c_int = (
+    ctypes.c_void_p,
+    ctypes.c_ssize_t,
+    ctypes.c_size_t,
+    ctypes.c_int,
+)
+
+
+def _lib():
+    lib = ctypes.CDLL(_core.hook_library_path())
+    tm = getattr(lib, _core.TORCH_MALLOC_SYMBOL)
+    tm.restype, tm.argtypes = c_void_p, [c_ssize_t, c_int, c_void_p]
+    tf = getattr(lib, _core.TORCH_FREE_SYMBOL)
+    tf.restype, tf.argtypes = None, [c_void_p, c_ssize_t, c_int, c_void_p]
+    cm = getattr(lib, _core.CUPY_MALLOC_SYMBOL)
+    cm.restype, cm.argtypes = c_void_p, [c_void_p, c_size_t, c_int]
+    cf = getattr(lib, _core.CUPY_FREE_SYMBOL)
+    cf.restype, cf.argtypes = None, [c_void_p, c_void_p, c_int]
+    return tm, tf, cm, cf
+
+
+TORCH_MALLOC, TORCH_FREE, CUPY_MALLOC, CUPY_FREE = _lib()
+
+
+@pytest.fixture(autouse=True)
+def clean_hooks():
+    _core.uninstall_hooks()
+    _core.set_hook_route("activations")
+    _core.reset_hook_stats()
+    yield
+    _core.uninstall_hooks()
+    _core.set_hook_route("activations")
+
+
+def misuse(stats: dict) -> dict:
+    """The non-zero counters, without the call totals."""
+    skip = {"mallocs", "frees", "malloc_ok", "free_ok", "installed", "route"}
+    return {k: v for k, v in stats.items() if k not in skip and v}
+
+
+def test_symbols_and_path():
+    assert _core.TORCH_MALLOC_SYMBOL == "imp_mem_torch_malloc"
+    assert _core.TORCH_FREE_SYMBOL == "imp_mem_torch_free"
+    assert _core.CUPY_MALLOC_SYMBOL == "imp_mem_cupy_malloc"
+    assert _core.CUPY_FREE_SYMBOL == "imp_mem_cupy_free"
+    assert _core.hook_library_path() == _core.__file__
+    addresses = _core.hook_addresses()
+    assert addresses[_core.TORCH_MALLOC_SYMBOL] == ctypes.cast(TORCH_MALLOC, c_void_p).value
+    assert addresses[_core.CUPY_FREE_SYMBOL] == ctypes.cast(CUPY_FREE, c_void_p).value
+
+
+def test_nothing_installed_returns_null_and_counts():
+    assert TORCH_MALLOC(4096, 0, None) is None
+    TORCH_FREE(0x1000, 4096, 0, None)
+    assert CUPY_MALLOC(None, 4096, 0) is None
+    CUPY_FREE(None, 0x1000, 0)
+    stats = _core.hook_stats()
+    assert stats["installed"] is False
+    assert misuse(stats) == {"not_installed": 2, "free_not_installed": 2}
+
+
+def test_good_calls_give_memory_that_reads_back(fake):
+    pool = imp_mem.ActivationPool(fake, MIB)
+    pool.install(device=0)
+    assert pool.installed and _core.hook_stats()["installed"]
+    p = TORCH_MALLOC(1000, 0, 7)
+    q = CUPY_MALLOC(None, 3000, 0)
+    assert p % 512 == 0 and q % 512 == 0
+    ctypes.memmove(p, b"torch" * 200, 1000)
+    ctypes.memmove(q, b"cupy" * 750, 3000)
+    assert ctypes.string_at(p, 1000) == b"torch" * 200
+    assert fake.read(q, 3000) == b"cupy" * 750
+    assert pool.size_of(p) == 1000
+    TORCH_FREE(p, 1000, 0, 7)
+    CUPY_FREE(None, q, 0)
+    stats = _core.hook_stats()
+    assert (stats["mallocs"], stats["malloc_ok"], stats["frees"], stats["free_ok"]) == (2, 2, 2, 2)
+    assert misuse(stats) == {}
+    assert pool.stats()["live"] == 0
+    pool.check_invariants()
+
+
+def test_every_misuse_is_counted_exactly(fake):
+    pool = imp_mem.ActivationPool(fake, MIB)
+    pool.install(device=0)
+    good = TORCH_MALLOC(4096, 0, None)
+    assert TORCH_MALLOC(0, 0, None) is None
+    assert TORCH_MALLOC(-1, 0, None) is None
+    assert TORCH_MALLOC(-(1 << 62), 0, None) is None
+    assert TORCH_MALLOC(1 << 62, 0, None) is None  # larger than the device
+    assert CUPY_MALLOC(None, 0, 0) is None
+    assert CUPY_MALLOC(None, (1 << 64) - 1, 0) is None
+    assert TORCH_MALLOC(512, 1, None) is None  # wrong device
+    assert TORCH_MALLOC(2 * MIB, 0, None) is None  # strict pool exhausted
+    TORCH_FREE(None, 0, 0, None)
+    TORCH_FREE(0xDEAD0000, 64, 0, None)  # never ours
+    CUPY_FREE(None, 0x10, 0)
+    TORCH_FREE(good + 512, 4096, 0, None)  # interior
+    TORCH_FREE(good, 4096, 3, None)  # wrong device: refused, still live
+    assert pool.stats()["live"] == 1
+    TORCH_FREE(good, 4095, 0, None)  # freed by its real size, counted
+    TORCH_FREE(good, 4096, 0, None)  # double
+    CUPY_FREE(None, good, 0)  # double again
+    TORCH_FREE(TORCH_MALLOC(512, 0, None), 512, 0, -1)  # the reserved stream
+    assert misuse(_core.hook_stats()) == {
+        "zero_size": 2,
+        "negative_size": 2,
+        "absurd_size": 2,
+        "wrong_device": 2,
+        "ooms": 1,
+        "null_frees": 1,
+        "foreign_frees": 2,
+        "double_frees": 3,
+        "size_mismatches": 1,
+        "bad_stream_frees": 1,
+    }
+    s = pool.stats()
+    assert s["live"] == 1  # the one freed on the reserved stream stays live
+    assert s["refused_frees"] == 6
+    pool.check_invariants()
+    _core.reset_hook_stats()
+    assert misuse(_core.hook_stats()) == {}
+
+
+def test_uninstall_stops_routing_and_a_new_install_replaces(fake):
+    first = imp_mem.ActivationPool(fake, MIB)
+    second = imp_mem.ActivationPool(fake, MIB)
+    first.install()
+    p = TORCH_MALLOC(512, 0, None)
+    assert first.size_of(p) == 512
+    second.install()
+    assert not first.installed and second.installed
+    TORCH_FREE(p, 512, 0, None)  # not the installed pool's: foreign
+    assert _core.hook_stats()["foreign_frees"] == 1
+    first.free(p)
+    assert _core.uninstall_hooks() is True
+    assert _core.uninstall_hooks() is False
+    assert TORCH_MALLOC(512, 0, None) is None
+    assert _core.hook_stats()["not_installed"] == 1
+
+
+def test_install_checks_its_arguments(fake):
+    pool = imp_mem.ActivationPool(fake, MIB)
+    with pytest.raises(imp_mem.InvalidArgument, match="device"):
+        pool.install(device=-1)
+    with pytest.raises(TypeError):
+        pool.install(weights_arena="T1")
+    with pytest.raises(imp_mem.InvalidArgument, match="route"):
+        _core.set_hook_route("kv")
+    assert _core.hook_route() == "activations"
+
+
+def test_the_weights_route_takes_from_t1_and_counts_stranded_frees(fake):
+    pool = imp_mem.ActivationPool(fake, MIB)
+    arena = imp_mem.Arena(fake, MIB)
+    pool.install(weights_arena=arena)
+    _core.set_hook_route("weights")
+    w = TORCH_MALLOC(1000, 0, None)
+    t = TORCH_MALLOC(3000, 0, None)
+    assert w % 512 == 0 and arena.used >= 4000
+    ctypes.memmove(w, b"w" * 1000, 1000)
+    assert fake.read(w, 1000) == b"w" * 1000
+    assert TORCH_MALLOC(2 * MIB, 0, None) is None  # the arena cannot serve it
+    _core.set_hook_route("activations")
+    a = TORCH_MALLOC(1000, 0, None)
+    assert pool.size_of(a) == 1000
+    TORCH_FREE(t, 3000, 0, None)  # a loading temporary: stranded in T1
+    TORCH_FREE(t, 3000, 0, None)  # a second free of it is foreign
+    TORCH_FREE(a, 1000, 0, None)
+    stats = _core.hook_stats()
+    assert (stats["weights_takes"], stats["weights_bytes"]) == (2, 4000)
+    assert misuse(stats) == {
+        "weights_takes": 2,
+        "weights_bytes": 4000,
+        "weights_refused": 1,
+        "stranded_frees": 1,
+        "stranded_bytes": 3000,
+        "foreign_frees": 1,
+    }
+    assert _core.hook_stats()["route"] == "activations"
+    pool.check_invariants()
+
+
+def test_the_weights_route_without_an_arena_refuses(fake):
+    pool = imp_mem.ActivationPool(fake, MIB)
+    pool.install()
+    _core.set_hook_route("weights")
+    assert TORCH_MALLOC(512, 0, None) is None
+    assert _core.hook_stats()["weights_refused"] == 1
+
+
+@given(
+    calls=st.lists(
+        st.one_of(
+            st.tuples(st.just("malloc"), st.integers(-(1 << 40), 1 << 21), st.integers(-1, 1)),
+            st.tuples(st.just("free"), st.integers(0, 40), st.integers(-2, 2)),
+            st.tuples(st.just("bogus"), st.integers(0, 1 << 48), st.integers(0, 1)),
+        ),
+        max_size=50,
+    )
+)
+def test_random_calls_never_break_the_pool(calls):
+    _core.uninstall_hooks()
+    _core.reset_hook_stats()
+    fake = imp_mem.FakeBackend(capacity=4 * MIB)
+    pool = imp_mem.ActivationPool(fake, MIB)
+    pool.install()
+    live: list[tuple[int, int]] = []
+    expected_ok = 0
+    for kind, a, b in calls:
+        if kind == "malloc":
+            p = TORCH_MALLOC(a, b, None)
+            if p is not None:
+                assert a > 0 and b == 0
+                live.append((p, a))
+                expected_ok += 1
+        elif kind == "free" and live:
+            p, size = live.pop(a % len(live))
+            TORCH_FREE(p, size + (b if b > 0 else 0), 0, None)
+        elif kind == "bogus":
+            if not any(p <= a < p + size for p, size in live):
+                TORCH_FREE(a or None, 0, b, None)
+    assert pool.stats()["live"] == len(live)
+    assert _core.hook_stats()["malloc_ok"] == expected_ok
+    pool.check_invariants()
+    _core.uninstall_hooks()
