@@ -322,3 +322,39 @@ def test_zmq_carries_topic_sequence_and_payload_and_replays_missed_batches():
         sub.close(linger=0)
         with pytest.raises(RuntimeError, match="closed"):
             pub.publish(ev.KVEventBatch(ts=0.0))
+
+
+def test_without_the_extra_the_events_say_what_to_install():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["msgpack"] = None
+        sys.modules["zmq"] = None
+        sys.modules["prometheus_client"] = None
+        import imp_mem
+        from imp_mem import events, prometheus
+        kv = imp_mem.KVCacheManager(8, 4, kv_events=True)
+        kv.admit(1, list(range(9)))
+        kv.free(1)
+        batch = events.drain(kv)
+        assert len(batch.events) == 1
+        for call in (
+            lambda: events.encode_batch(batch),
+            lambda: events.ZmqEventPublisher("ipc:///nonexistent/x"),
+            lambda: prometheus.KVCacheCollector(kv),
+        ):
+            try:
+                call()
+            except ImportError as exc:
+                print("HINT", exc)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    hints = [line for line in proc.stdout.splitlines() if line.startswith("HINT")]
+    assert len(hints) == 3, proc.stdout
+    assert all("imp-mem[events]" in h for h in hints[:2]) and "imp-mem[prometheus]" in hints[2]
