@@ -17,7 +17,8 @@ rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q \
-    "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6"
+    "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6" \
+    "msgpack>=1.0" "msgspec>=0.18" "pyzmq>=25" "prometheus_client>=0.17"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

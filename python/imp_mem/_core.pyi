@@ -26,6 +26,15 @@ TagName = Literal[
     "other",
 ]
 
+KvEventTuple: TypeAlias = (
+    tuple[str, list[int], int | None, list[int], int, int | None, str]
+    | tuple[str, list[int], str]
+    | tuple[str]
+)
+"""``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+lora_id, medium)``, ``("BlockRemoved", block_hashes, medium)`` or
+``("AllBlocksCleared",)``; hashes are the 128-bit block hashes."""
+
 JournalRow = tuple[int, str, str, int, str]
 """``(seq, phase, tag, bytes, op)``; op is acquire, release, commit or decommit."""
 
@@ -200,6 +209,10 @@ class KVCacheManager:
         model_fingerprint: str = "",
         dtype: str = "",
         layout: str = "",
+        kv_events: bool = False,
+        host_blocks: int = 0,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 0,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -214,9 +227,10 @@ class KVCacheManager:
         cache_salt: str | bytes | None = None,
         mm: list[MmItem] | None = None,
     ) -> int:
-        """Admits a sequence; returns the cached leading tokens. Raises
-        ``CapacityError`` (``needed``, ``free``, ``evictable``, ``pinned``,
-        ``pool``) and changes nothing when it does not fit."""
+        """Admits a sequence; returns the cached leading tokens (host-tier
+        hits included: call ``wait_onboarding(seq_id)`` before its first
+        step). Raises ``CapacityError`` (``needed``, ``free``, ``evictable``,
+        ``pinned``, ``pool``) and changes nothing when it does not fit."""
     def can_admit(
         self,
         tokens: TokenIds,
@@ -289,9 +303,33 @@ class KVCacheManager:
         mm: list[MmItem] | None = None,
     ) -> int: ...
     def unpin(self, owner: int) -> int: ...
-    def evict(self, n: int) -> int: ...
+    def evict(self, n: int) -> int:
+        """Evicts up to ``n`` LRU cached blocks; with a host tier they are
+        copied there (device blocks free after a later ``poll_copies()``)."""
     def save_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
     def load_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
+    def drain_events(self) -> list[KvEventTuple]:
+        """The KV events since the last call, oldest first, each a tuple in
+        the field order of vLLM's event (``imp_mem.events`` wraps them).
+        Empty unless built with ``kv_events=True``."""
+    def pending_events(self) -> int: ...
+    def poll_copies(self, wait: bool = False) -> int:
+        """Finishes the host tier's completed copies (all, waiting, with
+        ``wait=True``): offloaded blocks' device blocks are free again, their
+        hashes host hits. Once per engine step; returns device blocks freed."""
+    def onboarding(self, seq_id: int) -> list[int]:
+        """The host-to-device copies ``seq_id``'s blocks still wait for."""
+    def wait_onboarding(self, seq_id: int, stream: int | None = None) -> int:
+        """Waits for ``seq_id``'s onboarding on the host, or makes CUDA
+        stream ``stream`` wait for it; returns the copies waited on."""
+    def host_cached_blocks(self) -> list[int]:
+        """Hashes resident in the host tier, least recently used first."""
+    def disk_cached_blocks(self) -> list[int]:
+        """Hashes in the disk tier (one prefix-cache file each under
+        ``disk_dir``), least recently written first."""
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache when no cached block is in use or
+        pinned; False (nothing changed) otherwise."""
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> None: ...
 
@@ -845,6 +883,7 @@ class Features:
         lora_rank: int | None = None,
         scratch_bytes: ByteCount | None = None,
         engine_persistent_bytes: ByteCount | None = None,
+        kv_host_bytes: ByteCount | None = None,
         activation_bytes: ByteCount | None = None,
     ) -> None: ...
     @property
@@ -857,6 +896,9 @@ class Features:
     def lora_slots(self) -> int: ...
     @property
     def lora_rank(self) -> int: ...
+    @property
+    def kv_host_bytes(self) -> int:
+        """Pinned host bytes for the KV host tier (T5b; not device memory)."""
     @property
     def scratch_bytes(self) -> int | None: ...
     @property
@@ -924,6 +966,10 @@ class MemoryPlan:
     def kv(self) -> dict[str, Any]: ...
     @property
     def swa(self) -> dict[str, Any] | None: ...
+    @property
+    def kv_host(self) -> dict[str, Any] | None:
+        """The KV host tier (``blocks``, ``block_bytes``, ``bytes``): pinned
+        host memory within ``Features.kv_host_bytes``, outside ``total``."""
     @property
     def pools(self) -> list[dict[str, Any]]: ...
     @property
@@ -1035,6 +1081,8 @@ class MemorySystem:
         model_fingerprint: str = "",
         dtype: str | None = None,
         layout: str = "",
+        kv_events: bool = False,
+        host_blocks: int | None = None,
     ) -> KVCacheManager:
         """A KVCacheManager over this system's KV (and SWA) pool: its blocks are
         the ones the report attributes to ``kv_cache``. Defaults come from the

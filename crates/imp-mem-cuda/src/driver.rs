@@ -277,7 +277,11 @@ driver_api! {
     event_query = "cuEventQuery": fn(CuEvent);
     event_synchronize = "cuEventSynchronize": fn(CuEvent);
     event_destroy = "cuEventDestroy_v2": fn(CuEvent);
+    stream_create = "cuStreamCreate": fn(*mut CuStream, c_uint);
+    stream_destroy = "cuStreamDestroy_v2": fn(CuStream);
     stream_wait_event = "cuStreamWaitEvent": fn(CuStream, CuEvent, c_uint);
+    memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2": fn(*mut c_void, CuDevicePtr, usize, CuStream);
+    memcpy_htod_async = "cuMemcpyHtoDAsync_v2": fn(CuDevicePtr, *const c_void, usize, CuStream);
 }
 
 /// A failed driver call: which call, and the result code.

@@ -19,6 +19,7 @@
 //!   pure and live in the core (`imp_mem_core::decommit`, re-exported here);
 //!   [`Fence`] implements their [`FenceLike`].
 //! * [`pinned`] — pinned host buffers and host registration.
+//! * [`host_tier`] — [`CudaTierIo`]: the KV host tier's async copies.
 //! * [`reserve`] — the measured context cost and library reserve, cached by
 //!   fingerprint, with the 10 % self-check (pure, CPU-tested).
 #![deny(missing_docs)]
@@ -27,6 +28,7 @@ pub mod block_io;
 pub mod device;
 pub mod driver;
 pub mod fence;
+pub mod host_tier;
 pub mod pinned;
 pub mod reserve;
 pub mod stream_order;
@@ -36,6 +38,7 @@ pub use block_io::CudaBlockIo;
 pub use device::{cuda_backend, CudaSource};
 pub use driver::{cuda_available, device_count, DeviceContext, DeviceProps};
 pub use fence::Fence;
+pub use host_tier::CudaTierIo;
 pub use imp_mem_core::decommit::{
     Decision, DecommitPolicy, DecommitTracker, DeferredDecommit, FenceLike,
 };

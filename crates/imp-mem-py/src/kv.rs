@@ -22,15 +22,15 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::tokens::{self as rule, IntLayout};
 use imp_mem_core::kv::{
-    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, IdSource, KVCacheManager, KvConfig, KvStats,
-    MmSpan, DEFAULT_HASH_SEED,
+    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, FakeTierIo, IdSource, KVCacheManager, KvConfig,
+    KvEvent, KvStats, MmSpan, TierIo, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
-use imp_mem_cuda::CudaBlockIo;
+use imp_mem_cuda::{CudaBlockIo, CudaTierIo};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::backend::{PyBackend, PyFakeBackend};
 use crate::buffer::{self, BufferView, WordView};
@@ -453,7 +453,24 @@ fn stats_dict<'py>(py: Python<'py>, s: &KvStats) -> PyResult<Bound<'py, PyDict>>
     d.set_item("prefix_queries", s.prefix_queries)?;
     d.set_item("prefix_query_blocks", s.prefix_query_blocks)?;
     d.set_item("prefix_hit_blocks", s.prefix_hit_blocks)?;
+    d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
+    d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
     d.set_item("evictions", s.evictions)?;
+    d.set_item("host_capacity", s.host_capacity)?;
+    d.set_item("host_cached", s.host_cached)?;
+    d.set_item("host_free", s.host_free)?;
+    d.set_item("host_offloading", s.host_offloading)?;
+    d.set_item("host_onboarding", s.host_onboarding)?;
+    d.set_item("host_hit_blocks", s.host_hit_blocks)?;
+    d.set_item("offloads", s.offloads)?;
+    d.set_item("offload_bytes", s.offload_bytes)?;
+    d.set_item("onboards", s.onboards)?;
+    d.set_item("onboard_bytes", s.onboard_bytes)?;
+    d.set_item("host_evictions", s.host_evictions)?;
+    d.set_item("disk_cached", s.disk_cached)?;
+    d.set_item("disk_bytes", s.disk_bytes)?;
+    d.set_item("disk_spills", s.disk_spills)?;
+    d.set_item("disk_loads", s.disk_loads)?;
     Ok(d)
 }
 
@@ -612,6 +629,43 @@ pub(crate) fn block_io(backend: &Bound<'_, PyAny>, block_bytes: usize) -> Option
     }
 }
 
+/// The host tier's copies for a pool on `backend`: host memory copies on
+/// the fake (run as they are enqueued), pinned memory and a copy stream on
+/// a GPU.
+pub(crate) fn tier_io(
+    backend: Option<&Bound<'_, PyAny>>,
+    block_bytes: usize,
+    host_blocks: u32,
+) -> PyResult<Box<dyn TierIo>> {
+    let unsupported = || {
+        invalid(format!(
+            "host_blocks={host_blocks} needs a manager over a backend (FakeBackend, \
+             CudaBackend or VmmBackend) with block_bytes > 0; pass both, or host_blocks=0"
+        ))
+    };
+    let Some(b) = backend.filter(|_| block_bytes > 0) else {
+        return Err(unsupported());
+    };
+    if let Ok(fake) = b.downcast::<PyFakeBackend>() {
+        Ok(Box::new(FakeTierIo::new(
+            fake.get().fake.clone(),
+            block_bytes,
+            host_blocks,
+            true,
+        )))
+    } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
+        Ok(Box::new(
+            CudaTierIo::new(cuda.get().context(), block_bytes, host_blocks).py()?,
+        ))
+    } else if let Ok(vmm) = b.downcast::<crate::cuda::PyVmmBackend>() {
+        Ok(Box::new(
+            CudaTierIo::new(vmm.get().context(), block_bytes, host_blocks).py()?,
+        ))
+    } else {
+        Err(unsupported())
+    }
+}
+
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
@@ -619,7 +673,8 @@ impl PyKVCacheManager {
         num_blocks, block_size, *, backend = None, block_bytes = 0, swa_blocks = 0,
         swa_window = 0, swa_block_bytes = 0, enable_prefix_caching = true, hash_seed = None,
         pin_budget = None, model_fingerprint = String::new(), dtype = String::new(),
-        layout = String::new()
+        layout = String::new(), kv_events = false, host_blocks = 0, disk_dir = None,
+        disk_bytes = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -636,6 +691,10 @@ impl PyKVCacheManager {
         model_fingerprint: String,
         dtype: String,
         layout: String,
+        kv_events: bool,
+        host_blocks: u32,
+        disk_dir: Option<PathBuf>,
+        disk_bytes: u64,
     ) -> PyResult<Self> {
         let mut cfg = KvConfig::new(block_size, num_blocks);
         cfg.block_bytes = block_bytes;
@@ -650,6 +709,7 @@ impl PyKVCacheManager {
         cfg.model_fingerprint = model_fingerprint;
         cfg.dtype = dtype;
         cfg.layout = layout;
+        cfg.kv_events = kv_events;
         let backend = backend.filter(|b| !b.is_none());
         let core: Option<Backend> = match backend {
             Some(b) => Some(
@@ -665,6 +725,21 @@ impl PyKVCacheManager {
         if let (Some(b), true) = (backend, block_bytes > 0) {
             if let Some(io) = block_io(b, block_bytes) {
                 m.set_block_io(io).py()?;
+            }
+        }
+        if host_blocks > 0 {
+            m.set_host_tier(tier_io(backend, block_bytes, host_blocks)?)
+                .py()?;
+        }
+        match (disk_dir, disk_bytes) {
+            (None, 0) => {}
+            (Some(dir), bytes) if bytes > 0 && host_blocks > 0 => {
+                m.set_disk_tier(&dir, bytes).py()?;
+            }
+            _ => {
+                return Err(invalid(
+                    "disk_dir and disk_bytes: a disk tier needs both, and host_blocks > 0",
+                ))
             }
         }
         Ok(Self::from_core(m))
@@ -960,6 +1035,8 @@ impl PyKVCacheManager {
     }
 
     /// Evicts up to `n` least recently used cached blocks; returns how many.
+    /// With a host tier they are copied there, and their device blocks are
+    /// free after a later `poll_copies()`.
     fn evict(&self, n: u32) -> u32 {
         self.lock().evict(n)
     }
@@ -974,6 +1051,100 @@ impl PyKVCacheManager {
     fn load_prefix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<u64> {
         py.allow_threads(|| self.lock().load_prefix_cache(&path))
             .py()
+    }
+
+    /// Takes the KV events recorded since the last call (one batch per
+    /// engine step), oldest first, each a tuple in the field order of
+    /// vLLM's events: `("BlockStored", block_hashes, parent_block_hash,
+    /// token_ids, block_size, lora_id, medium)`, `("BlockRemoved",
+    /// block_hashes, medium)`, `("AllBlocksCleared",)`. Hashes are the
+    /// 128-bit block hashes as ints. Empty unless built with
+    /// `kv_events=True`.
+    fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let events = self.lock().drain_events();
+        let out = PyList::empty(py);
+        for e in events {
+            let item = match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    lora_id,
+                    medium,
+                } => PyTuple::new(
+                    py,
+                    [
+                        intern!(py, "BlockStored").clone().into_any(),
+                        PyList::new(py, block_hashes)?.into_any(),
+                        parent_block_hash.into_pyobject(py)?.into_any(),
+                        PyList::new(py, token_ids)?.into_any(),
+                        self.block_size.into_pyobject(py)?.into_any(),
+                        lora_id.into_pyobject(py)?.into_any(),
+                        PyString::new(py, medium.as_str()).into_any(),
+                    ],
+                )?,
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } => PyTuple::new(
+                    py,
+                    [
+                        intern!(py, "BlockRemoved").clone().into_any(),
+                        PyList::new(py, block_hashes)?.into_any(),
+                        PyString::new(py, medium.as_str()).into_any(),
+                    ],
+                )?,
+                KvEvent::AllBlocksCleared => {
+                    PyTuple::new(py, [intern!(py, "AllBlocksCleared").clone()])?
+                }
+            };
+            out.append(item)?;
+        }
+        Ok(out)
+    }
+
+    /// Finishes the host tier's completed copies (all of them, waiting,
+    /// with `wait=True`); returns the device blocks freed. Call once per
+    /// engine step.
+    #[pyo3(signature = (wait = false))]
+    fn poll_copies(&self, py: Python<'_>, wait: bool) -> PyResult<u32> {
+        py.allow_threads(|| self.lock().poll_copies(wait)).py()
+    }
+
+    /// The host-to-device copies `seq_id`'s blocks still wait for (tickets).
+    fn onboarding(&self, seq_id: u64) -> PyResult<Vec<u64>> {
+        self.lock().onboarding(seq_id).py()
+    }
+
+    /// Waits until `seq_id`'s onboarded blocks hold their bytes: on the
+    /// host, or, given `stream` (a CUstream as an int, e.g. torch's
+    /// `current_stream().cuda_stream`), by making that stream wait on the
+    /// device. Returns the copies waited on.
+    #[pyo3(signature = (seq_id, stream = None))]
+    fn wait_onboarding(&self, py: Python<'_>, seq_id: u64, stream: Option<usize>) -> PyResult<u32> {
+        py.allow_threads(|| self.lock().wait_onboarding(seq_id, stream))
+            .py()
+    }
+
+    /// Hashes resident in the host tier, least recently used first.
+    fn host_cached_blocks(&self) -> Vec<BlockHash> {
+        self.lock().host_cached_blocks()
+    }
+
+    /// Hashes in the disk tier, least recently written first.
+    fn disk_cached_blocks(&self) -> Vec<BlockHash> {
+        self.lock().disk_cached_blocks()
+    }
+
+    /// Events waiting for `drain_events`.
+    fn pending_events(&self) -> usize {
+        self.lock().pending_events()
+    }
+
+    /// Empties the prefix cache when no sequence uses a cached block and
+    /// none is pinned; returns False (and changes nothing) otherwise.
+    fn reset_prefix_cache(&self) -> bool {
+        self.lock().reset_prefix_cache()
     }
 
     /// The counters, as a dict.

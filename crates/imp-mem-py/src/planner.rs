@@ -365,7 +365,8 @@ impl PyFeatures {
     #[new]
     #[pyo3(signature = (*, spec_depth = None, draft_weights_bytes = None, vision_tower_bytes = None,
                         lora_slots = None, lora_rank = None, scratch_bytes = None,
-                        engine_persistent_bytes = None, activation_bytes = None))]
+                        engine_persistent_bytes = None, kv_host_bytes = None,
+                        activation_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         spec_depth: Option<&Bound<'_, PyAny>>,
@@ -375,6 +376,7 @@ impl PyFeatures {
         lora_rank: Option<&Bound<'_, PyAny>>,
         scratch_bytes: Option<&Bound<'_, PyAny>>,
         engine_persistent_bytes: Option<&Bound<'_, PyAny>>,
+        kv_host_bytes: Option<&Bound<'_, PyAny>>,
         activation_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let count = |v: Option<&Bound<'_, PyAny>>, what: &str| -> PyResult<u32> {
@@ -391,6 +393,7 @@ impl PyFeatures {
             lora_rank: count(lora_rank, "lora_rank")?,
             scratch_bytes: opt_size(scratch_bytes, "scratch_bytes")?,
             engine_persistent_bytes: opt_size(engine_persistent_bytes, "engine_persistent_bytes")?,
+            kv_host_bytes: opt_size(kv_host_bytes, "kv_host_bytes")?.unwrap_or(0),
             activation_bytes: opt_size(activation_bytes, "activation_bytes")?,
         };
         if inner.lora_slots > 0 && inner.lora_rank == 0 {
@@ -418,6 +421,11 @@ impl PyFeatures {
     #[getter]
     fn lora_rank(&self) -> u32 {
         self.inner.lora_rank
+    }
+    /// Pinned host bytes for the KV host tier (T5b; not device memory).
+    #[getter]
+    fn kv_host_bytes(&self) -> u64 {
+        self.inner.kv_host_bytes
     }
     #[getter]
     fn scratch_bytes(&self) -> Option<u64> {
@@ -613,6 +621,12 @@ impl PyMemoryPlan {
     #[getter]
     fn kv(&self, py: Python<'_>) -> PyResult<PyObject> {
         to_py_object(py, &self.inner.kv)
+    }
+    /// The KV host tier (T5b) as a dict (blocks, block_bytes, bytes), or
+    /// None: pinned host memory, outside the device total.
+    #[getter]
+    fn kv_host(&self, py: Python<'_>) -> PyResult<PyObject> {
+        to_py_object(py, &self.inner.kv_host)
     }
     /// The sliding-window KV pool as a dict, or None.
     #[getter]

@@ -313,7 +313,7 @@ impl PyMemorySystem {
     #[pyo3(signature = (
         block_size = None, *, swa_window = None, enable_prefix_caching = true,
         hash_seed = None, pin_budget = None, model_fingerprint = String::new(), dtype = None,
-        layout = String::new()
+        layout = String::new(), kv_events = false, host_blocks = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn kv_manager(
@@ -327,9 +327,18 @@ impl PyMemorySystem {
         model_fingerprint: String,
         dtype: Option<String>,
         layout: String,
+        kv_events: bool,
+        host_blocks: Option<u32>,
     ) -> PyResult<PyKVCacheManager> {
-        let mut m = {
+        let (mut m, host_blocks) = {
             let system = self.open()?;
+            // The plan's host tier unless told otherwise.
+            let planned = system
+                .plan()
+                .kv_host
+                .as_ref()
+                .map_or(0, |h| u32::try_from(h.blocks).unwrap_or(u32::MAX));
+            let host_blocks = host_blocks.unwrap_or(planned);
             let mut config = system.kv_config().py()?;
             if let Some(bs) = block_size {
                 config.block_size = bs;
@@ -347,11 +356,21 @@ impl PyMemorySystem {
                 config.dtype = d;
             }
             config.layout = layout;
-            system.kv_manager(config).py()?
+            config.kv_events = kv_events;
+            (system.kv_manager(config).py()?, host_blocks)
         };
         let block_bytes = m.config().block_bytes;
         if let Some(io) = block_io(self.backend.bind(py).as_any(), block_bytes) {
             m.set_block_io(io).py()?;
+        }
+        if host_blocks > 0 {
+            let backend = self.backend.bind(py);
+            m.set_host_tier(crate::kv::tier_io(
+                Some(backend.as_any()),
+                block_bytes,
+                host_blocks,
+            )?)
+            .py()?;
         }
         Ok(PyKVCacheManager::from_core(m))
     }

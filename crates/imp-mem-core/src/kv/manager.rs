@@ -6,7 +6,9 @@ use std::collections::VecDeque;
 use crate::backend::Backend;
 use crate::block_pool::{BlockId, BlockToken, PoolConfig, SharedBlockPool};
 use crate::error::{KvCapacityReport, MemError};
+use crate::kv::events::{EventLog, KvEvent, Medium};
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
+use crate::kv::host_tier::{CopyTicket, HostTier, TierIo};
 use crate::kv::persist::BlockIo;
 use crate::kv::prefix::{Entry, FastMap, Insert, PrefixCache};
 use crate::tag::Tag;
@@ -44,6 +46,10 @@ pub struct KvConfig {
     pub dtype: String,
     /// The KV layout, recorded in persisted files.
     pub layout: String,
+    /// Record KV events for [`KVCacheManager::drain_events`] (the manager
+    /// then also keeps each sequence's token ids, which `BlockStored`
+    /// carries).
+    pub kv_events: bool,
 }
 
 impl KvConfig {
@@ -63,6 +69,7 @@ impl KvConfig {
             model_fingerprint: String::new(),
             dtype: String::new(),
             layout: String::new(),
+            kv_events: false,
         }
     }
 
@@ -126,6 +133,42 @@ pub struct KvStats {
     pub prefix_query_blocks: u64,
     /// Blocks they found cached.
     pub prefix_hit_blocks: u64,
+    /// Prompt tokens those lookups were made for (vLLM's prefix-cache
+    /// queries).
+    pub prefix_query_tokens: u64,
+    /// Tokens they found cached (vLLM's prefix-cache hits), in either tier.
+    pub prefix_hit_tokens: u64,
+    /// Host slots of the host tier (0 without one).
+    pub host_capacity: u32,
+    /// Prefix blocks resident in the host tier.
+    pub host_cached: u32,
+    /// Host slots holding nothing.
+    pub host_free: u32,
+    /// Device → host copies in flight (their device blocks wait for them).
+    pub host_offloading: u32,
+    /// Host → device copies in flight (their host slots wait for them).
+    pub host_onboarding: u32,
+    /// Prefix hits served from the host tier, in blocks.
+    pub host_hit_blocks: u64,
+    /// Device → host copies completed, in blocks.
+    pub offloads: u64,
+    /// ... and in bytes.
+    pub offload_bytes: u64,
+    /// Host → device copies started, in blocks.
+    pub onboards: u64,
+    /// ... and in bytes.
+    pub onboard_bytes: u64,
+    /// Host blocks evicted to make room for newer ones (to disk, with a
+    /// disk tier).
+    pub host_evictions: u64,
+    /// Blocks held in the disk tier.
+    pub disk_cached: u32,
+    /// Bytes of the disk tier's files.
+    pub disk_bytes: u64,
+    /// Blocks written to the disk tier.
+    pub disk_spills: u64,
+    /// Blocks read back from it (prefix hits).
+    pub disk_loads: u64,
     /// Cache entries evicted.
     pub evictions: u64,
 }
@@ -162,8 +205,11 @@ pub struct Admission {
     pub cached_tokens: usize,
     /// Blocks in the sequence's table.
     pub blocks: usize,
-    /// Blocks newly allocated for it.
+    /// Blocks newly allocated for it (onboarded ones included).
     pub new_blocks: usize,
+    /// Of the cached blocks, those being copied in from the host tier: the
+    /// sequence's first step waits for them ([`KVCacheManager::onboarding`]).
+    pub onboarded_blocks: usize,
 }
 
 /// A block of the SWA pool. The cache takes no `SwaRef` and there is no way
@@ -204,6 +250,9 @@ struct Sequence {
     /// The tokens of the partial last block (the full ones live on only as
     /// hashes).
     tail: Vec<u32>,
+    /// Every token, kept only while KV events are on (`BlockStored`
+    /// carries the ids of the blocks it names).
+    tokens: Vec<u32>,
     extras: ExtraKeys,
     root: BlockHash,
     /// Chained hashes of the full blocks (empty with prefix caching off).
@@ -274,6 +323,7 @@ impl Spare {
             return;
         }
         seq.tail.clear();
+        seq.tokens.clear();
         seq.extras = ExtraKeys::default();
         seq.hashes.clear();
         seq.table.clear();
@@ -305,6 +355,8 @@ pub struct KVCacheManager {
     pub(crate) io: Option<Box<dyn BlockIo>>,
     stats: KvStats,
     spare: Spare,
+    pub(crate) events: EventLog,
+    pub(crate) host: Option<HostTier>,
 }
 
 fn ceil_div(a: usize, b: usize) -> usize {
@@ -386,6 +438,8 @@ impl KVCacheManager {
             ..KvStats::default()
         };
         Ok(Self {
+            host: None,
+            events: EventLog::new(config.kv_events),
             hasher: BlockHasher::new(config.block_size, config.hash_seed),
             cache: PrefixCache::new(&pool),
             config,
@@ -403,6 +457,106 @@ impl KVCacheManager {
     pub fn set_block_io(&mut self, io: Box<dyn BlockIo>) -> Result<(), MemError> {
         self.io = Some(io);
         Ok(())
+    }
+
+    /// Puts a host tier behind the prefix cache: evicted blocks are copied
+    /// into `io`'s host slots instead of dropped, and prefix hits on them
+    /// are copied back (`kv::host_tier`). Needs a pool laid out over
+    /// memory (`block_bytes`), prefix caching, and no host tier yet.
+    pub fn set_host_tier(&mut self, io: Box<dyn TierIo>) -> Result<(), MemError> {
+        let bb = self.pool.block_bytes();
+        if bb == 0 {
+            return Err(MemError::invalid(
+                "a host tier copies block bytes: build the manager over a backend with \
+                 block_bytes > 0",
+            ));
+        }
+        if io.block_bytes() != bb {
+            return Err(MemError::invalid(format!(
+                "the host tier copies blocks of {} bytes but the pool's are {bb}",
+                io.block_bytes()
+            )));
+        }
+        if !self.config.enable_prefix_caching {
+            return Err(MemError::invalid(
+                "a host tier needs prefix caching enabled",
+            ));
+        }
+        if io.slots() == 0 {
+            return Err(MemError::invalid(
+                "a host tier needs at least one host block",
+            ));
+        }
+        if self.host.is_some() {
+            return Err(MemError::invalid("this manager has a host tier already"));
+        }
+        self.host = Some(HostTier::new(io));
+        Ok(())
+    }
+
+    /// Finishes the host tier's completed copies (without waiting, or
+    /// waiting for all with `wait`): an offloaded block's device block
+    /// returns to the free list and its hash becomes a host hit; an
+    /// onboarded block's host slot is free again. Call it once per engine
+    /// step. Returns the device blocks freed.
+    pub fn poll_copies(&mut self, wait: bool) -> Result<u32, MemError> {
+        let Some(host) = self.host.as_mut() else {
+            return Ok(0);
+        };
+        let cache = &self.cache;
+        let reaped = host.reap(wait, |h| cache.get(h).is_some(), &mut self.events)?;
+        let n = reaped.tokens.len() as u32;
+        self.pool.release_tokens(reaped.tokens)?;
+        Ok(n)
+    }
+
+    /// The host → device copies sequence `id`'s blocks still wait for
+    /// (its own onboarding, or another sequence's it hit).
+    pub fn onboarding(&self, id: SeqId) -> Result<Vec<CopyTicket>, MemError> {
+        let seq = self.seq(id)?;
+        let Some(host) = &self.host else {
+            return Ok(Vec::new());
+        };
+        if host.onboarding.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(seq
+            .blocks
+            .iter()
+            .filter_map(|s| s.id().and_then(|b| host.pending_onboard(b)))
+            .collect())
+    }
+
+    /// Waits until sequence `id`'s blocks hold their bytes: on the host, or,
+    /// given `stream` (a `CUstream` as an integer), by making the work
+    /// enqueued on it next wait on the device. Returns the copies waited on.
+    pub fn wait_onboarding(&mut self, id: SeqId, stream: Option<usize>) -> Result<u32, MemError> {
+        let tickets = self.onboarding(id)?;
+        let Some(host) = self.host.as_mut() else {
+            return Ok(0);
+        };
+        for &t in &tickets {
+            match stream {
+                Some(s) => host.io.stream_wait(t, s)?,
+                None => host.io.wait(t)?,
+            }
+        }
+        Ok(tickets.len() as u32)
+    }
+
+    /// Hashes in the disk tier, least recently written first.
+    pub fn disk_cached_blocks(&self) -> Vec<BlockHash> {
+        self.host
+            .as_ref()
+            .and_then(|h| h.disk.as_ref())
+            .map_or_else(Vec::new, |d| d.in_order())
+    }
+
+    /// Hashes resident in the host tier, least recently used first.
+    pub fn host_cached_blocks(&self) -> Vec<BlockHash> {
+        self.host
+            .as_ref()
+            .map_or_else(Vec::new, HostTier::resident_in_order)
     }
 
     /// The configuration.
@@ -470,6 +624,67 @@ impl KVCacheManager {
         evictable
     }
 
+    /// Hits continuing a prefix past its `device` device hits: `(host,
+    /// disk)`, the leading blocks of `hashes[device..]` resident in the
+    /// host tier, then those on disk (as many as host slots can stage),
+    /// under the same limit as [`Self::match_prefix`].
+    fn match_host(&self, hashes: &[BlockHash], n_tokens: usize, device: usize) -> (usize, usize) {
+        let Some(host) = &self.host else {
+            return (0, 0);
+        };
+        let bs = self.config.block_size;
+        let max = if n_tokens > 0 && n_tokens % bs == 0 {
+            hashes.len().saturating_sub(1)
+        } else {
+            hashes.len()
+        };
+        let rest = hashes.get(device..max).unwrap_or_default();
+        let on_host = rest.iter().take_while(|h| host.contains(h)).count();
+        let Some(disk) = &host.disk else {
+            return (on_host, 0);
+        };
+        let room = (host.stageable() as usize).saturating_sub(on_host);
+        let on_disk = rest[on_host..]
+            .iter()
+            .take_while(|h| disk.contains(h))
+            .take(room)
+            .count();
+        (on_host, on_disk)
+    }
+
+    /// Puts a disk tier behind the host tier: its evictions are written to
+    /// `dir` (one prefix-cache file per block) within `budget_bytes`, and
+    /// read back on a hit (`kv::disk_tier`). Needs a host tier.
+    pub fn set_disk_tier(
+        &mut self,
+        dir: &std::path::Path,
+        budget_bytes: u64,
+    ) -> Result<(), MemError> {
+        let bb = self.pool.block_bytes();
+        let format = self.block_file_format(bb)?;
+        let Some(host) = self.host.as_mut() else {
+            return Err(MemError::invalid(
+                "a disk tier stands behind the host tier: give the manager host blocks first",
+            ));
+        };
+        if host.disk.is_some() {
+            return Err(MemError::invalid("this manager has a disk tier already"));
+        }
+        host.disk = Some(crate::kv::disk_tier::DiskTier::new(
+            dir,
+            budget_bytes,
+            bb,
+            format,
+        )?);
+        Ok(())
+    }
+
+    /// Device blocks in flight to the host tier: room, once their copies
+    /// complete.
+    fn offloading(&self) -> u32 {
+        self.host.as_ref().map_or(0, |h| h.offloading.len() as u32)
+    }
+
     fn pinned_idle(&self) -> u32 {
         self.cache.pinned_idle()
     }
@@ -487,7 +702,7 @@ impl KVCacheManager {
         // is exact unless a `step()` is shrinking the pool right now — and
         // then an allocation takes withdrawn blocks back anyway.
         let (free, growable) = self.pool.room_hint();
-        let evictable = self.cache.evictable().saturating_sub(taken);
+        let evictable = self.cache.evictable().saturating_sub(taken) + self.offloading();
         if need as u64 > free as u64 + growable as u64 + evictable as u64 {
             return Err(MemError::KvCapacity(KvCapacityReport {
                 what: what(),
@@ -546,13 +761,23 @@ impl KVCacheManager {
                 .allocate_tokens(from_free, |t| out.push(Slot::Own(t)))?;
         }
         let mut got = from_free;
+        if self.host.is_some() && got < need {
+            // Evicted blocks go to the host tier first: the copies must
+            // complete before the blocks are reused (the fence).
+            self.make_room(need - got)?;
+            let free = self.pool.stats().free.min(need - got);
+            if free > 0 {
+                self.pool
+                    .allocate_tokens(free, |t| out.push(Slot::Own(t)))?;
+                got += free;
+            }
+        }
         while got < need {
-            let Some(token) = self.cache.evict_take() else {
+            let Some(token) = self.evict_one() else {
                 break;
             };
             out.push(Slot::Own(token));
             got += 1;
-            self.stats.evictions += 1;
         }
         if got < need {
             self.pool
@@ -613,6 +838,69 @@ impl KVCacheManager {
         (need, swa)
     }
 
+    /// A hash just cached on the device leaves the host tier (one tier at
+    /// a time).
+    pub(crate) fn drop_host_copy(&mut self, hash: &BlockHash) {
+        if let Some(host) = self.host.as_mut() {
+            host.discard(hash, &mut self.events);
+        }
+    }
+
+    /// Takes the host slots of `hashes` (all resident: `match_host` said
+    /// so), with their LRU stamps for a rollback.
+    fn take_host_hits(&mut self, hashes: &[BlockHash]) -> Vec<(u32, u64)> {
+        let Some(host) = self.host.as_mut() else {
+            return Vec::new();
+        };
+        hashes
+            .iter()
+            .map(|h| host.take(h).unwrap_or((u32::MAX, 0)))
+            .collect()
+    }
+
+    /// Starts copying host `slots` into the fresh blocks of `seq` from
+    /// index `first` on (one batch), then turns each into a cache entry the
+    /// sequence uses. All or nothing: when the copies cannot start, none is
+    /// in flight and the slots are the caller's to restore.
+    fn onboard(
+        &mut self,
+        seq: &mut Sequence,
+        first: usize,
+        slots: &mut [(u32, u64)],
+    ) -> Result<(), MemError> {
+        let Some(host) = self.host.as_mut() else {
+            return Err(MemError::Invariant("onboarding without a host tier".into()));
+        };
+        let mut copies = Vec::with_capacity(slots.len());
+        for (j, &(slot, _)) in slots.iter().enumerate() {
+            match &seq.blocks[first + j] {
+                Slot::Own(t) if slot != u32::MAX => {
+                    copies.push((slot, t.id(), self.pool.token_span(t)?.addr()));
+                }
+                _ => {
+                    return Err(MemError::Invariant(
+                        "an onboarding slot is not fresh".into(),
+                    ))
+                }
+            }
+        }
+        host.begin_onboard(&copies)?;
+        for (j, &(_, _)) in slots.iter().enumerate() {
+            let i = first + j;
+            let hash = seq.hashes[i];
+            self.events.removed(hash, Medium::Host);
+            let Slot::Own(token) = std::mem::replace(&mut seq.blocks[i], Slot::Hole) else {
+                continue;
+            };
+            let id = token.id();
+            seq.blocks[i] = match self.cache.insert(hash, token, 1) {
+                Ok(Insert::Added(entry)) => Slot::Cached { entry, id },
+                Ok(Insert::Present(back)) | Err((_, back)) => Slot::Own(back),
+            };
+        }
+        Ok(())
+    }
+
     /// True when `tokens` could be admitted now (counting prefix hits and
     /// evictable blocks). Changes nothing.
     pub fn can_admit(&self, tokens: &[u32], extras: &ExtraKeys) -> bool {
@@ -646,7 +934,8 @@ impl KVCacheManager {
         let hashes = self.chain_if_caching(tokens, extras);
         let mut hits = Vec::new();
         self.match_prefix(&hashes, tokens.len(), &mut hits);
-        hits.len()
+        let (host, disk) = self.match_host(&hashes, tokens.len(), hits.len());
+        hits.len() + host + disk
     }
 
     /// Admits sequence `id` with its prompt: matches the cached prefix, takes
@@ -694,6 +983,7 @@ impl KVCacheManager {
         let mut hit_idx = std::mem::take(&mut self.spare.hits);
         hit_idx.clear();
         let taken = self.match_prefix(&seq.hashes, tokens.len(), &mut hit_idx);
+        let (host_hits, disk_hits) = self.match_host(&seq.hashes, tokens.len(), hit_idx.len());
         let (need, swa_need) = self.admission_needs(tokens.len(), hit_idx.len());
         let what = || format!("admit sequence {id} ({} tokens)", tokens.len());
         let checked = self
@@ -708,6 +998,18 @@ impl KVCacheManager {
             }
         };
 
+        // Host hits leave the host tier before anything is evicted into
+        // it, so no eviction can take them.
+        let dev_hits = hit_idx.len();
+        let mut slots = self.take_host_hits(&seq.hashes[dev_hits..dev_hits + host_hits]);
+        if disk_hits > 0 {
+            if let Some(host) = self.host.as_mut() {
+                let on_disk = &seq.hashes[dev_hits + host_hits..dev_hits + host_hits + disk_hits];
+                slots.extend(host.stage_from_disk(on_disk, &mut self.events));
+            }
+        }
+        // Disk hits that could not be read back are computed instead.
+        let host_hits = slots.len();
         // Use the hits first: once users > 0 they are off the LRU, so the
         // evictions below cannot pick them.
         seq.blocks.reserve(ceil_div(tokens.len(), bs));
@@ -719,9 +1021,28 @@ impl KVCacheManager {
             })
             .and_then(|()| self.take_main(need, free, &mut seq.blocks))
             .and_then(|()| self.take_swa(swa_need));
+        let fresh = fresh.and_then(|swa| {
+            if slots.is_empty() {
+                return Ok(swa);
+            }
+            match self.onboard(&mut seq, dev_hits, &mut slots) {
+                Ok(()) => Ok(swa),
+                Err(e) => {
+                    self.release_swa(swa);
+                    Err(e)
+                }
+            }
+        });
         let swa_fresh = match fresh {
             Ok(v) => v,
             Err(e) => {
+                if let Some(host) = self.host.as_mut() {
+                    for (&h, &(slot, stamp)) in seq.hashes[dev_hits..].iter().zip(&slots) {
+                        if slot != u32::MAX {
+                            host.restore(h, slot, stamp);
+                        }
+                    }
+                }
                 self.release_slots(seq.blocks.drain(..));
                 self.spare.keep(seq);
                 self.spare.hits = hit_idx;
@@ -738,18 +1059,38 @@ impl KVCacheManager {
             self.stats.prefix_queries += 1;
             self.stats.prefix_query_blocks += seq.hashes.len() as u64;
             self.stats.prefix_hit_blocks += hit_idx.len() as u64;
+            self.stats.prefix_query_tokens += tokens.len() as u64;
+            self.stats.prefix_hit_tokens += ((dev_hits + host_hits) * bs) as u64;
+        }
+        if let Some(host) = self.host.as_mut() {
+            host.counters.hit_blocks += host_hits as u64;
+        }
+        if self.events.enabled() {
+            seq.tokens.extend_from_slice(tokens);
+            if host_hits > 0 {
+                let mut run: Vec<usize> = (dev_hits..dev_hits + host_hits).collect();
+                self.events.stored(
+                    &mut run,
+                    &seq.hashes,
+                    &seq.tokens,
+                    bs,
+                    extras.lora_id,
+                    Medium::Device,
+                );
+            }
         }
         let admission = Admission {
-            cached_tokens: hit_idx.len() * bs,
+            cached_tokens: (dev_hits + host_hits) * bs,
             blocks: total,
             new_blocks: need as usize,
+            onboarded_blocks: host_hits,
         };
         seq.len = tokens.len();
         seq.tail
             .extend_from_slice(&tokens[tokens.len() / bs * bs..]);
         seq.extras = extras;
         seq.root = root;
-        seq.offered = hit_idx.len();
+        seq.offered = dev_hits + host_hits;
         seq.cacheable = usize::MAX;
         seq.dirty = true;
         self.seqs.insert(id, seq);
@@ -832,6 +1173,9 @@ impl KVCacheManager {
             return Err(MemError::Invariant(format!("sequence {id} vanished")));
         };
         let old_full = seq.len / bs;
+        if self.events.enabled() {
+            seq.tokens.extend_from_slice(tokens);
+        }
         seq.tail.extend_from_slice(tokens);
         seq.len += tokens.len();
         let filled = (seq.len / bs - old_full) * bs;
@@ -873,6 +1217,7 @@ impl KVCacheManager {
         let limit = seq.hashes.len().min(seq.cacheable).min(computed / bs);
         let caching = self.config.enable_prefix_caching;
         let mut refused = None;
+        let mut stored = Vec::new();
         // The refs this frees, released under one pool lock at the end.
         let mut dropped = std::mem::take(&mut self.spare.tokens);
         // Last block first: each entry joins the LRU's recent end, so the
@@ -892,7 +1237,12 @@ impl KVCacheManager {
             };
             if caching && i < limit {
                 match self.cache.insert(seq.hashes[i], block, 0) {
-                    Ok(Insert::Added(_)) => {}
+                    Ok(Insert::Added(_)) => {
+                        if self.events.enabled() {
+                            stored.push(i);
+                        }
+                        self.drop_host_copy(&seq.hashes[i]);
+                    }
                     Ok(Insert::Present(dup)) => dropped.push(dup),
                     Err((e, back)) => {
                         dropped.push(back);
@@ -903,6 +1253,14 @@ impl KVCacheManager {
                 dropped.push(block);
             }
         }
+        self.events.stored(
+            &mut stored,
+            &seq.hashes,
+            &seq.tokens,
+            bs,
+            seq.extras.lora_id,
+            Medium::Device,
+        );
         let released = self.pool.release_tokens(dropped.drain(..));
         self.spare.tokens = dropped;
         self.release_swa(seq.swa.drain(..));
@@ -933,6 +1291,7 @@ impl KVCacheManager {
             .min(seq.cacheable)
             .min(computed_tokens.min(seq.len) / bs);
         let mut added = 0;
+        let mut stored = Vec::new();
         for i in seq.offered..limit {
             if !matches!(seq.blocks[i], Slot::Own(_)) || self.cache.get(&seq.hashes[i]).is_some() {
                 continue;
@@ -945,15 +1304,35 @@ impl KVCacheManager {
                 Ok(Insert::Added(entry)) => {
                     seq.blocks[i] = Slot::Cached { entry, id };
                     added += 1;
+                    stored.push(i);
+                    if let Some(host) = self.host.as_mut() {
+                        host.discard(&seq.hashes[i], &mut self.events);
+                    }
                 }
                 Ok(Insert::Present(back)) => seq.blocks[i] = Slot::Own(back),
                 Err((e, back)) => {
                     seq.blocks[i] = Slot::Own(back);
+                    self.events.stored(
+                        &mut stored,
+                        &seq.hashes,
+                        &seq.tokens,
+                        bs,
+                        seq.extras.lora_id,
+                        Medium::Device,
+                    );
                     return Err(e);
                 }
             }
         }
         seq.offered = seq.offered.max(limit);
+        self.events.stored(
+            &mut stored,
+            &seq.hashes,
+            &seq.tokens,
+            bs,
+            seq.extras.lora_id,
+            Medium::Device,
+        );
         Ok(added)
     }
 
@@ -1218,11 +1597,21 @@ impl KVCacheManager {
     }
 
     /// Evicts up to `n` LRU cached blocks (pinned and in-use ones are
-    /// skipped). Returns the blocks freed.
+    /// skipped). Returns the blocks evicted: freed now, or, with a host
+    /// tier, being copied there (freed by a later [`Self::poll_copies`]).
     pub fn evict(&mut self, n: u32) -> u32 {
+        if self.host.is_some() {
+            // Into the host tier, asynchronously: the blocks return to the
+            // free list at a later `poll_copies`.
+            let mut done = 0;
+            while done < n && self.offload_one() {
+                done += 1;
+            }
+            return done;
+        }
         let mut evicted = Vec::new();
         while (evicted.len() as u64) < u64::from(n) {
-            let Some(token) = self.cache.evict_take() else {
+            let Some(token) = self.evict_one() else {
                 break;
             };
             evicted.push(token);
@@ -1230,12 +1619,120 @@ impl KVCacheManager {
         let done = evicted.len() as u32;
         // Every evicted token is this pool's, so the release cannot be refused.
         let _ = self.pool.release_tokens(evicted);
-        self.stats.evictions += done as u64;
         done
     }
 
-    pub(crate) fn record_evictions(&mut self, n: u32) {
-        self.stats.evictions += n as u64;
+    /// Evicts the LRU cache entry and hands over its block's token,
+    /// counting the eviction and recording its event. (With a host tier,
+    /// room is made by [`Self::make_room`] instead; this then only takes
+    /// what could not be offloaded.)
+    pub(crate) fn evict_one(&mut self) -> Option<BlockToken> {
+        let (hash, token) = self.cache.evict_take_hashed()?;
+        self.stats.evictions += 1;
+        self.events.removed(hash, Medium::Device);
+        if let Some(host) = self.host.as_mut() {
+            // A block still being onboarded must have its bytes before it
+            // is reused.
+            let _ = host.settle_onboard(token.id());
+        }
+        Some(token)
+    }
+
+    /// Evicts the LRU cache entry into the host tier (the copy starts; the
+    /// block is freed when it completes), or drops it when the host tier
+    /// cannot take it. False when nothing is evictable.
+    fn offload_one(&mut self) -> bool {
+        let Some((hash, token)) = self.cache.evict_take_hashed() else {
+            return false;
+        };
+        self.stats.evictions += 1;
+        self.events.removed(hash, Medium::Device);
+        if let Some(host) = self.host.as_mut() {
+            let _ = host.settle_onboard(token.id());
+        }
+        let addr = self.pool.token_span(&token).map(|s| s.addr());
+        let dropped = match (self.host.as_mut(), addr) {
+            (Some(host), Ok(addr)) => host
+                .begin_offload(hash, token, addr, &mut self.events)
+                .err(),
+            _ => Some(token),
+        };
+        if let Some(token) = dropped {
+            let _ = self.pool.release_tokens([token]);
+        }
+        true
+    }
+
+    /// Frees up to `n` device blocks onto the free list by eviction: into
+    /// the host tier when there is one (waiting for the copies, and for
+    /// offloads already in flight), released otherwise.
+    pub(crate) fn make_room(&mut self, n: u32) -> Result<(), MemError> {
+        if self.host.is_none() {
+            let mut evicted = Vec::new();
+            while (evicted.len() as u32) < n {
+                let Some(token) = self.evict_one() else { break };
+                evicted.push(token);
+            }
+            return self.pool.release_tokens(evicted);
+        }
+        let mut started = self.offloading();
+        while started < n && self.offload_one() {
+            started += 1;
+        }
+        self.poll_copies(true).map(|_| ())
+    }
+
+    /// Empties the prefix cache, as vLLM's `reset_prefix_cache`: only when
+    /// no sequence uses a cached block and none is pinned (returns false
+    /// and changes nothing otherwise). Records `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.cache.evictable() != self.cache.len() {
+            return false;
+        }
+        // No copy may still read or write a block released here.
+        let _ = self.poll_copies(true);
+        let tokens = self.cache.drain();
+        self.stats.evictions += tokens.len() as u64;
+        let _ = self.pool.release_tokens(tokens);
+        if let Some(host) = self.host.as_mut() {
+            host.clear_resident();
+        }
+        self.events.cleared();
+        true
+    }
+
+    /// Takes the KV events recorded since the last drain, oldest first
+    /// (one batch per engine step). Empty with `kv_events` off.
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        let cache = &self.cache;
+        let host = &self.host;
+        self.events.take(|| {
+            let mut all: Vec<(BlockHash, Medium)> = host
+                .as_ref()
+                .and_then(|h| h.disk.as_ref())
+                .map_or_else(Vec::new, |d| d.in_order())
+                .into_iter()
+                .map(|h| (h, Medium::Disk))
+                .collect();
+            all.extend(
+                host.as_ref()
+                    .map_or_else(Vec::new, HostTier::resident_in_order)
+                    .into_iter()
+                    .map(|h| (h, Medium::Host)),
+            );
+            all.extend(
+                cache
+                    .entries_in_order()
+                    .into_iter()
+                    .map(|e| (e.hash, Medium::Device)),
+            );
+            all
+        })
+    }
+
+    /// Events waiting for [`Self::drain_events`].
+    pub fn pending_events(&self) -> usize {
+        self.events.pending()
     }
 
     /// The counters.
@@ -1254,7 +1751,7 @@ impl KVCacheManager {
             max_blocks: p.max_blocks,
             free: p.free,
             live: p.live,
-            active: p.live.saturating_sub(idle),
+            active: p.live.saturating_sub(idle + self.offloading()),
             cached: self.cache.len(),
             evictable: self.cache.evictable(),
             pinned: self.cache.pinned(),
@@ -1262,6 +1759,32 @@ impl KVCacheManager {
             sequences: self.seqs.len() as u32,
             swa_free,
             swa_live,
+            ..self.host_stats()
+        }
+    }
+
+    /// The counters with the host tier's filled in.
+    fn host_stats(&self) -> KvStats {
+        let Some(h) = &self.host else {
+            return self.stats;
+        };
+        let c = h.counters;
+        KvStats {
+            host_capacity: h.capacity(),
+            host_cached: h.resident_len(),
+            host_free: h.free_len(),
+            host_offloading: h.offloading.len() as u32,
+            host_onboarding: h.onboarding.len() as u32,
+            host_hit_blocks: c.hit_blocks,
+            offloads: c.offloads,
+            offload_bytes: c.offload_bytes,
+            onboards: c.onboards,
+            onboard_bytes: c.onboard_bytes,
+            host_evictions: c.evictions,
+            disk_cached: h.disk.as_ref().map_or(0, |d| d.len()),
+            disk_bytes: h.disk.as_ref().map_or(0, |d| d.used()),
+            disk_spills: h.disk.as_ref().map_or(0, |d| d.counters.spills),
+            disk_loads: h.disk.as_ref().map_or(0, |d| d.counters.loads),
             ..self.stats
         }
     }
@@ -1383,11 +1906,47 @@ impl KVCacheManager {
             }
         }
         let refs = self.pool.stats().refs;
-        if refs != seq_refs + self.cache.len() as u64 {
+        let in_flight = self.offloading() as u64;
+        if refs != seq_refs + self.cache.len() as u64 + in_flight {
             return broken(format!(
-                "{refs} refs outstanding but sequences hold {seq_refs} and the cache {}",
+                "{refs} refs outstanding but sequences hold {seq_refs}, the cache {} and \
+                 offloads in flight {in_flight}",
                 self.cache.len()
             ));
+        }
+        if let Some(host) = &self.host {
+            host.check()?;
+            for h in host.resident_in_order() {
+                if self.cache.get(&h).is_some() {
+                    return broken(format!("block hash {h:x} is cached in both tiers"));
+                }
+            }
+            if let Some(disk) = &host.disk {
+                disk.check()?;
+                for h in disk.in_order() {
+                    if self.cache.get(&h).is_some() || host.contains(&h) {
+                        return broken(format!("block hash {h:x} is on disk and cached"));
+                    }
+                }
+            }
+            for o in &host.offloading {
+                if o.token.pool_tag() != self.pool.tag() || owned.contains_key(&o.token.id()) {
+                    return broken(format!("offloading block {} is also owned", o.token.id()));
+                }
+            }
+            for o in &host.onboarding {
+                let cached = self
+                    .cache
+                    .entries_in_order()
+                    .into_iter()
+                    .any(|e| e.block.id() == o.block);
+                if !cached {
+                    return broken(format!(
+                        "block {} is being onboarded but is no cache entry's",
+                        o.block
+                    ));
+                }
+            }
         }
         if let Some(swa) = &self.swa_pool {
             swa.check_invariants()?;
@@ -1430,6 +1989,10 @@ impl Drop for KVCacheManager {
     fn drop(&mut self) {
         let seqs = std::mem::take(&mut self.seqs);
         let mut main = self.cache.drain();
+        if let Some(host) = self.host.as_mut() {
+            // No copy may run on memory released here.
+            main.extend(host.wait_and_take_all());
+        }
         let mut swa = Vec::new();
         for (_, seq) in seqs {
             main.extend(seq.blocks.into_iter().filter_map(|s| match s {

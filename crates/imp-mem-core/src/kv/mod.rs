@@ -64,14 +64,19 @@
 //! the engine recomputes the sliding-window layers for
 //! `[cached_tokens - window, cached_tokens)`.
 
+mod disk_tier;
+pub mod events;
 pub mod hash;
+pub mod host_tier;
 mod manager;
 pub mod persist;
 mod prefix;
 pub mod tokens;
 mod xxh3_block;
 
+pub use events::{KvEvent, Medium};
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
+pub use host_tier::{CopyTicket, FakeTierIo, TierIo};
 pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
 pub use persist::{BlockIo, FakeBlockIo, FILE_MAGIC, FILE_VERSION};
 

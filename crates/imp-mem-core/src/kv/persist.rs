@@ -39,6 +39,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 use crate::block_pool::SharedBlockRef;
 use crate::error::{KvCapacityReport, MemError};
 use crate::fake::FakeBackend;
+use crate::kv::events::Medium;
 use crate::kv::hash::{BlockHash, HASH_ALGORITHM};
 use crate::kv::manager::KVCacheManager;
 use crate::kv::prefix::Insert;
@@ -157,7 +158,99 @@ impl HashingWriter {
     }
 }
 
+/// The header of a one-block file of the disk tier (`kv::disk_tier`): the
+/// manager's own, for one entry, so a spilled block is a prefix-cache file
+/// of one entry that `load_prefix_cache` also reads.
+#[derive(Debug, Clone)]
+pub(crate) struct BlockFileFormat {
+    header: Vec<u8>,
+    block_bytes: usize,
+}
+
+impl BlockFileFormat {
+    /// Bytes of the JSON header.
+    pub fn header_len(&self) -> usize {
+        self.header.len()
+    }
+
+    /// Writes `bytes` as block `hash` to `path`, through a temporary file
+    /// renamed over it (a reader sees a whole file or none).
+    pub fn write(&self, path: &Path, hash: BlockHash, bytes: &[u8]) -> Result<(), MemError> {
+        if bytes.len() != self.block_bytes {
+            return Err(MemError::invalid(format!(
+                "{} bytes are not a block of {}",
+                bytes.len(),
+                self.block_bytes
+            )));
+        }
+        let mut tmp_name = path.as_os_str().to_os_string();
+        tmp_name.push(format!(".tmp-{}", std::process::id()));
+        let tmp = std::path::PathBuf::from(tmp_name);
+        let failed = |e| io_err("cannot write the block file", path, e);
+        let written = (|| -> Result<(), MemError> {
+            let mut out = HashingWriter::new(File::create(&tmp).map_err(failed)?);
+            out.put(FILE_MAGIC).map_err(failed)?;
+            out.put(&FILE_VERSION.to_le_bytes()).map_err(failed)?;
+            out.put(&(self.header.len() as u32).to_le_bytes())
+                .map_err(failed)?;
+            out.put(&self.header).map_err(failed)?;
+            out.put(&hash.to_le_bytes()).map_err(failed)?;
+            out.put(&xxh3_64(bytes).to_le_bytes()).map_err(failed)?;
+            out.put(bytes).map_err(failed)?;
+            out.finish().map_err(failed)?;
+            fs::rename(&tmp, path).map_err(failed)
+        })();
+        if written.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        written
+    }
+
+    /// Reads block `hash` back from `path`, refusing a file that is not
+    /// exactly what [`Self::write`] wrote for it (header, hash, checksums).
+    pub fn read(&self, path: &Path, hash: BlockHash) -> Result<Vec<u8>, MemError> {
+        let raw = fs::read(path).map_err(|e| io_err("cannot read the block file", path, e))?;
+        let head = 16 + self.header.len();
+        let want_len = head + 24 + self.block_bytes + 16;
+        if raw.len() != want_len
+            || &raw[..8] != FILE_MAGIC
+            || raw[8..12] != FILE_VERSION.to_le_bytes()
+            || raw[12..16] != (self.header.len() as u32).to_le_bytes()
+            || raw[16..head] != self.header[..]
+        {
+            return Err(refuse(path, "it is not this manager's block file"));
+        }
+        let (body, trailer) = raw.split_at(want_len - 16);
+        let trailer = u128::from_le_bytes(trailer.try_into().unwrap_or_default());
+        if xxhash_rust::xxh3::xxh3_128(body) != trailer {
+            return Err(refuse(path, "the file checksum does not match (corrupted)"));
+        }
+        let entry = &body[head..];
+        let stored = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
+        let sum = u64::from_le_bytes(entry[16..24].try_into().unwrap_or_default());
+        let bytes = &entry[24..];
+        if stored != hash || xxh3_64(bytes) != sum {
+            return Err(refuse(path, "it holds another block or a corrupted one"));
+        }
+        Ok(bytes.to_vec())
+    }
+}
+
 impl KVCacheManager {
+    /// The format of the disk tier's one-block files, for blocks of
+    /// `block_bytes`.
+    pub(crate) fn block_file_format(
+        &self,
+        block_bytes: usize,
+    ) -> Result<BlockFileFormat, MemError> {
+        let header = serde_json::to_vec(&self.header(1, block_bytes))
+            .map_err(|e| MemError::Invariant(format!("header does not serialise: {e}")))?;
+        Ok(BlockFileFormat {
+            header,
+            block_bytes,
+        })
+    }
+
     /// Refuses a file saved under another configuration, naming every field
     /// that differs.
     fn check_header(&self, path: &Path, header: &Header, bb: usize) -> Result<(), MemError> {
@@ -400,15 +493,7 @@ impl KVCacheManager {
         // Evicting to make room is the one change that precedes the copies;
         // it drops only entries eviction could have dropped at any time.
         let free = self.pool().stats().free;
-        let mut evicted = Vec::new();
-        while free as usize + evicted.len() < need as usize {
-            let Some(token) = self.cache.evict_take() else {
-                break;
-            };
-            evicted.push(token);
-        }
-        self.record_evictions(evicted.len() as u32);
-        self.pool().release_tokens(evicted)?;
+        self.make_room(need.saturating_sub(free))?;
         let refs = self.pool().allocate_many(need)?.into_refs();
 
         // Pass 2: the new blocks' bytes, straight from the file into them,
@@ -436,7 +521,10 @@ impl KVCacheManager {
         for (r, (hash, _, _)) in refs.into_iter().zip(&fresh_entries) {
             let token = self.pool().token_from_ref(r)?;
             match self.cache.insert(*hash, token, 0) {
-                Ok(Insert::Added(_)) => {}
+                Ok(Insert::Added(_)) => {
+                    self.events.stored_alone(*hash, Medium::Device);
+                    self.drop_host_copy(hash);
+                }
                 Ok(Insert::Present(dup)) => leftover.push(dup),
                 Err((e, back)) => {
                     leftover.push(back);

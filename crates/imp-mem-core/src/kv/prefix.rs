@@ -351,9 +351,9 @@ impl PrefixCache {
         Ok(Insert::Added(idx))
     }
 
-    /// Evicts the LRU head and hands over its token: the block's only ref,
-    /// for the caller to reuse as it is or release.
-    pub fn evict_take(&mut self) -> Option<BlockToken> {
+    /// Evicts the LRU head and hands over its hash and token (the block's
+    /// only ref, for the caller to reuse as it is or release).
+    pub fn evict_take_hashed(&mut self) -> Option<(BlockHash, BlockToken)> {
         let idx = self.head;
         // The head has no predecessor: unlinking it only moves the head.
         let entry = self.slab.get_mut(idx as usize)?.take()?;
@@ -368,7 +368,7 @@ impl PrefixCache {
         if let Ok(bucket) = self.index.find_entry(fold(entry.hash), |&i| i == idx) {
             bucket.remove();
         }
-        Some(entry.block)
+        Some((entry.hash, entry.block))
     }
 
     /// Empties the cache, handing back every entry's token (for the

@@ -904,6 +904,44 @@ fn eviction_shortens_a_freed_prefix_from_its_end() {
 }
 
 #[test]
+fn an_overflowed_event_log_resyncs_with_the_cached_set() {
+    use crate::kv::events::{KvEvent, Medium};
+    let mut cfg = KvConfig::new(4, 32);
+    cfg.kv_events = true;
+    let mut m = KVCacheManager::new(cfg, None).unwrap();
+    m.events.set_limit(5);
+    for id in 0..4u64 {
+        m.admit(id, &toks(id as u32 * 100..id as u32 * 100 + 9), none())
+            .unwrap();
+        m.free(id, None).unwrap();
+    }
+    m.evict(1);
+    let events = m.drain_events();
+    assert_eq!(events[0], KvEvent::AllBlocksCleared);
+    let mut replayed: Vec<BlockHash> = events[1..]
+        .iter()
+        .flat_map(|e| match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                medium: Medium::Device,
+                ..
+            } => block_hashes.clone(),
+            other => panic!("a resync stores only: {other:?}"),
+        })
+        .collect();
+    let mut cached: Vec<BlockHash> = m.cached_blocks().iter().map(|c| c.0).collect();
+    replayed.sort_unstable();
+    cached.sort_unstable();
+    assert_eq!((replayed.len(), replayed), (7, cached));
+    // Back to normal recording after the resync.
+    assert_eq!(m.evict(1), 1);
+    assert!(matches!(
+        &m.drain_events()[..],
+        [KvEvent::BlockRemoved { .. }]
+    ));
+}
+
+#[test]
 fn block_tables_write_a_batch_padded_and_refuse_without_writing() {
     let mut cfg = KvConfig::new(4, 32);
     cfg.swa_blocks = 8;

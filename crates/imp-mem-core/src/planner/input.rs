@@ -87,6 +87,11 @@ pub struct Features {
     pub scratch_bytes: Option<u64>,
     /// A measured T2 size, replacing the estimate.
     pub engine_persistent_bytes: Option<u64>,
+    /// Pinned host memory for the KV host tier (T5b): evicted prefix blocks
+    /// kept on the host. Its own budget — host memory, not in the device
+    /// plan's total.
+    #[serde(default)]
+    pub kv_host_bytes: u64,
     /// The measured warm-up high-water of a framework's own allocations in
     /// one step (torch's activations, seed A3.3): the T4a activation pool.
     /// `None`: no pool and no plan line.
@@ -158,6 +163,7 @@ impl PlanInput {
             positive("lora_rank", u64::from(f.lora_rank))?;
         }
         at_most("scratch_bytes", f.scratch_bytes.unwrap_or(0), MAX_BYTES)?;
+        at_most("kv_host_bytes", f.kv_host_bytes, MAX_BYTES)?;
         at_most(
             "activation_bytes",
             f.activation_bytes.unwrap_or(0),

@@ -37,7 +37,8 @@ pub use input::{
     H200_LIBRARY_RESERVE_BYTES, MAX_BYTES,
 };
 pub use plan::{
-    plan_memory, KvPlan, MemoryPlan, PoolPlan, DEFAULT_MAX_BATCH_TOKENS, GEMM_WORKSPACE_BYTES,
+    plan_memory, HostKvPlan, KvPlan, MemoryPlan, PoolPlan, DEFAULT_MAX_BATCH_TOKENS,
+    GEMM_WORKSPACE_BYTES,
 };
 pub use shape::{
     safetensors_bytes_in_dir, safetensors_file_bytes, weights_bytes_from_safetensors_header,

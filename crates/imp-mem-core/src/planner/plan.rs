@@ -59,6 +59,18 @@ pub struct PoolPlan {
     pub bytes: u64,
 }
 
+/// The KV host tier (T5b): pinned host blocks of the KV pool's block size,
+/// within `Features::kv_host_bytes` (host memory, outside the device total).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostKvPlan {
+    /// Host blocks.
+    pub blocks: u64,
+    /// Bytes of one block (the device KV pool's).
+    pub block_bytes: u64,
+    /// `blocks * block_bytes`.
+    pub bytes: u64,
+}
+
 /// A successful plan: every tier's size on one rank, all within the budget.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryPlan {
@@ -105,6 +117,9 @@ pub struct MemoryPlan {
     /// `total` and the device budget.
     #[serde(default)]
     pub sleep_host: u64,
+    /// The KV host tier, when `Features::kv_host_bytes` holds a block.
+    #[serde(default)]
+    pub kv_host: Option<HostKvPlan>,
 }
 
 impl MemoryPlan {
@@ -530,7 +545,18 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
     } else {
         Vec::new()
     };
+    let kv_host =
+        (input.features.kv_host_bytes >= kv.block_bytes && kv.block_bytes > 0).then(|| {
+            // At most u32::MAX blocks: a host tier's slots are u32 ids.
+            let blocks = (input.features.kv_host_bytes / kv.block_bytes).min(u64::from(u32::MAX));
+            HostKvPlan {
+                blocks,
+                block_bytes: kv.block_bytes,
+                bytes: blocks * kv.block_bytes,
+            }
+        });
     Ok(MemoryPlan {
+        kv_host,
         budget,
         tp: input.tp,
         model_resident: d.weights + d.vision + d.draft,

@@ -778,6 +778,7 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
                         lora_rank: 16,
                         scratch_bytes: scratch,
                         engine_persistent_bytes: None,
+                        kv_host_bytes: 0,
                         // The activation line rides on the scratch lever.
                         activation_bytes: scratch.map(|s| s / 3),
                     },
@@ -957,6 +958,32 @@ fn layer_patterns_and_their_errors() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("state geometry"), "{err}");
+}
+
+#[test]
+fn the_kv_host_tier_is_its_own_host_budget() {
+    let base = input(shape(&llama3_8b()), 8, 8192, 80 * GIB);
+    let device_only = plan_memory(&base).unwrap();
+    assert_eq!(device_only.kv_host, None);
+    let mut with_host = base.clone();
+    with_host.features.kv_host_bytes = 64 * GIB + 12345;
+    let plan = plan_memory(&with_host).unwrap();
+    let host = plan.kv_host.clone().unwrap();
+    assert_eq!(host.block_bytes, plan.kv.block_bytes);
+    assert_eq!(host.blocks, (64 * GIB + 12345) / plan.kv.block_bytes);
+    assert_eq!(host.bytes, host.blocks * host.block_bytes);
+    assert!(host.bytes <= with_host.features.kv_host_bytes);
+    // Host memory: the device plan is the same.
+    assert_eq!(
+        (plan.total, plan.kv.blocks),
+        (device_only.total, device_only.kv.blocks)
+    );
+    let back = MemoryPlan::from_json(&plan.to_json().unwrap()).unwrap();
+    assert_eq!(back, plan);
+    with_host.features.kv_host_bytes = 1;
+    assert_eq!(plan_memory(&with_host).unwrap().kv_host, None);
+    with_host.features.kv_host_bytes = MAX_BYTES + 1;
+    assert!(plan_memory(&with_host).is_err());
 }
 
 #[test]

@@ -1,0 +1,187 @@
+//! The disk tier behind the host tier: where the host tier's evictions go
+//! when a disk budget is given, instead of to nothing.
+//!
+//! # Algorithm
+//!
+//! A host block evicted for room is written, synchronously, to
+//! `<dir>/<hash>.impkv`: a prefix-cache file of one entry in the persistence
+//! format (`kv::persist`; `load_prefix_cache` reads it too), written to a
+//! temporary name and renamed. The tier keeps an LRU of its files within
+//! `budget` bytes, deleting the oldest for room. A prefix whose hits
+//! continue past the host tier into disk blocks reads each back (checked:
+//! header, hash, both checksums; a bad or missing file is a miss) into a
+//! host slot, deletes the file, and onboards it as a host hit. Each hash
+//! is in one tier at a time: a block cached on the device or the host drops
+//! its disk copy.
+//!
+//! The I/O runs under the manager's `&mut self`, inside the admission or
+//! eviction that needs it: it is the slow path of a prefix that fell out of
+//! both faster tiers. Files of an earlier run are not indexed (their names
+//! are reused).
+//!
+//! Thread safety: part of the manager.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::error::MemError;
+use crate::kv::events::{EventLog, Medium};
+use crate::kv::hash::BlockHash;
+use crate::kv::persist::BlockFileFormat;
+use crate::kv::prefix::FastMap;
+
+/// Counters of the disk tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct DiskCounters {
+    pub spills: u64,
+    pub loads: u64,
+    pub evictions: u64,
+    pub errors: u64,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub(crate) struct DiskTier {
+    dir: PathBuf,
+    budget: u64,
+    file_bytes: u64,
+    format: BlockFileFormat,
+    index: FastMap<BlockHash, u64>,
+    lru: BTreeMap<u64, BlockHash>,
+    next: u64,
+    pub counters: DiskCounters,
+}
+
+impl DiskTier {
+    pub fn new(
+        dir: &Path,
+        budget: u64,
+        block_bytes: usize,
+        format: BlockFileFormat,
+    ) -> Result<Self, MemError> {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            MemError::invalid(format!("disk tier directory {}: {e}", dir.display()))
+        })?;
+        // Magic, version, header length, the header, one entry, trailer.
+        let file_bytes = (16 + format.header_len() + 24 + block_bytes + 16) as u64;
+        if budget < file_bytes {
+            return Err(MemError::invalid(format!(
+                "a disk budget of {budget} B holds no block file of {file_bytes} B; give at \
+                 least that, or no disk tier"
+            )));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            budget,
+            file_bytes,
+            format,
+            index: FastMap::default(),
+            lru: BTreeMap::new(),
+            next: 0,
+            counters: DiskCounters::default(),
+        })
+    }
+
+    fn path(&self, hash: BlockHash) -> PathBuf {
+        self.dir.join(format!("{hash:032x}.impkv"))
+    }
+
+    pub fn contains(&self, hash: &BlockHash) -> bool {
+        self.index.contains_key(hash)
+    }
+
+    pub fn len(&self) -> u32 {
+        self.index.len() as u32
+    }
+
+    /// Bytes of the files held.
+    pub fn used(&self) -> u64 {
+        self.index.len() as u64 * self.file_bytes
+    }
+
+    /// Hashes on disk, least recently written first.
+    pub fn in_order(&self) -> Vec<BlockHash> {
+        self.lru.values().copied().collect()
+    }
+
+    fn forget(&mut self, hash: &BlockHash) -> bool {
+        let Some(stamp) = self.index.remove(hash) else {
+            return false;
+        };
+        self.lru.remove(&stamp);
+        let _ = std::fs::remove_file(self.path(*hash));
+        true
+    }
+
+    /// Drops the disk copy of `hash` (it is cached in a faster tier now).
+    pub fn discard(&mut self, hash: &BlockHash, events: &mut EventLog) {
+        if self.forget(hash) {
+            events.removed(*hash, Medium::Disk);
+        }
+    }
+
+    /// Writes block `hash`; the oldest files make room. A failed write
+    /// drops the block (counted), as if there were no disk tier.
+    pub fn store(&mut self, hash: BlockHash, bytes: &[u8], events: &mut EventLog) {
+        self.discard(&hash, events);
+        while self.used() + self.file_bytes > self.budget {
+            let Some((_, &oldest)) = self.lru.iter().next() else {
+                break;
+            };
+            self.forget(&oldest);
+            self.counters.evictions += 1;
+            events.removed(oldest, Medium::Disk);
+        }
+        if self.format.write(&self.path(hash), hash, bytes).is_err() {
+            self.counters.errors += 1;
+            return;
+        }
+        let stamp = self.next;
+        self.next += 1;
+        self.index.insert(hash, stamp);
+        self.lru.insert(stamp, hash);
+        self.counters.spills += 1;
+        events.stored_alone(hash, Medium::Disk);
+    }
+
+    /// Reads block `hash` back and deletes its file (it moves to a faster
+    /// tier). `None` when it is not here or its file is bad (then dropped).
+    pub fn take(&mut self, hash: &BlockHash, events: &mut EventLog) -> Option<Vec<u8>> {
+        if !self.contains(hash) {
+            return None;
+        }
+        let read = self.format.read(&self.path(*hash), *hash);
+        self.forget(hash);
+        events.removed(*hash, Medium::Disk);
+        match read {
+            Ok(bytes) => {
+                self.counters.loads += 1;
+                Some(bytes)
+            }
+            Err(_) => {
+                self.counters.errors += 1;
+                None
+            }
+        }
+    }
+
+    /// Deletes every file (a reset).
+    pub fn clear(&mut self) {
+        for h in self.in_order() {
+            self.forget(&h);
+        }
+    }
+
+    pub fn check(&self) -> Result<(), MemError> {
+        if self.lru.len() != self.index.len() || self.used() > self.budget {
+            return Err(MemError::Invariant(format!(
+                "disk tier: {} files of {} B in a budget of {} B, LRU of {}",
+                self.index.len(),
+                self.file_bytes,
+                self.budget,
+                self.lru.len()
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,668 @@
+//! The host tier of the prefix cache (T5b): pinned host blocks behind the
+//! device pool, so that an evicted prefix block is copied out instead of
+//! dropped and a later hit brings it back instead of recomputing it.
+//!
+//! # Algorithm
+//!
+//! A block hash lives in one tier at a time: a device cache entry, or a
+//! resident host slot. Evicting a device entry starts a device → host copy
+//! of its block into a free host slot (the host tier's own LRU head makes
+//! room when there is none: its slot is reused and its hash dropped). The
+//! entry leaves the device cache at once, but its block's ref stays with
+//! the copy ([`Offload`]) until the copy has completed — the fence: only
+//! then does the block return to the free list (or to the allocation that
+//! waited for it), and only then is the hash resident on the host. An
+//! admission whose prefix continues past its device hits into resident
+//! host blocks takes those slots, allocates device blocks for them (they
+//! count as blocks the admission needs) and starts host → device copies
+//! into them; the new device entries are the sequence's hits at once,
+//! their bytes pending until the copies complete ([`Onboard`]; the engine
+//! waits for them before the sequence's first step, and the host slots are
+//! free again only then). The device LRU evicts into the host tier's most
+//! recent end, so the two lists are one LRU order: host oldest first, then
+//! the device's evictable entries.
+//!
+//! A hash cached on the device while a host copy of it exists (recomputed
+//! past an earlier miss) drops the host copy; a completed offload whose
+//! hash is back on the device, or already resident, frees its slot.
+//!
+//! Copies go through [`TierIo`]: host memory copies on the fake
+//! ([`FakeTierIo`], which runs its queue only when told, so tests can hold
+//! copies in flight), `cuMemcpy*Async` on a copy stream with an event per
+//! copy on a GPU.
+//!
+//! Thread safety: part of the manager, under its `&mut self`.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::block_pool::{BlockId, BlockToken};
+use crate::error::MemError;
+use crate::fake::FakeBackend;
+use crate::kv::disk_tier::DiskTier;
+use crate::kv::events::{EventLog, Medium};
+use crate::kv::hash::BlockHash;
+use crate::kv::prefix::FastMap;
+
+/// Names one enqueued copy; tickets of one [`TierIo`] increase, and the
+/// copies complete in ticket order (one copy stream).
+pub type CopyTicket = u64;
+
+/// Copies blocks between device blocks and host slots, asynchronously.
+pub trait TierIo: Send + std::fmt::Debug {
+    /// Bytes per block.
+    fn block_bytes(&self) -> usize;
+    /// Host slots (blocks) the tier holds.
+    fn slots(&self) -> u32;
+    /// Enqueues a copy of the device block at `dev_addr` into host `slot`.
+    fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError>;
+    /// Enqueues a copy of host `slot` into the device block at `dev_addr`.
+    fn onboard(&mut self, slot: u32, dev_addr: usize) -> Result<CopyTicket, MemError>;
+    /// Enqueues the copies `(slot, dev_addr)` of one admission, in order;
+    /// one ticket each. On an error none of them is in flight (any already
+    /// enqueued have completed). An implementation may merge neighbours
+    /// (consecutive slots into consecutive blocks) into one copy.
+    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+        let mut tickets = Vec::with_capacity(copies.len());
+        for &(slot, dev) in copies {
+            match self.onboard(slot, dev) {
+                Ok(t) => tickets.push(t),
+                Err(e) => {
+                    if let Some(&last) = tickets.last() {
+                        self.wait(last)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(tickets)
+    }
+    /// Whether copy `ticket` has completed (does not block).
+    fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError>;
+    /// Blocks until copy `ticket` has completed.
+    fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError>;
+    /// Copies host `slot`'s bytes into `dst` (no copy is in flight on it).
+    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError>;
+    /// Copies `src` into host `slot` (no copy is in flight on it).
+    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError>;
+    /// Makes work enqueued on `stream` (a `CUstream` as an integer; 0 the
+    /// legacy default) after this call wait for copy `ticket`, without
+    /// blocking the host where the device can. The default blocks.
+    fn stream_wait(&mut self, ticket: CopyTicket, _stream: usize) -> Result<(), MemError> {
+        self.wait(ticket)
+    }
+}
+
+/// A device → host copy in flight: the device block's ref waits for it.
+#[derive(Debug)]
+pub(crate) struct Offload {
+    pub ticket: CopyTicket,
+    pub hash: BlockHash,
+    pub token: BlockToken,
+    pub slot: u32,
+}
+
+/// A host → device copy in flight: the host slot waits for it.
+#[derive(Debug)]
+pub(crate) struct Onboard {
+    pub ticket: CopyTicket,
+    pub slot: u32,
+    pub block: BlockId,
+}
+
+/// Counters of the host tier, merged into [`KvStats`](crate::kv::KvStats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct HostCounters {
+    pub offloads: u64,
+    pub offload_bytes: u64,
+    pub onboards: u64,
+    pub onboard_bytes: u64,
+    pub evictions: u64,
+    pub hit_blocks: u64,
+    pub dropped: u64,
+}
+
+/// The host tier's state. See the module docs.
+#[derive(Debug)]
+pub(crate) struct HostTier {
+    pub io: Box<dyn TierIo>,
+    capacity: u32,
+    free: Vec<u32>,
+    /// Resident hash → (slot, LRU stamp).
+    resident: FastMap<BlockHash, (u32, u64)>,
+    /// LRU stamp → hash, oldest first.
+    lru: BTreeMap<u64, BlockHash>,
+    next_stamp: u64,
+    pub offloading: VecDeque<Offload>,
+    pub onboarding: VecDeque<Onboard>,
+    pub counters: HostCounters,
+    /// Where evicted host blocks go, when a disk budget was given.
+    pub disk: Option<DiskTier>,
+}
+
+/// What [`HostTier::reap`] finished.
+#[derive(Debug, Default)]
+pub(crate) struct Reaped {
+    /// Device blocks whose offload completed: theirs to release or reuse.
+    pub tokens: Vec<BlockToken>,
+}
+
+impl HostTier {
+    pub fn new(io: Box<dyn TierIo>) -> Self {
+        let capacity = io.slots();
+        Self {
+            io,
+            capacity,
+            free: (0..capacity).rev().collect(),
+            resident: FastMap::default(),
+            lru: BTreeMap::new(),
+            next_stamp: 0,
+            offloading: VecDeque::new(),
+            onboarding: VecDeque::new(),
+            counters: HostCounters::default(),
+            disk: None,
+        }
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    pub fn resident_len(&self) -> u32 {
+        self.resident.len() as u32
+    }
+
+    pub fn free_len(&self) -> u32 {
+        self.free.len() as u32
+    }
+
+    pub fn contains(&self, hash: &BlockHash) -> bool {
+        self.resident.contains_key(hash)
+    }
+
+    /// Resident hashes, least recently used first.
+    pub fn resident_in_order(&self) -> Vec<BlockHash> {
+        self.lru.values().copied().collect()
+    }
+
+    fn bytes(&self) -> u64 {
+        self.io.block_bytes() as u64
+    }
+
+    /// A slot for an offload: a free one, else the LRU resident's (its hash
+    /// is dropped). `None` when every slot is in flight.
+    fn slot_for_offload(&mut self, events: &mut EventLog) -> Option<u32> {
+        if let Some(s) = self.free.pop() {
+            return Some(s);
+        }
+        let (&stamp, &hash) = self.lru.iter().next()?;
+        self.lru.remove(&stamp);
+        let (slot, _) = self.resident.remove(&hash)?;
+        self.counters.evictions += 1;
+        events.removed(hash, Medium::Host);
+        if let Some(disk) = self.disk.as_mut() {
+            let mut bytes = vec![0u8; self.io.block_bytes()];
+            if self.io.read_slot(slot, &mut bytes).is_ok() {
+                disk.store(hash, &bytes, events);
+            }
+        }
+        Some(slot)
+    }
+
+    /// Host slots a disk hit can be staged in now: free ones and those of
+    /// residents (whose eviction makes room).
+    pub fn stageable(&self) -> u32 {
+        (self.free.len() + self.resident.len()) as u32
+    }
+
+    /// Reads disk blocks `hashes` back into host slots, in order, stopping
+    /// at the first that cannot be (a bad file, or no slot): their slots
+    /// and stamps, as [`Self::take`] gives them, for onboarding.
+    pub fn stage_from_disk(
+        &mut self,
+        hashes: &[BlockHash],
+        events: &mut EventLog,
+    ) -> Vec<(u32, u64)> {
+        let Some(disk) = self.disk.as_mut() else {
+            return Vec::new();
+        };
+        // Every file is read before any slot is taken: a spill making room
+        // for one cannot then evict the next from the disk.
+        let mut blocks = Vec::new();
+        for h in hashes {
+            match disk.take(h, events) {
+                Some(bytes) => blocks.push(bytes),
+                None => break,
+            }
+        }
+        let mut out = Vec::new();
+        for (h, bytes) in hashes.iter().zip(blocks) {
+            let Some(slot) = self.slot_for_offload(events) else {
+                break;
+            };
+            if self.io.write_slot(slot, &bytes).is_err() {
+                self.free.push(slot);
+                break;
+            }
+            let stamp = self.next_stamp;
+            self.next_stamp += 1;
+            // On the host now, on its way to the device.
+            events.stored_alone(*h, Medium::Host);
+            out.push((slot, stamp));
+        }
+        out
+    }
+
+    /// Starts copying an evicted device block out. Hands the token back
+    /// when it cannot (no slot, or the copy was refused): the caller then
+    /// drops the block as if there were no host tier.
+    pub fn begin_offload(
+        &mut self,
+        hash: BlockHash,
+        token: BlockToken,
+        dev_addr: usize,
+        events: &mut EventLog,
+    ) -> Result<(), BlockToken> {
+        let Some(slot) = self.slot_for_offload(events) else {
+            self.counters.dropped += 1;
+            return Err(token);
+        };
+        match self.io.offload(dev_addr, slot) {
+            Ok(ticket) => {
+                self.offloading.push_back(Offload {
+                    ticket,
+                    hash,
+                    token,
+                    slot,
+                });
+                Ok(())
+            }
+            Err(_) => {
+                self.free.push(slot);
+                self.counters.dropped += 1;
+                Err(token)
+            }
+        }
+    }
+
+    /// Takes resident `hash`'s slot for an onboarding (with its LRU stamp,
+    /// for [`Self::restore`]).
+    pub fn take(&mut self, hash: &BlockHash) -> Option<(u32, u64)> {
+        let (slot, stamp) = self.resident.remove(hash)?;
+        self.lru.remove(&stamp);
+        Some((slot, stamp))
+    }
+
+    /// Puts back what [`Self::take`] took (an admission that failed).
+    pub fn restore(&mut self, hash: BlockHash, slot: u32, stamp: u64) {
+        self.resident.insert(hash, (slot, stamp));
+        self.lru.insert(stamp, hash);
+    }
+
+    /// Starts copying each `(slot, block, dev_addr)`: host `slot` into
+    /// device block `block` at `dev_addr`. All or nothing: on an error no
+    /// copy is in flight and the slots are still the caller's.
+    pub fn begin_onboard(&mut self, copies: &[(u32, BlockId, usize)]) -> Result<(), MemError> {
+        let pairs: Vec<(u32, usize)> = copies.iter().map(|&(s, _, a)| (s, a)).collect();
+        let tickets = self.io.onboard_many(&pairs)?;
+        if tickets.len() != copies.len() {
+            return Err(MemError::Invariant(format!(
+                "{} onboarding copies got {} tickets",
+                copies.len(),
+                tickets.len()
+            )));
+        }
+        for (&(slot, block, _), ticket) in copies.iter().zip(tickets) {
+            self.onboarding.push_back(Onboard {
+                ticket,
+                slot,
+                block,
+            });
+        }
+        self.counters.onboards += copies.len() as u64;
+        self.counters.onboard_bytes += copies.len() as u64 * self.bytes();
+        Ok(())
+    }
+
+    /// Drops the host copy of `hash`, which is now cached on the device.
+    pub fn discard(&mut self, hash: &BlockHash, events: &mut EventLog) {
+        if let Some((slot, _)) = self.take(hash) {
+            self.free.push(slot);
+            events.removed(*hash, Medium::Host);
+        }
+        if let Some(disk) = self.disk.as_mut() {
+            disk.discard(hash, events);
+        }
+    }
+
+    fn make_resident(&mut self, hash: BlockHash, slot: u32, events: &mut EventLog) {
+        if let Some(disk) = self.disk.as_mut() {
+            disk.discard(&hash, events);
+        }
+        let stamp = self.next_stamp;
+        self.next_stamp += 1;
+        self.resident.insert(hash, (slot, stamp));
+        self.lru.insert(stamp, hash);
+        events.stored_alone(hash, Medium::Host);
+    }
+
+    /// Finishes the copies that have completed (all of them, waiting, with
+    /// `wait`). `on_device` says whether a hash is cached on the device
+    /// again, in which case its finished offload frees its slot.
+    pub fn reap(
+        &mut self,
+        wait: bool,
+        on_device: impl Fn(&BlockHash) -> bool,
+        events: &mut EventLog,
+    ) -> Result<Reaped, MemError> {
+        let mut out = Reaped::default();
+        while let Some(o) = self.offloading.front() {
+            if wait {
+                self.io.wait(o.ticket)?;
+            } else if !self.io.is_done(o.ticket)? {
+                break;
+            }
+            let Some(o) = self.offloading.pop_front() else {
+                break;
+            };
+            self.counters.offloads += 1;
+            self.counters.offload_bytes += self.bytes();
+            if on_device(&o.hash) || self.resident.contains_key(&o.hash) {
+                self.free.push(o.slot);
+            } else {
+                self.make_resident(o.hash, o.slot, events);
+            }
+            out.tokens.push(o.token);
+        }
+        while let Some(o) = self.onboarding.front() {
+            if wait {
+                self.io.wait(o.ticket)?;
+            } else if !self.io.is_done(o.ticket)? {
+                break;
+            }
+            if let Some(o) = self.onboarding.pop_front() {
+                self.free.push(o.slot);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The pending onboard into device block `block`, if any.
+    pub fn pending_onboard(&self, block: BlockId) -> Option<CopyTicket> {
+        self.onboarding
+            .iter()
+            .find(|o| o.block == block)
+            .map(|o| o.ticket)
+    }
+
+    /// Waits for the pending onboard into device block `block`, if any,
+    /// and frees its host slot: the block is about to leave the cache.
+    pub fn settle_onboard(&mut self, block: BlockId) -> Result<(), MemError> {
+        let Some(at) = self.onboarding.iter().position(|o| o.block == block) else {
+            return Ok(());
+        };
+        self.io.wait(self.onboarding[at].ticket)?;
+        if let Some(o) = self.onboarding.remove(at) {
+            self.free.push(o.slot);
+        }
+        Ok(())
+    }
+
+    /// Forgets every resident block (a reset); copies in flight stay.
+    pub fn clear_resident(&mut self) -> u32 {
+        if let Some(disk) = self.disk.as_mut() {
+            disk.clear();
+        }
+        let n = self.resident.len() as u32;
+        for (_, (slot, _)) in self.resident.drain() {
+            self.free.push(slot);
+        }
+        self.lru.clear();
+        n
+    }
+
+    /// Takes every in-flight offload's device token after waiting for all
+    /// copies (the manager's drop: the memory must not be freed under a
+    /// copy).
+    pub fn wait_and_take_all(&mut self) -> Vec<BlockToken> {
+        let tickets = self.offloading.iter().map(|o| o.ticket);
+        let last = tickets
+            .chain(self.onboarding.iter().map(|o| o.ticket))
+            .max();
+        if let Some(t) = last {
+            // Copies complete in ticket order: the last one fences them all.
+            let _ = self.io.wait(t);
+        }
+        self.onboarding.clear();
+        self.offloading.drain(..).map(|o| o.token).collect()
+    }
+
+    /// Checks the slot partition: every slot exactly once over free,
+    /// resident, offloading and onboarding; the LRU matches the residents.
+    pub fn check(&self) -> Result<(), MemError> {
+        let broken = |what: String| Err(MemError::Invariant(format!("host tier: {what}")));
+        let mut seen = vec![false; self.capacity as usize];
+        let slots = self
+            .free
+            .iter()
+            .copied()
+            .chain(self.resident.values().map(|&(s, _)| s))
+            .chain(self.offloading.iter().map(|o| o.slot))
+            .chain(self.onboarding.iter().map(|o| o.slot));
+        let mut n = 0u32;
+        for s in slots {
+            match seen.get_mut(s as usize) {
+                Some(v) if !*v => *v = true,
+                _ => return broken(format!("slot {s} is out of range or in two places")),
+            }
+            n += 1;
+        }
+        if n != self.capacity {
+            return broken(format!("{n} slots accounted of {}", self.capacity));
+        }
+        if self.lru.len() != self.resident.len()
+            || self
+                .lru
+                .iter()
+                .any(|(stamp, h)| self.resident.get(h).map(|r| r.1) != Some(*stamp))
+        {
+            return broken("the LRU and the residents disagree".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+enum FakeCopy {
+    Out { dev: usize, slot: u32 },
+    In { slot: u32, dev: usize },
+}
+
+#[derive(Debug)]
+struct FakeTierState {
+    fake: FakeBackend,
+    block_bytes: usize,
+    slots: u32,
+    host: Vec<u8>,
+    queue: VecDeque<(CopyTicket, FakeCopy)>,
+    next: CopyTicket,
+    /// Copies up to (excluding) this ticket have run.
+    done_below: CopyTicket,
+    auto: bool,
+}
+
+impl FakeTierState {
+    fn run_one(&mut self) -> Result<bool, MemError> {
+        let Some((ticket, copy)) = self.queue.pop_front() else {
+            return Ok(false);
+        };
+        let bb = self.block_bytes;
+        match copy {
+            FakeCopy::Out { dev, slot } => {
+                let bytes = self.fake.read(dev, bb)?;
+                let at = slot as usize * bb;
+                self.host[at..at + bb].copy_from_slice(&bytes);
+            }
+            FakeCopy::In { slot, dev } => {
+                let at = slot as usize * bb;
+                self.fake.write(dev, &self.host[at..at + bb])?;
+            }
+        }
+        self.done_below = ticket + 1;
+        Ok(true)
+    }
+
+    fn enqueue(&mut self, copy: FakeCopy) -> Result<CopyTicket, MemError> {
+        let ticket = self.next;
+        self.next += 1;
+        self.queue.push_back((ticket, copy));
+        if self.auto {
+            self.run_one()?;
+        }
+        Ok(ticket)
+    }
+}
+
+/// [`TierIo`] over a [`FakeBackend`] pool: host slots are a `Vec<u8>`, a
+/// copy reads or writes the fake's memory when it runs. In manual mode
+/// copies run only through [`Self::advance`] or a wait, in enqueue order
+/// (one stream), so a test can hold them in flight; in auto mode each runs
+/// as it is enqueued. Clones share the state.
+#[derive(Debug, Clone)]
+pub struct FakeTierIo {
+    state: Arc<Mutex<FakeTierState>>,
+}
+
+impl FakeTierIo {
+    /// `slots` host blocks of `block_bytes` over `fake`'s memory.
+    pub fn new(fake: FakeBackend, block_bytes: usize, slots: u32, auto: bool) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(FakeTierState {
+                fake,
+                block_bytes,
+                slots,
+                host: vec![0; block_bytes * slots as usize],
+                queue: VecDeque::new(),
+                next: 0,
+                done_below: 0,
+                auto,
+            })),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FakeTierState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs up to `n` queued copies; returns how many ran.
+    pub fn advance(&self, n: usize) -> Result<usize, MemError> {
+        let mut s = self.lock();
+        let mut ran = 0;
+        while ran < n && s.run_one()? {
+            ran += 1;
+        }
+        Ok(ran)
+    }
+
+    /// Copies enqueued and not yet run.
+    pub fn queued(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// Host slot `slot`'s bytes.
+    pub fn host_bytes(&self, slot: u32) -> Vec<u8> {
+        let s = self.lock();
+        let at = slot as usize * s.block_bytes;
+        s.host
+            .get(at..at + s.block_bytes)
+            .map(<[u8]>::to_vec)
+            .unwrap_or_default()
+    }
+}
+
+impl TierIo for FakeTierIo {
+    fn block_bytes(&self) -> usize {
+        self.lock().block_bytes
+    }
+
+    fn slots(&self) -> u32 {
+        self.lock().slots
+    }
+
+    fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError> {
+        let mut s = self.lock();
+        if slot >= s.slots {
+            return Err(MemError::invalid(format!(
+                "host slot {slot} is out of range"
+            )));
+        }
+        s.enqueue(FakeCopy::Out {
+            dev: dev_addr,
+            slot,
+        })
+    }
+
+    fn onboard(&mut self, slot: u32, dev_addr: usize) -> Result<CopyTicket, MemError> {
+        let mut s = self.lock();
+        if slot >= s.slots {
+            return Err(MemError::invalid(format!(
+                "host slot {slot} is out of range"
+            )));
+        }
+        s.enqueue(FakeCopy::In {
+            slot,
+            dev: dev_addr,
+        })
+    }
+
+    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+        let mut s = self.lock();
+        if let Some(&(slot, _)) = copies.iter().find(|c| c.0 >= s.slots) {
+            return Err(MemError::invalid(format!(
+                "host slot {slot} is out of range"
+            )));
+        }
+        copies
+            .iter()
+            .map(|&(slot, dev)| s.enqueue(FakeCopy::In { slot, dev }))
+            .collect()
+    }
+
+    fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError> {
+        Ok(ticket < self.lock().done_below)
+    }
+
+    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError> {
+        let s = self.lock();
+        let at = slot as usize * s.block_bytes;
+        let src = s
+            .host
+            .get(at..at + dst.len())
+            .ok_or_else(|| MemError::invalid(format!("host slot {slot} is out of range")))?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError> {
+        let mut s = self.lock();
+        let at = slot as usize * s.block_bytes;
+        let dst = s
+            .host
+            .get_mut(at..at + src.len())
+            .ok_or_else(|| MemError::invalid(format!("host slot {slot} is out of range")))?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError> {
+        let mut s = self.lock();
+        while s.done_below <= ticket {
+            if !s.run_one()? {
+                return Err(MemError::invalid(format!(
+                    "copy {ticket} was never enqueued"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
