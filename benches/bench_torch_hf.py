@@ -26,6 +26,7 @@ report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -121,6 +122,15 @@ def child_default(args) -> dict:
     }
 
 
+def _torch_stats() -> dict:
+    import torch
+
+    try:
+        return torch.cuda.memory_stats()
+    except RuntimeError:  # a pluggable allocator installed process-wide keeps none
+        return {}
+
+
 def child_imp(args) -> dict:
     import torch
 
@@ -149,28 +159,34 @@ def child_imp(args) -> dict:
     # Strict: when the tier is full the hook returns null, and torch gives its
     # pool's cached free segments back and retries before it reports an OOM.
     system = imp_mem.MemorySystem(backend, plan, context=context, activation_strict=True)
+    if args.mode == "process":
+        # Before torch's first CUDA allocation: every tensor from here on is a
+        # block of the tier (no torch cache on top).
+        imt.install(system)
+        scope = contextlib.nullcontext
+    else:
+        scope = imt.pool(system).scope
     t1_bytes = imt.to_arena(model, system.weights_arena)
     ids = ids.cuda()
-    pool = imt.pool(system)
     system.begin_planning()
-    with pool.scope():
+    with scope():
         charge = imt.measure_outside_charge(system, lambda: _generate(model, ids, args.new))
     system.begin_serving()
     b0 = backend.stats()
     h0 = imt.hook_stats()
-    t0_stats = torch.cuda.memory_stats()
+    t0_stats = _torch_stats()
     free0, _ = torch.cuda.mem_get_info()
-    with pool.scope():
+    with scope():
         t0 = time.perf_counter()
         second = _generate(model, ids, args.new)
         dt = time.perf_counter() - t0
     free1, _ = torch.cuda.mem_get_info()
     b1 = backend.stats()
     h1 = imt.hook_stats()
-    t1_stats = torch.cuda.memory_stats()
+    t1_stats = _torch_stats()
     report = system.mem_report(device=True, other_processes=args.other_processes)
     text = system.mem_report_text(device=True, other_processes=args.other_processes)
-    stats = pool.memory_stats()
+    stats = imt.memory_stats(system)
     committed = int(b1["committed"])
     return {
         "tokens": second.tolist(),
@@ -182,8 +198,10 @@ def child_imp(args) -> dict:
         "steady_state_allocations": sum(b1["steady_state_allocations_total"].values())
         - sum(b0["steady_state_allocations_total"].values()),
         "backend_acquisitions_serving": int(b1["acquisitions"]) - int(b0["acquisitions"]),
-        "driver_allocs_serving": t1_stats.get("num_device_alloc", 0)
-        - t0_stats.get("num_device_alloc", 0),
+        # torch keeps no counters of its own in process-wide mode.
+        "driver_allocs_serving": t1_stats["num_device_alloc"] - t0_stats["num_device_alloc"]
+        if "num_device_alloc" in t1_stats
+        else None,
         "device_free_delta": free0 - free1,
         "hook_calls_serving": {k: h1[k] - h0.get(k, 0) for k in h1 if k in h0},
         "attribution_pct": report["device"]["attribution_pct"] if report.get("device") else None,
@@ -222,47 +240,30 @@ def run_child(kind: str, args, extra: list[str]) -> dict:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", choices=["default", "imp"])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--activation-bytes", type=int, default=0)
-    ap.add_argument("--other-processes", type=int, default=0)
-    ap.add_argument("--margin", type=float, default=1.03)
-    ap.add_argument("--slack-mib", type=int, default=96)
-    ap.add_argument("--quick", action="store_true", help="batch 8 x 256 + 16")
-    ap.add_argument("--json", help="write the results here")
-    args = ap.parse_args(argv)
-    if args.child:
-        import torch
-
-        torch.use_deterministic_algorithms(True)
-        fn = child_default if args.child == "default" else child_imp
-        print("RESULT " + json.dumps(fn(args)), flush=True)
-        return 0
-    if args.quick:
-        args.batch, args.prompt, args.new = 8, 256, 16
-
-    default = run_child("default", args, [])
-    # The tier is planned from the measured high-water (A3.3) with a margin;
-    # torch's cache inside it fragments, so the smallest margin of the ladder
-    # that serves the workload is the one reported.
-    imp, failures = None, []
-    for margin in (args.margin, 1.08, 1.15, 1.3, 1.6):
+def run_ladder(mode: str, args, default: dict) -> dict:
+    """The imp child in `mode` with the tier planned from the default run's
+    measured high-water (A3.3) times the smallest margin of a ladder that
+    serves the workload (torch fragments its cache inside a MemPool)."""
+    ladder = [float(x) for x in getattr(args, f"ladder_{mode}").split(",")]
+    failures = []
+    for margin in ladder:
         act = int(default["activation_high_water"] * margin) + args.slack_mib * MIB
+        extra = ["--activation-bytes", str(act), "--mode", mode]
         try:
-            imp = run_child("imp", args, ["--activation-bytes", str(act)])
-            imp["margin"] = margin
-            break
+            imp = run_child("imp", args, extra)
         except RuntimeError as exc:
-            failures.append((margin, str(exc).splitlines()[-1][:300]))
-            print(f"activations at {margin}x the high-water did not serve: {failures[-1][1]}")
-    if imp is None:
-        raise RuntimeError(f"no margin served the workload: {failures}")
+            failures.append(margin)
+            print(
+                f"[{mode}] activations at {margin}x the high-water did not serve: "
+                f"{str(exc).splitlines()[-1][:200]}"
+            )
+            continue
+        imp["margin"], imp["refused"] = margin, failures
+        return imp
+    raise RuntimeError(f"[{mode}] no margin of {ladder} served the workload")
 
-    needed = default["weights_bytes"] + _kv_needed(args.batch, args.prompt + args.new)
+
+def summarize(args, default: dict, imp: dict, needed: int) -> dict:
     rows = {
         "workload": f"{args.batch} x {args.prompt} + {args.new} greedy, Qwen3-0.6B shape, bf16",
         "tokens_identical": default["tokens"] == imp["tokens"],
@@ -284,20 +285,62 @@ def main(argv: list[str] | None = None) -> int:
         "imp_outside_charge_mib": imp["outside_charge"] / MIB,
         "imp_context_mib": imp["context_bytes"] / MIB,
         "imp_activation_margin": imp["margin"],
-        "imp_margins_refused": [m for m, _ in failures],
+        "imp_margins_refused": imp["refused"],
         "imp_torch_alloc_retries": imp["retries"],
     }
     rows["generate_ratio"] = rows["tokens_per_s_imp"] / rows["tokens_per_s_default"]
-    print(imp["report"])
-    print(json.dumps(imp["pool_stats"], indent=1, sort_keys=True))
-    width = max(len(k) for k in rows)
-    for k, v in rows.items():
-        print(f"{k.ljust(width)}  {v:.4f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}")
-    print(
-        f"RATIOS generate tokens/s imp/default = {rows['generate_ratio']:.3f}x (goal >= 0.98); "
-        f"reserved/needed imp = {rows['reserved_over_needed_imp']:.3f} "
-        f"(default {rows['reserved_over_needed_default']:.3f}; goal <= 1.05)"
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", choices=["default", "imp"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--activation-bytes", type=int, default=0)
+    ap.add_argument("--other-processes", type=int, default=0)
+    ap.add_argument("--mode", choices=["scope", "process"], default="scope")
+    ap.add_argument(
+        "--modes", default="process,scope", help="imp-mem modes to measure, the first reported"
     )
+    ap.add_argument("--slack-mib", type=int, default=96)
+    ap.add_argument("--ladder-process", default="1.03,1.1,1.3,1.6,2.0", help="margins tried")
+    ap.add_argument("--ladder-scope", default="1.03,1.3,1.6,2.0", help="margins tried")
+    ap.add_argument("--quick", action="store_true", help="batch 8 x 256 + 16")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    if args.child:
+        import torch
+
+        torch.use_deterministic_algorithms(True)
+        fn = child_default if args.child == "default" else child_imp
+        print("RESULT " + json.dumps(fn(args)), flush=True)
+        return 0
+    if args.quick:
+        args.batch, args.prompt, args.new = 8, 256, 16
+
+    default = run_child("default", args, [])
+    needed = default["weights_bytes"] + _kv_needed(args.batch, args.prompt + args.new)
+    modes, reports = {}, {}
+    for mode in args.modes.split(","):
+        imp = run_ladder(mode, args, default)
+        modes[mode] = summarize(args, default, imp, needed)
+        reports[mode] = imp["report"]
+    first = next(iter(modes))
+    rows = {"mode": first, **modes[first], "by_mode": modes}
+    for mode, text in reports.items():
+        print(f"-- the memory report of the {mode} run while serving\n{text}")
+    for m, r in rows["by_mode"].items():
+        print(
+            f"RATIOS [{m}] generate tokens/s imp/default = {r['generate_ratio']:.3f}x "
+            f"(goal >= 0.98); reserved/needed imp = {r['reserved_over_needed_imp']:.3f} "
+            f"(default {r['reserved_over_needed_default']:.3f}; goal <= 1.05); margin "
+            f"{r['imp_activation_margin']} (refused {r['imp_margins_refused']})"
+        )
+    width = max(len(k) for k in rows)
+    for k, v in modes[first].items():
+        print(f"{k.ljust(width)}  {v:.4f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

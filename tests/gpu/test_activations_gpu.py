@@ -90,6 +90,7 @@ TORCH_SCRIPT = """
 import json
 import torch
 import imp_mem
+from imp_mem import _core
 
 backend = imp_mem.CudaBackend(0)
 pool = imp_mem.ActivationPool(backend, "1GiB", strict=True)
@@ -139,6 +140,7 @@ CUPY_SCRIPT = """
 import json
 import cupy
 import imp_mem
+from imp_mem import _core
 
 backend = imp_mem.CudaBackend(0)
 pool = imp_mem.ActivationPool(backend, "256MiB", strict=True)
