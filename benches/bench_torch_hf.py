@@ -156,9 +156,13 @@ def child_imp(args) -> dict:
     # plan's own KV pool is one block's worth.
     limits = imp_mem.Limits(1, 16)
     plan = imp_mem.plan_memory(imp_mem.PlanInput(shape, limits, features, budget=total))
-    # Strict: when the tier is full the hook returns null, and torch gives its
-    # pool's cached free segments back and retries before it reports an OOM.
-    system = imp_mem.MemorySystem(backend, plan, context=context, activation_strict=True)
+    # Scope mode is strict: when the tier is full the hook returns null, and
+    # torch gives its pool's cached free segments back and retries before it
+    # reports an OOM.
+    # torch's process-wide pluggable path does not check for a null return, so
+    # there the tier falls back to the backend (counted) instead of refusing.
+    strict = args.mode == "scope"
+    system = imp_mem.MemorySystem(backend, plan, context=context, activation_strict=strict)
     if args.mode == "process":
         # Before torch's first CUDA allocation: every tensor from here on is a
         # block of the tier (no torch cache on top).
@@ -257,6 +261,11 @@ def run_ladder(mode: str, args, default: dict) -> dict:
                 f"[{mode}] activations at {margin}x the high-water did not serve: "
                 f"{str(exc).splitlines()[-1][:200]}"
             )
+            continue
+        fallbacks = imp["pool_stats"].get("imp_mem.fallbacks_total", 0)
+        if fallbacks:
+            failures.append(margin)
+            print(f"[{mode}] activations at {margin}x the high-water fell back {fallbacks} times")
             continue
         imp["margin"], imp["refused"] = margin, failures
         return imp
