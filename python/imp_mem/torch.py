@@ -34,6 +34,10 @@ Known limits of torch's pluggable allocators (torch 2.11):
 * One process-wide allocator per process, chosen before the first CUDA
   tensor; :func:`install` says so when it is too late. Scopes have no such
   limit.
+* torch's process-wide pluggable path does not check a null return (it
+  builds a tensor over address 0), so :func:`install` refuses a strict tier;
+  inside a ``MemPool`` scope torch turns null into its ``OutOfMemoryError``
+  after giving the pool's cached segments back and retrying.
 * A custom ``MemPool`` has no expandable segments: torch asks for whole
   segments (2 MiB for small blocks, 20 MiB for 1-10 MiB ones, the rounded
   size above), and the tier serves each one as one block.
@@ -271,6 +275,14 @@ def install(system: Any, *, device: Any = None) -> None:
     saying so, when it is too late.
     """
     activations = _activations_of(system)
+    if activations.strict:
+        raise InvalidArgument(
+            "system: its activations tier is strict, and a strict tier returns null when "
+            "full, which torch's process-wide pluggable path does not check (it builds a "
+            "tensor over address 0); open the system with activation_strict=False (the tier "
+            "then falls back to a counted backend acquisition), or use a Pool scope, where "
+            "torch turns null into its OutOfMemoryError"
+        )
     dev = 0 if device is None else _device_index(device)
     if _installed["process_wide"]:
         if _installed["activations"] is activations:
