@@ -1,0 +1,355 @@
+//! The process-wide routing behind the C allocator hooks (the `extern "C"`
+//! entry points themselves are exported by the Python extension,
+//! `imp-mem-py/src/hooks.rs`, which calls these functions).
+//!
+//! One pool is installed for the process ([`install`]). It is held in an
+//! `RwLock<Option<..>>`: a call takes the read lock for its duration (one
+//! atomic add and one subtract when uncontended), so [`uninstall`] — the
+//! write lock — waits for calls in flight, and no call can see a pool being
+//! dropped. While the route is [`Route::Weights`], mallocs are takes from the
+//! installed T1 arena instead; a free of such a pointer cannot give bytes
+//! back to a bump arena and is counted as stranded.
+//!
+//! Nothing here panics or blocks on anything but the two locks (the slot's
+//! and the pool's); misuse — a foreign pointer, a double free, size 0, a
+//! negative or absurd size, the wrong device, a free whose size disagrees,
+//! nothing installed — is refused and counted in a relaxed atomic. A malloc
+//! returns 0 for "null".
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Mutex, RwLock, RwLockReadGuard};
+
+use super::{ActivationPool, RefusedFree};
+use crate::arena::SharedArena;
+use crate::error::MemError;
+
+/// The alignment of a weights-route take (torch's block alignment).
+const WEIGHTS_ALIGN: usize = 512;
+
+/// Where the hooks' mallocs go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The installed activation pool.
+    Activations,
+    /// The installed T1 arena (while loading weights).
+    Weights,
+}
+
+impl Route {
+    /// The route's name: `activations` or `weights`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Route::Activations => "activations",
+            Route::Weights => "weights",
+        }
+    }
+}
+
+struct Installed {
+    pool: ActivationPool,
+    device: i32,
+    /// The device's capacity: a request above it is absurd, whatever the
+    /// mode.
+    device_capacity: u64,
+    weights: Option<SharedArena>,
+    /// Pointers handed out by the weights route, with their sizes.
+    weight_ptrs: Mutex<HashMap<usize, u64>>,
+}
+
+static SLOT: RwLock<Option<Installed>> = RwLock::new(None);
+static ROUTE: AtomicU8 = AtomicU8::new(0);
+
+macro_rules! counters {
+    ($( $name:ident, )*) => {
+        struct Counters { $( $name: AtomicU64, )* }
+
+        static COUNTERS: Counters = Counters { $( $name: AtomicU64::new(0), )* };
+
+        /// Every counter by name, in a fixed order.
+        pub fn stats() -> Vec<(&'static str, u64)> {
+            vec![$( (stringify!($name), COUNTERS.$name.load(Ordering::Relaxed)), )*]
+        }
+
+        /// Sets every counter to zero.
+        pub fn reset_stats() {
+            $( COUNTERS.$name.store(0, Ordering::Relaxed); )*
+        }
+    };
+}
+
+counters! {
+    mallocs,
+    malloc_ok,
+    frees,
+    free_ok,
+    not_installed,
+    free_not_installed,
+    zero_size,
+    negative_size,
+    absurd_size,
+    wrong_device,
+    ooms,
+    malloc_errors,
+    null_frees,
+    foreign_frees,
+    double_frees,
+    bad_stream_frees,
+    size_mismatches,
+    weights_takes,
+    weights_bytes,
+    weights_refused,
+    stranded_frees,
+    stranded_bytes,
+    panics,
+}
+
+#[inline]
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+fn slot() -> RwLockReadGuard<'static, Option<Installed>> {
+    // A poisoned lock means a panic while installing; the slot still holds
+    // a whole value (an Option is replaced in one move).
+    SLOT.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Routes the hooks to `pool` for `device` (and, on the weights route, to
+/// `weights`), replacing what was installed. Waits for calls in flight.
+pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) {
+    let device_capacity = pool.backend().info().capacity;
+    let new = Installed {
+        pool,
+        device,
+        device_capacity,
+        weights,
+        weight_ptrs: Mutex::new(HashMap::new()),
+    };
+    let old = SLOT.write().unwrap_or_else(|p| p.into_inner()).replace(new);
+    // Released outside the lock: the last handle may release a region.
+    drop(old);
+}
+
+/// Removes the installed pool; true if one was installed. Waits for calls
+/// in flight.
+pub fn uninstall() -> bool {
+    let old = SLOT.write().unwrap_or_else(|p| p.into_inner()).take();
+    old.is_some()
+}
+
+/// The id of the installed pool, if any.
+pub fn installed_pool_id() -> Option<u64> {
+    slot().as_ref().map(|i| i.pool.id())
+}
+
+/// Sets the route.
+pub fn set_route(route: Route) {
+    ROUTE.store(route as u8, Ordering::Relaxed);
+}
+
+/// The route now.
+pub fn route() -> Route {
+    if ROUTE.load(Ordering::Relaxed) == Route::Weights as u8 {
+        Route::Weights
+    } else {
+        Route::Activations
+    }
+}
+
+/// Counts a panic the caller caught around one of these functions.
+pub fn count_panic() {
+    bump(&COUNTERS.panics);
+}
+
+/// malloc with a signed size (torch's `ssize_t`); 0 is null.
+#[inline]
+pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
+    if size < 0 {
+        bump(&COUNTERS.mallocs);
+        bump(&COUNTERS.negative_size);
+        return 0;
+    }
+    malloc(size as u64, device, stream)
+}
+
+/// malloc; 0 is null.
+#[inline]
+pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
+    bump(&COUNTERS.mallocs);
+    if size == 0 {
+        bump(&COUNTERS.zero_size);
+        return 0;
+    }
+    let guard = slot();
+    let Some(inst) = guard.as_ref() else {
+        bump(&COUNTERS.not_installed);
+        return 0;
+    };
+    if device != inst.device {
+        bump(&COUNTERS.wrong_device);
+        return 0;
+    }
+    if size > inst.device_capacity {
+        bump(&COUNTERS.absurd_size);
+        return 0;
+    }
+    if route() == Route::Weights {
+        return weights_take(inst, size);
+    }
+    match inst.pool.allocate(size, stream) {
+        Ok(addr) => {
+            bump(&COUNTERS.malloc_ok);
+            addr
+        }
+        Err(MemError::OutOfMemory(_)) | Err(MemError::PhaseViolation { .. }) => {
+            bump(&COUNTERS.ooms);
+            0
+        }
+        Err(_) => {
+            bump(&COUNTERS.malloc_errors);
+            0
+        }
+    }
+}
+
+fn weights_take(inst: &Installed, size: u64) -> usize {
+    let taken = inst.weights.as_ref().and_then(|arena| {
+        let len = usize::try_from(size).ok()?;
+        let ticket = arena.take(len, WEIGHTS_ALIGN).ok()?;
+        arena.span(&ticket).ok().map(|s| s.addr())
+    });
+    let Some(addr) = taken else {
+        bump(&COUNTERS.weights_refused);
+        return 0;
+    };
+    inst.weight_ptrs
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(addr, size);
+    bump(&COUNTERS.weights_takes);
+    COUNTERS.weights_bytes.fetch_add(size, Ordering::Relaxed);
+    bump(&COUNTERS.malloc_ok);
+    addr
+}
+
+/// free; `size` is what the caller says it allocated, if it says.
+#[inline]
+pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
+    bump(&COUNTERS.frees);
+    if ptr == 0 {
+        bump(&COUNTERS.null_frees);
+        return;
+    }
+    let guard = slot();
+    let Some(inst) = guard.as_ref() else {
+        bump(&COUNTERS.free_not_installed);
+        return;
+    };
+    if device != inst.device {
+        bump(&COUNTERS.wrong_device);
+        return;
+    }
+    match inst.pool.try_free(ptr, stream) {
+        Ok(freed) => {
+            bump(&COUNTERS.free_ok);
+            if let Some(size) = size {
+                if u64::try_from(size).ok() != Some(freed.requested) {
+                    bump(&COUNTERS.size_mismatches);
+                }
+            }
+        }
+        Err(RefusedFree::Foreign) => {
+            let stranded = inst
+                .weight_ptrs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&ptr);
+            match stranded {
+                Some(bytes) => {
+                    bump(&COUNTERS.stranded_frees);
+                    COUNTERS.stranded_bytes.fetch_add(bytes, Ordering::Relaxed);
+                }
+                None => bump(&COUNTERS.foreign_frees),
+            }
+        }
+        Err(RefusedFree::NotLive) => bump(&COUNTERS.double_frees),
+        Err(RefusedFree::ReservedStream) => bump(&COUNTERS.bad_stream_frees),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::activations::{ActivationConfig, NoStreams};
+    use crate::fake::{FakeBackend, FakeConfig};
+    use crate::tier::Tier;
+
+    fn count(name: &str) -> u64 {
+        stats()
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .map_or(u64::MAX, |(_, v)| v)
+    }
+
+    // The only test touching the process-wide slot in this binary.
+    #[test]
+    fn misuse_is_counted_and_refused_and_the_weights_route_strands() {
+        let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+        let pool =
+            ActivationPool::new(&fb, &ActivationConfig::new(1 << 20), Arc::new(NoStreams)).unwrap();
+        reset_stats();
+        assert_eq!(malloc(64, 0, 0), 0);
+        assert_eq!(count("not_installed"), 1);
+        install(pool.clone(), 0, None);
+        let p = malloc(1000, 0, 0);
+        assert_ne!(p, 0);
+        assert_eq!(malloc(0, 0, 0), 0);
+        assert_eq!(malloc_signed(-5, 0, 0), 0);
+        assert_eq!(malloc(u64::MAX, 0, 0), 0);
+        assert_eq!(malloc(64, 1, 0), 0);
+        assert_eq!(malloc(2 << 20, 0, 0), 0);
+        free(p, Some(999), 0, 0);
+        free(p, Some(1000), 0, 0);
+        free(8, Some(8), 0, 0);
+        free(0, None, 0, 0);
+        for (name, n) in [
+            ("zero_size", 1),
+            ("negative_size", 1),
+            ("absurd_size", 1),
+            ("wrong_device", 1),
+            ("ooms", 1),
+            ("size_mismatches", 1),
+            ("double_frees", 1),
+            ("foreign_frees", 1),
+            ("null_frees", 1),
+            ("free_ok", 1),
+            ("malloc_ok", 1),
+            ("panics", 0),
+        ] {
+            assert_eq!(count(name), n, "{name}");
+        }
+        pool.check_invariants().unwrap();
+        assert_eq!(pool.stats().live, 0);
+
+        let arena = SharedArena::new(&fb, Tier::ModelResident, 1 << 20, None).unwrap();
+        install(pool.clone(), 0, Some(arena.clone()));
+        set_route(Route::Weights);
+        let w = malloc(3000, 0, 0);
+        assert!(w != 0 && !pool.contains(w));
+        assert_eq!(malloc(2 << 20, 0, 0), 0);
+        set_route(Route::Activations);
+        free(w, Some(3000), 0, 0);
+        free(w, Some(3000), 0, 0);
+        assert_eq!(
+            (count("stranded_frees"), count("stranded_bytes")),
+            (1, 3000)
+        );
+        assert_eq!((count("weights_refused"), count("foreign_frees")), (1, 2));
+        assert_eq!(installed_pool_id(), Some(pool.id()));
+        assert!(uninstall());
+        assert!(!uninstall());
+    }
+}
