@@ -11,14 +11,16 @@
 //! back to a bump arena and is counted as stranded.
 //!
 //! Nothing here panics or blocks on anything but the two locks (the slot's
-//! and the pool's); misuse — a foreign pointer, a double free, size 0, a
+//! and the pool's). Misuse — a foreign pointer, a double free, size 0, a
 //! negative or absurd size, the wrong device, a free whose size disagrees,
-//! nothing installed — is refused and counted in a relaxed atomic. A malloc
-//! returns 0 for "null".
+//! nothing installed — is refused and counted. The counters are per-thread
+//! shards, written by their thread without a locked instruction (a relaxed
+//! load and store) and summed on read, so counting costs the hot path
+//! almost nothing and no count is lost. A malloc returns 0 for "null".
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Mutex, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use super::{ActivationPool, RefusedFree};
 use crate::arena::SharedArena;
@@ -62,20 +64,90 @@ static ROUTE: AtomicU8 = AtomicU8::new(0);
 
 macro_rules! counters {
     ($( $name:ident, )*) => {
-        struct Counters { $( $name: AtomicU64, )* }
+        /// The counters, as indices into a shard.
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Copy)]
+        enum C { $( $name, )* }
 
-        static COUNTERS: Counters = Counters { $( $name: AtomicU64::new(0), )* };
-
-        /// Every counter by name, in a fixed order.
-        pub fn stats() -> Vec<(&'static str, u64)> {
-            vec![$( (stringify!($name), COUNTERS.$name.load(Ordering::Relaxed)), )*]
-        }
-
-        /// Sets every counter to zero.
-        pub fn reset_stats() {
-            $( COUNTERS.$name.store(0, Ordering::Relaxed); )*
-        }
+        const NAMES: &[&str] = &[$( stringify!($name), )*];
     };
+}
+
+const N: usize = 23;
+const _: () = assert!(NAMES.len() == N, "N must count the counters");
+
+/// One thread's counters. Only its thread writes them (a load and a store,
+/// no read-modify-write: the hot path pays no locked instruction); readers
+/// sum every shard.
+struct Shard([AtomicU64; N]);
+
+impl Shard {
+    fn new() -> Self {
+        Shard(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
+/// Every thread's shard, kept after the thread exits so its counts stay.
+static SHARDS: Mutex<Vec<Arc<Shard>>> = Mutex::new(Vec::new());
+/// Counts from threads whose shard is gone (a hook called while the
+/// thread's locals are being destroyed): shared, so read-modify-write.
+static SHARED: Mutex<Option<Arc<Shard>>> = Mutex::new(None);
+/// What `reset_stats` subtracts.
+static BASELINE: Mutex<[u64; N]> = Mutex::new([0; N]);
+
+thread_local! {
+    static MINE: Arc<Shard> = {
+        let shard = Arc::new(Shard::new());
+        SHARDS.lock().unwrap_or_else(|p| p.into_inner()).push(shard.clone());
+        shard
+    };
+}
+
+#[inline]
+fn add(c: C, n: u64) {
+    let i = c as usize;
+    let done = MINE.try_with(|s| {
+        let v = s.0[i].load(Ordering::Relaxed);
+        s.0[i].store(v.wrapping_add(n), Ordering::Relaxed);
+    });
+    if done.is_err() {
+        let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        shared.get_or_insert_with(|| Arc::new(Shard::new())).0[i].fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+#[inline]
+fn bump(c: C) {
+    add(c, 1);
+}
+
+fn sums() -> [u64; N] {
+    let mut out = [0u64; N];
+    let shards = SHARDS.lock().unwrap_or_else(|p| p.into_inner());
+    let shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    for shard in shards.iter().chain(shared.iter()) {
+        for (o, c) in out.iter_mut().zip(shard.0.iter()) {
+            *o = o.wrapping_add(c.load(Ordering::Relaxed));
+        }
+    }
+    out
+}
+
+/// Every counter by name, in a fixed order, since the last `reset_stats`.
+pub fn stats() -> Vec<(&'static str, u64)> {
+    let now = sums();
+    let base = *BASELINE.lock().unwrap_or_else(|p| p.into_inner());
+    NAMES
+        .iter()
+        .zip(now.iter().zip(base.iter()))
+        .map(|(name, (n, b))| (*name, n.wrapping_sub(*b)))
+        .collect()
+}
+
+/// Starts every counter from zero (by remembering the current sums).
+pub fn reset_stats() {
+    let now = sums();
+    *BASELINE.lock().unwrap_or_else(|p| p.into_inner()) = now;
 }
 
 counters! {
@@ -102,11 +174,6 @@ counters! {
     stranded_frees,
     stranded_bytes,
     panics,
-}
-
-#[inline]
-fn bump(counter: &AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
 }
 
 fn slot() -> RwLockReadGuard<'static, Option<Installed>> {
@@ -159,15 +226,15 @@ pub fn route() -> Route {
 
 /// Counts a panic the caller caught around one of these functions.
 pub fn count_panic() {
-    bump(&COUNTERS.panics);
+    bump(C::panics);
 }
 
 /// malloc with a signed size (torch's `ssize_t`); 0 is null.
 #[inline]
 pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
     if size < 0 {
-        bump(&COUNTERS.mallocs);
-        bump(&COUNTERS.negative_size);
+        bump(C::mallocs);
+        bump(C::negative_size);
         return 0;
     }
     malloc(size as u64, device, stream)
@@ -176,22 +243,22 @@ pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
 /// malloc; 0 is null.
 #[inline]
 pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
-    bump(&COUNTERS.mallocs);
+    bump(C::mallocs);
     if size == 0 {
-        bump(&COUNTERS.zero_size);
+        bump(C::zero_size);
         return 0;
     }
     let guard = slot();
     let Some(inst) = guard.as_ref() else {
-        bump(&COUNTERS.not_installed);
+        bump(C::not_installed);
         return 0;
     };
     if device != inst.device {
-        bump(&COUNTERS.wrong_device);
+        bump(C::wrong_device);
         return 0;
     }
     if size > inst.device_capacity {
-        bump(&COUNTERS.absurd_size);
+        bump(C::absurd_size);
         return 0;
     }
     if route() == Route::Weights {
@@ -199,15 +266,15 @@ pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
     }
     match inst.pool.allocate(size, stream) {
         Ok(addr) => {
-            bump(&COUNTERS.malloc_ok);
+            bump(C::malloc_ok);
             addr
         }
         Err(MemError::OutOfMemory(_)) | Err(MemError::PhaseViolation { .. }) => {
-            bump(&COUNTERS.ooms);
+            bump(C::ooms);
             0
         }
         Err(_) => {
-            bump(&COUNTERS.malloc_errors);
+            bump(C::malloc_errors);
             0
         }
     }
@@ -220,42 +287,42 @@ fn weights_take(inst: &Installed, size: u64) -> usize {
         arena.span(&ticket).ok().map(|s| s.addr())
     });
     let Some(addr) = taken else {
-        bump(&COUNTERS.weights_refused);
+        bump(C::weights_refused);
         return 0;
     };
     inst.weight_ptrs
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(addr, size);
-    bump(&COUNTERS.weights_takes);
-    COUNTERS.weights_bytes.fetch_add(size, Ordering::Relaxed);
-    bump(&COUNTERS.malloc_ok);
+    bump(C::weights_takes);
+    add(C::weights_bytes, size);
+    bump(C::malloc_ok);
     addr
 }
 
 /// free; `size` is what the caller says it allocated, if it says.
 #[inline]
 pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
-    bump(&COUNTERS.frees);
+    bump(C::frees);
     if ptr == 0 {
-        bump(&COUNTERS.null_frees);
+        bump(C::null_frees);
         return;
     }
     let guard = slot();
     let Some(inst) = guard.as_ref() else {
-        bump(&COUNTERS.free_not_installed);
+        bump(C::free_not_installed);
         return;
     };
     if device != inst.device {
-        bump(&COUNTERS.wrong_device);
+        bump(C::wrong_device);
         return;
     }
     match inst.pool.try_free(ptr, stream) {
         Ok(freed) => {
-            bump(&COUNTERS.free_ok);
+            bump(C::free_ok);
             if let Some(size) = size {
                 if u64::try_from(size).ok() != Some(freed.requested) {
-                    bump(&COUNTERS.size_mismatches);
+                    bump(C::size_mismatches);
                 }
             }
         }
@@ -267,14 +334,14 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
                 .remove(&ptr);
             match stranded {
                 Some(bytes) => {
-                    bump(&COUNTERS.stranded_frees);
-                    COUNTERS.stranded_bytes.fetch_add(bytes, Ordering::Relaxed);
+                    bump(C::stranded_frees);
+                    add(C::stranded_bytes, bytes);
                 }
-                None => bump(&COUNTERS.foreign_frees),
+                None => bump(C::foreign_frees),
             }
         }
-        Err(RefusedFree::NotLive) => bump(&COUNTERS.double_frees),
-        Err(RefusedFree::ReservedStream) => bump(&COUNTERS.bad_stream_frees),
+        Err(RefusedFree::NotLive) => bump(C::double_frees),
+        Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
     }
 }
 
