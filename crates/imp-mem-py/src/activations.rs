@@ -246,8 +246,8 @@ impl PyActivationPool {
         }
         let pool = self.pool.clone();
         let weights = weights_arena.map(|a| a.arena.clone());
-        // The write lock waits for hook calls in flight, which never need
-        // the GIL; release it so none of them can wait on this thread.
+        // The write lock waits for hook calls reading the slot, which never
+        // need the GIL; release it so none of them can wait on this thread.
         py.allow_threads(move || hooks::install(pool, device, weights));
         Ok(())
     }

@@ -12,7 +12,8 @@
 //!   per stream).
 //!
 //! They route to one process-wide installed pool through
-//! `imp_mem_core::activations::hooks` (an `RwLock` read per call; the
+//! `imp_mem_core::activations::hooks` (a generation check per call against
+//! the thread's cached copy of the slot; the
 //! routing, the weights route and the misuse counters live there, so the
 //! criterion bench measures the same path). This file adds only the C ABI:
 //! every body runs inside `catch_unwind`, a panic is counted and becomes a
@@ -120,7 +121,9 @@ fn reset_hook_stats() {
 }
 
 /// Removes the installed pool: the hooks refuse (null) until another is
-/// installed. Returns whether one was installed. Waits for calls in flight.
+/// installed. Returns whether one was installed. A call already running on
+/// another thread finishes on its pool; the pool is released once no
+/// thread holds it (another thread lets go at its next call).
 #[pyfunction]
 fn uninstall_hooks(py: Python<'_>) -> bool {
     py.allow_threads(routing::uninstall)

@@ -2,11 +2,13 @@
 //! entry points themselves are exported by the Python extension,
 //! `imp-mem-py/src/hooks.rs`, which calls these functions).
 //!
-//! One pool is installed for the process ([`install`]). It is held in an
-//! `RwLock<Option<..>>`: a call takes the read lock for its duration (one
-//! atomic add and one subtract when uncontended), so [`uninstall`] — the
-//! write lock — waits for calls in flight, and no call can see a pool being
-//! dropped. While the route is [`Route::Weights`], mallocs are takes from the
+//! One pool is installed for the process ([`install`]), as an
+//! `Arc` in an `RwLock<Option<..>>` with a generation number bumped by every
+//! install and uninstall. Each thread keeps its own copy of the `Arc` and
+//! the generation it read; a call compares generations (one load) and uses
+//! its copy, re-reading the slot only when it changed. A call therefore
+//! always runs on a whole pool it holds a reference to, and the last
+//! reference — the slot's or a thread's copy — releases it. While the route is [`Route::Weights`], mallocs are takes from the
 //! installed T1 arena instead; a free of such a pointer cannot give bytes
 //! back to a bump arena and is counted as stranded.
 //!
@@ -18,6 +20,7 @@
 //! load and store) and summed on read, so counting costs the hot path
 //! almost nothing and no count is lost. A malloc returns 0 for "null".
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
@@ -59,7 +62,21 @@ struct Installed {
     weight_ptrs: Mutex<HashMap<usize, u64>>,
 }
 
-static SLOT: RwLock<Option<Installed>> = RwLock::new(None);
+static SLOT: RwLock<Option<Arc<Installed>>> = RwLock::new(None);
+/// Bumped, under the slot's write lock, by every install and uninstall.
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+
+/// A thread's copy of the slot and the generation it was read at.
+struct Cached {
+    generation: u64,
+    installed: Option<Arc<Installed>>,
+}
+
+thread_local! {
+    static CACHE: RefCell<Cached> = const {
+        RefCell::new(Cached { generation: 0, installed: None })
+    };
+}
 static ROUTE: AtomicU8 = AtomicU8::new(0);
 
 macro_rules! counters {
@@ -176,14 +193,63 @@ counters! {
     panics,
 }
 
-fn slot() -> RwLockReadGuard<'static, Option<Installed>> {
+fn slot() -> RwLockReadGuard<'static, Option<Arc<Installed>>> {
     // A poisoned lock means a panic while installing; the slot still holds
     // a whole value (an Option is replaced in one move).
     SLOT.read().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Runs `f` on the installed pool. The common case touches no shared
+/// cache line: one relaxed-cost load of the generation, compared with the
+/// thread's cached copy. When it changed, the thread re-reads the slot
+/// under its read lock. Without thread locals (a thread being torn down)
+/// the slot is read directly.
+#[inline]
+fn with_installed<R>(f: impl Fn(Option<&Installed>) -> R) -> R {
+    let generation = GENERATION.load(Ordering::Acquire);
+    let cached = CACHE.try_with(|cell| {
+        let stale = cell
+            .try_borrow()
+            .map(|c| c.generation != generation)
+            .unwrap_or(true);
+        if stale {
+            let fresh = {
+                let guard = slot();
+                Cached {
+                    generation: GENERATION.load(Ordering::Acquire),
+                    installed: guard.clone(),
+                }
+            };
+            // Replaced outside any borrow; the old copy is dropped here,
+            // which may release the last handle to an uninstalled pool.
+            let old = cell
+                .try_borrow_mut()
+                .map(|mut c| std::mem::replace(&mut *c, fresh));
+            drop(old);
+        }
+        cell.try_borrow().ok().map(|c| f(c.installed.as_deref()))
+    });
+    match cached {
+        Ok(Some(r)) => r,
+        _ => f(slot().as_deref()),
+    }
+}
+
+/// Drops the calling thread's cached copy of the slot.
+fn forget_cached() {
+    let old = CACHE.try_with(|cell| {
+        cell.try_borrow_mut().ok().and_then(|mut c| {
+            c.generation = 0;
+            c.installed.take()
+        })
+    });
+    drop(old);
+}
+
 /// Routes the hooks to `pool` for `device` (and, on the weights route, to
-/// `weights`), replacing what was installed. Waits for calls in flight.
+/// `weights`), replacing what was installed. A call already running on
+/// another thread finishes on the pool it started with (it holds it); every
+/// thread's next call sees the new one.
 pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) {
     let device_capacity = pool.backend().info().capacity;
     let new = Installed {
@@ -193,15 +259,29 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
         weights,
         weight_ptrs: Mutex::new(HashMap::new()),
     };
-    let old = SLOT.write().unwrap_or_else(|p| p.into_inner()).replace(new);
+    let old = {
+        let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
+        let old = slot.replace(Arc::new(new));
+        GENERATION.fetch_add(1, Ordering::Release);
+        old
+    };
+    forget_cached();
     // Released outside the lock: the last handle may release a region.
     drop(old);
 }
 
-/// Removes the installed pool; true if one was installed. Waits for calls
-/// in flight.
+/// Removes the installed pool; true if one was installed. Every thread's
+/// next call refuses. The pool itself is released once no thread holds a
+/// copy: the calling thread's is dropped here, another thread's at its next
+/// call (or when it exits).
 pub fn uninstall() -> bool {
-    let old = SLOT.write().unwrap_or_else(|p| p.into_inner()).take();
+    let old = {
+        let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
+        let old = slot.take();
+        GENERATION.fetch_add(1, Ordering::Release);
+        old
+    };
+    forget_cached();
     old.is_some()
 }
 
@@ -248,8 +328,11 @@ pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
         bump(C::zero_size);
         return 0;
     }
-    let guard = slot();
-    let Some(inst) = guard.as_ref() else {
+    with_installed(|inst| malloc_on(inst, size, device, stream))
+}
+
+fn malloc_on(inst: Option<&Installed>, size: u64, device: i32, stream: u64) -> usize {
+    let Some(inst) = inst else {
         bump(C::not_installed);
         return 0;
     };
@@ -308,8 +391,11 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
         bump(C::null_frees);
         return;
     }
-    let guard = slot();
-    let Some(inst) = guard.as_ref() else {
+    with_installed(|inst| free_on(inst, ptr, size, device, stream));
+}
+
+fn free_on(inst: Option<&Installed>, ptr: usize, size: Option<i64>, device: i32, stream: u64) {
+    let Some(inst) = inst else {
         bump(C::free_not_installed);
         return;
     };
@@ -352,6 +438,7 @@ mod tests {
     use super::*;
     use crate::activations::{ActivationConfig, NoStreams};
     use crate::fake::{FakeBackend, FakeConfig};
+    use crate::tag::Tag;
     use crate::tier::Tier;
 
     fn count(name: &str) -> u64 {
@@ -418,5 +505,30 @@ mod tests {
         assert_eq!(installed_pool_id(), Some(pool.id()));
         assert!(uninstall());
         assert!(!uninstall());
+
+        // Another thread's copy: after an uninstall its next call refuses
+        // and lets go of the pool, whose region is then released.
+        let fb2 = FakeBackend::new(FakeConfig::default()).unwrap();
+        let pool2 = ActivationPool::new(&fb2, &ActivationConfig::new(1 << 20), Arc::new(NoStreams))
+            .unwrap();
+        install(pool2, 0, None);
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let (done, called) = std::sync::mpsc::channel::<usize>();
+        let worker = std::thread::spawn(move || {
+            let p = malloc(4096, 0, 0);
+            free(p, Some(4096), 0, 0);
+            done.send(p).unwrap();
+            wait.recv().unwrap();
+            done.send(malloc(4096, 0, 0)).unwrap();
+        });
+        assert_ne!(called.recv().unwrap(), 0);
+        let region =
+            |fb: &FakeBackend| fb.stats().tags.get(&Tag::Activations).map_or(0, |t| t.live);
+        assert!(uninstall());
+        assert_eq!(region(&fb2), 1 << 20, "the worker still holds the pool");
+        go.send(()).unwrap();
+        assert_eq!(called.recv().unwrap(), 0, "refused after the uninstall");
+        worker.join().unwrap();
+        assert_eq!(region(&fb2), 0, "released with the worker's copy");
     }
 }
