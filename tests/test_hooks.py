@@ -241,3 +241,52 @@ def test_random_calls_never_break_the_pool(calls):
     assert _core.hook_stats()["malloc_ok"] == expected_ok
     pool.check_invariants()
     _core.uninstall_hooks()
+
+
+def test_hooks_race_install_and_uninstall_without_harm():
+    """ctypes drops the GIL around a foreign call, so these threads really
+    run the hooks at once while another installs and uninstalls pools: the
+    read lock must keep every call on a whole pool."""
+    import threading
+    import time
+
+    fake = imp_mem.FakeBackend(capacity=64 * MIB)
+    pools = [imp_mem.ActivationPool(fake, 4 * MIB) for _ in range(2)]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn(stream: int) -> None:
+        try:
+            while not stop.is_set():
+                ptrs = [TORCH_MALLOC(4096 + 512 * i, 0, stream) for i in range(8)]
+                for i, p in enumerate(ptrs):
+                    if p is not None:
+                        ctypes.memset(p, stream, 64)
+                        TORCH_FREE(p, 4096 + 512 * i, 0, stream)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=churn, args=(s,)) for s in (1, 2, 3)]
+    for w in workers:
+        w.start()
+    deadline = time.monotonic() + 0.5
+    i = 0
+    while time.monotonic() < deadline:
+        pools[i % 2].install()
+        if i % 3 == 0:
+            _core.uninstall_hooks()
+        i += 1
+    stop.set()
+    for w in workers:
+        w.join()
+    _core.uninstall_hooks()
+    assert errors == []
+    stats = _core.hook_stats()
+    assert stats["malloc_ok"] > 100 and i > 100, (stats, i)
+    assert stats["panics"] == 0 and stats["double_frees"] == 0
+    # A free that reached a pool other than its block's is foreign there; the
+    # block stays live in its own pool, which is still whole.
+    for pool in pools:
+        pool.check_invariants()
+        live = pool.stats()["live"]
+        assert live <= stats["foreign_frees"] + stats["free_not_installed"]

@@ -659,7 +659,9 @@ def hook_stats() -> dict[str, Any]:
 
 def reset_hook_stats() -> None: ...
 def uninstall_hooks() -> bool:
-    """Removes the installed pool (the hooks then return null); True if one was."""
+    """Removes the installed pool (every thread's next hook call returns null);
+    True if one was. The pool is released once no thread holds it: this
+    thread's copy goes now, another thread's at its next hook call."""
 
 def set_hook_route(route: Literal["activations", "weights"]) -> None:
     """Where the hooks' mallocs go: the installed pool, or (while loading) the

@@ -167,3 +167,49 @@ def test_cupy_c_function_allocator_runs_on_the_pool():
     assert r["hooks"]["malloc_ok"] >= 1
     assert r["hooks"]["foreign_frees"] == 0 and r["hooks"]["double_frees"] == 0
     assert r["after"]["refused_frees"] == 0
+
+
+MEMPOOL_SCRIPT = """
+import json
+import torch
+import imp_mem
+from imp_mem import _core
+
+torch.cuda.init()
+backend = imp_mem.CudaBackend(0)
+pool = imp_mem.ActivationPool(backend, "256MiB", strict=True)
+pool.install(device=0)
+alloc = torch.cuda.memory.CUDAPluggableAllocator(
+    _core.hook_library_path(), _core.TORCH_MALLOC_SYMBOL, _core.TORCH_FREE_SYMBOL
+)
+mempool = torch.cuda.MemPool(alloc.allocator())
+with torch.cuda.use_mem_pool(mempool):
+    x = torch.ones(1024, 1024, device="cuda")
+    y = (x * 2).sum()
+inside = pool.stats()["live"]
+oom = None
+try:
+    with torch.cuda.use_mem_pool(mempool):
+        big = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+except Exception as e:
+    oom = type(e).__name__
+outside = torch.ones(16, device="cuda").sum().item()  # the default allocator
+result = {
+    "sum": y.item(), "inside": inside, "oom": oom, "outside": outside,
+    "hooks": _core.hook_stats(), "stats": pool.stats(),
+}
+print(json.dumps(result))
+"""
+
+
+def test_a_torch_mempool_over_the_pool_caches_and_raises_on_exhaustion():
+    pytest.importorskip("torch")
+    r = _run(MEMPOOL_SCRIPT)
+    assert r["sum"] == 2 * 1024 * 1024
+    assert r["inside"] >= 1  # torch's segments come from the pool
+    # A strict pool returns null past its capacity; inside a MemPool torch
+    # turns that into its own out-of-memory error, and nothing is corrupted.
+    assert r["oom"] in {"OutOfMemoryError", "RuntimeError"}, r["oom"]
+    assert r["hooks"]["ooms"] >= 1
+    assert r["outside"] == 16.0
+    assert r["stats"]["refused_frees"] == 0

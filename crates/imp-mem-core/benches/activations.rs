@@ -1,5 +1,7 @@
-//! The activation pool's allocate + free pair (goal: tens of nanoseconds),
-//! beside the system allocator (`std::alloc`, glibc malloc here) asked for
+//! The activation pool's allocate + free pair, and the same pair through
+//! the C hooks' routing (`activations::hooks`: what `imp_mem_torch_malloc` /
+//! `imp_mem_torch_free` run inside their `catch_unwind`), goal: tens of
+//! nanoseconds, beside the system allocator (`std::alloc`, glibc malloc here) asked for
 //! the same sizes and alignment in the same run, printed as ratios. Run:
 //! `cargo bench -p imp-mem-core --bench activations`.
 
@@ -10,7 +12,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{criterion_group, Criterion};
-use imp_mem_core::activations::{ActivationConfig, ActivationPool, NoStreams};
+use imp_mem_core::activations::{hooks, ActivationConfig, ActivationPool, NoStreams};
 use imp_mem_core::{FakeBackend, FakeConfig};
 
 const SIZES: [u64; 3] = [512, 64 << 10, 4 << 20];
@@ -110,6 +112,18 @@ fn pairs(c: &mut Criterion) {
         });
     }
     g.finish();
+    hooks::install(p.clone(), 0, None);
+    let mut g = c.benchmark_group("C hook malloc+free");
+    for size in SIZES {
+        g.bench_function(format!("ours {size} B"), |b| {
+            b.iter(|| {
+                let a = hooks::malloc_signed(black_box(size as i64), 0, 0);
+                hooks::free(black_box(a), Some(size as i64), 0, 0);
+            })
+        });
+    }
+    g.finish();
+    hooks::uninstall();
 }
 
 /// ns per operation: the median of 5 runs of `iters` calls.
@@ -149,6 +163,17 @@ fn ratios() {
         let name = format!("allocate+free {size} B");
         println!("{name:44} {ours:9.1} {peer:9.1} {:9.2}x", peer / ours);
     }
+    hooks::install(p.clone(), 0, None);
+    for size in SIZES {
+        let ours = per_op(n, || {
+            let a = hooks::malloc_signed(black_box(size as i64), 0, 0);
+            hooks::free(black_box(a), Some(size as i64), 0, 0);
+        });
+        let peer = per_op(n, || system_pair(black_box(size)));
+        let name = format!("C hook malloc+free {size} B");
+        println!("{name:44} {ours:9.1} {peer:9.1} {:9.2}x", peer / ours);
+    }
+    hooks::uninstall();
     let sizes = ring_sizes();
     let steps = 200_000;
     let ours = median((0..5).map(|_| ring_pool(&p, &sizes, steps)).collect());

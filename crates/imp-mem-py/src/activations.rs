@@ -229,6 +229,7 @@ impl PyActivationPool {
     #[pyo3(signature = (device = None, weights_arena = None))]
     fn install(
         &self,
+        py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         weights_arena: Option<PyRef<'_, PyArena>>,
     ) -> PyResult<()> {
@@ -243,11 +244,11 @@ impl PyActivationPool {
                  device {expected}"
             )));
         }
-        hooks::install(
-            self.pool.clone(),
-            device,
-            weights_arena.map(|a| a.arena.clone()),
-        );
+        let pool = self.pool.clone();
+        let weights = weights_arena.map(|a| a.arena.clone());
+        // The write lock waits for hook calls reading the slot, which never
+        // need the GIL; release it so none of them can wait on this thread.
+        py.allow_threads(move || hooks::install(pool, device, weights));
         Ok(())
     }
 

@@ -11,30 +11,19 @@
 //!   (0, the legacy default stream, unless the caller builds one allocator
 //!   per stream).
 //!
-//! They route to one process-wide installed pool (`ActivationPool.install`),
-//! held in an `RwLock<Option<..>>`: a call takes the read lock for its
-//! duration (one atomic add and one subtract when uncontended), so
-//! `uninstall_hooks` — the write lock — waits for calls in flight and no
-//! call can see a pool being dropped. While the route is "weights"
-//! (`set_hook_route`), malloc takes from the installed T1 arena instead; a
-//! free of such a pointer cannot return bytes to a bump arena and is counted
-//! as stranded.
-//!
-//! Every body runs inside `catch_unwind`: a panic is counted and becomes a
-//! null return (malloc) or nothing (free). Misuse — a foreign pointer, a
-//! double free, size 0, a negative or absurd size, the wrong device, a free
-//! whose size disagrees, nothing installed — is counted in a relaxed atomic
-//! and refused; nothing reaches undefined behaviour. The hooks never touch
-//! Python or the GIL.
+//! They route to one process-wide installed pool through
+//! `imp_mem_core::activations::hooks` (a generation check per call against
+//! the thread's cached copy of the slot; the
+//! routing, the weights route and the misuse counters live there, so the
+//! criterion bench measures the same path). This file adds only the C ABI:
+//! every body runs inside `catch_unwind`, a panic is counted and becomes a
+//! null return (malloc) or nothing (free). The hooks never touch Python or
+//! the GIL.
 
-use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Mutex, RwLock};
 
-use imp_mem_core::activations::{ActivationPool, RefusedFree};
-use imp_mem_core::{MemError, SharedArena};
+use imp_mem_core::activations::hooks::{self as routing, Route};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -49,207 +38,17 @@ pub const CUPY_MALLOC: &str = "imp_mem_cupy_malloc";
 /// See [`TORCH_MALLOC`].
 pub const CUPY_FREE: &str = "imp_mem_cupy_free";
 
-/// The alignment of a weights-route take (torch's block alignment).
-const WEIGHTS_ALIGN: usize = 512;
-
-const ROUTE_ACTIVATIONS: u8 = 0;
-const ROUTE_WEIGHTS: u8 = 1;
-
-struct Installed {
-    pool: ActivationPool,
-    device: i32,
-    /// The device's capacity: a request above it is absurd, whatever the
-    /// mode.
-    device_capacity: u64,
-    weights: Option<SharedArena>,
-    /// Pointers handed out by the weights route, with their sizes.
-    weight_ptrs: Mutex<HashMap<usize, u64>>,
-}
-
-static SLOT: RwLock<Option<Installed>> = RwLock::new(None);
-static ROUTE: AtomicU8 = AtomicU8::new(ROUTE_ACTIVATIONS);
-
-macro_rules! counters {
-    ($( $(#[$doc:meta])* $name:ident, )*) => {
-        /// The hooks' counters.
-        #[allow(non_snake_case)]
-        struct Counters { $( $name: AtomicU64, )* }
-
-        static COUNTERS: Counters = Counters { $( $name: AtomicU64::new(0), )* };
-
-        impl Counters {
-            fn snapshot(&self) -> Vec<(&'static str, u64)> {
-                vec![$( (stringify!($name), self.$name.load(Ordering::Relaxed)), )*]
-            }
-
-            fn reset(&self) {
-                $( self.$name.store(0, Ordering::Relaxed); )*
-            }
-        }
-    };
-}
-
-counters! {
-    mallocs,
-    malloc_ok,
-    frees,
-    free_ok,
-    not_installed,
-    free_not_installed,
-    zero_size,
-    negative_size,
-    absurd_size,
-    wrong_device,
-    ooms,
-    malloc_errors,
-    null_frees,
-    foreign_frees,
-    double_frees,
-    bad_stream_frees,
-    size_mismatches,
-    weights_takes,
-    weights_bytes,
-    weights_refused,
-    stranded_frees,
-    stranded_bytes,
-    panics,
-}
-
+/// Runs `f`, counting a panic and returning `on_panic` instead.
 #[inline]
-fn bump(counter: &AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
+fn guarded<T>(on_panic: T, f: impl FnOnce() -> T) -> T {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+        routing::count_panic();
+        on_panic
+    })
 }
 
-fn slot() -> std::sync::RwLockReadGuard<'static, Option<Installed>> {
-    // A poisoned lock means a panic while installing; the slot still holds
-    // a whole value (an Option is replaced in one move).
-    SLOT.read().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Routes the hooks to `pool` for `device`, replacing what was installed.
-pub(crate) fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) {
-    let device_capacity = pool.backend().info().capacity;
-    let new = Installed {
-        pool,
-        device,
-        device_capacity,
-        weights,
-        weight_ptrs: Mutex::new(HashMap::new()),
-    };
-    let old = SLOT.write().unwrap_or_else(|p| p.into_inner()).replace(new);
-    drop(old);
-}
-
-/// Removes the installed pool; returns whether one was installed.
-pub(crate) fn uninstall() -> bool {
-    let old = SLOT.write().unwrap_or_else(|p| p.into_inner()).take();
-    old.is_some()
-}
-
-/// The id of the installed pool, if any.
-pub(crate) fn installed_pool_id() -> Option<u64> {
-    slot().as_ref().map(|i| i.pool.id())
-}
-
-/// malloc, once the size is known to be positive.
-fn malloc_impl(size: u64, device: c_int, stream: u64) -> *mut c_void {
-    bump(&COUNTERS.mallocs);
-    let guard = slot();
-    let Some(inst) = guard.as_ref() else {
-        bump(&COUNTERS.not_installed);
-        return std::ptr::null_mut();
-    };
-    if device != inst.device {
-        bump(&COUNTERS.wrong_device);
-        return std::ptr::null_mut();
-    }
-    if size > inst.device_capacity {
-        bump(&COUNTERS.absurd_size);
-        return std::ptr::null_mut();
-    }
-    if ROUTE.load(Ordering::Relaxed) == ROUTE_WEIGHTS {
-        return weights_take(inst, size);
-    }
-    match inst.pool.allocate(size, stream) {
-        Ok(addr) => {
-            bump(&COUNTERS.malloc_ok);
-            addr as *mut c_void
-        }
-        Err(MemError::OutOfMemory(_)) | Err(MemError::PhaseViolation { .. }) => {
-            bump(&COUNTERS.ooms);
-            std::ptr::null_mut()
-        }
-        Err(_) => {
-            bump(&COUNTERS.malloc_errors);
-            std::ptr::null_mut()
-        }
-    }
-}
-
-fn weights_take(inst: &Installed, size: u64) -> *mut c_void {
-    let taken = inst.weights.as_ref().and_then(|arena| {
-        let len = usize::try_from(size).ok()?;
-        let ticket = arena.take(len, WEIGHTS_ALIGN).ok()?;
-        arena.span(&ticket).ok().map(|s| s.addr())
-    });
-    let Some(addr) = taken else {
-        bump(&COUNTERS.weights_refused);
-        return std::ptr::null_mut();
-    };
-    inst.weight_ptrs
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(addr, size);
-    bump(&COUNTERS.weights_takes);
-    COUNTERS.weights_bytes.fetch_add(size, Ordering::Relaxed);
-    bump(&COUNTERS.malloc_ok);
-    addr as *mut c_void
-}
-
-/// free; `size` is what the caller says it allocated, if it says.
-fn free_impl(ptr: *mut c_void, size: Option<i64>, device: c_int, stream: u64) {
-    bump(&COUNTERS.frees);
-    if ptr.is_null() {
-        bump(&COUNTERS.null_frees);
-        return;
-    }
-    let guard = slot();
-    let Some(inst) = guard.as_ref() else {
-        bump(&COUNTERS.free_not_installed);
-        return;
-    };
-    if device != inst.device {
-        bump(&COUNTERS.wrong_device);
-        return;
-    }
-    let addr = ptr as usize;
-    match inst.pool.try_free(addr, stream) {
-        Ok(freed) => {
-            bump(&COUNTERS.free_ok);
-            if let Some(size) = size {
-                if u64::try_from(size).ok() != Some(freed.requested) {
-                    bump(&COUNTERS.size_mismatches);
-                }
-            }
-        }
-        Err(RefusedFree::Foreign) => {
-            let stranded = inst
-                .weight_ptrs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&addr);
-            match stranded {
-                Some(bytes) => {
-                    bump(&COUNTERS.stranded_frees);
-                    COUNTERS.stranded_bytes.fetch_add(bytes, Ordering::Relaxed);
-                }
-                None => bump(&COUNTERS.foreign_frees),
-            }
-        }
-        Err(RefusedFree::NotLive) => bump(&COUNTERS.double_frees),
-        Err(RefusedFree::ReservedStream) => bump(&COUNTERS.bad_stream_frees),
-    }
-}
+/// The pool installed for the hooks, replacing any (see `routing::install`).
+pub(crate) use routing::{install, installed_pool_id};
 
 /// torch `CUDAPluggableAllocator` malloc.
 #[no_mangle]
@@ -258,22 +57,10 @@ pub extern "C" fn imp_mem_torch_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    catch_unwind(AssertUnwindSafe(|| {
-        if size <= 0 {
-            if size == 0 {
-                bump(&COUNTERS.zero_size);
-            } else {
-                bump(&COUNTERS.negative_size);
-            }
-            bump(&COUNTERS.mallocs);
-            return std::ptr::null_mut();
-        }
-        malloc_impl(size as u64, device, stream as usize as u64)
-    }))
-    .unwrap_or_else(|_| {
-        bump(&COUNTERS.panics);
-        std::ptr::null_mut()
-    })
+    let addr = guarded(0, || {
+        routing::malloc_signed(size as i64, device, stream as usize as u64)
+    });
+    addr as *mut c_void
 }
 
 /// torch `CUDAPluggableAllocator` free.
@@ -284,13 +71,14 @@ pub extern "C" fn imp_mem_torch_free(
     device: c_int,
     stream: *mut c_void,
 ) {
-    if catch_unwind(AssertUnwindSafe(|| {
-        free_impl(ptr, Some(size as i64), device, stream as usize as u64)
-    }))
-    .is_err()
-    {
-        bump(&COUNTERS.panics);
-    }
+    guarded((), || {
+        routing::free(
+            ptr as usize,
+            Some(size as i64),
+            device,
+            stream as usize as u64,
+        )
+    });
 }
 
 /// CuPy `CFunctionAllocator` malloc; `param` is the stream.
@@ -300,63 +88,45 @@ pub extern "C" fn imp_mem_cupy_malloc(
     size: usize,
     device: c_int,
 ) -> *mut c_void {
-    catch_unwind(AssertUnwindSafe(|| {
-        if size == 0 {
-            bump(&COUNTERS.zero_size);
-            bump(&COUNTERS.mallocs);
-            return std::ptr::null_mut();
-        }
-        malloc_impl(size as u64, device, param as usize as u64)
-    }))
-    .unwrap_or_else(|_| {
-        bump(&COUNTERS.panics);
-        std::ptr::null_mut()
-    })
+    let addr = guarded(0, || {
+        routing::malloc(size as u64, device, param as usize as u64)
+    });
+    addr as *mut c_void
 }
 
 /// CuPy `CFunctionAllocator` free; `param` is the stream.
 #[no_mangle]
 pub extern "C" fn imp_mem_cupy_free(param: *mut c_void, ptr: *mut c_void, device: c_int) {
-    if catch_unwind(AssertUnwindSafe(|| {
-        free_impl(ptr, None, device, param as usize as u64)
-    }))
-    .is_err()
-    {
-        bump(&COUNTERS.panics);
-    }
+    guarded((), || {
+        routing::free(ptr as usize, None, device, param as usize as u64)
+    });
 }
 
 /// The hooks' counters.
 #[pyfunction]
 fn hook_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
-    for (name, value) in COUNTERS.snapshot() {
+    for (name, value) in routing::stats() {
         d.set_item(name, value)?;
     }
     d.set_item("installed", installed_pool_id().is_some())?;
-    d.set_item("route", route_name())?;
+    d.set_item("route", routing::route().name())?;
     Ok(d)
 }
 
 /// Sets every hook counter to zero.
 #[pyfunction]
 fn reset_hook_stats() {
-    COUNTERS.reset();
+    routing::reset_stats();
 }
 
 /// Removes the installed pool: the hooks refuse (null) until another is
-/// installed. Returns whether one was installed. Waits for calls in flight.
+/// installed. Returns whether one was installed. A call already running on
+/// another thread finishes on its pool; the pool is released once no
+/// thread holds it (another thread lets go at its next call).
 #[pyfunction]
 fn uninstall_hooks(py: Python<'_>) -> bool {
-    py.allow_threads(uninstall)
-}
-
-fn route_name() -> &'static str {
-    if ROUTE.load(Ordering::Relaxed) == ROUTE_WEIGHTS {
-        "weights"
-    } else {
-        "activations"
-    }
+    py.allow_threads(routing::uninstall)
 }
 
 /// Where the hooks' mallocs go: "activations" (the installed pool) or
@@ -364,22 +134,22 @@ fn route_name() -> &'static str {
 #[pyfunction]
 fn set_hook_route(route: &str) -> PyResult<()> {
     let value = match route {
-        "activations" => ROUTE_ACTIVATIONS,
-        "weights" => ROUTE_WEIGHTS,
+        "activations" => Route::Activations,
+        "weights" => Route::Weights,
         other => {
             return Err(invalid(format!(
                 "route {other:?} is not a hook route; use \"activations\" or \"weights\""
             )))
         }
     };
-    ROUTE.store(value, Ordering::Relaxed);
+    routing::set_route(value);
     Ok(())
 }
 
 /// The route now.
 #[pyfunction]
 fn hook_route() -> &'static str {
-    route_name()
+    routing::route().name()
 }
 
 /// The path of the shared library that exports the hooks (this module's

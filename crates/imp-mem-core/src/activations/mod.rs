@@ -54,6 +54,7 @@
 //! on the waiter's stream before the order exists. A fallback acquisition
 //! and a fallback release run outside the lock.
 
+pub mod hooks;
 pub mod stream;
 pub(crate) mod tlsf;
 

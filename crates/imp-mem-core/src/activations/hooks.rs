@@ -1,0 +1,534 @@
+//! The process-wide routing behind the C allocator hooks (the `extern "C"`
+//! entry points themselves are exported by the Python extension,
+//! `imp-mem-py/src/hooks.rs`, which calls these functions).
+//!
+//! One pool is installed for the process ([`install`]), as an
+//! `Arc` in an `RwLock<Option<..>>` with a generation number bumped by every
+//! install and uninstall. Each thread keeps its own copy of the `Arc` and
+//! the generation it read; a call compares generations (one load) and uses
+//! its copy, re-reading the slot only when it changed. A call therefore
+//! always runs on a whole pool it holds a reference to, and the last
+//! reference — the slot's or a thread's copy — releases it. While the route is [`Route::Weights`], mallocs are takes from the
+//! installed T1 arena instead; a free of such a pointer cannot give bytes
+//! back to a bump arena and is counted as stranded.
+//!
+//! Nothing here panics or blocks on anything but the two locks (the slot's
+//! and the pool's). Misuse — a foreign pointer, a double free, size 0, a
+//! negative or absurd size, the wrong device, a free whose size disagrees,
+//! nothing installed — is refused and counted. The counters are per-thread
+//! shards, written by their thread without a locked instruction (a relaxed
+//! load and store) and summed on read, so counting costs the hot path
+//! almost nothing and no count is lost. A malloc returns 0 for "null".
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+
+use super::{ActivationPool, RefusedFree};
+use crate::arena::SharedArena;
+use crate::error::MemError;
+
+/// The alignment of a weights-route take (torch's block alignment).
+const WEIGHTS_ALIGN: usize = 512;
+
+/// Where the hooks' mallocs go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The installed activation pool.
+    Activations,
+    /// The installed T1 arena (while loading weights).
+    Weights,
+}
+
+impl Route {
+    /// The route's name: `activations` or `weights`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Route::Activations => "activations",
+            Route::Weights => "weights",
+        }
+    }
+}
+
+struct Installed {
+    pool: ActivationPool,
+    device: i32,
+    /// The device's capacity: a request above it is absurd, whatever the
+    /// mode.
+    device_capacity: u64,
+    weights: Option<SharedArena>,
+    /// Pointers handed out by the weights route, with their sizes.
+    weight_ptrs: Mutex<HashMap<usize, u64>>,
+}
+
+static SLOT: RwLock<Option<Arc<Installed>>> = RwLock::new(None);
+/// Bumped, under the slot's write lock, by every install and uninstall.
+static GENERATION: AtomicU64 = AtomicU64::new(1);
+
+/// A thread's copy of the slot and the generation it was read at.
+struct Cached {
+    generation: u64,
+    installed: Option<Arc<Installed>>,
+}
+
+thread_local! {
+    static CACHE: RefCell<Cached> = const {
+        RefCell::new(Cached { generation: 0, installed: None })
+    };
+}
+static ROUTE: AtomicU8 = AtomicU8::new(0);
+
+macro_rules! counters {
+    ($( $name:ident, )*) => {
+        /// The counters, as indices into a shard.
+        #[allow(non_camel_case_types)]
+        #[derive(Clone, Copy)]
+        enum C { $( $name, )* }
+
+        const NAMES: &[&str] = &[$( stringify!($name), )*];
+    };
+}
+
+const N: usize = 23;
+const _: () = assert!(NAMES.len() == N, "N must count the counters");
+
+/// One thread's counters. Only its thread writes them (a load and a store,
+/// no read-modify-write: the hot path pays no locked instruction); readers
+/// sum every shard.
+struct Shard([AtomicU64; N]);
+
+impl Shard {
+    fn new() -> Self {
+        Shard(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
+/// Every thread's shard, kept after the thread exits so its counts stay.
+static SHARDS: Mutex<Vec<Arc<Shard>>> = Mutex::new(Vec::new());
+/// Counts from threads whose shard is gone (a hook called while the
+/// thread's locals are being destroyed): shared, so read-modify-write.
+static SHARED: Mutex<Option<Arc<Shard>>> = Mutex::new(None);
+/// What `reset_stats` subtracts.
+static BASELINE: Mutex<[u64; N]> = Mutex::new([0; N]);
+
+thread_local! {
+    static MINE: Arc<Shard> = {
+        let shard = Arc::new(Shard::new());
+        SHARDS.lock().unwrap_or_else(|p| p.into_inner()).push(shard.clone());
+        shard
+    };
+}
+
+#[inline]
+fn add(c: C, n: u64) {
+    let i = c as usize;
+    let done = MINE.try_with(|s| {
+        let v = s.0[i].load(Ordering::Relaxed);
+        s.0[i].store(v.wrapping_add(n), Ordering::Relaxed);
+    });
+    if done.is_err() {
+        let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        shared.get_or_insert_with(|| Arc::new(Shard::new())).0[i].fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+#[inline]
+fn bump(c: C) {
+    add(c, 1);
+}
+
+fn sums() -> [u64; N] {
+    let mut out = [0u64; N];
+    let shards = SHARDS.lock().unwrap_or_else(|p| p.into_inner());
+    let shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+    for shard in shards.iter().chain(shared.iter()) {
+        for (o, c) in out.iter_mut().zip(shard.0.iter()) {
+            *o = o.wrapping_add(c.load(Ordering::Relaxed));
+        }
+    }
+    out
+}
+
+/// Every counter by name, in a fixed order, since the last `reset_stats`.
+pub fn stats() -> Vec<(&'static str, u64)> {
+    let now = sums();
+    let base = *BASELINE.lock().unwrap_or_else(|p| p.into_inner());
+    NAMES
+        .iter()
+        .zip(now.iter().zip(base.iter()))
+        .map(|(name, (n, b))| (*name, n.wrapping_sub(*b)))
+        .collect()
+}
+
+/// Starts every counter from zero (by remembering the current sums).
+pub fn reset_stats() {
+    let now = sums();
+    *BASELINE.lock().unwrap_or_else(|p| p.into_inner()) = now;
+}
+
+counters! {
+    mallocs,
+    malloc_ok,
+    frees,
+    free_ok,
+    not_installed,
+    free_not_installed,
+    zero_size,
+    negative_size,
+    absurd_size,
+    wrong_device,
+    ooms,
+    malloc_errors,
+    null_frees,
+    foreign_frees,
+    double_frees,
+    bad_stream_frees,
+    size_mismatches,
+    weights_takes,
+    weights_bytes,
+    weights_refused,
+    stranded_frees,
+    stranded_bytes,
+    panics,
+}
+
+fn slot() -> RwLockReadGuard<'static, Option<Arc<Installed>>> {
+    // A poisoned lock means a panic while installing; the slot still holds
+    // a whole value (an Option is replaced in one move).
+    SLOT.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `f` on the installed pool. The common case touches no shared
+/// cache line: one relaxed-cost load of the generation, compared with the
+/// thread's cached copy. When it changed, the thread re-reads the slot
+/// under its read lock. Without thread locals (a thread being torn down)
+/// the slot is read directly.
+#[inline]
+fn with_installed<R>(f: impl Fn(Option<&Installed>) -> R) -> R {
+    let generation = GENERATION.load(Ordering::Acquire);
+    let cached = CACHE.try_with(|cell| {
+        let stale = cell
+            .try_borrow()
+            .map(|c| c.generation != generation)
+            .unwrap_or(true);
+        if stale {
+            let fresh = {
+                let guard = slot();
+                Cached {
+                    generation: GENERATION.load(Ordering::Acquire),
+                    installed: guard.clone(),
+                }
+            };
+            // Replaced outside any borrow; the old copy is dropped here,
+            // which may release the last handle to an uninstalled pool.
+            let old = cell
+                .try_borrow_mut()
+                .map(|mut c| std::mem::replace(&mut *c, fresh));
+            drop(old);
+        }
+        cell.try_borrow().ok().map(|c| f(c.installed.as_deref()))
+    });
+    match cached {
+        Ok(Some(r)) => r,
+        _ => f(slot().as_deref()),
+    }
+}
+
+/// Drops the calling thread's cached copy of the slot.
+fn forget_cached() {
+    let old = CACHE.try_with(|cell| {
+        cell.try_borrow_mut().ok().and_then(|mut c| {
+            c.generation = 0;
+            c.installed.take()
+        })
+    });
+    drop(old);
+}
+
+/// Routes the hooks to `pool` for `device` (and, on the weights route, to
+/// `weights`), replacing what was installed. A call already running on
+/// another thread finishes on the pool it started with (it holds it); every
+/// thread's next call sees the new one.
+pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) {
+    let device_capacity = pool.backend().info().capacity;
+    let new = Installed {
+        pool,
+        device,
+        device_capacity,
+        weights,
+        weight_ptrs: Mutex::new(HashMap::new()),
+    };
+    let old = {
+        let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
+        let old = slot.replace(Arc::new(new));
+        GENERATION.fetch_add(1, Ordering::Release);
+        old
+    };
+    forget_cached();
+    // Released outside the lock: the last handle may release a region.
+    drop(old);
+}
+
+/// Removes the installed pool; true if one was installed. Every thread's
+/// next call refuses. The pool itself is released once no thread holds a
+/// copy: the calling thread's is dropped here, another thread's at its next
+/// call (or when it exits).
+pub fn uninstall() -> bool {
+    let old = {
+        let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
+        let old = slot.take();
+        GENERATION.fetch_add(1, Ordering::Release);
+        old
+    };
+    forget_cached();
+    old.is_some()
+}
+
+/// The id of the installed pool, if any.
+pub fn installed_pool_id() -> Option<u64> {
+    slot().as_ref().map(|i| i.pool.id())
+}
+
+/// Sets the route.
+pub fn set_route(route: Route) {
+    ROUTE.store(route as u8, Ordering::Relaxed);
+}
+
+/// The route now.
+pub fn route() -> Route {
+    if ROUTE.load(Ordering::Relaxed) == Route::Weights as u8 {
+        Route::Weights
+    } else {
+        Route::Activations
+    }
+}
+
+/// Counts a panic the caller caught around one of these functions.
+pub fn count_panic() {
+    bump(C::panics);
+}
+
+/// malloc with a signed size (torch's `ssize_t`); 0 is null.
+#[inline]
+pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
+    if size < 0 {
+        bump(C::mallocs);
+        bump(C::negative_size);
+        return 0;
+    }
+    malloc(size as u64, device, stream)
+}
+
+/// malloc; 0 is null.
+#[inline]
+pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
+    bump(C::mallocs);
+    if size == 0 {
+        bump(C::zero_size);
+        return 0;
+    }
+    with_installed(|inst| malloc_on(inst, size, device, stream))
+}
+
+fn malloc_on(inst: Option<&Installed>, size: u64, device: i32, stream: u64) -> usize {
+    let Some(inst) = inst else {
+        bump(C::not_installed);
+        return 0;
+    };
+    if device != inst.device {
+        bump(C::wrong_device);
+        return 0;
+    }
+    if size > inst.device_capacity {
+        bump(C::absurd_size);
+        return 0;
+    }
+    if route() == Route::Weights {
+        return weights_take(inst, size);
+    }
+    match inst.pool.allocate(size, stream) {
+        Ok(addr) => {
+            bump(C::malloc_ok);
+            addr
+        }
+        Err(MemError::OutOfMemory(_)) | Err(MemError::PhaseViolation { .. }) => {
+            bump(C::ooms);
+            0
+        }
+        Err(_) => {
+            bump(C::malloc_errors);
+            0
+        }
+    }
+}
+
+fn weights_take(inst: &Installed, size: u64) -> usize {
+    let taken = inst.weights.as_ref().and_then(|arena| {
+        let len = usize::try_from(size).ok()?;
+        let ticket = arena.take(len, WEIGHTS_ALIGN).ok()?;
+        arena.span(&ticket).ok().map(|s| s.addr())
+    });
+    let Some(addr) = taken else {
+        bump(C::weights_refused);
+        return 0;
+    };
+    inst.weight_ptrs
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(addr, size);
+    bump(C::weights_takes);
+    add(C::weights_bytes, size);
+    bump(C::malloc_ok);
+    addr
+}
+
+/// free; `size` is what the caller says it allocated, if it says.
+#[inline]
+pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
+    bump(C::frees);
+    if ptr == 0 {
+        bump(C::null_frees);
+        return;
+    }
+    with_installed(|inst| free_on(inst, ptr, size, device, stream));
+}
+
+fn free_on(inst: Option<&Installed>, ptr: usize, size: Option<i64>, device: i32, stream: u64) {
+    let Some(inst) = inst else {
+        bump(C::free_not_installed);
+        return;
+    };
+    if device != inst.device {
+        bump(C::wrong_device);
+        return;
+    }
+    match inst.pool.try_free(ptr, stream) {
+        Ok(freed) => {
+            bump(C::free_ok);
+            if let Some(size) = size {
+                if u64::try_from(size).ok() != Some(freed.requested) {
+                    bump(C::size_mismatches);
+                }
+            }
+        }
+        Err(RefusedFree::Foreign) => {
+            let stranded = inst
+                .weight_ptrs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&ptr);
+            match stranded {
+                Some(bytes) => {
+                    bump(C::stranded_frees);
+                    add(C::stranded_bytes, bytes);
+                }
+                None => bump(C::foreign_frees),
+            }
+        }
+        Err(RefusedFree::NotLive) => bump(C::double_frees),
+        Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::activations::{ActivationConfig, NoStreams};
+    use crate::fake::{FakeBackend, FakeConfig};
+    use crate::tag::Tag;
+    use crate::tier::Tier;
+
+    fn count(name: &str) -> u64 {
+        stats()
+            .into_iter()
+            .find(|(n, _)| *n == name)
+            .map_or(u64::MAX, |(_, v)| v)
+    }
+
+    // The only test touching the process-wide slot in this binary.
+    #[test]
+    fn misuse_is_counted_and_refused_and_the_weights_route_strands() {
+        let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+        let pool =
+            ActivationPool::new(&fb, &ActivationConfig::new(1 << 20), Arc::new(NoStreams)).unwrap();
+        reset_stats();
+        assert_eq!(malloc(64, 0, 0), 0);
+        assert_eq!(count("not_installed"), 1);
+        install(pool.clone(), 0, None);
+        let p = malloc(1000, 0, 0);
+        assert_ne!(p, 0);
+        assert_eq!(malloc(0, 0, 0), 0);
+        assert_eq!(malloc_signed(-5, 0, 0), 0);
+        assert_eq!(malloc(u64::MAX, 0, 0), 0);
+        assert_eq!(malloc(64, 1, 0), 0);
+        assert_eq!(malloc(2 << 20, 0, 0), 0);
+        free(p, Some(999), 0, 0);
+        free(p, Some(1000), 0, 0);
+        free(8, Some(8), 0, 0);
+        free(0, None, 0, 0);
+        for (name, n) in [
+            ("zero_size", 1),
+            ("negative_size", 1),
+            ("absurd_size", 1),
+            ("wrong_device", 1),
+            ("ooms", 1),
+            ("size_mismatches", 1),
+            ("double_frees", 1),
+            ("foreign_frees", 1),
+            ("null_frees", 1),
+            ("free_ok", 1),
+            ("malloc_ok", 1),
+            ("panics", 0),
+        ] {
+            assert_eq!(count(name), n, "{name}");
+        }
+        pool.check_invariants().unwrap();
+        assert_eq!(pool.stats().live, 0);
+
+        let arena = SharedArena::new(&fb, Tier::ModelResident, 1 << 20, None).unwrap();
+        install(pool.clone(), 0, Some(arena.clone()));
+        set_route(Route::Weights);
+        let w = malloc(3000, 0, 0);
+        assert!(w != 0 && !pool.contains(w));
+        assert_eq!(malloc(2 << 20, 0, 0), 0);
+        set_route(Route::Activations);
+        free(w, Some(3000), 0, 0);
+        free(w, Some(3000), 0, 0);
+        assert_eq!(
+            (count("stranded_frees"), count("stranded_bytes")),
+            (1, 3000)
+        );
+        assert_eq!((count("weights_refused"), count("foreign_frees")), (1, 2));
+        assert_eq!(installed_pool_id(), Some(pool.id()));
+        assert!(uninstall());
+        assert!(!uninstall());
+
+        // Another thread's copy: after an uninstall its next call refuses
+        // and lets go of the pool, whose region is then released.
+        let fb2 = FakeBackend::new(FakeConfig::default()).unwrap();
+        let pool2 = ActivationPool::new(&fb2, &ActivationConfig::new(1 << 20), Arc::new(NoStreams))
+            .unwrap();
+        install(pool2, 0, None);
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let (done, called) = std::sync::mpsc::channel::<usize>();
+        let worker = std::thread::spawn(move || {
+            let p = malloc(4096, 0, 0);
+            free(p, Some(4096), 0, 0);
+            done.send(p).unwrap();
+            wait.recv().unwrap();
+            done.send(malloc(4096, 0, 0)).unwrap();
+        });
+        assert_ne!(called.recv().unwrap(), 0);
+        let region =
+            |fb: &FakeBackend| fb.stats().tags.get(&Tag::Activations).map_or(0, |t| t.live);
+        assert!(uninstall());
+        assert_eq!(region(&fb2), 1 << 20, "the worker still holds the pool");
+        go.send(()).unwrap();
+        assert_eq!(called.recv().unwrap(), 0, "refused after the uninstall");
+        worker.join().unwrap();
+        assert_eq!(region(&fb2), 0, "released with the worker's copy");
+    }
+}
