@@ -92,6 +92,8 @@ pub struct ArenaCore {
     high_water: usize,
     generation: u64,
     takes: u64,
+    /// Live exports of this generation ([`ArenaExport`]).
+    exports: usize,
 }
 
 impl ArenaCore {
@@ -112,6 +114,7 @@ impl ArenaCore {
             high_water: 0,
             generation: 0,
             takes: 0,
+            exports: 0,
         })
     }
 
@@ -154,6 +157,7 @@ impl ArenaCore {
         self.offset = 0;
         self.takes = 0;
         self.generation += 1;
+        self.exports = 0;
     }
 
     fn stats(&self) -> ArenaStats {
@@ -299,6 +303,22 @@ impl ArenaSpan {
     }
 }
 
+/// An export of a [`SharedArena`]'s memory, counted while it lives.
+#[derive(Debug)]
+pub struct ArenaExport {
+    arena: SharedArena,
+    generation: u64,
+}
+
+impl Drop for ArenaExport {
+    fn drop(&mut self) {
+        let mut core = self.arena.core();
+        if core.generation == self.generation {
+            core.exports = core.exports.saturating_sub(1);
+        }
+    }
+}
+
 #[derive(Debug)]
 struct SharedArenaInner {
     tier: Tier,
@@ -364,6 +384,43 @@ impl SharedArena {
             ticket.len,
             self.inner.placement,
         ))
+    }
+
+    /// Counts an export of `ticket`'s memory (a DLPack capsule, a tensor
+    /// viewing it) until the returned guard drops, and keeps the arena alive
+    /// meanwhile. [`Self::reset_checked`] refuses while exports of the
+    /// current generation live.
+    pub fn export(&self, ticket: &ArenaSpan) -> Result<ArenaExport, MemError> {
+        let mut core = self.core();
+        core.check(ticket)?;
+        core.exports += 1;
+        Ok(ArenaExport {
+            arena: self.clone(),
+            generation: core.generation,
+        })
+    }
+
+    /// Live exports of the current generation.
+    pub fn live_exports(&self) -> usize {
+        self.core().exports
+    }
+
+    /// [`Self::reset`], refused while exports of the current generation are
+    /// alive (their views would read what the arena hands out next) unless
+    /// `allow_live_exports`, which leaves those views dangling.
+    pub fn reset_checked(&self, allow_live_exports: bool) -> Result<(), MemError> {
+        let mut core = self.core();
+        if core.exports > 0 && !allow_live_exports {
+            return Err(MemError::invalid(format!(
+                "reset refused: {} export(s) of this arena's memory (DLPack capsules, or the \
+                 tensors and arrays made from them) are alive, and after a reset they would read \
+                 whatever the arena hands out next; drop them first, or pass \
+                 unsafe_allow_live_exports=True to reset anyway (those views then dangle)",
+                core.exports
+            )));
+        }
+        core.reset();
+        Ok(())
     }
 
     /// Whether a ticket is still valid here.

@@ -49,7 +49,7 @@ pub use fake::{FakeBackend, FakeConfig};
 pub use phase::{Phase, PhaseMode};
 pub use tag::Tag;
 
-pub use arena::{Arena, ArenaSpan, ArenaStats, SharedArena};
+pub use arena::{Arena, ArenaExport, ArenaSpan, ArenaStats, SharedArena};
 pub use block_pool::{
     BlockId, BlockPool, BlockRef, PoolConfig, PoolStats, SharedBlockPool, SharedBlockRef,
     SharedBlockRefs,

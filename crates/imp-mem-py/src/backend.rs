@@ -160,14 +160,15 @@ pub fn stats_dict<'py>(py: Python<'py>, s: &BackendStats) -> PyResult<Bound<'py,
 #[pymethods]
 impl PyBackend {
     /// Acquires `nbytes` aligned to `align` for `tag`; returns a `Region`.
-    #[pyo3(signature = (nbytes, *, align = None, tag = "other"))]
+    #[pyo3(signature = (nbytes, *, align = None, tag = Some("other")))]
     fn acquire(
         &self,
         py: Python<'_>,
         nbytes: &Bound<'_, PyAny>,
         align: Option<&Bound<'_, PyAny>>,
-        tag: &str,
+        tag: Option<&str>,
     ) -> PyResult<PyRegion> {
+        let tag = tag.unwrap_or("other");
         let bytes = convert::bytes(nbytes, "nbytes")?;
         let align = match align.filter(|a| !a.is_none()) {
             Some(a) => convert::index(a, "align")?,
@@ -182,14 +183,15 @@ impl PyBackend {
 
     /// Acquires a growable region: `reserve` bytes of address space, `initial`
     /// of them committed now (rounded up to the granularity).
-    #[pyo3(signature = (reserve, initial = None, *, tag = "other"))]
+    #[pyo3(signature = (reserve, initial = None, *, tag = Some("other")))]
     fn acquire_growable(
         &self,
         py: Python<'_>,
         reserve: &Bound<'_, PyAny>,
         initial: Option<&Bound<'_, PyAny>>,
-        tag: &str,
+        tag: Option<&str>,
     ) -> PyResult<PyRegion> {
+        let tag = tag.unwrap_or("other");
         let reserve = convert::bytes(reserve, "reserve")?;
         let initial = convert::opt_bytes(initial, "initial")?.unwrap_or(0);
         let tag = convert::tag(tag)?;
@@ -543,15 +545,19 @@ impl PyFakeBackend {
     }
 
     /// Makes the next `n` commits of growable regions fail.
-    #[pyo3(signature = (n = 1))]
-    fn fail_commits(&self, n: u32) {
+    #[pyo3(signature = (n = None), text_signature = "(n=1)")]
+    fn fail_commits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);
         self.fake.fail_commits(n);
+        Ok(())
     }
 
     /// Makes the next `n` decommits fail.
-    #[pyo3(signature = (n = 1))]
-    fn fail_decommits(&self, n: u32) {
+    #[pyo3(signature = (n = None), text_signature = "(n=1)")]
+    fn fail_decommits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);
         self.fake.fail_decommits(n);
+        Ok(())
     }
 
     /// Simulates device memory used outside this backend.

@@ -20,25 +20,23 @@ use pyo3::types::{PyBool, PyDict, PyTuple};
 
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
-use crate::errors::{invalid, to_py, ImpMemWarning, IntoPyResult};
+use crate::errors::{invalid, to_py_with, Attr, ImpMemWarning, IntoPyResult};
 use crate::kv::{block_io, PyKVCacheManager};
 use crate::planner::PyMemoryPlan;
 use crate::tiers::{PyArena, PyBlockPool, PyScratchStack};
 
 /// Raises the exception of the step's error, with the step in the message
 /// and as attributes (`step`, `step_name`).
-fn open_error(py: Python<'_>, err: OpenError) -> PyErr {
+fn open_error(err: OpenError) -> PyErr {
     let message = err.to_string();
-    let exc = to_py(err.error.clone());
-    let value = exc.value(py);
-    // Setting attributes on a fresh exception cannot fail in practice; if it
-    // did, the exception still has the right class and the error's message.
-    if let Ok(args) = PyTuple::new(py, [message]) {
-        let _ = value.setattr("args", args);
-    }
-    let _ = value.setattr("step", err.step);
-    let _ = value.setattr("step_name", err.what);
-    exc
+    to_py_with(
+        err.error.clone(),
+        message,
+        vec![
+            ("step", Attr::Int(err.step as u64)),
+            ("step_name", Attr::Text(err.what.clone())),
+        ],
+    )
 }
 
 fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>> {
@@ -213,7 +211,7 @@ impl PyMemorySystem {
         let core_backend = backend.get().inner.clone();
         let result = MemorySystem::open(&core_backend, plan.get().core(), options);
         backend.get().notices.emit(py)?;
-        let system = result.map_err(|err| open_error(py, err))?;
+        let system = result.map_err(open_error)?;
         Ok(Self {
             inner: Mutex::new(system),
             backend: backend.clone().unbind(),

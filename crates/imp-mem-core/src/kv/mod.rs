@@ -72,7 +72,10 @@ mod xxh3_block;
 
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
 pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
-pub use persist::{BlockIo, FakeBlockIo, FILE_MAGIC, FILE_VERSION};
+pub use persist::{
+    BlockIo, FakeBlockIo, LentRefs, LoadTarget, PendingLoad, PrefixSnapshot, VerifiedFile,
+    FILE_MAGIC, FILE_VERSION,
+};
 
 #[cfg(test)]
 mod tests;
