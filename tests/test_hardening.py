@@ -494,3 +494,24 @@ def test_range_messages_name_the_range_and_the_value():
         InvalidArgument, match=r"seq_id must be an integer in 0\.\.=18446744073709551615, got -1"
     ):
         kv.free(-1)
+
+
+def test_system_kv_manager_arguments_are_typed():
+    from test_kv_system import make_plan, open_system
+
+    _fb, s = open_system(make_plan())
+    with pytest.raises(InvalidArgument, match="block_size"):
+        s.kv_manager(block_size=-1)
+    with pytest.raises(InvalidArgument, match="pin_budget"):
+        s.kv_manager(pin_budget=2**33)
+    with pytest.raises(TypeError, match="layout"):
+        s.kv_manager(layout=1)
+    assert "Ellipsis" not in (type(s).kv_manager.__text_signature__ or "")
+
+
+def test_device_ordinals_are_typed_before_any_driver_call():
+    for cls in (P.CudaBackend, P.VmmBackend):
+        with pytest.raises(InvalidArgument, match="device"):
+            cls(device=-1)
+        with pytest.raises(InvalidArgument, match="device"):
+            cls(device=2**40)

@@ -12,7 +12,15 @@ from imp_mem import _core
 
 STUB = Path(__file__).resolve().parents[1] / "python" / "imp_mem" / "_core.pyi"
 # type aliases, not runtime names
-STUB_ONLY = {"ByteCount", "TagName", "JournalRow", "DTypeLike", "TokenIds", "MmItem", "StrOrBytesPath"}
+STUB_ONLY = {
+    "ByteCount",
+    "TagName",
+    "JournalRow",
+    "DTypeLike",
+    "TokenIds",
+    "MmItem",
+    "StrOrBytesPath",
+}
 
 
 def _stub_names() -> dict[str, set[str]]:

@@ -487,6 +487,31 @@ mod tests {
     }
 
     #[test]
+    fn a_checked_reset_refuses_live_exports_of_this_generation_only() {
+        let fb = fake();
+        let arena = SharedArena::new(fb.backend(), Tier::ModelResident, 4096, None).unwrap();
+        let t = arena.take(64, 8).unwrap();
+        let (e1, e2) = (arena.export(&t).unwrap(), arena.export(&t).unwrap());
+        let err = arena.reset_checked(false).unwrap_err();
+        assert!(err.to_string().contains("2 export(s)"), "{err}");
+        drop(e1);
+        assert_eq!(arena.live_exports(), 1);
+        arena.reset_checked(true).unwrap();
+        // The forced reset left e2 dangling; it no longer counts, and its
+        // drop does not touch the new generation's count.
+        let t2 = arena.take(64, 8).unwrap();
+        let e3 = arena.export(&t2).unwrap();
+        drop(e2);
+        assert_eq!(arena.live_exports(), 1);
+        assert!(
+            arena.export(&t).is_err(),
+            "a stale ticket cannot be exported"
+        );
+        drop(e3);
+        arena.reset_checked(false).unwrap();
+    }
+
+    #[test]
     fn exhaustion_is_a_capacity_error_that_changes_nothing() {
         let fb = fake();
         let arena = Arena::new(&fb, Tier::EnginePersistent, 1024, None).unwrap();

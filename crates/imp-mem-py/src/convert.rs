@@ -233,3 +233,17 @@ pub fn path(value: &Bound<'_, PyAny>, what: &str) -> PyResult<std::path::PathBuf
             .map_err(|_| invalid(format!("{what} is not valid UTF-8")))
     }
 }
+
+/// A `True`/`False` parameter (`TypeError` for anything else: `1` or `"no"`
+/// is more likely a mistake than a choice).
+pub fn flag(value: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
+    value
+        .downcast::<PyBool>()
+        .map(|b| b.is_true())
+        .map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "{what} must be True or False, got {}",
+                type_name(value)
+            ))
+        })
+}

@@ -726,8 +726,12 @@ impl PyKVCacheManager {
         .unwrap_or_default();
         cfg.swa_window = size(swa_window, "swa_window")?;
         cfg.swa_block_bytes = size(swa_block_bytes, "swa_block_bytes")?;
-        cfg.enable_prefix_caching =
-            convert::opt(enable_prefix_caching, "enable_prefix_caching", flag)?.unwrap_or(true);
+        cfg.enable_prefix_caching = convert::opt(
+            enable_prefix_caching,
+            "enable_prefix_caching",
+            convert::flag,
+        )?
+        .unwrap_or(true);
         cfg.hash_seed =
             convert::opt(hash_seed, "hash_seed", convert::u64_arg)?.unwrap_or(DEFAULT_HASH_SEED);
         if let Some(b) = convert::opt(pin_budget, "pin_budget", convert::u32_arg)? {
@@ -1077,19 +1081,6 @@ fn lora(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
 /// A token or block count.
 fn count(value: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
     convert::usize_arg(value, what)
-}
-
-/// A `True`/`False` parameter.
-fn flag(value: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
-    value
-        .downcast::<PyBool>()
-        .map(|b| b.is_true())
-        .map_err(|_| {
-            pyo3::exceptions::PyTypeError::new_err(format!(
-                "{what} must be True or False, got {}",
-                convert::type_name(value)
-            ))
-        })
 }
 
 /// Registers this file's classes.

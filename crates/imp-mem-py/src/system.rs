@@ -292,24 +292,46 @@ impl PyMemorySystem {
     /// can still commit. Block contents persist through the backend (a host
     /// copy on the fake, a pinned staging copy on a GPU). Drop the manager
     /// before `close()`: it holds the pools.
-    #[pyo3(signature = (
-        block_size = None, *, swa_window = None, enable_prefix_caching = true,
-        hash_seed = None, pin_budget = None, model_fingerprint = String::new(), dtype = None,
-        layout = String::new()
-    ))]
+    #[pyo3(
+        signature = (
+            block_size = None, *, swa_window = None, enable_prefix_caching = None,
+            hash_seed = None, pin_budget = None, model_fingerprint = None, dtype = None,
+            layout = None
+        ),
+        text_signature = "($self, block_size=None, *, swa_window=None, \
+            enable_prefix_caching=True, hash_seed=None, pin_budget=None, model_fingerprint='', \
+            dtype=None, layout='')"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn kv_manager(
         &self,
         py: Python<'_>,
-        block_size: Option<usize>,
-        swa_window: Option<usize>,
-        enable_prefix_caching: bool,
-        hash_seed: Option<u64>,
-        pin_budget: Option<u32>,
-        model_fingerprint: String,
-        dtype: Option<String>,
-        layout: String,
+        block_size: Option<&Bound<'_, PyAny>>,
+        swa_window: Option<&Bound<'_, PyAny>>,
+        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        pin_budget: Option<&Bound<'_, PyAny>>,
+        model_fingerprint: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        layout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyKVCacheManager> {
+        let block_size = convert::opt(block_size, "block_size", |v, what| {
+            convert::int_in(v, what, 1, u32::MAX.into()).map(|n| n as usize)
+        })?;
+        let swa_window = convert::opt(swa_window, "swa_window", convert::usize_arg)?;
+        let enable_prefix_caching = convert::opt(
+            enable_prefix_caching,
+            "enable_prefix_caching",
+            convert::flag,
+        )?
+        .unwrap_or(true);
+        let hash_seed = convert::opt(hash_seed, "hash_seed", convert::u64_arg)?;
+        let pin_budget = convert::opt(pin_budget, "pin_budget", convert::u32_arg)?;
+        let model_fingerprint =
+            convert::opt(model_fingerprint, "model_fingerprint", convert::text)?
+                .unwrap_or_default();
+        let dtype = convert::opt(dtype, "dtype", convert::text)?;
+        let layout = convert::opt(layout, "layout", convert::text)?.unwrap_or_default();
         let mut m = {
             let system = self.open()?;
             let mut config = system.kv_config().py()?;
