@@ -17,7 +17,8 @@ rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q \
-    "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6"
+    "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6" \
+    "transformers>=4.46"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

@@ -254,20 +254,28 @@ def test_class_light_methods_during_save_and_load_do_not_stall_the_interpreter(t
         for _ in range(3):
             kv.save_prefix_cache(path)
 
-    worst_save = _worst_gap_while(work, light)
-    fresh = P.KVCacheManager(512, 16, backend=P.FakeBackend(capacity="1GiB"), block_bytes=64 << 10)
-    light_fresh = [fresh.stats, fresh.check_invariants, fresh.sequences, lambda: repr(fresh)]
-    worst_load = _worst_gap_while(lambda: fresh.load_prefix_cache(path), light_fresh)
-    assert fresh.stats()["cached"] == 512
-    fresh.check_invariants()
     # The same light load beside GIL-free work of the same kind (hashing
     # 32 MiB, which releases the GIL): on a loaded host the ticker's gaps
     # come from the CPU, not from us, and the bound allows for them. Before
-    # the fix a save froze the ticker for the whole save (~0.7 s).
+    # the fix a save froze the ticker for the whole save (~0.7 s). The best
+    # of three tries counts: a busy host can stall any one of them.
     blob = b"x" * (32 << 20)
-    control = _worst_gap_while(lambda: [hashlib.sha256(blob).digest() for _ in range(3)], light)
-    bound = max(0.020, 1.5 * control)
-    assert worst_save <= bound and worst_load <= bound, (worst_save, worst_load, control)
+    tries = []
+    for _ in range(3):
+        worst_save = _worst_gap_while(work, light)
+        fresh = P.KVCacheManager(
+            512, 16, backend=P.FakeBackend(capacity="1GiB"), block_bytes=64 << 10
+        )
+        light_fresh = [fresh.stats, fresh.check_invariants, fresh.sequences, lambda: repr(fresh)]
+        worst_load = _worst_gap_while(lambda: fresh.load_prefix_cache(path), light_fresh)
+        assert fresh.stats()["cached"] == 512
+        fresh.check_invariants()
+        control = _worst_gap_while(lambda: [hashlib.sha256(blob).digest() for _ in range(3)], light)
+        bound = max(0.020, 1.5 * control)
+        tries.append((worst_save, worst_load, control))
+        if worst_save <= bound and worst_load <= bound:
+            return
+    raise AssertionError(f"worst stalls (save, load, control) in s: {tries}")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")

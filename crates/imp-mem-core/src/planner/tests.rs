@@ -574,8 +574,11 @@ fn hybrid_state_is_a_pool_of_per_sequence_slots() {
 
 #[test]
 fn bad_input_names_the_field() {
+    // Without a model type transformers knows, a missing field is refused
+    // (a known type takes transformers' default, see below).
     let mut cfg = llama3_8b();
     cfg.as_object_mut().unwrap().remove("num_hidden_layers");
+    cfg.as_object_mut().unwrap().remove("model_type");
     let err = ModelShape::from_hf_config(&cfg).unwrap_err().to_string();
     assert!(err.contains("'num_hidden_layers'"), "{err}");
     let mut cfg = llama3_8b();
@@ -954,4 +957,35 @@ fn layer_patterns_and_their_errors() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("state geometry"), "{err}");
+}
+
+#[test]
+fn a_field_left_out_takes_the_transformers_default_of_its_model_type() {
+    // Gemma-3 without head_dim or vocab_size: transformers' 256 and 262208,
+    // not hidden / heads (issue 14: 368 640 instead of 393 216 B per token).
+    let gemma3 = json!({
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "sliding_window": 1024,
+    });
+    let s = ModelShape::from_hf_config(&gemma3).unwrap();
+    assert_eq!(s.vocab_size, 262208);
+    match s.attention {
+        Attention::Gqa { head_dim, .. } => assert_eq!(head_dim, 256),
+        other => panic!("{other:?}"),
+    }
+    // The same keys under a multimodal gemma3 config's text_config.
+    let wrapped = json!({"model_type": "gemma3", "text_config": gemma3});
+    assert_eq!(ModelShape::from_hf_config(&wrapped).unwrap(), s);
+    // An explicit null keeps its meaning: no sliding window for Mistral,
+    // whose default window is 4096.
+    let mistral = json!({"model_type": "mistral", "sliding_window": null});
+    let s = ModelShape::from_hf_config(&mistral).unwrap();
+    assert_eq!((s.sliding_layers, s.sliding_window), (0, None));
+    let s = ModelShape::from_hf_config(&json!({"model_type": "mistral"})).unwrap();
+    assert_eq!(s.sliding_window, Some(4096));
 }
