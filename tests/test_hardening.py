@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -266,8 +267,8 @@ def test_class_light_methods_during_save_and_load_do_not_stall_the_interpreter(t
         fresh = P.KVCacheManager(
             512, 16, backend=P.FakeBackend(capacity="1GiB"), block_bytes=64 << 10
         )
-        light_fresh = [fresh.stats, fresh.check_invariants, fresh.sequences, lambda: repr(fresh)]
-        worst_load = _worst_gap_while(lambda: fresh.load_prefix_cache(path), light_fresh)
+        light_fresh = [fresh.stats, fresh.check_invariants, fresh.sequences, fresh.__repr__]
+        worst_load = _worst_gap_while(partial(fresh.load_prefix_cache, path), light_fresh)
         assert fresh.stats()["cached"] == 512
         fresh.check_invariants()
         control = _worst_gap_while(lambda: [hashlib.sha256(blob).digest() for _ in range(3)], light)
