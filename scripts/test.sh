@@ -18,7 +18,7 @@ rm -rf "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q \
     "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6" \
-    "transformers>=4.46"
+    "transformers>=4.46" "matplotlib>=3.5"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

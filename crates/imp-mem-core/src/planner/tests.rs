@@ -763,8 +763,12 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
                 (ctx, lib),
                 (spec, vision, lora, scratch),
             )| {
+                let model = ModelShape::from_hf_config(&cfg).unwrap();
+                // A valid split: no more ranks than query heads (all powers of
+                // two here, so the KV heads split or replicate).
+                let tp = tp.min(model.num_attention_heads as u32);
                 PlanInput {
-                    model: ModelShape::from_hf_config(&cfg).unwrap(),
+                    model,
                     limits: Limits {
                         max_batch: batch,
                         max_seq_len: seq,
@@ -988,4 +992,16 @@ fn a_field_left_out_takes_the_transformers_default_of_its_model_type() {
     assert_eq!((s.sliding_layers, s.sliding_window), (0, None));
     let s = ModelShape::from_hf_config(&json!({"model_type": "mistral"})).unwrap();
     assert_eq!(s.sliding_window, Some(4096));
+}
+
+#[test]
+fn a_tp_degree_the_heads_do_not_split_over_is_refused_naming_the_nearest() {
+    let mut bad = input(shape(&llama3_8b()), 8, 4096, 80 * GIB);
+    bad.tp = 3;
+    let err = plan_memory(&bad).unwrap_err().to_string();
+    assert!(err.contains("tp=3") && err.contains("8 KV heads"), "{err}");
+    assert!(err.contains("use tp 2 or 4"), "{err}");
+    // Replicating the KV heads (tp a multiple of them) is a valid split.
+    bad.tp = 16;
+    assert!(plan_memory(&bad).is_ok());
 }
