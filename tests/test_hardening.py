@@ -524,3 +524,19 @@ def test_device_ordinals_are_typed_before_any_driver_call():
             cls(device=-1)
         with pytest.raises(InvalidArgument, match="device"):
             cls(device=2**40)
+
+
+def test_class_no_signature_shows_an_ellipsis_default():
+    from imp_mem import _core
+
+    shown = []
+    for name in dir(_core):
+        obj = getattr(_core, name)
+        members = [obj]
+        if isinstance(obj, type):
+            members += [getattr(obj, m) for m in dir(obj) if not m.startswith("_")]
+        for member in members:
+            signature = getattr(member, "__text_signature__", None) or ""
+            if "..." in signature or "Ellipsis" in signature:
+                shown.append(f"{name}: {signature}")
+    assert shown == []

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Literal, TypeAlias
+from typing import Any, ClassVar, Literal, TypeAlias, final
+
+from typing_extensions import disjoint_base
 
 __version__: str
 
@@ -32,13 +33,16 @@ JournalRow = tuple[int, str, str, int, str]
 def cuda_available() -> bool:
     """True when a CUDA driver and at least one device are present."""
 
-class Phase(enum.Enum):
+@final
+class Phase:
     """The engine's phase: LOADING -> PLANNING -> SERVING, never back."""
 
-    LOADING = 0
-    PLANNING = 1
-    SERVING = 2
+    LOADING: ClassVar[Phase]
+    PLANNING: ClassVar[Phase]
+    SERVING: ClassVar[Phase]
+    def __int__(self) -> int: ...
 
+@final
 class Region:
     """Memory acquired from a backend, released exactly once."""
 
@@ -71,12 +75,14 @@ class Region:
         tb: TracebackType | None,
     ) -> bool: ...
 
+@final
 class Replanning:
     """Context manager: a bracketed re-entry to PLANNING while serving."""
 
     def __enter__(self) -> Replanning: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@disjoint_base
 class Backend:
     """Methods every backend has (FakeBackend, CudaBackend, VmmBackend)."""
 
@@ -115,6 +121,7 @@ class Backend:
     def journal(self) -> list[JournalRow] | None: ...
     def check_invariants(self) -> None: ...
 
+@final
 class FakeBackend(Backend):
     """Host-memory backend for tests: journal, poison, fault injection, growth."""
 
@@ -164,6 +171,7 @@ def _set_buffer_protocol(enabled: bool) -> bool:
     (the default on Python 3.11+) or copy them as before 3.11; returns the
     previous setting. ``True`` before 3.11 raises ``InvalidArgument``."""
 
+@final
 class KVCacheManager:
     """Paged KV: sequence block tables with holes, a prefix cache that owns
     its blocks, pins as an eviction overlay, an SWA pool, admission control
@@ -264,18 +272,21 @@ class KVCacheManager:
 DTypeLike: TypeAlias = Any
 """A dtype name (``"float16"``), a NumPy dtype or scalar type, or a torch dtype."""
 
-class Tier(enum.Enum):
+@final
+class Tier:
     """The lifetime tiers of seed A2."""
 
-    MODEL_RESIDENT = 0
-    ENGINE_PERSISTENT = 1
-    POOLED = 2
-    SCRATCH = 3
-    PINNED_HOST = 4
+    MODEL_RESIDENT: ClassVar[Tier]
+    ENGINE_PERSISTENT: ClassVar[Tier]
+    POOLED: ClassVar[Tier]
+    SCRATCH: ClassVar[Tier]
+    PINNED_HOST: ClassVar[Tier]
+    def __int__(self) -> int: ...
     @property
     def label(self) -> str:
         """``T1``, ``T2``, ``T3``, ``T4`` or ``T5b``."""
 
+@final
 class StableSpan:
     """Memory whose address a tier allocator promises is stable while the span
     is valid. Minted only by the tiers; no public constructor. Used after its
@@ -312,6 +323,7 @@ class StableSpan:
     def as_device(self) -> DeviceSpan:
         """Widen to a DeviceSpan; there is no conversion back."""
 
+@final
 class DeviceSpan:
     """Memory with no stability promise: what a StableSpan widens to."""
 
@@ -338,6 +350,7 @@ class DeviceSpan:
     def view(self, dtype: DTypeLike, shape: int | tuple[int, ...] | None = None) -> TensorView: ...
     def subspan(self, offset: int, nbytes: int | None = None) -> DeviceSpan: ...
 
+@final
 class TensorView:
     """A typed, shaped view of a span, exported through DLPack / CAI."""
 
@@ -359,6 +372,7 @@ class TensorView:
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]: ...
 
+@final
 class Arena:
     """A bump arena for T1 (model-resident) or T2 (engine-persistent): takes
     are O(1), ``reset()`` frees everything at once and makes older spans stale."""
@@ -393,6 +407,7 @@ class Arena:
     @property
     def tag(self) -> str: ...
 
+@final
 class BlockRef:
     """One reference to a live block. ``share()`` is the only alias; a second
     ``release()`` raises InvalidArgument."""
@@ -410,6 +425,7 @@ class BlockRef:
     def __enter__(self) -> BlockRef: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@final
 class BlockRefs:
     """A batch of refs from ``allocate_many``, released together."""
 
@@ -426,6 +442,7 @@ class BlockRefs:
     def __enter__(self) -> BlockRefs: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@final
 class BlockPool:
     """A refcounted pool of fixed-size blocks (T3), O(1) allocate and release."""
 
@@ -481,6 +498,7 @@ class BlockPool:
     @property
     def block_bytes(self) -> int: ...
 
+@final
 class Mark:
     """An open scratch mark; rewinds on ``rewind()`` or leaving ``with``."""
 
@@ -493,6 +511,7 @@ class Mark:
     def __enter__(self) -> Mark: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@final
 class ScratchStack:
     """A LIFO scratch stack (T4); its high-water mark sizes the plan."""
 
@@ -510,6 +529,7 @@ class ScratchStack:
     @property
     def high_water(self) -> int: ...
 
+@final
 class PinnedBuffer:
     """Pinned host memory (T5b), freed exactly once; ``or_empty=True`` gives an
     empty buffer instead of raising so a caller can fall back. With a CUDA
@@ -536,6 +556,7 @@ class PinnedBuffer:
 def pinned_stats() -> dict[str, int]:
     """Live bytes, buffers and failures of the host-memory pinned allocator."""
 
+@disjoint_base
 class DeviceBackend(Backend):
     """What CudaBackend and VmmBackend add to Backend; not constructed itself."""
 
@@ -548,6 +569,7 @@ class DeviceBackend(Backend):
     def write(self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0) -> None:
         """Copy host bytes into a live region of this backend."""
 
+@final
 class CudaBackend(DeviceBackend):
     """Device memory through ``cuMemAlloc``. Raises ``BackendUnavailable`` where
     there is no CUDA driver or device."""
@@ -556,6 +578,7 @@ class CudaBackend(DeviceBackend):
         self, device: int = 0, budget: ByteCount | None = None, strict: bool = False
     ) -> None: ...
 
+@final
 class VmmBackend(DeviceBackend):
     """Growable device regions over the CUDA VMM API: address space reserved for
     the maximum, physical memory committed in chunks, the base never moves."""
@@ -586,6 +609,7 @@ class VmmBackend(DeviceBackend):
     def record_fence(self, stream: int = 0) -> Fence:
         """Record a fence on a raw ``CUstream`` (0: the legacy default stream)."""
 
+@final
 class Fence:
     """A CUDA event recorded on a stream; decommit only after it completed."""
 
@@ -621,6 +645,7 @@ H200_LIBRARY_RESERVE_BYTES: int
 def parse_size(text: str, field: str = "size") -> int:
     """``"80GiB"`` / ``"80 GB"`` / ``"81920MiB"`` -> bytes; InvalidArgument names ``field``."""
 
+@final
 class ModelShape:
     """What a model costs: layers by kind, attention geometry, state, experts, weights.
 
@@ -682,6 +707,7 @@ class ModelShape:
     def max_position_embeddings(self) -> int | None: ...
     def to_json(self) -> str: ...
 
+@final
 class Limits:
     """The concurrency a plan must serve."""
 
@@ -708,6 +734,7 @@ class Limits:
     @property
     def kv_policy(self) -> Literal["full", "fit"]: ...
 
+@final
 class Features:
     """Features that cost memory beyond the model and its KV."""
 
@@ -737,6 +764,7 @@ class Features:
     @property
     def engine_persistent_bytes(self) -> int | None: ...
 
+@final
 class PlanInput:
     """Everything ``plan_memory`` reads, validated at construction."""
 
@@ -767,6 +795,7 @@ class PlanInput:
     def library_reserve(self) -> int: ...
     def to_json(self) -> str: ...
 
+@final
 class MemoryPlan:
     """Every tier's size on one rank, within the budget."""
 
@@ -810,6 +839,7 @@ class MemoryPlan:
 def plan_memory(plan_input: PlanInput) -> MemoryPlan:
     """Plan, or raise PlanFailure (report as message; arithmetic as attributes)."""
 
+@final
 class MemorySystem:
     """The tiers of one MemoryPlan opened on one backend, in the seed's order
     (T2, T1, fixed T3 pools, T4, the KV pool last), with the phases, the memory

@@ -160,7 +160,10 @@ pub fn stats_dict<'py>(py: Python<'py>, s: &BackendStats) -> PyResult<Bound<'py,
 #[pymethods]
 impl PyBackend {
     /// Acquires `nbytes` aligned to `align` for `tag`; returns a `Region`.
-    #[pyo3(signature = (nbytes, *, align = None, tag = Some("other")))]
+    #[pyo3(
+        signature = (nbytes, *, align = None, tag = Some("other")),
+        text_signature = "($self, nbytes, *, align=None, tag='other')"
+    )]
     fn acquire(
         &self,
         py: Python<'_>,
@@ -183,7 +186,10 @@ impl PyBackend {
 
     /// Acquires a growable region: `reserve` bytes of address space, `initial`
     /// of them committed now (rounded up to the granularity).
-    #[pyo3(signature = (reserve, initial = None, *, tag = Some("other")))]
+    #[pyo3(
+        signature = (reserve, initial = None, *, tag = Some("other")),
+        text_signature = "($self, reserve, initial=None, *, tag='other')"
+    )]
     fn acquire_growable(
         &self,
         py: Python<'_>,
@@ -545,7 +551,7 @@ impl PyFakeBackend {
     }
 
     /// Makes the next `n` commits of growable regions fail.
-    #[pyo3(signature = (n = None), text_signature = "(n=1)")]
+    #[pyo3(signature = (n = None), text_signature = "($self, n=1)")]
     fn fail_commits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);
         self.fake.fail_commits(n);
@@ -553,7 +559,7 @@ impl PyFakeBackend {
     }
 
     /// Makes the next `n` decommits fail.
-    #[pyo3(signature = (n = None), text_signature = "(n=1)")]
+    #[pyo3(signature = (n = None), text_signature = "($self, n=1)")]
     fn fail_decommits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);
         self.fake.fail_decommits(n);

@@ -497,7 +497,10 @@ fn reserve_from_readings<'py>(
 /// `library_reserve_bytes`): a dict with both divergences, `diverged` (over
 /// `tolerance`, 10 % by default) and a one-line `message`.
 #[pyfunction]
-#[pyo3(signature = (expected, observed, tolerance = reserve::DEFAULT_TOLERANCE, fingerprint = None))]
+#[pyo3(
+    signature = (expected, observed, tolerance = reserve::DEFAULT_TOLERANCE, fingerprint = None),
+    text_signature = "(expected, observed, tolerance=0.1, fingerprint=None)"
+)]
 fn reserve_self_check<'py>(
     py: Python<'py>,
     expected: &Bound<'_, PyAny>,

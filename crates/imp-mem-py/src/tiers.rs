@@ -610,7 +610,10 @@ impl PyArena {
 #[pymethods]
 impl PyArena {
     #[new]
-    #[pyo3(signature = (backend, nbytes, *, tier = PyTier::ModelResident, tag = None))]
+    #[pyo3(
+        signature = (backend, nbytes, *, tier = PyTier::ModelResident, tag = None),
+        text_signature = "(backend, nbytes, *, tier=Tier.MODEL_RESIDENT, tag=None)"
+    )]
     fn new(
         backend: PyRef<'_, PyBackend>,
         nbytes: &Bound<'_, PyAny>,
