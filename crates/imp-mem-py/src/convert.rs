@@ -18,7 +18,13 @@ fn count(value: &Bound<'_, PyAny>, what: &str, allow_text: bool) -> PyResult<u64
     }
     if let Ok(text) = value.downcast::<PyString>() {
         if allow_text {
-            return parse_bytes(&text.to_cow()?).py();
+            let text = text.to_cow().map_err(|_| {
+                invalid(format!(
+                    "{what} holds a character UTF-8 cannot encode (a lone surrogate); pass a \
+                     byte count such as 4096 or \"64MiB\""
+                ))
+            })?;
+            return parse_bytes(&text).py();
         }
         return Err(invalid(format!(
             "{what} must be an integer, got the string {text}"

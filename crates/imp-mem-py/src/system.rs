@@ -440,12 +440,15 @@ impl PyMemorySystem {
     #[pyo3(signature = (key, nbytes, label = None))]
     fn set_charge(
         &self,
-        key: &str,
+        key: &Bound<'_, PyAny>,
         nbytes: &Bound<'_, PyAny>,
-        label: Option<&str>,
+        label: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let key = convert::text(key, "key")?;
+        let label = convert::opt(label, "label", convert::text)?.unwrap_or_default();
         let bytes = convert::bytes(nbytes, "nbytes")?;
-        self.lock().set_charge(key, label.unwrap_or(""), bytes).py()
+        let done = self.lock().set_charge(&key, &label, bytes);
+        done.py()
     }
 
     /// Every named charge, plan against actual, per tier and per tag, as

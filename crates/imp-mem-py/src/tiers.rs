@@ -116,8 +116,11 @@ fn align(value: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
     }
 }
 
-fn opt_tag(tag: Option<&str>) -> PyResult<Option<imp_mem_core::Tag>> {
-    tag.map(convert::tag).transpose()
+fn opt_tag(tag: Option<&Bound<'_, PyAny>>) -> PyResult<Option<imp_mem_core::Tag>> {
+    convert::opt(tag, "tag", convert::text)?
+        .as_deref()
+        .map(convert::tag)
+        .transpose()
 }
 
 // ------------------------------------------------------------------ spans
@@ -618,7 +621,7 @@ impl PyArena {
         backend: PyRef<'_, PyBackend>,
         nbytes: &Bound<'_, PyAny>,
         tier: PyTier,
-        tag: Option<&str>,
+        tag: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bytes = convert::bytes(nbytes, "nbytes")?;
         let arena = SharedArena::new(&backend.inner, tier.into(), bytes, opt_tag(tag)?).py()?;
@@ -879,7 +882,7 @@ impl PyBlockPool {
         blocks: &Bound<'_, PyAny>,
         max_blocks: Option<&Bound<'_, PyAny>>,
         grow_blocks: Option<&Bound<'_, PyAny>>,
-        tag: Option<&str>,
+        tag: Option<&Bound<'_, PyAny>>,
         min_idle_steps: Option<&Bound<'_, PyAny>>,
         keep_chunks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
@@ -1296,7 +1299,7 @@ impl PyScratchStack {
     fn new(
         backend: PyRef<'_, PyBackend>,
         nbytes: &Bound<'_, PyAny>,
-        tag: Option<&str>,
+        tag: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bytes = convert::bytes(nbytes, "nbytes")?;
         let stack = SharedScratchStack::new(&backend.inner, bytes, opt_tag(tag)?).py()?;
