@@ -79,6 +79,8 @@ def test_max_seq_len_past_the_trained_context_warns():
     assert "not trained" in done.stderr
     quiet = imp_mem("plan", "llama-3-8b", "--max-seq-len", "8192")
     assert "warning" not in quiet.stderr
+    demo = imp_mem("demo", "--backend", "fake", "--max-seq-len", "9000", "--steps", "1")
+    assert "max_position_embeddings (8192)" in demo.stderr
 
 
 def test_demo_never_serves_a_request_past_max_seq_len():

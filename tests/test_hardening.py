@@ -139,7 +139,7 @@ def test_an_out_of_memory_commit_under_a_gc_callback_that_touches_the_region():
 
 
 CLASS_TEST = """
-import gc, inspect
+import gc
 import imp_mem as P
 
 fake = P.FakeBackend(capacity="64MiB")
@@ -149,38 +149,58 @@ one = pool.allocate()
 arena = P.Arena(fake, 1 << 16)
 span = arena.take(64)
 stack = P.ScratchStack(fake, 1 << 16)
+mark = stack.mark()
 kv = P.KVCacheManager(64, 4, backend=fake, block_bytes=64)
 kv.admit(1, list(range(16)))
 region = fake.acquire_growable("1MiB", 4096)
-objects = [pool, refs, one, arena, span, stack, kv, region, fake]
+objects = [pool, refs, one, arena, span, stack, mark, kv, region, fake]
+target = [None]
 
-def touch():
-    for o in objects:
-        repr(o)
-        for name in ("stats", "ids", "refcount", "used", "nbytes", "sequences"):
-            attr = getattr(o, name, None)
-            if callable(attr):
-                try:
-                    attr()
-                except Exception:
-                    pass
-
-gc.callbacks.append(lambda ph, info: ph == "start" and touch())
-gc.set_threshold(1)
-
-ARGS = {0: (), 1: (1,), 2: (1, 4), 3: (1, 0, 1)}
-for o in objects:
-    for name in sorted(dir(o)):
-        if name.startswith("_") or name in ("release", "reset", "close", "split"):
-            continue
-        attr = getattr(o, name, None)
-        if not callable(attr):
-            continue
-        for args in ARGS.values():
+def touch(phase, info):
+    # The collection runs inside a method of `target`: read it back through
+    # every property and its repr, which take the same locks.
+    o = target[0]
+    if phase != "start" or o is None:
+        return
+    repr(o)
+    for name in dir(type(o)):
+        if isinstance(getattr(type(o), name, None), property) or name in ("ids", "nbytes"):
             try:
-                attr(*args)
+                getattr(o, name)
             except Exception:
                 pass
+    for name in ("stats", "sequences", "cached_blocks"):
+        try:
+            getattr(o, name)()
+        except Exception:
+            pass
+
+gc.callbacks.append(touch)
+ARGS = [(), (1,), (1, 4)]
+for o in objects:
+    for name in sorted(dir(o)):
+        if name.startswith("_") or name in ("release", "reset", "close", "split", "rewind"):
+            continue
+        for args in ARGS:
+            # CPython collects at the first tracked allocation past the
+            # threshold: sweeping the threshold and a few fresh objects
+            # before the call moves the collection over every allocation
+            # inside the method.
+            for threshold in range(1, 5):
+                for k in range(4):
+                    gc.collect()
+                    extra = [[] for _ in range(k)]
+                    gc.set_threshold(threshold)
+                    target[0] = o
+                    try:
+                        attr = getattr(o, name)
+                        if callable(attr):
+                            attr(*args)
+                    except Exception:
+                        pass
+                    target[0] = None
+                    gc.set_threshold(700)
+                    del extra
 print("done")
 """
 
@@ -192,7 +212,7 @@ def test_class_every_public_method_under_a_gc_callback_touching_the_same_objects
 # ------------------------------------------------------ the GIL and the lock
 
 
-def _saved_manager(tmp_path: pathlib.Path, blocks: int = 512, block_bytes: int = 64 << 10):
+def _saved_manager(tmp_path: pathlib.Path, blocks: int = 1024, block_bytes: int = 64 << 10):
     fake = P.FakeBackend(capacity="1GiB")
     kv = P.KVCacheManager(blocks, 16, backend=fake, block_bytes=block_bytes)
     for s in range(blocks // 8):
@@ -265,11 +285,11 @@ def test_class_light_methods_during_save_and_load_do_not_stall_the_interpreter(t
     for _ in range(3):
         worst_save = _worst_gap_while(work, light)
         fresh = P.KVCacheManager(
-            512, 16, backend=P.FakeBackend(capacity="1GiB"), block_bytes=64 << 10
+            1024, 16, backend=P.FakeBackend(capacity="1GiB"), block_bytes=64 << 10
         )
         light_fresh = [fresh.stats, fresh.check_invariants, fresh.sequences, fresh.__repr__]
         worst_load = _worst_gap_while(partial(fresh.load_prefix_cache, path), light_fresh)
-        assert fresh.stats()["cached"] == 512
+        assert fresh.stats()["cached"] == 1024
         fresh.check_invariants()
         control = _worst_gap_while(lambda: [hashlib.sha256(blob).digest() for _ in range(3)], light)
         bound = max(0.020, 1.5 * control)

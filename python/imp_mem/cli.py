@@ -43,6 +43,11 @@ def _demo(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise imp_mem.InvalidArgument(f"{flag} must be at least 1, got {getattr(args, name)}")
+    from imp_mem._cli_plan import _warn_past_trained_context
+    from imp_mem._presets import preset
+
+    shape = imp_mem.ModelShape.from_hf_config(preset(args.model))
+    _warn_past_trained_context(shape, args.max_seq_len)
     backend = _pick_backend(args.backend, args.capacity)
     report: dict = {}
     lines: list[str] = []
