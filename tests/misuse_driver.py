@@ -178,6 +178,8 @@ def run(seed: int, ops: int) -> dict:
     rng = random.Random(seed)
     tmp = tempfile.mkdtemp(prefix="imp-mem-misuse-")
     os.makedirs(os.path.join(tmp, "dir"), exist_ok=True)
+    # A random str may be taken as a relative path: it lands here.
+    os.chdir(tmp)
     world = World(rng, tmp)
     counts = {"ok": 0, "typed": 0, "untyped": 0}
     untyped: dict[str, str] = {}
