@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import traceback
@@ -221,6 +222,10 @@ def run(seed: int, ops: int) -> dict:
             kind = type(exc).__name__
             if kind not in untyped:
                 untyped[kind] = f"{call}: {exc!r:.300}\n{traceback.format_exc(limit=3)[-600:]}"
+    world.objects.clear()
+    gc.collect()
+    os.chdir("/")
+    shutil.rmtree(tmp, ignore_errors=True)
     return {"seed": seed, "ops": ops, **counts, "untyped_examples": untyped}
 
 
