@@ -18,7 +18,8 @@ rm -rf "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q \
     "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6" \
-    "msgpack>=1.0" "msgspec>=0.18" "pyzmq>=25" "prometheus_client>=0.17"
+    "msgpack>=1.0" "msgspec>=0.18" "pyzmq>=25" "prometheus_client>=0.17" \
+    "transformers>=4.46" "matplotlib>=3.5" "mypy>=1.18"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -39,6 +40,12 @@ rm -rf target/wheels-test
 step "ruff"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+
+step "stubtest (the stubs are true)"
+# The allowlist names only pyo3's __new__ constructors, its generated
+# __all__, and the stubs' own type aliases.
+VENV_PYTHON="$(cd "$VENV/bin" && pwd)/python"
+(cd tests && "$VENV_PYTHON" -m mypy.stubtest imp_mem._core --allowlist stubtest_allowlist.txt)
 
 step "pytest"
 # From the tests folder so the installed wheel, not python/, is imported.

@@ -32,7 +32,7 @@ def test_demo_takes_the_model_and_limits(capsys):
 
 
 def test_bad_capacity_is_a_clean_error(capsys):
-    assert cli.main(["demo", "--backend", "fake", "--capacity", "lots"]) == 1
+    assert cli.main(["demo", "--backend", "fake", "--capacity", "lots"]) == 2
     assert "InvalidArgument" in capsys.readouterr().err
 
 

@@ -20,6 +20,7 @@ STUB_ONLY = {
     "TokenIds",
     "MmItem",
     "KvEventTuple",
+    "StrOrBytesPath",
 }
 
 

@@ -66,6 +66,8 @@ HYBRID = {
     "linear_value_head_dim": 32,
     "linear_num_key_heads": 4,
     "linear_num_value_heads": 8,
+    # Dense: transformers' Qwen3-Next default is 512 experts.
+    "num_experts": 0,
     "vocab_size": 4096,
     "max_position_embeddings": 4096,
     "tie_word_embeddings": False,

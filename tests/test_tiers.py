@@ -241,7 +241,7 @@ def test_numpy_sees_the_written_bytes_and_the_poison_after_release(fake):
     array = np.from_dlpack(span)
     assert array.dtype == np.uint8 and array.shape == (64,)
     assert array.tolist() == list(range(64))
-    arena.reset()
+    arena.reset(unsafe_allow_live_exports=True)
     assert (array == POISON).all(), "the exported view reads the poison, not freed memory"
     del array
 

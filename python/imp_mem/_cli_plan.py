@@ -2,11 +2,13 @@
 
     imp-mem plan llama-3-8b --max-batch 32 --max-seq-len 8192 --budget 80GiB
     imp-mem plan path/to/config.json --tp 4 --kv-dtype fp8 --json
-    imp-mem plan qwen3-8b --budget 24GiB --plot plan.png
+    imp-mem plan qwen3-8b --budget 24GiB --max-batch 4 --plot plan.png
 
 ``CONFIG`` is a ``config.json`` path, a checkpoint directory, or a preset
 name (``--list-presets``). A plan that does not fit prints the itemised
-report with its levers and exits with status 2.
+report with its levers and exits with status 2; so does any other error,
+as one line on stderr. ``--json`` documents carry ``schema_version`` and the
+``inputs`` they were planned from.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ def _charge_table(charges: list[dict[str, Any]], total: int, budget: int) -> str
     return table(["charge", "MiB"], rows)
 
 
-def plot(path: str, charges: list[dict[str, Any]], budget: int, title: str) -> None:
-    """Draws the budget as one stacked bar of charges, with the budget line."""
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, or the install hint."""
     import imp_mem
 
     try:
@@ -131,33 +133,137 @@ def plot(path: str, charges: list[dict[str, Any]], budget: int, title: str) -> N
         raise imp_mem.InvalidArgument(
             "--plot needs matplotlib, which is not installed: pip install 'imp-mem[plot]'"
         ) from exc
+    return plt
+
+
+def check_plot_path(path: str) -> None:
+    """Refuses a plot path whose folder does not exist, or no matplotlib,
+    before anything is planned or printed."""
+    import imp_mem
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise imp_mem.InvalidArgument(f"--plot: the folder {folder} does not exist")
+    _pyplot()
+
+
+def plot(
+    path: str,
+    charges: list[dict[str, Any]],
+    budget: int,
+    title: str,
+    levers: list[dict[str, Any]] | None = None,
+) -> None:
+    """Draws the budget as one stacked bar of charges (the legend lists them
+    top to bottom as they are stacked), with the budget line, the headroom
+    left under it, the overflow above it, and for a failed plan its levers.
+    A charge too small to see at the bar's scale is drawn at a visible
+    minimum height; its label keeps the true MiB."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 7))
-    bottom = 0.0
     colors = plt.get_cmap("tab20").colors
+    total = sum(c["bytes"] for c in charges)
+    top = max(total, budget) / (1 << 20)
+    smallest = top * 0.008
+    bottom = 0.0
+    handles = []
     for i, charge in enumerate(charges):
-        height = charge["bytes"] / (1 << 20)
-        ax.bar(
+        size = charge["bytes"] / (1 << 20)
+        height = max(size, smallest) if size > 0 else 0.0
+        bar = ax.bar(
             0,
             height,
             bottom=bottom,
             width=0.6,
             color=colors[i % len(colors)],
-            label=f"{charge['label']} ({height:,.0f} MiB)",
+            label=f"{charge['label']} ({size:,.0f} MiB)",
         )
+        handles.append(bar)
         bottom += height
-    ax.axhline(
-        budget / (1 << 20),
+    budget_mib = budget / (1 << 20)
+    if bottom < budget_mib:
+        handles.append(
+            ax.bar(
+                0,
+                budget_mib - bottom,
+                bottom=bottom,
+                width=0.6,
+                color="none",
+                edgecolor="grey",
+                hatch="//",
+                label=f"headroom ({(budget - total) / (1 << 20):,.0f} MiB)",
+            )
+        )
+    elif total > budget:
+        handles.append(
+            ax.bar(
+                0,
+                bottom - budget_mib,
+                bottom=budget_mib,
+                width=0.7,
+                color="none",
+                edgecolor="red",
+                hatch="xx",
+                label=f"over budget by {(total - budget) / (1 << 20):,.0f} MiB",
+            )
+        )
+    line = ax.axhline(
+        budget_mib,
         color="black",
         linestyle="--",
         linewidth=1.5,
-        label=f"budget ({budget / (1 << 20):,.0f} MiB)",
+        label=f"budget ({budget_mib:,.0f} MiB)",
     )
     ax.set_xticks([])
     ax.set_ylabel("MiB")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    if levers:
+        text = "levers:\n" + "\n".join(
+            f"{lv['setting']} {lv['from']} -> {lv['to']}: frees {lv['frees'] / (1 << 20):,.0f} MiB"
+            + (" (enough alone)" if lv.get("sufficient") else "")
+            for lv in levers
+        )
+        ax.text(1.04, 0.0, text, transform=ax.transAxes, fontsize=8, va="bottom")
+    # Top of the legend = top of the stack.
+    ordered = [line, *reversed(handles)]
+    ax.legend(
+        handles=ordered,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     fig.savefig(path, bbox_inches="tight", dpi=120)
     plt.close(fig)
+
+
+def _inputs(args: argparse.Namespace, plan_input) -> dict[str, Any]:
+    limits = plan_input.limits
+    return {
+        "command": "plan",
+        "config": args.config,
+        "max_batch": limits.max_batch,
+        "max_seq_len": limits.max_seq_len,
+        "kv_dtype": limits.kv_dtype,
+        "block_size": limits.block_size,
+        "kv_policy": limits.kv_policy,
+        "tp": plan_input.tp,
+        "budget": plan_input.budget,
+        "context": args.context,
+        "library_reserve": args.library_reserve,
+        "spec_depth": args.spec_depth,
+        "weights_bytes": args.weights_bytes,
+    }
+
+
+def _warn_past_trained_context(shape, seq: int) -> None:
+    trained = shape.max_position_embeddings
+    if trained and seq > trained:
+        print(
+            f"imp-mem: warning: --max-seq-len {seq} is past the model's max_position_embeddings "
+            f"({trained}); the model was not trained on sequences that long",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,8 +277,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise imp_mem.InvalidArgument("CONFIG: give a config.json path or a preset name")
+    if args.plot:
+        check_plot_path(args.plot)
     plan_input = build_input(args)
     shape, limits = plan_input.model, plan_input.limits
+    _warn_past_trained_context(shape, limits.max_seq_len)
     title = (
         f"{args.config}: {limits.max_batch} x {limits.max_seq_len} tok, "
         f"tp {plan_input.tp}, KV {limits.kv_dtype or shape.dtype}"
@@ -181,28 +290,30 @@ def run(args: argparse.Namespace) -> int:
         plan = imp_mem.plan_memory(plan_input)
     except imp_mem.PlanFailure as failure:
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "error": "plan_failure",
-                        "kind": failure.kind,
-                        "budget": failure.budget,
-                        "total": failure.total,
-                        "over_by": failure.over_by,
-                        "charges": failure.charges,
-                        "levers": failure.levers,
-                    },
-                    indent=2,
-                )
-            )
+            from imp_mem.cli import _failure_json
+
+            print(json.dumps(_failure_json(failure, _inputs(args, plan_input)), indent=2))
         else:
             print(title)
             print(failure.report, end="")
         if args.plot:
-            plot(args.plot, failure.charges, failure.budget, title + " (does not fit)")
+            plot(
+                args.plot,
+                failure.charges,
+                failure.budget,
+                title + " (does not fit)",
+                levers=failure.levers,
+            )
         return EXIT_PLAN_FAILURE
     if args.json:
-        print(plan.to_json())
+        from imp_mem.cli import SCHEMA_VERSION
+
+        document = {
+            "schema_version": SCHEMA_VERSION,
+            "inputs": _inputs(args, plan_input),
+            **json.loads(plan.to_json()),
+        }
+        print(json.dumps(document, indent=2))
     else:
         kv = plan.kv
         print(title)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeAlias, overload
+from typing import Any, ClassVar, Literal, TypeAlias, final, overload
+
+from typing_extensions import disjoint_base
 
 __version__: str
 
 ByteCount: TypeAlias = int | str
+StrOrBytesPath: TypeAlias = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 """An int, or text such as ``"80GiB"``, ``"80 GB"``, ``"4096"``."""
 
 TagName = Literal[
@@ -41,13 +43,16 @@ JournalRow = tuple[int, str, str, int, str]
 def cuda_available() -> bool:
     """True when a CUDA driver and at least one device are present."""
 
-class Phase(enum.Enum):
+@final
+class Phase:
     """The engine's phase: LOADING -> PLANNING -> SERVING, never back."""
 
-    LOADING = 0
-    PLANNING = 1
-    SERVING = 2
+    LOADING: ClassVar[Phase]
+    PLANNING: ClassVar[Phase]
+    SERVING: ClassVar[Phase]
+    def __int__(self) -> int: ...
 
+@final
 class Region:
     """Memory acquired from a backend, released exactly once."""
 
@@ -80,12 +85,14 @@ class Region:
         tb: TracebackType | None,
     ) -> bool: ...
 
+@final
 class Replanning:
     """Context manager: a bracketed re-entry to PLANNING while serving."""
 
     def __enter__(self) -> Replanning: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@disjoint_base
 class Backend:
     """Methods every backend has (FakeBackend, CudaBackend, VmmBackend)."""
 
@@ -126,6 +133,7 @@ class Backend:
     def journal(self) -> list[JournalRow] | None: ...
     def check_invariants(self) -> None: ...
 
+@final
 class FakeBackend(Backend):
     """Host-memory backend for tests: journal, poison, fault injection, growth."""
 
@@ -188,6 +196,7 @@ def _list_direct_active() -> bool:
     """Test hook: whether lists and tuples of ints are read straight from
     the objects now (the hook on, the interpreter's layout self-checked)."""
 
+@final
 class KVCacheManager:
     """Paged KV: sequence block tables with holes, a prefix cache that owns
     its blocks, pins as an eviction overlay, an SWA pool, admission control
@@ -306,8 +315,8 @@ class KVCacheManager:
     def evict(self, n: int) -> int:
         """Evicts up to ``n`` LRU cached blocks; with a host tier they are
         copied there (device blocks free after a later ``poll_copies()``)."""
-    def save_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
-    def load_prefix_cache(self, path: str | os.PathLike[str]) -> int: ...
+    def save_prefix_cache(self, path: StrOrBytesPath) -> int: ...
+    def load_prefix_cache(self, path: StrOrBytesPath) -> int: ...
     def drain_events(self) -> list[KvEventTuple]:
         """The KV events since the last call, oldest first, each a tuple in
         the field order of vLLM's event (``imp_mem.events`` wraps them).
@@ -338,19 +347,22 @@ class KVCacheManager:
 DTypeLike: TypeAlias = Any
 """A dtype name (``"float16"``), a NumPy dtype or scalar type, or a torch dtype."""
 
-class Tier(enum.Enum):
+@final
+class Tier:
     """The lifetime tiers of seed A2."""
 
-    MODEL_RESIDENT = 0
-    ENGINE_PERSISTENT = 1
-    POOLED = 2
-    SCRATCH = 3
-    ACTIVATIONS = 4
-    PINNED_HOST = 5
+    MODEL_RESIDENT: ClassVar[Tier]
+    ENGINE_PERSISTENT: ClassVar[Tier]
+    POOLED: ClassVar[Tier]
+    SCRATCH: ClassVar[Tier]
+    ACTIVATIONS: ClassVar[Tier]
+    PINNED_HOST: ClassVar[Tier]
+    def __int__(self) -> int: ...
     @property
     def label(self) -> str:
         """``T1``, ``T2``, ``T3``, ``T4``, ``T4a`` or ``T5b``."""
 
+@final
 class StableSpan:
     """Memory whose address a tier allocator promises is stable while the span
     is valid. Minted only by the tiers; no public constructor. Used after its
@@ -387,6 +399,7 @@ class StableSpan:
     def as_device(self) -> DeviceSpan:
         """Widen to a DeviceSpan; there is no conversion back."""
 
+@final
 class DeviceSpan:
     """Memory with no stability promise: what a StableSpan widens to."""
 
@@ -413,6 +426,7 @@ class DeviceSpan:
     def view(self, dtype: DTypeLike, shape: int | tuple[int, ...] | None = None) -> TensorView: ...
     def subspan(self, offset: int, nbytes: int | None = None) -> DeviceSpan: ...
 
+@final
 class TensorView:
     """A typed, shaped view of a span, exported through DLPack / CAI."""
 
@@ -434,6 +448,7 @@ class TensorView:
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]: ...
 
+@final
 class Arena:
     """A bump arena for T1 (model-resident) or T2 (engine-persistent): takes
     are O(1), ``reset()`` frees everything at once and makes older spans stale."""
@@ -448,7 +463,12 @@ class Arena:
     ) -> None: ...
     def take(self, nbytes: ByteCount, align: int | None = None) -> StableSpan:
         """``nbytes`` aligned to ``align`` (default 256); CapacityError when full."""
-    def reset(self) -> None: ...
+    def reset(self, *, unsafe_allow_live_exports: bool = False) -> None:
+        """Frees everything; refused (``InvalidArgument``) while DLPack
+        exports of the arena are alive, unless ``unsafe_allow_live_exports``
+        (unsafe: those views then read what the arena hands out next)."""
+    @property
+    def live_exports(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...
     @property
     def used(self) -> int: ...
@@ -463,6 +483,7 @@ class Arena:
     @property
     def tag(self) -> str: ...
 
+@final
 class BlockRef:
     """One reference to a live block. ``share()`` is the only alias; a second
     ``release()`` raises InvalidArgument."""
@@ -480,6 +501,7 @@ class BlockRef:
     def __enter__(self) -> BlockRef: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@final
 class BlockRefs:
     """A batch of refs from ``allocate_many``, released together."""
 
@@ -496,6 +518,7 @@ class BlockRefs:
     def __enter__(self) -> BlockRefs: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@final
 class BlockPool:
     """A refcounted pool of fixed-size blocks (T3), O(1) allocate and release."""
 
@@ -559,6 +582,7 @@ class BlockPool:
     @property
     def block_bytes(self) -> int: ...
 
+@final
 class Mark:
     """An open scratch mark; rewinds on ``rewind()`` or leaving ``with``."""
 
@@ -571,6 +595,7 @@ class Mark:
     def __enter__(self) -> Mark: ...
     def __exit__(self, *args: Any) -> bool: ...
 
+@final
 class ScratchStack:
     """A LIFO scratch stack (T4); its high-water mark sizes the plan."""
 
@@ -588,6 +613,7 @@ class ScratchStack:
     @property
     def high_water(self) -> int: ...
 
+@final
 class ActivationPool:
     """A general-purpose, stream-ordered sub-allocator (TLSF, 512-B granule by
     default) over one region of tag ``activations`` (T4a): what torch's and
@@ -674,6 +700,7 @@ def hook_library_path() -> str:
 def hook_addresses() -> dict[str, int]:
     """Each hook's address in this process, by symbol name."""
 
+@final
 class PinnedBuffer:
     """Pinned host memory (T5b), freed exactly once; ``or_empty=True`` gives an
     empty buffer instead of raising so a caller can fall back. With a CUDA
@@ -700,6 +727,7 @@ class PinnedBuffer:
 def pinned_stats() -> dict[str, int]:
     """Live bytes, buffers and failures of the host-memory pinned allocator."""
 
+@disjoint_base
 class DeviceBackend(Backend):
     """What CudaBackend and VmmBackend add to Backend; not constructed itself."""
 
@@ -712,6 +740,7 @@ class DeviceBackend(Backend):
     def write(self, region: Region, data: bytes | bytearray | memoryview, offset: int = 0) -> None:
         """Copy host bytes into a live region of this backend."""
 
+@final
 class CudaBackend(DeviceBackend):
     """Device memory through ``cuMemAlloc``. Raises ``BackendUnavailable`` where
     there is no CUDA driver or device."""
@@ -720,6 +749,7 @@ class CudaBackend(DeviceBackend):
         self, device: int = 0, budget: ByteCount | None = None, strict: bool = False
     ) -> None: ...
 
+@final
 class VmmBackend(DeviceBackend):
     """Growable device regions over the CUDA VMM API: address space reserved for
     the maximum, physical memory committed in chunks, the base never moves."""
@@ -750,6 +780,7 @@ class VmmBackend(DeviceBackend):
     def record_fence(self, stream: int = 0) -> Fence:
         """Record a fence on a raw ``CUstream`` (0: the legacy default stream)."""
 
+@final
 class Fence:
     """A CUDA event recorded on a stream; decommit only after it completed."""
 
@@ -785,6 +816,7 @@ H200_LIBRARY_RESERVE_BYTES: int
 def parse_size(text: str, field: str = "size") -> int:
     """``"80GiB"`` / ``"80 GB"`` / ``"81920MiB"`` -> bytes; InvalidArgument names ``field``."""
 
+@final
 class ModelShape:
     """What a model costs: layers by kind, attention geometry, state, experts, weights.
 
@@ -846,6 +878,7 @@ class ModelShape:
     def max_position_embeddings(self) -> int | None: ...
     def to_json(self) -> str: ...
 
+@final
 class Limits:
     """The concurrency a plan must serve."""
 
@@ -872,6 +905,7 @@ class Limits:
     @property
     def kv_policy(self) -> Literal["full", "fit"]: ...
 
+@final
 class Features:
     """Features that cost memory beyond the model and its KV."""
 
@@ -908,6 +942,7 @@ class Features:
     @property
     def activation_bytes(self) -> int | None: ...
 
+@final
 class PlanInput:
     """Everything ``plan_memory`` reads, validated at construction."""
 
@@ -938,6 +973,7 @@ class PlanInput:
     def library_reserve(self) -> int: ...
     def to_json(self) -> str: ...
 
+@final
 class MemoryPlan:
     """Every tier's size on one rank, within the budget."""
 
@@ -990,6 +1026,7 @@ class MemoryPlan:
 def plan_memory(plan_input: PlanInput) -> MemoryPlan:
     """Plan, or raise PlanFailure (report as message; arithmetic as attributes)."""
 
+@final
 class MemorySystem:
     """The tiers of one MemoryPlan opened on one backend, in the seed's order
     (T2, T1, fixed T3 pools, T4, the KV pool last), with the phases, the memory

@@ -37,12 +37,29 @@ def _torch_cuda() -> bool:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import json
+
     import imp_mem
+    from imp_mem._presets import PRESETS
     from imp_mem.system import run_demo
 
+    if args.model.lower() not in PRESETS:
+        raise imp_mem.InvalidArgument(
+            f"--model: {args.model!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}"
+        )
+    for name in ("max_batch", "max_seq_len", "steps"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise imp_mem.InvalidArgument(f"{flag} must be at least 1, got {getattr(args, name)}")
+    from imp_mem._cli_plan import _warn_past_trained_context
+    from imp_mem._presets import preset
+
+    shape = imp_mem.ModelShape.from_hf_config(preset(args.model))
+    _warn_past_trained_context(shape, args.max_seq_len)
     backend = _pick_backend(args.backend, args.capacity)
-    if backend.kind != "fake" and _torch_cuda():
-        # On a GPU with torch, the demo is the reference engine serving.
+    if backend.kind != "fake" and _torch_cuda() and not args.json:
+        # On a GPU with torch, the demo is the reference engine serving
+        # (--json keeps the planned demo, whose report is the document).
         from imp_mem.engine.demo import run_engine_demo
 
         return run_engine_demo(
@@ -51,17 +68,60 @@ def _demo(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             max_seq_len=min(args.max_seq_len, 1024),
         )
+    report: dict = {}
+    lines: list[str] = []
+    out = lines.append if args.json else print
     try:
-        return run_demo(
+        status = run_demo(
             backend,
+            out,
             model=args.model,
             max_batch=args.max_batch,
             max_seq_len=args.max_seq_len,
             steps=args.steps,
+            report=report,
         )
     except imp_mem.PlanFailure as failure:
-        print(failure)
+        if args.json:
+            print(json.dumps(_failure_json(failure, _demo_inputs(args)), indent=2))
+        else:
+            print(failure)
         return 2
+    if args.json:
+        report = {"schema_version": SCHEMA_VERSION, "inputs": _demo_inputs(args), **report}
+        print(json.dumps(report, indent=2, default=str))
+    return status
+
+
+SCHEMA_VERSION = 1
+"""The version of the ``--json`` documents (``plan`` and ``demo``); it
+changes when a key changes meaning or goes away."""
+
+
+def _demo_inputs(args: argparse.Namespace) -> dict:
+    return {
+        "command": "demo",
+        "model": args.model,
+        "backend": args.backend,
+        "capacity": args.capacity,
+        "max_batch": args.max_batch,
+        "max_seq_len": args.max_seq_len,
+        "steps": args.steps,
+    }
+
+
+def _failure_json(failure, inputs: dict) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "inputs": inputs,
+        "error": "plan_failure",
+        "kind": failure.kind,
+        "budget": failure.budget,
+        "total": failure.total,
+        "over_by": failure.over_by,
+        "charges": failure.charges,
+        "levers": failure.levers,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,14 +150,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="on a GPU with torch: how long the engine serves (5)",
     )
+    demo.add_argument(
+        "--json", action="store_true", help="print the plan and the memory report as JSON"
+    )
     demo.set_defaults(func=_demo)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
 
+EXIT_ERROR = 2
+
+
+def _error(message: str) -> int:
+    """One line on stderr; the exit status of every CLI error."""
+    print(f"imp-mem: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
+    """Runs the command line; returns the exit status: 0, or 2 for any
+    error (one line on stderr, never a traceback; argparse's own usage
+    errors also exit with 2)."""
     import imp_mem
 
     parser = build_parser()
@@ -111,8 +185,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except imp_mem.ImpMemError as exc:
-        print(f"imp-mem: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _error(f"{type(exc).__name__}: {exc}")
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        return _error(f"{exc.strerror or exc}{where}")
+    except KeyboardInterrupt:
+        return _error("interrupted")
+    except Exception as exc:
+        return _error(f"{type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,22 @@ keep working for code that does not know imp-mem.
 from __future__ import annotations
 
 
+class _Facts(dict):
+    """The attributes the core attaches to an exception it raises."""
+
+
 class ImpMemError(Exception):
     """Base class of every imp-mem error."""
+
+    def __init__(self, *args: object) -> None:
+        # The core raises ``Class(message, _Facts(...))`` and the attributes
+        # are set here, when Python builds the exception: the Rust side then
+        # never builds a Python object while it may hold a lock.
+        if len(args) == 2 and type(args[1]) is _Facts:
+            for name, value in args[1].items():
+                setattr(self, name, value)
+            args = args[:1]
+        super().__init__(*args)
 
 
 class OutOfMemory(ImpMemError, MemoryError):

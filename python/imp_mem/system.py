@@ -42,7 +42,14 @@ DEMO_METRICS = (
 )
 
 
-def _load_and_serve(system: MemorySystem, shape: ModelShape, steps: int, out) -> None:
+def _load_and_serve(
+    system: MemorySystem,
+    shape: ModelShape,
+    steps: int,
+    out,
+    max_seq_len: int | None = None,
+    report: dict | None = None,
+) -> None:
     """LOADING: the weights go into T1 and a workspace into T2; SERVING: each
     step admits a request through a KVCacheManager on the system's KV pool
     (every prompt opens with the same system prompt, so later requests hit
@@ -70,14 +77,17 @@ def _load_and_serve(system: MemorySystem, shape: ModelShape, steps: int, out) ->
     kv = system.kv_manager()
     block = kv.block_size
     per_sequence = system.plan.kv["blocks_per_sequence"]
+    # No request is longer than the limit it was planned for, counting its
+    # decoded token (the blocks round the limit up).
+    longest = (max_seq_len or per_sequence * block) - 1
     # A system prompt of an eighth of a sequence, shared by every request.
-    shared = list(range(max(1, per_sequence // 8) * block))
+    shared = list(range(min(max(1, per_sequence // 8) * block, max(0, longest - 1))))
     running: list[int] = []
     start_capacity = pool.capacity
     decommitted = 0
     for step in range(steps):
         # Requests of a quarter to a whole sequence; at most six in flight.
-        tokens = max(1, per_sequence * (step % 4 + 1) // 4) * block
+        tokens = min(max(1, per_sequence * (step % 4 + 1) // 4) * block, longest)
         own = (step + 1) << 20  # this request's own token ids
         prompt = shared + list(range(own, own + max(1, tokens - len(shared))))
         cached = kv.admit(step, prompt)
@@ -106,6 +116,10 @@ def _load_and_serve(system: MemorySystem, shape: ModelShape, steps: int, out) ->
     )
     kv.check_invariants()
     system.check()
+    if report is not None:
+        report["kv_manager"] = stats
+        report["longest_request_tokens"] = longest + 1
+        report["mem_report"] = system.mem_report()
     out("")
     out(system.mem_report_text())
     out("metrics (excerpt):")
@@ -128,13 +142,16 @@ def run_demo(
     steps: int = 8,
     context: int | None = None,
     library_reserve: int | None = None,
+    report: dict | None = None,
 ) -> int:
     """Plans ``model`` (a preset) for the backend's budget, opens the
     memory system, loads the weights into T1, serves ``steps`` simulated
     steps, prints the memory report and a few metrics, and closes. The
     backend defaults to ``FakeBackend(capacity="80GiB", backed=False)``.
     ``context`` / ``library_reserve`` are measured charges (default: the
-    H200 figures the planner uses). Returns 0."""
+    H200 figures the planner uses). No request is longer than
+    ``max_seq_len``. A ``report`` dict receives the plan, the KV manager's
+    counters and the memory report. Returns 0."""
     import imp_mem
     from imp_mem._presets import preset
 
@@ -154,8 +171,12 @@ def run_demo(
     out(f"backend: {backend!r}")
     out(f"plan: {model}, {max_batch} x {max_seq_len} tokens, budget {human_bytes(plan.budget)}")
     out(plan.table())
+    if report is not None:
+        import json
+
+        report["plan"] = json.loads(plan.to_json())
     with MemorySystem(backend, plan, context=context, library_reserve=library_reserve) as system:
         out(f"[{system.phase}] opened in plan order: {' -> '.join(system.tiers)}")
-        _load_and_serve(system, shape, steps, out)
+        _load_and_serve(system, shape, steps, out, max_seq_len, report)
     out(f"closed: every tier released, backend live = {backend.live} B")
     return 0

@@ -521,7 +521,7 @@ impl SharedArena {
     /// Counts an export of `ticket`'s memory (a DLPack capsule, a tensor
     /// viewing it) until the returned guard drops, and keeps the arena alive
     /// meanwhile. A model swap refuses while exports of T1's current
-    /// generation live.
+    /// generation live, and so does [`Self::reset_checked`] for this arena's.
     pub fn export(&self, ticket: &ArenaSpan) -> Result<ArenaExport, MemError> {
         let mut core = self.core();
         core.check(ticket)?;
@@ -535,6 +535,24 @@ impl SharedArena {
     /// Live exports of the current generation.
     pub fn live_exports(&self) -> usize {
         self.core().exports
+    }
+
+    /// [`Self::reset`], refused while exports of the current generation are
+    /// alive (their views would read what the arena hands out next) unless
+    /// `allow_live_exports`, which leaves those views dangling.
+    pub fn reset_checked(&self, allow_live_exports: bool) -> Result<(), MemError> {
+        let mut core = self.core();
+        if core.exports > 0 && !allow_live_exports {
+            return Err(MemError::invalid(format!(
+                "reset refused: {} export(s) of this arena's memory (DLPack capsules, or the \
+                 tensors and arrays made from them) are alive, and after a reset they would read \
+                 whatever the arena hands out next; drop them first, or pass \
+                 unsafe_allow_live_exports=True to reset anyway (those views then dangle)",
+                core.exports
+            )));
+        }
+        core.reset();
+        Ok(())
     }
 
     /// Whether a ticket is still valid here (and the arena awake).
@@ -703,6 +721,31 @@ mod tests {
             fb.stats().tags.get(&Tag::Weights).map(|t| t.live),
             Some(4096)
         );
+    }
+
+    #[test]
+    fn a_checked_reset_refuses_live_exports_of_this_generation_only() {
+        let fb = fake();
+        let arena = SharedArena::new(fb.backend(), Tier::ModelResident, 4096, None).unwrap();
+        let t = arena.take(64, 8).unwrap();
+        let (e1, e2) = (arena.export(&t).unwrap(), arena.export(&t).unwrap());
+        let err = arena.reset_checked(false).unwrap_err();
+        assert!(err.to_string().contains("2 export(s)"), "{err}");
+        drop(e1);
+        assert_eq!(arena.live_exports(), 1);
+        arena.reset_checked(true).unwrap();
+        // The forced reset left e2 dangling; it no longer counts, and its
+        // drop does not touch the new generation's count.
+        let t2 = arena.take(64, 8).unwrap();
+        let e3 = arena.export(&t2).unwrap();
+        drop(e2);
+        assert_eq!(arena.live_exports(), 1);
+        assert!(
+            arena.export(&t).is_err(),
+            "a stale ticket cannot be exported"
+        );
+        drop(e3);
+        arena.reset_checked(false).unwrap();
     }
 
     #[test]

@@ -58,13 +58,13 @@
 //! passed back to a pool.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::arena::placement_of;
 use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT};
 use crate::decommit::{Decision, DecommitPolicy, DecommitTracker, DeferredDecommit, FenceLike};
-use crate::error::MemError;
+use crate::error::{try_reserve, MemError};
 use crate::span::{MintKey, Placement, StableSpan};
 use crate::tag::Tag;
 use crate::tier::{next_tier_id, Tier};
@@ -234,16 +234,16 @@ enum FreeBlocks {
 }
 
 impl FreeBlocks {
-    fn new(config: &PoolConfig) -> Self {
+    fn new(config: &PoolConfig) -> Result<Self, MemError> {
         let chunk_blocks = chunk_blocks_for(config);
-        if config.max_blocks > config.blocks {
-            Self::Chunked(FreeLists::new(chunk_blocks, config.max_blocks))
+        Ok(if config.max_blocks > config.blocks {
+            Self::Chunked(FreeLists::try_new(chunk_blocks, config.max_blocks)?)
         } else {
             Self::Single {
                 head: NIL,
                 chunk_blocks: chunk_blocks.max(2),
             }
-        }
+        })
     }
 
     fn chunk_blocks(&self) -> u32 {
@@ -346,17 +346,26 @@ struct ChunkList {
 }
 
 impl FreeLists {
-    fn new(chunk_blocks: u32, max_blocks: u32) -> Self {
+    /// The lists of a pool of at most `max_blocks`, their bookkeeping
+    /// reserved fallibly (the count is a caller's).
+    fn try_new(chunk_blocks: u32, max_blocks: u32) -> Result<Self, MemError> {
         let chunk_blocks = chunk_blocks.max(2);
         let chunks = max_blocks.div_ceil(chunk_blocks).max(1) as usize;
-        Self {
+        let what = format!("a pool of up to {max_blocks} blocks");
+        let mut lists = Vec::new();
+        try_reserve(&mut lists, chunks, &what)?;
+        lists.resize(chunks, ChunkList { head: NIL, free: 0 });
+        let mut words = Vec::new();
+        try_reserve(&mut words, chunks.div_ceil(64), &what)?;
+        words.resize(chunks.div_ceil(64), 0);
+        Ok(Self {
             chunk_blocks,
             magic: u64::MAX / chunk_blocks as u64 + 1,
-            chunks: vec![ChunkList { head: NIL, free: 0 }; chunks],
+            chunks: lists,
             lowest: NIL,
-            words: vec![0; chunks.div_ceil(64)],
+            words,
             summary: 0,
-        }
+        })
     }
 
     #[inline]
@@ -543,8 +552,8 @@ impl PoolCore {
             Some(placement_of(&region)),
             config.block_bytes,
             Some(region),
-        );
-        core.extend(blocks);
+        )?;
+        core.extend(blocks)?;
         core.min_blocks = blocks;
         Ok(core)
     }
@@ -552,8 +561,8 @@ impl PoolCore {
     fn slots(blocks: u32) -> Result<Self, MemError> {
         let config = PoolConfig::fixed(0, blocks);
         config.check(true)?;
-        let mut core = Self::empty(&config, None, 0, None);
-        core.extend(blocks);
+        let mut core = Self::empty(&config, None, 0, None)?;
+        core.extend(blocks)?;
         core.min_blocks = blocks;
         Ok(core)
     }
@@ -563,14 +572,14 @@ impl PoolCore {
         placement: Option<Placement>,
         stride: usize,
         region: Option<Region>,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, MemError> {
+        Ok(Self {
             id: next_tier_id(),
             region,
             placement,
             stride,
             entries: Vec::new(),
-            lists: FreeBlocks::new(config),
+            lists: FreeBlocks::new(config)?,
             free: 0,
             refs: 0,
             max_blocks: config.max_blocks,
@@ -584,16 +593,23 @@ impl PoolCore {
             cancelled_shrinks: 0,
             decommitted_bytes: 0,
             sleep: None,
-        }
+        })
     }
 
     /// Adds ids `[len, new_len)` to the free lists, each chunk's new ids in
-    /// ascending order at its front.
-    fn extend(&mut self, new_len: u32) {
+    /// ascending order at its front. The entries are reserved fallibly: the
+    /// count comes from a caller, and the host refusing it is an error.
+    fn extend(&mut self, new_len: u32) -> Result<(), MemError> {
         let old_len = self.entries.len() as u32;
         if new_len <= old_len {
-            return;
+            return Ok(());
         }
+        let more = (new_len - old_len) as usize;
+        try_reserve(
+            &mut self.entries,
+            more,
+            &format!("a pool of {new_len} blocks"),
+        )?;
         // Placeholders, each overwritten by the push below.
         self.entries
             .resize(new_len as usize, Entry::Occupied { refs: 0 });
@@ -601,6 +617,7 @@ impl PoolCore {
             self.lists.push(&mut self.entries[id as usize], id);
         }
         self.free += new_len - old_len;
+        Ok(())
     }
 
     fn capacity(&self) -> u32 {
@@ -635,14 +652,14 @@ impl PoolCore {
 
     /// Cancels a pending decommit and gives its blocks back to the free
     /// lists: they are still committed, so this costs no driver call.
-    fn reclaim(&mut self) {
+    fn reclaim(&mut self) -> Result<(), MemError> {
         if self.deferred.pending_target().is_none() {
-            return;
+            return Ok(());
         }
         self.deferred.cancel();
         self.cancelled_shrinks += 1;
         let committed = self.committed_blocks();
-        self.extend(committed);
+        self.extend(committed)
     }
 
     /// Makes at least `need` blocks free, growing if it must: first by
@@ -661,7 +678,7 @@ impl PoolCore {
         if !growable || need - self.free > room {
             return Err(self.exhausted(need));
         }
-        self.reclaim();
+        self.reclaim()?;
         if need <= self.free {
             return Ok(());
         }
@@ -674,7 +691,7 @@ impl PoolCore {
         };
         region.commit(target as u64 * stride as u64)?;
         let fits = ((region.len() / stride) as u64).min(self.max_blocks as u64) as u32;
-        self.extend(fits.max(target));
+        self.extend(fits.max(target))?;
         self.growths += 1;
         Ok(())
     }
@@ -859,7 +876,7 @@ impl PoolCore {
             )));
         }
         // A withdrawn tail comes back first, so the decommit is one range.
-        self.reclaim();
+        self.reclaim()?;
         let Some(region) = self.region.as_mut() else {
             return Ok(0);
         };
@@ -1252,7 +1269,8 @@ impl BlockPool {
 
     /// `n` blocks, or none (the pool is unchanged on failure).
     pub fn allocate_many(&self, n: u32) -> Result<Vec<BlockRef<'_>>, MemError> {
-        let mut refs = Vec::with_capacity(n as usize);
+        let mut refs = Vec::new();
+        try_reserve(&mut refs, n as usize, &format!("a batch of {n} block refs"))?;
         self.core()?
             .allocate_many(n, |id| refs.push(BlockRef { pool: self, id }))?;
         Ok(refs)
@@ -1395,6 +1413,31 @@ struct SharedPoolInner {
     /// [`SharedBlockPool::room`] as of the last unlock: `free` in the low
     /// half, the growth room in the high half (see [`CoreGuard`]).
     room: AtomicU64,
+    /// Held by the one client that accounts every ref ([`PoolClaim`]).
+    claimed: AtomicBool,
+}
+
+/// A pool reserved for one client that accounts every ref of it (a KV
+/// manager): while it lives, a second [`SharedBlockPool::claim`] and
+/// allocations through the pool's own API are refused, so the client's
+/// invariant checks and counters see only its own blocks. Dropping it ends
+/// the claim.
+#[derive(Debug)]
+pub struct PoolClaim {
+    pool: SharedBlockPool,
+}
+
+impl Drop for PoolClaim {
+    fn drop(&mut self) {
+        self.pool.inner.claimed.store(false, Ordering::Release);
+    }
+}
+
+fn claimed_pool(id: u64) -> MemError {
+    MemError::invalid(format!(
+        "block pool #{id} belongs to a KV manager, which accounts every ref of it; allocate \
+         through the manager (admit/append), or open a separate pool"
+    ))
 }
 
 /// The pool's lock, which publishes the room on unlock, so a reader that
@@ -1462,6 +1505,7 @@ impl SharedBlockPool {
                 stride: core.stride,
                 base: core.region.as_ref().map(Region::base),
                 room: AtomicU64::new(pack_room(&core)),
+                claimed: AtomicBool::new(false),
                 core: Mutex::new(core),
             }),
         }
@@ -1474,8 +1518,29 @@ impl SharedBlockPool {
         }
     }
 
-    /// One block, with one ref.
+    /// Reserves the pool for `self`'s one accounting client (see
+    /// [`PoolClaim`]); refused when another claim lives.
+    pub fn claim(&self) -> Result<PoolClaim, MemError> {
+        if self.inner.claimed.swap(true, Ordering::AcqRel) {
+            return Err(MemError::invalid(format!(
+                "block pool #{} already serves a KV manager; one manager per pool (its checks \
+                 and counters account every ref), so use that manager or open another pool",
+                self.id()
+            )));
+        }
+        Ok(PoolClaim { pool: self.clone() })
+    }
+
+    /// Whether a [`PoolClaim`] on the pool lives.
+    pub fn is_claimed(&self) -> bool {
+        self.inner.claimed.load(Ordering::Acquire)
+    }
+
+    /// One block, with one ref. Refused while the pool is claimed.
     pub fn allocate(&self) -> Result<SharedBlockRef, MemError> {
+        if self.is_claimed() {
+            return Err(claimed_pool(self.id()));
+        }
         let id = self.core().allocate()?;
         Ok(SharedBlockRef {
             pool: self.clone(),
@@ -1484,8 +1549,17 @@ impl SharedBlockPool {
     }
 
     /// `n` blocks as one batch, or none (the pool is unchanged on failure).
+    /// Refused while the pool is claimed.
     pub fn allocate_many(&self, n: u32) -> Result<SharedBlockRefs, MemError> {
-        let mut ids = Ids::with_capacity(n as usize);
+        if self.is_claimed() {
+            return Err(claimed_pool(self.id()));
+        }
+        self.allocate_many_unchecked(n)
+    }
+
+    /// [`Self::allocate_many`] for the claim's holder.
+    pub(crate) fn allocate_many_unchecked(&self, n: u32) -> Result<SharedBlockRefs, MemError> {
+        let mut ids = Ids::try_with_capacity(n as usize)?;
         self.core().allocate_many(n, |id| ids.push(id))?;
         Ok(SharedBlockRefs {
             pool: self.clone(),
@@ -1784,17 +1858,17 @@ struct Ids {
 impl Ids {
     const INLINE: usize = 16;
 
-    fn with_capacity(n: usize) -> Self {
-        let heap = if n > Self::INLINE {
-            Vec::with_capacity(n)
-        } else {
-            Vec::new()
-        };
-        Self {
+    /// Room for `n` ids, reserved fallibly (`n` is a caller's count).
+    fn try_with_capacity(n: usize) -> Result<Self, MemError> {
+        let mut heap = Vec::new();
+        if n > Self::INLINE {
+            try_reserve(&mut heap, n, &format!("a batch of {n} block ids"))?;
+        }
+        Ok(Self {
             len: 0,
             inline: [0; Self::INLINE],
             heap,
-        }
+        })
     }
 
     fn push(&mut self, id: BlockId) {
@@ -2305,7 +2379,7 @@ mod tests {
     #[test]
     fn fastdiv_matches_division() {
         for cb in [2u32, 3, 7, 8, 48, 100, 1000, 65_537, u32::MAX / 3] {
-            let lists = FreeLists::new(cb, cb);
+            let lists = FreeLists::try_new(cb, cb).unwrap();
             for id in [
                 0u32,
                 1,

@@ -141,6 +141,20 @@ pub enum MemError {
     /// Python raises it as `Asleep`, a `PhaseViolation`.
     #[error("{0}")]
     Asleep(String),
+    /// The host refused the bookkeeping a pool or a manager sizes up front
+    /// from a caller's count (an entry per block). Python raises it as
+    /// `OutOfMemory`, with `asked` set to `bytes`.
+    #[error(
+        "out of host memory: {what} needs {} of host bookkeeping, which the host refused; ask \
+         for fewer blocks",
+        human_bytes(*bytes)
+    )]
+    HostOutOfMemory {
+        /// What was being built (e.g. "a pool of 4294967294 blocks").
+        what: String,
+        /// The bytes of bookkeeping asked for.
+        bytes: u64,
+    },
     /// An internal invariant was found broken. Always a bug in imp-mem.
     #[error("internal invariant broken (a bug in imp-mem, please report it): {0}")]
     Invariant(String),
@@ -151,6 +165,16 @@ impl MemError {
     pub fn invalid(message: impl Into<String>) -> Self {
         MemError::InvalidArgument(message.into())
     }
+}
+
+/// Reserves room for `more` entries of `v` fallibly: a count from a caller
+/// must never abort the process for want of host memory.
+pub(crate) fn try_reserve<T>(v: &mut Vec<T>, more: usize, what: &str) -> Result<(), MemError> {
+    v.try_reserve_exact(more)
+        .map_err(|_| MemError::HostOutOfMemory {
+            what: what.to_string(),
+            bytes: (more as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+        })
 }
 
 #[cfg(test)]
@@ -172,5 +196,13 @@ mod tests {
         assert!(text.contains("by 1.00 GiB"), "{text}");
         assert!(text.contains("kv_cache"), "{text}");
         assert!(text.contains("raise the budget"), "{text}");
+    }
+
+    #[test]
+    fn an_impossible_reservation_is_refused_not_aborted() {
+        let mut v: Vec<u64> = Vec::new();
+        let err = try_reserve(&mut v, usize::MAX / 16, "a test").unwrap_err();
+        assert!(matches!(err, MemError::HostOutOfMemory { .. }), "{err}");
+        assert!(err.to_string().contains("a test"), "{err}");
     }
 }

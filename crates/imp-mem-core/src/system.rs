@@ -341,8 +341,11 @@ pub struct MemReport {
     pub tags: Vec<TagLine>,
     /// Everything the backend has committed.
     pub backend_committed: u64,
-    /// `backend_committed` + every charge.
+    /// `backend_committed` + every charge that was measured or acquired.
     pub attributed: u64,
+    /// Charges that are the plan's estimate only (a library reserve or a
+    /// context nobody measured or claimed): shown, not attributed.
+    pub planned_unclaimed: u64,
     /// Acquisitions while serving, over every tag (criterion 3).
     pub steady_state_allocations_total: u64,
     /// The device reading and the attribution, if a reading was given.
@@ -1155,9 +1158,16 @@ impl MemorySystem {
             })
             .collect();
         let backend_committed = stats.total.committed;
+        // Only what was measured or acquired is attributed: a planned
+        // estimate nobody claimed would count memory that may not exist.
         let attributed = charges
             .iter()
+            .filter(|c| c.measured)
             .fold(backend_committed, |acc, c| acc.saturating_add(c.bytes));
+        let planned_unclaimed = charges
+            .iter()
+            .filter(|c| !c.measured)
+            .fold(0u64, |acc, c| acc.saturating_add(c.bytes));
         let device = input.device.map(|d| {
             let used = d.total.saturating_sub(d.free);
             let own_used = used.saturating_sub(input.other_processes);
@@ -1195,6 +1205,7 @@ impl MemorySystem {
             tags,
             backend_committed,
             attributed,
+            planned_unclaimed,
             steady_state_allocations_total: stats.steady_state_allocations_total.values().sum(),
             device,
             asleep: self
@@ -1434,6 +1445,16 @@ impl MemReport {
             mib1(self.attributed),
             w2 = w - 2
         );
+        if self.planned_unclaimed > 0 {
+            let _ = writeln!(
+                out,
+                "    {:<w2$} {:>10} {:>10}",
+                "planned, not claimed (estimate)",
+                mib1(self.planned_unclaimed),
+                "",
+                w2 = w - 2
+            );
+        }
         match &self.device {
             Some(d) => {
                 let _ = writeln!(

@@ -160,14 +160,19 @@ pub fn stats_dict<'py>(py: Python<'py>, s: &BackendStats) -> PyResult<Bound<'py,
 #[pymethods]
 impl PyBackend {
     /// Acquires `nbytes` aligned to `align` for `tag`; returns a `Region`.
-    #[pyo3(signature = (nbytes, *, align = None, tag = "other"))]
+    #[pyo3(
+        signature = (nbytes, *, align = None, tag = None),
+        text_signature = "($self, nbytes, *, align=None, tag='other')"
+    )]
     fn acquire(
         &self,
         py: Python<'_>,
         nbytes: &Bound<'_, PyAny>,
         align: Option<&Bound<'_, PyAny>>,
-        tag: &str,
+        tag: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRegion> {
+        let tag = convert::opt(tag, "tag", convert::text)?;
+        let tag = tag.as_deref().unwrap_or("other");
         let bytes = convert::bytes(nbytes, "nbytes")?;
         let align = match align.filter(|a| !a.is_none()) {
             Some(a) => convert::index(a, "align")?,
@@ -182,14 +187,19 @@ impl PyBackend {
 
     /// Acquires a growable region: `reserve` bytes of address space, `initial`
     /// of them committed now (rounded up to the granularity).
-    #[pyo3(signature = (reserve, initial = None, *, tag = "other"))]
+    #[pyo3(
+        signature = (reserve, initial = None, *, tag = None),
+        text_signature = "($self, reserve, initial=None, *, tag='other')"
+    )]
     fn acquire_growable(
         &self,
         py: Python<'_>,
         reserve: &Bound<'_, PyAny>,
         initial: Option<&Bound<'_, PyAny>>,
-        tag: &str,
+        tag: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRegion> {
+        let tag = convert::opt(tag, "tag", convert::text)?;
+        let tag = tag.as_deref().unwrap_or("other");
         let reserve = convert::bytes(reserve, "reserve")?;
         let initial = convert::opt_bytes(initial, "initial")?.unwrap_or(0);
         let tag = convert::tag(tag)?;
@@ -237,14 +247,16 @@ impl PyBackend {
 
     /// A context manager re-entering `PLANNING` while serving (model swap);
     /// the phase returns to `SERVING` when it exits.
-    #[pyo3(signature = (reason = "model swap"))]
-    fn replanning(&self, reason: &str) -> PyReplanning {
-        PyReplanning {
+    #[pyo3(signature = (reason = None), text_signature = "($self, reason='model swap')")]
+    fn replanning(&self, reason: Option<&Bound<'_, PyAny>>) -> PyResult<PyReplanning> {
+        let reason = convert::opt(reason, "reason", convert::text)?;
+        let reason = reason.as_deref().unwrap_or("model swap");
+        Ok(PyReplanning {
             backend: self.inner.clone(),
             notices: self.notices.clone(),
             reason: reason.to_string(),
             guard: Mutex::new(None),
-        }
+        })
     }
 
     /// The budget cap in bytes.
@@ -550,15 +562,19 @@ impl PyFakeBackend {
     }
 
     /// Makes the next `n` commits of growable regions fail.
-    #[pyo3(signature = (n = 1))]
-    fn fail_commits(&self, n: u32) {
+    #[pyo3(signature = (n = None), text_signature = "($self, n=1)")]
+    fn fail_commits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);
         self.fake.fail_commits(n);
+        Ok(())
     }
 
     /// Makes the next `n` decommits fail.
-    #[pyo3(signature = (n = 1))]
-    fn fail_decommits(&self, n: u32) {
+    #[pyo3(signature = (n = None), text_signature = "($self, n=1)")]
+    fn fail_decommits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);
         self.fake.fail_decommits(n);
+        Ok(())
     }
 
     /// Simulates device memory used outside this backend.

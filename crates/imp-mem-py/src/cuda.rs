@@ -104,14 +104,16 @@ impl PyDeviceBackend {
     }
 
     /// Copies `nbytes` (default: to the end) at `offset` of `region` to host.
-    #[pyo3(signature = (region, offset = 0, nbytes = None))]
+    #[pyo3(signature = (region, offset = None, nbytes = None), text_signature = "($self, region, offset=0, nbytes=None)")]
     fn read<'py>(
         &self,
         py: Python<'py>,
         region: &Bound<'_, PyAny>,
-        offset: u64,
-        nbytes: Option<u64>,
+        offset: Option<&Bound<'_, PyAny>>,
+        nbytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        let offset = convert::opt(offset, "offset", convert::u64_arg)?.unwrap_or(0);
+        let nbytes = convert::opt(nbytes, "nbytes", convert::u64_arg)?;
         let data = with_range(&self.backend, region, offset, nbytes, |addr, n| {
             // SAFETY: `[addr, addr + n)` lies inside a live region of this
             // backend (checked above, with the region held), which is memory of
@@ -122,14 +124,15 @@ impl PyDeviceBackend {
     }
 
     /// Copies a bytes-like object to `offset` of `region`.
-    #[pyo3(signature = (region, data, offset = 0))]
+    #[pyo3(signature = (region, data, offset = None), text_signature = "($self, region, data, offset=0)")]
     fn write(
         &self,
         py: Python<'_>,
         region: &Bound<'_, PyAny>,
         data: &Bound<'_, PyAny>,
-        offset: u64,
+        offset: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let offset = convert::opt(offset, "offset", convert::u64_arg)?.unwrap_or(0);
         let data = convert::bytes_like(py, data)?;
         with_range(
             &self.backend,
@@ -158,15 +161,27 @@ impl PyCudaBackend {
     }
 }
 
+/// A CUDA device ordinal (`None`: device 0).
+fn device_arg(value: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
+    convert::opt(value, "device", |v, what| {
+        convert::int_in(v, what, 0, i32::MAX.into()).map(|n| n as i32)
+    })
+    .map(Option::unwrap_or_default)
+}
+
 #[pymethods]
 impl PyCudaBackend {
     #[new]
-    #[pyo3(signature = (device = 0, budget = None, strict = false))]
+    #[pyo3(
+        signature = (device = None, budget = None, strict = false),
+        text_signature = "(device=0, budget=None, strict=False)"
+    )]
     fn new(
-        device: i32,
+        device: Option<&Bound<'_, PyAny>>,
         budget: Option<&Bound<'_, PyAny>>,
         strict: bool,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let device = device_arg(device)?;
         let budget = convert::opt_bytes(budget, "budget")?;
         let source = CudaSource::new(device).py()?;
         let context = source.device().clone();
@@ -193,14 +208,18 @@ impl PyVmmBackend {
 #[pymethods]
 impl PyVmmBackend {
     #[new]
-    #[pyo3(signature = (device = 0, budget = None, strict = false, chunk_bytes = None, cache_chunks = None))]
+    #[pyo3(
+        signature = (device = None, budget = None, strict = false, chunk_bytes = None, cache_chunks = None),
+        text_signature = "(device=0, budget=None, strict=False, chunk_bytes=None, cache_chunks=None)"
+    )]
     fn new(
-        device: i32,
+        device: Option<&Bound<'_, PyAny>>,
         budget: Option<&Bound<'_, PyAny>>,
         strict: bool,
         chunk_bytes: Option<&Bound<'_, PyAny>>,
         cache_chunks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let device = device_arg(device)?;
         let budget = convert::opt_bytes(budget, "budget")?;
         let chunk_bytes = convert::opt_bytes(chunk_bytes, "chunk_bytes")?
             .map(|c| usize::try_from(c).map_err(|_| invalid("chunk_bytes does not fit this host")))
@@ -478,7 +497,10 @@ fn reserve_from_readings<'py>(
 /// `library_reserve_bytes`): a dict with both divergences, `diverged` (over
 /// `tolerance`, 10 % by default) and a one-line `message`.
 #[pyfunction]
-#[pyo3(signature = (expected, observed, tolerance = reserve::DEFAULT_TOLERANCE, fingerprint = None))]
+#[pyo3(
+    signature = (expected, observed, tolerance = reserve::DEFAULT_TOLERANCE, fingerprint = None),
+    text_signature = "(expected, observed, tolerance=0.1, fingerprint=None)"
+)]
 fn reserve_self_check<'py>(
     py: Python<'py>,
     expected: &Bound<'_, PyAny>,

@@ -124,8 +124,8 @@ const BFLOAT16: DType = dt("bfloat16", 4, 16, "<V2");
 /// Reads a dtype from a name (`"float32"`), a NumPy dtype or scalar type, or
 /// a torch dtype.
 pub fn parse_dtype(value: &Bound<'_, PyAny>) -> PyResult<DType> {
-    let text = if let Ok(s) = value.downcast::<PyString>() {
-        s.to_cow()?.into_owned()
+    let text = if value.is_instance_of::<PyString>() {
+        crate::convert::text(value, "dtype")?
     } else if value.is_instance_of::<pyo3::types::PyType>() {
         value.getattr("__name__")?.str()?.to_cow()?.into_owned()
     } else {

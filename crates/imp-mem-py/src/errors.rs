@@ -5,6 +5,7 @@
 
 use imp_mem_core::MemError;
 use pyo3::prelude::*;
+use pyo3::IntoPyObjectExt;
 
 pyo3::import_exception!(imp_mem.errors, ImpMemError);
 pyo3::import_exception!(imp_mem.errors, OutOfMemory);
@@ -18,48 +19,108 @@ pyo3::import_exception!(imp_mem.errors, InvalidArgument);
 pyo3::import_exception!(imp_mem.errors, DriverError);
 pyo3::import_exception!(imp_mem.errors, ImpMemWarning);
 
-/// Converts a core error into the matching Python exception, with the
-/// arithmetic attached as attributes where there is some.
-pub fn to_py(err: MemError) -> PyErr {
-    let message = err.to_string();
-    match err {
-        MemError::OutOfMemory(report) => Python::with_gil(|py| {
-            let exc = OutOfMemory::new_err(message);
-            let value = exc.value(py);
-            // Attribute setting on a fresh exception instance cannot fail in
-            // practice; if it did, the message still carries the numbers.
-            let _ = value.setattr("asked", report.asked);
-            let _ = value.setattr("live", report.live);
-            let _ = value.setattr("budget", report.budget);
-            let _ = value.setattr("capacity", report.capacity);
-            let _ = value.setattr("tag", report.tag.name());
-            let _ = value.setattr("device_refused", report.device_refused);
-            exc
-        }),
-        MemError::PhaseViolation { phase, .. } => Python::with_gil(|py| {
-            let exc = PhaseViolation::new_err(message);
-            let _ = exc.value(py).setattr("phase", phase.name());
-            exc
-        }),
-        MemError::InvalidArgument(_) => InvalidArgument::new_err(message),
-        MemError::StaleSpan(_) => StaleSpan::new_err(message),
-        MemError::Asleep(_) => Asleep::new_err(message),
-        MemError::Capacity(_) => CapacityError::new_err(message),
-        MemError::KvCapacity(report) => Python::with_gil(|py| {
-            let exc = CapacityError::new_err(message);
-            let value = exc.value(py);
-            let _ = value.setattr("needed", report.needed);
-            let _ = value.setattr("free", report.free);
-            let _ = value.setattr("growable", report.growable);
-            let _ = value.setattr("evictable", report.evictable);
-            let _ = value.setattr("pinned", report.pinned);
-            let _ = value.setattr("pool", report.pool);
-            exc
-        }),
-        MemError::BackendUnavailable(_) => BackendUnavailable::new_err(message),
-        MemError::Driver(_) => DriverError::new_err(message),
-        MemError::Invariant(_) => ImpMemError::new_err(message),
+/// A value attached to a raised exception as an attribute.
+pub enum Attr {
+    /// An `int`.
+    Int(u64),
+    /// A `str`.
+    Text(String),
+    /// A `bool`.
+    Flag(bool),
+    /// A `list` of `str`.
+    Texts(Vec<String>),
+}
+
+/// An exception's message and attributes, turned into Python objects only
+/// when the exception is raised: after the method returned, so never while
+/// the binding or the core holds a lock. (Building them here could run a
+/// garbage collection, whose callbacks may call back into the object whose
+/// lock is held.) `ImpMemError.__init__` sets the attributes.
+struct Facts {
+    message: String,
+    attrs: Vec<(&'static str, Attr)>,
+}
+
+impl pyo3::PyErrArguments for Facts {
+    fn arguments(self, py: Python<'_>) -> PyObject {
+        let message = self.message.clone();
+        let build = || -> PyResult<PyObject> {
+            let facts = py.import("imp_mem.errors")?.getattr("_Facts")?.call0()?;
+            for (name, value) in self.attrs {
+                match value {
+                    Attr::Int(n) => facts.set_item(name, n)?,
+                    Attr::Text(t) => facts.set_item(name, t)?,
+                    Attr::Flag(b) => facts.set_item(name, b)?,
+                    Attr::Texts(t) => facts.set_item(name, t)?,
+                }
+            }
+            (self.message, facts).into_py_any(py)
+        };
+        // Without its attributes the exception still has its class and
+        // message.
+        build()
+            .or_else(|_| (message,).into_py_any(py))
+            .unwrap_or_else(|_| py.None())
     }
+}
+
+/// The class, message and attributes `err` raises as.
+fn facts(err: MemError) -> (fn(Facts) -> PyErr, Facts) {
+    let message = err.to_string();
+    let mut attrs = Vec::new();
+    let class: fn(Facts) -> PyErr = match err {
+        MemError::OutOfMemory(report) => {
+            attrs.push(("asked", Attr::Int(report.asked)));
+            attrs.push(("live", Attr::Int(report.live)));
+            attrs.push(("budget", Attr::Int(report.budget)));
+            attrs.push(("capacity", Attr::Int(report.capacity)));
+            attrs.push(("tag", Attr::Text(report.tag.name().to_string())));
+            attrs.push(("device_refused", Attr::Flag(report.device_refused)));
+            OutOfMemory::new_err
+        }
+        MemError::HostOutOfMemory { bytes, .. } => {
+            attrs.push(("asked", Attr::Int(bytes)));
+            attrs.push(("device_refused", Attr::Flag(false)));
+            OutOfMemory::new_err
+        }
+        MemError::PhaseViolation { phase, .. } => {
+            attrs.push(("phase", Attr::Text(phase.name().to_string())));
+            PhaseViolation::new_err
+        }
+        MemError::InvalidArgument(_) => InvalidArgument::new_err,
+        MemError::StaleSpan(_) => StaleSpan::new_err,
+        MemError::Asleep(_) => Asleep::new_err,
+        MemError::Capacity(_) => CapacityError::new_err,
+        MemError::KvCapacity(report) => {
+            attrs.push(("needed", Attr::Int(report.needed.into())));
+            attrs.push(("free", Attr::Int(report.free.into())));
+            attrs.push(("growable", Attr::Int(report.growable.into())));
+            attrs.push(("evictable", Attr::Int(report.evictable.into())));
+            attrs.push(("pinned", Attr::Int(report.pinned.into())));
+            attrs.push(("pool", Attr::Text(report.pool.to_string())));
+            CapacityError::new_err
+        }
+        MemError::BackendUnavailable(_) => BackendUnavailable::new_err,
+        MemError::Driver(_) => DriverError::new_err,
+        MemError::Invariant(_) => ImpMemError::new_err,
+    };
+    (class, Facts { message, attrs })
+}
+
+/// Converts a core error into the matching Python exception, with the
+/// arithmetic attached as attributes where there is some. Builds no Python
+/// object (see [`Facts`]), so it is safe under any lock.
+pub fn to_py(err: MemError) -> PyErr {
+    let (class, facts) = facts(err);
+    class(facts)
+}
+
+/// [`to_py`] with another message and more attributes.
+pub fn to_py_with(err: MemError, message: String, more: Vec<(&'static str, Attr)>) -> PyErr {
+    let (class, mut facts) = facts(err);
+    facts.message = message;
+    facts.attrs.extend(more);
+    class(facts)
 }
 
 /// `Result<T, MemError>` → `PyResult<T>`.

@@ -21,7 +21,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyDict, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyInt, PyString, PyTuple, PyType};
 use pyo3::{intern, Borrowed};
 
 use crate::errors::invalid;
@@ -284,13 +284,22 @@ fn call_original(
     Ok(original[which].bind(py).call(args, Some(&kwargs))?.unbind())
 }
 
-/// `None` → `None`; an int in range → `Some`; anything else: not for the
-/// fast path (pyo3's message).
+/// `None` → `None`; an exact `int` in range → `Some`; anything else (a
+/// bool, a NumPy integer, a value out of range): not for the fast path (the
+/// pyo3 method converts it, or names what is wrong).
 fn optional<'py, T: FromPyObject<'py>>(value: &Borrowed<'_, 'py, PyAny>) -> Result<Option<T>, ()> {
     if value.is_none() {
         return Ok(None);
     }
-    value.extract().map(Some).map_err(|_| ())
+    int(value).map(Some)
+}
+
+/// An exact `int` in range of `T`, or not for the fast path.
+fn int<'py, T: FromPyObject<'py>>(value: &Borrowed<'_, 'py, PyAny>) -> Result<T, ()> {
+    if !value.is_exact_instance_of::<PyInt>() {
+        return Err(());
+    }
+    value.extract().map_err(|_| ())
 }
 
 fn is(name: &Borrowed<'_, '_, PyAny>, wanted: &Bound<'_, PyString>) -> bool {
@@ -303,7 +312,7 @@ entry!(admit_entry, ADMIT, |py, m, pos, kw| {
     let [seq_id, tokens] = pos else {
         return Fast::Pass;
     };
-    let Ok(seq_id) = seq_id.extract::<u64>() else {
+    let Ok(seq_id) = int::<u64>(seq_id) else {
         return Fast::Pass;
     };
     let (mut lora_id, mut cache_salt, mut mm) = (None, None, None);
@@ -341,7 +350,7 @@ entry!(free_entry, FREE, |py, m, pos, kw| {
         },
         _ => return Fast::Pass,
     };
-    let Ok(seq_id) = seq_id.extract::<u64>() else {
+    let Ok(seq_id) = int::<u64>(seq_id) else {
         return Fast::Pass;
     };
     for (name, value) in kw {
@@ -360,7 +369,7 @@ entry!(abort_entry, ABORT, |py, m, pos, kw| {
     let ([seq_id], []) = (pos, kw) else {
         return Fast::Pass;
     };
-    let Ok(seq_id) = seq_id.extract::<u64>() else {
+    let Ok(seq_id) = int::<u64>(seq_id) else {
         return Fast::Pass;
     };
     Fast::Done(m.get().free_impl(py, seq_id, Some(0)).map(|()| py.None()))
@@ -370,7 +379,7 @@ entry!(append_entry, APPEND, |py, m, pos, kw| {
     let ([seq_id, tokens], []) = (pos, kw) else {
         return Fast::Pass;
     };
-    let Ok(seq_id) = seq_id.extract::<u64>() else {
+    let Ok(seq_id) = int::<u64>(seq_id) else {
         return Fast::Pass;
     };
     Fast::Done(m.get().append_impl(py, seq_id, tokens).map(|()| py.None()))

@@ -17,7 +17,6 @@
 //! it (see `PyKVCacheManager::run`).
 
 use std::ops::Deref;
-use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::tokens::{self as rule, IntLayout};
@@ -34,6 +33,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::backend::{PyBackend, PyFakeBackend};
 use crate::buffer::{self, BufferView, WordView};
+use crate::convert;
 use crate::errors::{invalid, IntoPyResult};
 use crate::ndarray;
 
@@ -308,8 +308,8 @@ fn read_extras(
     let cache_salt = match cache_salt.filter(|s| !s.is_none()) {
         None => None,
         Some(s) => {
-            if let Ok(text) = s.downcast::<PyString>() {
-                Some(text.to_cow()?.as_bytes().to_vec())
+            if s.is_instance_of::<PyString>() {
+                Some(convert::text(s, "cache_salt")?.into_bytes())
             } else if let Ok(b) = s.downcast::<PyBytes>() {
                 Some(b.as_bytes().to_vec())
             } else {
@@ -319,7 +319,13 @@ fn read_extras(
     };
     let mut spans = Vec::new();
     if let Some(items) = mm.filter(|m| !m.is_none()) {
-        for item in items.try_iter()? {
+        let items = items.try_iter().map_err(|_| {
+            pyo3::exceptions::PyTypeError::new_err(format!(
+                "mm must be an iterable of (start, end, content_hash) triples, got {}",
+                convert::type_name(items)
+            ))
+        })?;
+        for item in items {
             let (start, end, hash): (usize, usize, u128) = item?.extract().map_err(|_| {
                 invalid("mm must be a sequence of (start, end, content_hash) integer triples")
             })?;
@@ -351,8 +357,8 @@ fn request<'a>(
 }
 
 /// `block_tables`' `pool` argument: `"full"` (false) or `"swa"` (true).
-fn table_pool(pool: &str) -> PyResult<bool> {
-    match pool {
+fn table_pool(pool: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match convert::text(pool, "pool")?.as_str() {
         "full" => Ok(false),
         "swa" => Ok(true),
         other => Err(invalid(format!(
@@ -368,13 +374,17 @@ fn seq_id_list(seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             "seq_ids must be a sequence of ints, not str or bytes",
         ));
     }
-    seq_ids.extract::<Vec<u64>>().map_err(|_| {
-        invalid(format!(
-            "seq_ids must be a sequence of sequence ids (ints in 0..=18446744073709551615), got \
-             {}",
+    let items = seq_ids.try_iter().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "seq_ids must be a sequence of sequence ids (ints), got {}",
             type_name(seq_ids)
         ))
-    })
+    })?;
+    let mut ids = Vec::new();
+    for (i, item) in items.enumerate() {
+        ids.push(convert::u64_arg(&item?, &format!("seq_ids[{i}]"))?);
+    }
+    Ok(ids)
 }
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
@@ -520,6 +530,15 @@ impl PyKVCacheManager {
             }
         }
         py.allow_threads(|| f(&mut self.lock()))
+    }
+
+    /// Runs `f` under the manager's lock: at once, keeping the GIL, when the
+    /// lock is free; otherwise it waits with the GIL released (a save, a
+    /// load or a large admission in another thread may hold the lock), so
+    /// no thread ever waits for the lock holding the GIL. Errors are
+    /// converted by the caller, after the lock is released.
+    fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut KVCacheManager) -> R + Send) -> R {
+        self.run(py, |_| true, f)
     }
 
     /// `admit`, shared by the method and its fast entry (`fastcall.rs`).
@@ -669,52 +688,90 @@ pub(crate) fn tier_io(
 #[pymethods]
 impl PyKVCacheManager {
     #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size, *, backend = None, block_bytes = 0, swa_blocks = 0,
-        swa_window = 0, swa_block_bytes = 0, enable_prefix_caching = true, hash_seed = None,
-        pin_budget = None, model_fingerprint = String::new(), dtype = String::new(),
-        layout = String::new(), kv_events = false, host_blocks = 0, disk_dir = None,
-        disk_bytes = 0
-    ))]
+    #[pyo3(
+        signature = (
+            num_blocks, block_size, *, backend = None, block_bytes = None, swa_blocks = None,
+            swa_window = None, swa_block_bytes = None, enable_prefix_caching = None,
+            hash_seed = None, pin_budget = None, model_fingerprint = None, dtype = None,
+            layout = None, kv_events = None, host_blocks = None, disk_dir = None,
+            disk_bytes = None
+        ),
+        text_signature = "(num_blocks, block_size, *, backend=None, block_bytes=0, \
+            swa_blocks=0, swa_window=0, swa_block_bytes=0, enable_prefix_caching=True, \
+            hash_seed=None, pin_budget=None, model_fingerprint='', dtype='', layout='', \
+            kv_events=False, host_blocks=0, disk_dir=None, disk_bytes=0)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: u32,
-        block_size: usize,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
         backend: Option<&Bound<'_, PyAny>>,
-        block_bytes: usize,
-        swa_blocks: u32,
-        swa_window: usize,
-        swa_block_bytes: usize,
-        enable_prefix_caching: bool,
-        hash_seed: Option<u64>,
-        pin_budget: Option<u32>,
-        model_fingerprint: String,
-        dtype: String,
-        layout: String,
-        kv_events: bool,
-        host_blocks: u32,
-        disk_dir: Option<PathBuf>,
-        disk_bytes: u64,
+        block_bytes: Option<&Bound<'_, PyAny>>,
+        swa_blocks: Option<&Bound<'_, PyAny>>,
+        swa_window: Option<&Bound<'_, PyAny>>,
+        swa_block_bytes: Option<&Bound<'_, PyAny>>,
+        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        pin_budget: Option<&Bound<'_, PyAny>>,
+        model_fingerprint: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        layout: Option<&Bound<'_, PyAny>>,
+        kv_events: Option<&Bound<'_, PyAny>>,
+        host_blocks: Option<&Bound<'_, PyAny>>,
+        disk_dir: Option<&Bound<'_, PyAny>>,
+        disk_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let mut cfg = KvConfig::new(block_size, num_blocks);
-        cfg.block_bytes = block_bytes;
-        cfg.swa_blocks = swa_blocks;
-        cfg.swa_window = swa_window;
-        cfg.swa_block_bytes = swa_block_bytes;
-        cfg.enable_prefix_caching = enable_prefix_caching;
-        cfg.hash_seed = hash_seed.unwrap_or(DEFAULT_HASH_SEED);
-        if let Some(b) = pin_budget {
+        let blocks = |v: &Bound<'_, PyAny>, what: &str| {
+            convert::int_in(v, what, 1, (u32::MAX - 1).into()).map(|n| n as u32)
+        };
+        let mut cfg = KvConfig::new(
+            convert::int_in(block_size, "block_size", 1, u32::MAX.into())? as usize,
+            blocks(num_blocks, "num_blocks")?,
+        );
+        let size =
+            |v, what| convert::opt(v, what, convert::usize_arg).map(Option::unwrap_or_default);
+        cfg.block_bytes = size(block_bytes, "block_bytes")?;
+        cfg.swa_blocks = convert::opt(swa_blocks, "swa_blocks", |v, what| {
+            convert::int_in(v, what, 0, (u32::MAX - 1).into()).map(|n| n as u32)
+        })?
+        .unwrap_or_default();
+        cfg.swa_window = size(swa_window, "swa_window")?;
+        cfg.swa_block_bytes = size(swa_block_bytes, "swa_block_bytes")?;
+        cfg.enable_prefix_caching = convert::opt(
+            enable_prefix_caching,
+            "enable_prefix_caching",
+            convert::flag,
+        )?
+        .unwrap_or(true);
+        cfg.hash_seed =
+            convert::opt(hash_seed, "hash_seed", convert::u64_arg)?.unwrap_or(DEFAULT_HASH_SEED);
+        if let Some(b) = convert::opt(pin_budget, "pin_budget", convert::u32_arg)? {
             cfg.pin_budget = b;
         }
-        cfg.model_fingerprint = model_fingerprint;
-        cfg.dtype = dtype;
-        cfg.layout = layout;
-        cfg.kv_events = kv_events;
+        let text = |v, what| convert::opt(v, what, convert::text).map(Option::unwrap_or_default);
+        cfg.model_fingerprint = text(model_fingerprint, "model_fingerprint")?;
+        cfg.dtype = text(dtype, "dtype")?;
+        cfg.layout = text(layout, "layout")?;
+        cfg.kv_events = convert::opt(kv_events, "kv_events", convert::flag)?.unwrap_or(false);
+        let host_blocks = convert::opt(host_blocks, "host_blocks", |v, what| {
+            convert::int_in(v, what, 0, (u32::MAX - 1).into()).map(|n| n as u32)
+        })?
+        .unwrap_or_default();
+        let disk_dir = convert::opt(disk_dir, "disk_dir", convert::path)?;
+        let disk_bytes =
+            convert::opt(disk_bytes, "disk_bytes", convert::u64_arg)?.unwrap_or_default();
+        let block_bytes = cfg.block_bytes;
         let backend = backend.filter(|b| !b.is_none());
         let core: Option<Backend> = match backend {
             Some(b) => Some(
                 b.downcast::<PyBackend>()
-                    .map_err(|_| invalid("backend must be an imp_mem Backend"))?
+                    .map_err(|_| {
+                        pyo3::exceptions::PyTypeError::new_err(format!(
+                            "backend must be an imp_mem Backend (FakeBackend, CudaBackend, \
+                             VmmBackend) or None, got {}",
+                            convert::type_name(b)
+                        ))
+                    })?
                     .get()
                     .inner
                     .clone(),
@@ -753,8 +810,8 @@ impl PyKVCacheManager {
 
     /// Blocks in the main pool.
     #[getter]
-    fn num_blocks(&self) -> u32 {
-        self.lock().config().num_blocks
+    fn num_blocks(&self, py: Python<'_>) -> u32 {
+        self.with(py, |m| m.config().num_blocks)
     }
 
     /// Admits `seq_id` with its prompt; returns the leading tokens already
@@ -764,12 +821,14 @@ impl PyKVCacheManager {
     fn admit(
         &self,
         py: Python<'_>,
-        seq_id: u64,
+        seq_id: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
+        lora_id: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
+        let seq_id = seq(seq_id)?;
+        let lora_id = lora(lora_id)?;
         self.admit_impl(py, seq_id, tokens, lora_id, cache_salt, mm)
     }
 
@@ -779,11 +838,11 @@ impl PyKVCacheManager {
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
+        lora_id: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
+        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         Ok(py.allow_threads(|| self.lock().can_admit(ids, &extras)))
     }
@@ -794,18 +853,23 @@ impl PyKVCacheManager {
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
+        lora_id: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
+        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         Ok(py.allow_threads(|| self.lock().probe(ids, &extras)) * self.block_size)
     }
 
     /// Appends tokens to `seq_id`; all or nothing.
-    fn append(&self, py: Python<'_>, seq_id: u64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.append_impl(py, seq_id, tokens)
+    fn append(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.append_impl(py, seq(seq_id)?, tokens)
     }
 
     /// One decode step's appends in one call: `tokens[i]` onto
@@ -829,36 +893,64 @@ impl PyKVCacheManager {
     }
 
     /// True when `n` more tokens fit `seq_id` now.
-    fn can_append(&self, seq_id: u64, n: usize) -> PyResult<bool> {
-        self.lock().can_append(seq_id, n).py()
+    fn can_append(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        n: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let (seq_id, n) = (seq(seq_id)?, count(n, "n")?);
+        self.with(py, |m| m.can_append(seq_id, n)).py()
     }
 
     /// Frees `seq_id`; its full computed blocks move into the prefix cache.
     #[pyo3(signature = (seq_id, computed_tokens = None))]
-    fn free(&self, py: Python<'_>, seq_id: u64, computed_tokens: Option<usize>) -> PyResult<()> {
-        self.free_impl(py, seq_id, computed_tokens)
+    fn free(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        computed_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let computed = convert::opt(computed_tokens, "computed_tokens", count)?;
+        self.free_impl(py, seq(seq_id)?, computed)
     }
 
     /// Shares `seq_id`'s full blocks inside its first `computed_tokens` with
     /// the prefix cache now, so concurrent requests hit them; returns the
     /// blocks newly cached.
-    fn cache_computed(&self, seq_id: u64, computed_tokens: usize) -> PyResult<u32> {
-        self.lock().cache_computed(seq_id, computed_tokens).py()
+    fn cache_computed(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        computed_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<u32> {
+        let (seq_id, n) = (seq(seq_id)?, count(computed_tokens, "computed_tokens")?);
+        self.with(py, |m| m.cache_computed(seq_id, n)).py()
     }
 
     /// Releases `seq_id` without caching anything new.
-    fn abort(&self, py: Python<'_>, seq_id: u64) -> PyResult<()> {
-        self.free_impl(py, seq_id, Some(0))
+    fn abort(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.free_impl(py, seq(seq_id)?, Some(0))
     }
 
     /// StreamingLLM: drops blocks `[start, end)` of `seq_id`, leaving holes.
-    fn evict_middle(&self, seq_id: u64, start: usize, end: usize) -> PyResult<u32> {
-        self.lock().evict_middle(seq_id, start, end).py()
+    fn evict_middle(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        start: &Bound<'_, PyAny>,
+        end: &Bound<'_, PyAny>,
+    ) -> PyResult<u32> {
+        let seq_id = seq(seq_id)?;
+        let (start, end) = (count(start, "start")?, count(end, "end")?);
+        self.with(py, |m| m.evict_middle(seq_id, start, end)).py()
     }
 
     /// The kernel-facing block table: block ids, -1 for a hole.
-    fn block_table(&self, seq_id: u64) -> PyResult<Vec<i32>> {
-        Ok(self.lock().block_table(seq_id).py()?.to_vec())
+    fn block_table(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+        let seq_id = seq(seq_id)?;
+        self.with(py, |m| m.block_table(seq_id).map(<[i32]>::to_vec))
+            .py()
     }
 
     /// The block table as native-endian int32 bytes (for
@@ -866,14 +958,20 @@ impl PyKVCacheManager {
     fn block_table_bytes<'py>(
         &self,
         py: Python<'py>,
-        seq_id: u64,
+        seq_id: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mut m = self.lock();
-        let table = m.block_table(seq_id).py()?;
-        let mut raw = Vec::with_capacity(table.len() * 4);
-        for id in table {
-            raw.extend_from_slice(&id.to_ne_bytes());
-        }
+        let seq_id = seq(seq_id)?;
+        let raw = self
+            .with(py, |m| {
+                m.block_table(seq_id).map(|table| {
+                    let mut raw = Vec::with_capacity(table.len() * 4);
+                    for id in table {
+                        raw.extend_from_slice(&id.to_ne_bytes());
+                    }
+                    raw
+                })
+            })
+            .py()?;
         Ok(PyBytes::new(py, &raw))
     }
 
@@ -886,33 +984,37 @@ impl PyKVCacheManager {
     /// of exactly that width. An unknown id or a row wider than `width` is
     /// refused with `InvalidArgument`, a non-int32 or non-buffer `out` with
     /// `TypeError`; a refused call writes nothing.
-    #[pyo3(signature = (seq_ids, out = None, *, pool = "full"))]
+    #[pyo3(
+        signature = (seq_ids, out = None, *, pool = None),
+        text_signature = "(self, seq_ids, out=None, *, pool='full')"
+    )]
     fn block_tables(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         out: Option<&Bound<'_, PyAny>>,
-        pool: &str,
+        pool: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyObject> {
-        let swa = table_pool(pool)?;
+        let swa = convert::opt(pool, "pool", |v, _| table_pool(v))?.unwrap_or(false);
         let ids = seq_id_list(seq_ids)?;
         let rows = ids.len();
         let Some(out) = out.filter(|o| !o.is_none()) else {
-            let (width, values) = {
-                let mut m = self.lock();
-                let mut width = 0;
-                for &id in &ids {
-                    let t = if swa {
-                        m.swa_table(id)
-                    } else {
-                        m.block_table(id)
-                    };
-                    width = width.max(t.py()?.len());
-                }
-                let mut values = vec![-1i32; rows * width];
-                m.block_tables(&ids, &mut values, width, swa).py()?;
-                (width, values)
-            };
+            let (width, values) = self
+                .with(py, |m| {
+                    let mut width = 0;
+                    for &id in &ids {
+                        let t = if swa {
+                            m.swa_table(id)
+                        } else {
+                            m.block_table(id)
+                        };
+                        width = width.max(t?.len());
+                    }
+                    let mut values = vec![-1i32; rows * width];
+                    m.block_tables(&ids, &mut values, width, swa)?;
+                    Ok::<_, imp_mem_core::MemError>((width, values))
+                })
+                .py()?;
             let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
             let numpy = py.import("numpy")?;
             let array = numpy
@@ -945,8 +1047,7 @@ impl PyKVCacheManager {
         let (view, width) = check_out(out, rows)?;
         let mut values = vec![-1i32; rows * width];
         let used = self
-            .lock()
-            .block_tables(&ids, &mut values, width, swa)
+            .with(py, |m| m.block_tables(&ids, &mut values, width, swa))
             .py()?;
         if !values.is_empty() {
             let raw: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
@@ -957,33 +1058,44 @@ impl PyKVCacheManager {
     }
 
     /// The SWA table: positional, -1 outside the trailing window.
-    fn swa_table(&self, seq_id: u64) -> PyResult<Vec<i32>> {
-        Ok(self.lock().swa_table(seq_id).py()?.to_vec())
+    fn swa_table(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+        let seq_id = seq(seq_id)?;
+        self.with(py, |m| m.swa_table(seq_id).map(<[i32]>::to_vec))
+            .py()
     }
 
     /// Tokens of `seq_id`.
-    fn num_tokens(&self, seq_id: u64) -> PyResult<usize> {
-        self.lock().num_tokens(seq_id).py()
+    fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seq_id = seq(seq_id)?;
+        self.with(py, |m| m.num_tokens(seq_id)).py()
     }
 
     /// The admitted sequence ids.
-    fn sequences(&self) -> Vec<u64> {
-        self.lock().sequences()
+    fn sequences(&self, py: Python<'_>) -> Vec<u64> {
+        self.with(py, |m| m.sequences())
     }
 
     /// The chained hashes of `seq_id`'s full blocks.
-    fn sequence_hashes(&self, seq_id: u64) -> PyResult<Vec<u128>> {
-        Ok(self.lock().sequence_hashes(seq_id).py()?.to_vec())
+    fn sequence_hashes(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
+        let seq_id = seq(seq_id)?;
+        self.with(py, |m| m.sequence_hashes(seq_id).map(<[u128]>::to_vec))
+            .py()
     }
 
     /// `(address, nbytes)` of block `index` of `seq_id`, or None for a hole.
-    fn block_span(&self, seq_id: u64, index: usize) -> PyResult<Option<(usize, usize)>> {
-        self.lock().block_span(seq_id, index).py()
+    fn block_span(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        index: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(usize, usize)>> {
+        let (seq_id, index) = (seq(seq_id)?, count(index, "index")?);
+        self.with(py, |m| m.block_span(seq_id, index)).py()
     }
 
     /// `(hash, block_id, address or None)` of every cached block.
-    fn cached_blocks(&self) -> Vec<(BlockHash, u32, Option<usize>)> {
-        self.lock().cached_blocks()
+    fn cached_blocks(&self, py: Python<'_>) -> Vec<(BlockHash, u32, Option<usize>)> {
+        self.with(py, |m| m.cached_blocks())
     }
 
     /// The chained hashes of the full blocks of `tokens`, computed in Rust
@@ -994,14 +1106,14 @@ impl PyKVCacheManager {
         &self,
         py: Python<'py>,
         tokens: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
+        lora_id: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
+        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
-        let hasher = self.lock().hasher().clone();
         let raw = py.allow_threads(|| {
+            let hasher = self.lock().hasher().clone();
             let hashes = hasher.chain(ids, &extras);
             let mut raw = Vec::with_capacity(hashes.len() * 16);
             for h in hashes {
@@ -1017,40 +1129,61 @@ impl PyKVCacheManager {
     fn pin(
         &self,
         py: Python<'_>,
-        owner: u64,
+        owner: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
+        lora_id: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
-        let (extras, toks) = request(tokens, lora_id, cache_salt, mm)?;
+        let owner = convert::u64_arg(owner, "owner")?;
+        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
         py.allow_threads(|| self.lock().pin(owner, ids, &extras))
             .py()
     }
 
     /// Drops every pin of `owner`; returns the pins dropped.
-    fn unpin(&self, owner: u64) -> u32 {
-        self.lock().unpin(owner)
+    fn unpin(&self, py: Python<'_>, owner: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let owner = convert::u64_arg(owner, "owner")?;
+        Ok(self.with(py, |m| m.unpin(owner)))
     }
 
     /// Evicts up to `n` least recently used cached blocks; returns how many.
     /// With a host tier they are copied there, and their device blocks are
     /// free after a later `poll_copies()`.
-    fn evict(&self, n: u32) -> u32 {
-        self.lock().evict(n)
+    fn evict(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let n = convert::u32_arg(n, "n")?;
+        Ok(self.with(py, |m| m.evict(n)))
     }
 
-    /// Writes the prefix cache to `path` atomically; returns entries written.
-    fn save_prefix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<u64> {
-        py.allow_threads(|| self.lock().save_prefix_cache(&path))
-            .py()
+    /// Writes the prefix cache to `path` (str, bytes or os.PathLike)
+    /// atomically; returns entries written. The cache is snapshotted under
+    /// the manager's lock and written without it, so other calls proceed
+    /// during the write.
+    fn save_prefix_cache(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let path = convert::path(path, "path")?;
+        py.allow_threads(|| {
+            let snapshot = self.lock().snapshot_prefix_cache()?;
+            snapshot.write(&path)
+        })
+        .py()
     }
 
-    /// Loads a saved prefix cache; refuses a bad or mismatched file whole.
-    fn load_prefix_cache(&self, py: Python<'_>, path: PathBuf) -> PyResult<u64> {
-        py.allow_threads(|| self.lock().load_prefix_cache(&path))
-            .py()
+    /// Loads a saved prefix cache; refuses a bad or mismatched file whole,
+    /// and refuses any file when prefix caching is off. The file is read
+    /// outside the manager's lock.
+    fn load_prefix_cache(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let path = convert::path(path, "path")?;
+        py.allow_threads(|| {
+            let target = self.lock().load_target()?;
+            let file = target.verify(&path)?;
+            let reserved = self.lock().reserve_load(file);
+            let mut pending = reserved?;
+            pending.copy_in()?;
+            let loaded = self.lock().finish_load(pending);
+            loaded
+        })
+        .py()
     }
 
     /// Takes the KV events recorded since the last call (one batch per
@@ -1061,7 +1194,7 @@ impl PyKVCacheManager {
     /// 128-bit block hashes as ints. Empty unless built with
     /// `kv_events=True`.
     fn drain_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let events = self.lock().drain_events();
+        let events = self.with(py, |m| m.drain_events());
         let out = PyList::empty(py);
         for e in events {
             let item = match e {
@@ -1106,14 +1239,16 @@ impl PyKVCacheManager {
     /// Finishes the host tier's completed copies (all of them, waiting,
     /// with `wait=True`); returns the device blocks freed. Call once per
     /// engine step.
-    #[pyo3(signature = (wait = false))]
-    fn poll_copies(&self, py: Python<'_>, wait: bool) -> PyResult<u32> {
+    #[pyo3(signature = (wait = None), text_signature = "(self, wait=False)")]
+    fn poll_copies(&self, py: Python<'_>, wait: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
+        let wait = convert::opt(wait, "wait", convert::flag)?.unwrap_or(false);
         py.allow_threads(|| self.lock().poll_copies(wait)).py()
     }
 
     /// The host-to-device copies `seq_id`'s blocks still wait for (tickets).
-    fn onboarding(&self, seq_id: u64) -> PyResult<Vec<u64>> {
-        self.lock().onboarding(seq_id).py()
+    fn onboarding(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let seq_id = seq(seq_id)?;
+        self.with(py, |m| m.onboarding(seq_id)).py()
     }
 
     /// Waits until `seq_id`'s onboarded blocks hold their bytes: on the
@@ -1121,50 +1256,72 @@ impl PyKVCacheManager {
     /// `current_stream().cuda_stream`), by making that stream wait on the
     /// device. Returns the copies waited on.
     #[pyo3(signature = (seq_id, stream = None))]
-    fn wait_onboarding(&self, py: Python<'_>, seq_id: u64, stream: Option<usize>) -> PyResult<u32> {
+    fn wait_onboarding(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u32> {
+        let seq_id = seq(seq_id)?;
+        let stream = convert::opt(stream, "stream", convert::usize_arg)?;
         py.allow_threads(|| self.lock().wait_onboarding(seq_id, stream))
             .py()
     }
 
     /// Hashes resident in the host tier, least recently used first.
-    fn host_cached_blocks(&self) -> Vec<BlockHash> {
-        self.lock().host_cached_blocks()
+    fn host_cached_blocks(&self, py: Python<'_>) -> Vec<BlockHash> {
+        self.with(py, |m| m.host_cached_blocks())
     }
 
     /// Hashes in the disk tier, least recently written first.
-    fn disk_cached_blocks(&self) -> Vec<BlockHash> {
-        self.lock().disk_cached_blocks()
+    fn disk_cached_blocks(&self, py: Python<'_>) -> Vec<BlockHash> {
+        self.with(py, |m| m.disk_cached_blocks())
     }
 
     /// Events waiting for `drain_events`.
-    fn pending_events(&self) -> usize {
-        self.lock().pending_events()
+    fn pending_events(&self, py: Python<'_>) -> usize {
+        self.with(py, |m| m.pending_events())
     }
 
     /// Empties the prefix cache when no sequence uses a cached block and
     /// none is pinned; returns False (and changes nothing) otherwise.
-    fn reset_prefix_cache(&self) -> bool {
-        self.lock().reset_prefix_cache()
+    fn reset_prefix_cache(&self, py: Python<'_>) -> bool {
+        self.with(py, |m| m.reset_prefix_cache())
     }
 
     /// The counters, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.lock().stats();
+        let s = self.with(py, |m| m.stats());
         stats_dict(py, &s)
     }
 
     /// Walks every block and ref; raises ImpMemError if an invariant broke.
-    fn check_invariants(&self) -> PyResult<()> {
-        self.lock().check_invariants().py()
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |m| m.check_invariants()).py()
     }
 
-    fn __repr__(&self) -> String {
-        let s = self.lock().stats();
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let s = self.with(py, |m| m.stats());
         format!(
             "<KVCacheManager {} blocks of {} tokens: {} free, {} active, {} cached, {} sequences>",
             s.capacity, self.block_size, s.free, s.active, s.cached, s.sequences
         )
     }
+}
+
+/// A sequence id.
+fn seq(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    convert::u64_arg(value, "seq_id")
+}
+
+/// An optional LoRA id.
+fn lora(value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    convert::opt(value, "lora_id", convert::u64_arg)
+}
+
+/// A token or block count.
+fn count(value: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
+    convert::usize_arg(value, what)
 }
 
 /// Registers this file's classes.

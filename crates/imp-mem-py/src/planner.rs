@@ -40,7 +40,7 @@ fn from_py_json(value: &Bound<'_, PyAny>, what: &str) -> PyResult<serde_json::Va
 /// A byte count: an int, or text such as `"80GiB"`; errors name `what`.
 fn size(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     match value.downcast::<PyString>() {
-        Ok(text) => core::parse_size(&text.to_cow()?, what).py(),
+        Ok(_) => core::parse_size(&convert::text(value, what)?, what).py(),
         Err(_) => convert::bytes(value, what),
     }
 }
@@ -140,10 +140,11 @@ impl PyModelShape {
     fn kv_bytes_per_token<'py>(
         &self,
         py: Python<'py>,
-        kv_dtype: Option<&str>,
+        kv_dtype: Option<&Bound<'py, PyAny>>,
         tp: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let dtype = opt_dtype(kv_dtype, "kv_dtype")?.unwrap_or(self.inner.dtype);
+        let kv_dtype = convert::opt(kv_dtype, "kv_dtype", convert::text)?;
+        let dtype = opt_dtype(kv_dtype.as_deref(), "kv_dtype")?.unwrap_or(self.inner.dtype);
         let tp = match tp {
             Some(t) => to_u32(positive(t, "tp")?, "tp")?,
             None => 1,
@@ -281,16 +282,24 @@ pub struct PyLimits {
 #[pymethods]
 impl PyLimits {
     #[new]
-    #[pyo3(signature = (max_batch, max_seq_len, *, kv_dtype = None, block_size = None,
-                        max_batch_tokens = None, kv_policy = "full"))]
+    #[pyo3(
+        signature = (max_batch, max_seq_len, *, kv_dtype = None, block_size = None,
+                     max_batch_tokens = None, kv_policy = None),
+        text_signature = "(max_batch, max_seq_len, *, kv_dtype=None, block_size=None, \
+                          max_batch_tokens=None, kv_policy='full')"
+    )]
     fn new(
         max_batch: &Bound<'_, PyAny>,
         max_seq_len: &Bound<'_, PyAny>,
-        kv_dtype: Option<&str>,
+        kv_dtype: Option<&Bound<'_, PyAny>>,
         block_size: Option<&Bound<'_, PyAny>>,
         max_batch_tokens: Option<&Bound<'_, PyAny>>,
-        kv_policy: &str,
+        kv_policy: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let kv_dtype = convert::opt(kv_dtype, "kv_dtype", convert::text)?;
+        let kv_dtype = kv_dtype.as_deref();
+        let kv_policy = convert::opt(kv_policy, "kv_policy", convert::text)?;
+        let kv_policy = kv_policy.as_deref().unwrap_or("full");
         let block_size = match block_size.filter(|b| !b.is_none()) {
             Some(b) => to_u32(positive(b, "block_size")?, "block_size")?,
             None => DEFAULT_BLOCK_SIZE,
@@ -571,9 +580,10 @@ impl PyMemoryPlan {
     }
     /// Reads a plan back from `to_json()`.
     #[staticmethod]
-    fn from_json(text: &str) -> PyResult<Self> {
+    fn from_json(text: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let text = convert::text(text, "text")?;
         Ok(Self {
-            inner: core::MemoryPlan::from_json(text).py()?,
+            inner: core::MemoryPlan::from_json(&text).py()?,
         })
     }
     /// The charges as a text table in MiB.
@@ -721,9 +731,11 @@ fn plan_memory(py: Python<'_>, plan_input: &PyPlanInput) -> PyResult<PyMemoryPla
 /// Parses a size such as `"80GiB"`, `"80 GB"` or `"81920MiB"` into bytes;
 /// raises `InvalidArgument` naming `field` if it does not parse.
 #[pyfunction]
-#[pyo3(signature = (text, field = "size"))]
-fn parse_size(text: &str, field: &str) -> PyResult<u64> {
-    core::parse_size(text, field).py()
+#[pyo3(signature = (text, field = None), text_signature = "(text, field='size')")]
+fn parse_size(text: &Bound<'_, PyAny>, field: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+    let field = convert::opt(field, "field", convert::text)?;
+    let field = field.as_deref().unwrap_or("size");
+    core::parse_size(&convert::text(text, field)?, field).py()
 }
 
 /// Adds the planner's classes and functions to `imp_mem._core`.

@@ -21,25 +21,23 @@ use pyo3::types::{PyBool, PyDict, PyTuple};
 use crate::activations::{stream_order_for, PyActivationPool};
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
-use crate::errors::{invalid, to_py, ImpMemWarning, IntoPyResult};
+use crate::errors::{invalid, to_py_with, Attr, ImpMemWarning, IntoPyResult};
 use crate::kv::{block_io, PyKVCacheManager};
 use crate::planner::PyMemoryPlan;
 use crate::tiers::{PyArena, PyBlockPool, PyScratchStack};
 
 /// Raises the exception of the step's error, with the step in the message
 /// and as attributes (`step`, `step_name`).
-fn open_error(py: Python<'_>, err: OpenError) -> PyErr {
+fn open_error(err: OpenError) -> PyErr {
     let message = err.to_string();
-    let exc = to_py(err.error.clone());
-    let value = exc.value(py);
-    // Setting attributes on a fresh exception cannot fail in practice; if it
-    // did, the exception still has the right class and the error's message.
-    if let Ok(args) = PyTuple::new(py, [message]) {
-        let _ = value.setattr("args", args);
-    }
-    let _ = value.setattr("step", err.step);
-    let _ = value.setattr("step_name", err.what);
-    exc
+    to_py_with(
+        err.error.clone(),
+        message,
+        vec![
+            ("step", Attr::Int(err.step as u64)),
+            ("step_name", Attr::Text(err.what.clone())),
+        ],
+    )
 }
 
 fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>> {
@@ -226,7 +224,7 @@ impl PyMemorySystem {
         };
         let result = MemorySystem::open(&core_backend, plan.get().core(), options);
         backend.get().notices.emit(py)?;
-        let system = result.map_err(|err| open_error(py, err))?;
+        let system = result.map_err(open_error)?;
         Ok(Self {
             inner: Mutex::new(system),
             backend: backend.clone().unbind(),
@@ -310,26 +308,52 @@ impl PyMemorySystem {
     /// can still commit. Block contents persist through the backend (a host
     /// copy on the fake, a pinned staging copy on a GPU). Drop the manager
     /// before `close()`: it holds the pools.
-    #[pyo3(signature = (
-        block_size = None, *, swa_window = None, enable_prefix_caching = true,
-        hash_seed = None, pin_budget = None, model_fingerprint = String::new(), dtype = None,
-        layout = String::new(), kv_events = false, host_blocks = None
-    ))]
+    #[pyo3(
+        signature = (
+            block_size = None, *, swa_window = None, enable_prefix_caching = None,
+            hash_seed = None, pin_budget = None, model_fingerprint = None, dtype = None,
+            layout = None, kv_events = None, host_blocks = None
+        ),
+        text_signature = "($self, block_size=None, *, swa_window=None, \
+            enable_prefix_caching=True, hash_seed=None, pin_budget=None, model_fingerprint='', \
+            dtype=None, layout='', kv_events=False, host_blocks=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn kv_manager(
         &self,
         py: Python<'_>,
-        block_size: Option<usize>,
-        swa_window: Option<usize>,
-        enable_prefix_caching: bool,
-        hash_seed: Option<u64>,
-        pin_budget: Option<u32>,
-        model_fingerprint: String,
-        dtype: Option<String>,
-        layout: String,
-        kv_events: bool,
-        host_blocks: Option<u32>,
+        block_size: Option<&Bound<'_, PyAny>>,
+        swa_window: Option<&Bound<'_, PyAny>>,
+        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        pin_budget: Option<&Bound<'_, PyAny>>,
+        model_fingerprint: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&Bound<'_, PyAny>>,
+        layout: Option<&Bound<'_, PyAny>>,
+        kv_events: Option<&Bound<'_, PyAny>>,
+        host_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyKVCacheManager> {
+        let block_size = convert::opt(block_size, "block_size", |v, what| {
+            convert::int_in(v, what, 1, u32::MAX.into()).map(|n| n as usize)
+        })?;
+        let swa_window = convert::opt(swa_window, "swa_window", convert::usize_arg)?;
+        let enable_prefix_caching = convert::opt(
+            enable_prefix_caching,
+            "enable_prefix_caching",
+            convert::flag,
+        )?
+        .unwrap_or(true);
+        let hash_seed = convert::opt(hash_seed, "hash_seed", convert::u64_arg)?;
+        let pin_budget = convert::opt(pin_budget, "pin_budget", convert::u32_arg)?;
+        let model_fingerprint =
+            convert::opt(model_fingerprint, "model_fingerprint", convert::text)?
+                .unwrap_or_default();
+        let dtype = convert::opt(dtype, "dtype", convert::text)?;
+        let layout = convert::opt(layout, "layout", convert::text)?.unwrap_or_default();
+        let kv_events = convert::opt(kv_events, "kv_events", convert::flag)?.unwrap_or(false);
+        let host_blocks = convert::opt(host_blocks, "host_blocks", |v, what| {
+            convert::int_in(v, what, 0, (u32::MAX - 1).into()).map(|n| n as u32)
+        })?;
         let (mut m, host_blocks) = {
             let system = self.open()?;
             // The plan's host tier unless told otherwise.
@@ -465,12 +489,15 @@ impl PyMemorySystem {
     #[pyo3(signature = (key, nbytes, label = None))]
     fn set_charge(
         &self,
-        key: &str,
+        key: &Bound<'_, PyAny>,
         nbytes: &Bound<'_, PyAny>,
-        label: Option<&str>,
+        label: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let key = convert::text(key, "key")?;
+        let label = convert::opt(label, "label", convert::text)?.unwrap_or_default();
         let bytes = convert::bytes(nbytes, "nbytes")?;
-        self.lock().set_charge(key, label.unwrap_or(""), bytes).py()
+        let done = self.lock().set_charge(&key, &label, bytes);
+        done.py()
     }
 
     /// Every named charge, plan against actual, per tier and per tag, as
@@ -547,14 +574,14 @@ impl PyMemorySystem {
             Ok(report) => report,
             Err(err) => {
                 let message = err.to_string();
-                let exc = to_py(err.error.clone());
-                let value = exc.value(py);
-                if let Ok(args) = PyTuple::new(py, [message]) {
-                    let _ = value.setattr("args", args);
-                }
-                let _ = value.setattr("old_model_kept", err.old_model_kept);
-                let _ = value.setattr("missing", err.missing.clone());
-                return Err(exc);
+                return Err(to_py_with(
+                    err.error.clone(),
+                    message,
+                    vec![
+                        ("old_model_kept", Attr::Flag(err.old_model_kept)),
+                        ("missing", Attr::Texts(err.missing.clone())),
+                    ],
+                ));
             }
         };
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan.clone().unbind();

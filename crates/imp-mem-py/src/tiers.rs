@@ -14,9 +14,9 @@ use imp_mem_core::backend::DEFAULT_ALIGNMENT;
 use imp_mem_core::decommit::{DecommitPolicy, FenceLike, NothingInFlight};
 use imp_mem_core::MemError;
 use imp_mem_core::{
-    ArenaSpan, FakePinnedHost, PinnedBuffer, PinnedHost, Placement, PoolConfig, ScratchSpan,
-    SharedArena, SharedBlockPool, SharedBlockRef, SharedBlockRefs, SharedMark, SharedScratchStack,
-    Tier,
+    ArenaExport, ArenaSpan, FakePinnedHost, PinnedBuffer, PinnedHost, Placement, PoolConfig,
+    ScratchSpan, SharedArena, SharedBlockPool, SharedBlockRef, SharedBlockRefs, SharedMark,
+    SharedScratchStack, Tier,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyList, PyTuple};
@@ -121,8 +121,11 @@ fn align(value: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
     }
 }
 
-fn opt_tag(tag: Option<&str>) -> PyResult<Option<imp_mem_core::Tag>> {
-    tag.map(convert::tag).transpose()
+fn opt_tag(tag: Option<&Bound<'_, PyAny>>) -> PyResult<Option<imp_mem_core::Tag>> {
+    convert::opt(tag, "tag", convert::text)?
+        .as_deref()
+        .map(convert::tag)
+        .transpose()
 }
 
 // ------------------------------------------------------------------ spans
@@ -142,7 +145,7 @@ enum Owner {
 /// is only ever dropped, by the DLPack deleter.
 #[allow(dead_code)]
 enum KeepAlive {
-    Arena(SharedArena),
+    Arena(ArenaExport),
     Scratch(SharedScratchStack),
     Block(SharedBlockRef),
     Pinned(Arc<PinnedBuffer>),
@@ -180,7 +183,12 @@ impl Owner {
         match self {
             Owner::Arena(arena, ticket) => {
                 let r = from(arena.span(ticket).py()?);
-                Ok((r, keep.then(|| KeepAlive::Arena(arena.clone()))))
+                let k = if keep {
+                    Some(KeepAlive::Arena(arena.export(ticket).py()?))
+                } else {
+                    None
+                };
+                Ok((r, k))
             }
             Owner::Scratch(stack, ticket) => {
                 let r = from(stack.span(ticket).py()?);
@@ -264,6 +272,8 @@ impl SpanInner {
         offset: &Bound<'_, PyAny>,
         nbytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        // A stale span has no subspans.
+        self.locate()?;
         let offset = convert::index(offset, "offset")? as usize;
         let nbytes = match nbytes.filter(|n| !n.is_none()) {
             Some(n) => convert::index(n, "nbytes")? as usize,
@@ -344,6 +354,8 @@ impl SpanInner {
         dtype: &Bound<'_, PyAny>,
         shape: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyTensorView> {
+        // A stale span has no views.
+        self.locate()?;
         let dtype = dlpack::parse_dtype(dtype)?;
         let item = dtype.itemsize();
         let shape: Vec<i64> = match shape.filter(|s| !s.is_none()) {
@@ -614,12 +626,15 @@ impl PyArena {
 #[pymethods]
 impl PyArena {
     #[new]
-    #[pyo3(signature = (backend, nbytes, *, tier = PyTier::ModelResident, tag = None))]
+    #[pyo3(
+        signature = (backend, nbytes, *, tier = PyTier::ModelResident, tag = None),
+        text_signature = "(backend, nbytes, *, tier=Tier.MODEL_RESIDENT, tag=None)"
+    )]
     fn new(
         backend: PyRef<'_, PyBackend>,
         nbytes: &Bound<'_, PyAny>,
         tier: PyTier,
-        tag: Option<&str>,
+        tag: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bytes = convert::bytes(nbytes, "nbytes")?;
         let arena = SharedArena::new(&backend.inner, tier.into(), bytes, opt_tag(tag)?).py()?;
@@ -647,8 +662,19 @@ impl PyArena {
     }
 
     /// Frees everything at once; every span taken before raises `StaleSpan`.
-    fn reset(&self) {
-        self.arena.reset();
+    /// Refused (`InvalidArgument`, naming how many) while DLPack exports of
+    /// the arena's spans are alive, unless `unsafe_allow_live_exports=True`:
+    /// unsafe, because those tensors then read what the arena hands out
+    /// next.
+    #[pyo3(signature = (*, unsafe_allow_live_exports = false))]
+    fn reset(&self, unsafe_allow_live_exports: bool) -> PyResult<()> {
+        self.arena.reset_checked(unsafe_allow_live_exports).py()
+    }
+
+    /// Live DLPack exports of the current generation's spans.
+    #[getter]
+    fn live_exports(&self) -> usize {
+        self.arena.live_exports()
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -869,10 +895,12 @@ impl PyBlockPool {
         blocks: &Bound<'_, PyAny>,
         max_blocks: Option<&Bound<'_, PyAny>>,
         grow_blocks: Option<&Bound<'_, PyAny>>,
-        tag: Option<&str>,
-        min_idle_steps: Option<u32>,
-        keep_chunks: Option<usize>,
+        tag: Option<&Bound<'_, PyAny>>,
+        min_idle_steps: Option<&Bound<'_, PyAny>>,
+        keep_chunks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let min_idle_steps = convert::opt(min_idle_steps, "min_idle_steps", convert::u32_arg)?;
+        let keep_chunks = convert::opt(keep_chunks, "keep_chunks", convert::usize_arg)?;
         let block_bytes = size(block_bytes, "block_bytes")?;
         let blocks = count32(blocks, "blocks")?;
         let max_blocks = max_blocks
@@ -941,12 +969,19 @@ impl PyBlockPool {
     /// Replaces the shrink policy (and restarts the idle count); a value
     /// left out keeps its current setting.
     #[pyo3(signature = (min_idle_steps = None, keep_chunks = None))]
-    fn set_decommit_policy(&self, min_idle_steps: Option<u32>, keep_chunks: Option<usize>) {
+    fn set_decommit_policy(
+        &self,
+        min_idle_steps: Option<&Bound<'_, PyAny>>,
+        keep_chunks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let min_idle_steps = convert::opt(min_idle_steps, "min_idle_steps", convert::u32_arg)?;
+        let keep_chunks = convert::opt(keep_chunks, "keep_chunks", convert::usize_arg)?;
         let now = self.pool.decommit_policy();
         self.pool.set_decommit_policy(DecommitPolicy {
             min_idle_steps: min_idle_steps.unwrap_or(now.min_idle_steps),
             keep_chunks: keep_chunks.unwrap_or(now.keep_chunks),
         });
+        Ok(())
     }
 
     /// `{"min_idle_steps": ..., "keep_chunks": ...}`.
@@ -1260,9 +1295,13 @@ ref_methods!(
         /// The block ids, in allocation order.
         #[getter]
         fn ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-            let guard = lock(&self.inner);
-            let live = guard.as_ref().ok_or_else(already_released)?;
-            PyList::new(py, live.ids())
+            // Copied out first: building the list may run a garbage
+            // collection whose callbacks touch this object.
+            let ids = lock(&self.inner)
+                .as_ref()
+                .map(|live| live.ids().to_vec())
+                .ok_or_else(already_released)?;
+            PyList::new(py, ids)
         }
 
         fn __len__(&self) -> usize {
@@ -1331,7 +1370,7 @@ impl PyScratchStack {
     fn new(
         backend: PyRef<'_, PyBackend>,
         nbytes: &Bound<'_, PyAny>,
-        tag: Option<&str>,
+        tag: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bytes = convert::bytes(nbytes, "nbytes")?;
         let stack = SharedScratchStack::new(&backend.inner, bytes, opt_tag(tag)?).py()?;

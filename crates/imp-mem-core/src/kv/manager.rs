@@ -2,14 +2,15 @@
 //! module docs of [`crate::kv`] state the ownership rules this file follows.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use crate::backend::Backend;
-use crate::block_pool::{BlockId, BlockToken, PoolConfig, SharedBlockPool};
+use crate::block_pool::{BlockId, BlockToken, PoolClaim, PoolConfig, SharedBlockPool};
 use crate::error::{KvCapacityReport, MemError};
 use crate::kv::events::{EventLog, KvEvent, Medium};
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
 use crate::kv::host_tier::{CopyTicket, HostTier, TierIo};
-use crate::kv::persist::BlockIo;
+use crate::kv::persist::{BlockIo, Lent};
 use crate::kv::prefix::{Entry, FastMap, Insert, PrefixCache};
 use crate::tag::Tag;
 
@@ -352,15 +353,27 @@ pub struct KVCacheManager {
     pub(crate) cache: PrefixCache,
     seqs: FastMap<SeqId, Box<Sequence>>,
     pins: Pins,
-    pub(crate) io: Option<Box<dyn BlockIo>>,
+    pub(crate) io: Option<Arc<dyn BlockIo>>,
     stats: KvStats,
     spare: Spare,
     pub(crate) events: EventLog,
     pub(crate) host: Option<HostTier>,
+    /// The manager's claims on its pools: no second manager, and no
+    /// allocation through the pools' own API, while it lives.
+    _claims: (PoolClaim, Option<PoolClaim>),
+    /// Refs a save or a load holds outside the binding's lock.
+    pub(crate) lent: Arc<Lent>,
 }
 
 fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)
+}
+
+/// A block count as `u32`, saturated: a count past `u32::MAX` cannot fit
+/// any pool (they hold at most `u32::MAX - 1` blocks), so it is refused as
+/// `u32::MAX` would be, never truncated into one that fits.
+fn sat_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn to_u32(n: usize, what: &str) -> Result<u32, MemError> {
@@ -432,6 +445,10 @@ impl KVCacheManager {
                 "the SWA pool must be a second pool with its own id space, not the KV pool",
             ));
         }
+        let claims = (
+            pool.claim()?,
+            swa_pool.as_ref().map(SharedBlockPool::claim).transpose()?,
+        );
         let stats = KvStats {
             capacity: main.capacity,
             swa_capacity: config.swa_blocks,
@@ -450,12 +467,14 @@ impl KVCacheManager {
             io: None,
             stats,
             spare: Spare::default(),
+            _claims: claims,
+            lent: Arc::default(),
         })
     }
 
     /// Installs how block bytes are copied out and in (persistence).
     pub fn set_block_io(&mut self, io: Box<dyn BlockIo>) -> Result<(), MemError> {
-        self.io = Some(io);
+        self.io = Some(Arc::from(io));
         Ok(())
     }
 
@@ -829,9 +848,9 @@ impl KVCacheManager {
     /// hits needs now: `(needed, swa needed)`.
     fn admission_needs(&self, n_tokens: usize, hits: usize) -> (u32, u32) {
         let total = ceil_div(n_tokens, self.config.block_size);
-        let need = (total - hits) as u32;
+        let need = sat_u32(total - hits);
         let swa = if self.swa_pool.is_some() {
-            (total - self.swa_first(n_tokens).min(total)) as u32
+            sat_u32(total - self.swa_first(n_tokens).min(total))
         } else {
             0
         };
@@ -1103,17 +1122,19 @@ impl KVCacheManager {
     fn append_needs(&self, seq: &Sequence, n: usize) -> (u32, u32, u32) {
         let bs = self.config.block_size;
         let old_n = seq.len;
-        let new_n = old_n + n;
+        // Saturated: `n` is a caller's count and may be absurd; a
+        // saturated need is refused like the true one would be.
+        let new_n = old_n.saturating_add(n);
         let old_total = ceil_div(old_n, bs);
         let new_total = ceil_div(new_n, bs);
-        let need = (new_total - old_total) as u32;
+        let need = sat_u32(new_total - old_total);
         if self.swa_pool.is_none() {
             return (need, 0, 0);
         }
         let old_first = self.swa_first(old_n).min(old_total);
         let new_first = self.swa_first(new_n);
-        let released = new_first.min(old_total).saturating_sub(old_first) as u32;
-        let swa_need = new_total.saturating_sub(old_total.max(new_first)) as u32;
+        let released = sat_u32(new_first.min(old_total).saturating_sub(old_first));
+        let swa_need = sat_u32(new_total.saturating_sub(old_total.max(new_first)));
         (need, swa_need, released)
     }
 
@@ -1797,8 +1818,13 @@ impl KVCacheManager {
     /// kernel-facing table matches its slots.
     pub fn check_invariants(&self) -> Result<(), MemError> {
         let broken = |what: String| Err(MemError::Invariant(format!("kv manager: {what}")));
+        // Held throughout: lent refs are not registered or dropped while
+        // the refcounts are read.
+        let lent = self.lent.lock();
+        let lent_to = |id: BlockId| lent.get(&id).copied().unwrap_or(0);
         self.pool.check_invariants()?;
-        self.cache.check(|id| self.pool.refcount(id))?;
+        self.cache
+            .check(|id| self.pool.refcount(id).saturating_sub(lent_to(id)))?;
         let mut owned: FastMap<BlockId, (SeqId, usize)> = FastMap::default();
         let mut seq_refs = 0u64;
         let mut users: FastMap<u32, u32> = FastMap::default();
@@ -1907,10 +1933,11 @@ impl KVCacheManager {
         }
         let refs = self.pool.stats().refs;
         let in_flight = self.offloading() as u64;
-        if refs != seq_refs + self.cache.len() as u64 + in_flight {
+        let lent_refs: u64 = lent.values().map(|&n| u64::from(n)).sum();
+        if refs != seq_refs + self.cache.len() as u64 + in_flight + lent_refs {
             return broken(format!(
-                "{refs} refs outstanding but sequences hold {seq_refs}, the cache {} and \
-                 offloads in flight {in_flight}",
+                "{refs} refs outstanding but sequences hold {seq_refs}, the cache {}, offloads \
+                 in flight {in_flight} and a save or load in progress {lent_refs}",
                 self.cache.len()
             ));
         }

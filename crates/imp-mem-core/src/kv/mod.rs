@@ -78,7 +78,10 @@ pub use events::{KvEvent, Medium};
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
 pub use host_tier::{CopyTicket, FakeTierIo, TierIo};
 pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
-pub use persist::{BlockIo, FakeBlockIo, FILE_MAGIC, FILE_VERSION};
+pub use persist::{
+    BlockIo, FakeBlockIo, LentRefs, LoadTarget, PendingLoad, PrefixSnapshot, VerifiedFile,
+    FILE_MAGIC, FILE_VERSION,
+};
 
 #[cfg(test)]
 mod tests;

@@ -13,17 +13,29 @@
 //! trailer      16  xxh3-128 of everything before it
 //! ```
 //!
-//! Saving streams `<path>.tmp-<pid>` (one block in host memory at a time),
-//! syncs it and renames it over `path`, so a reader sees the old file or the
-//! new one, never half of one. Loading streams the file twice with one block
-//! in host memory: the first pass verifies everything (size, magic, version,
-//! header fields against this manager, each block's checksum, the trailer
-//! checksum) and notes the new entries; then it checks capacity, allocates
-//! fresh blocks (refs — never raw ids), and the second pass copies each new
-//! block's bytes in through [`BlockIo`], checking its checksum again (the
-//! file may have changed in between). Only when every copy has succeeded
-//! are the entries inserted. Any failure drops the fresh refs and leaves the
-//! manager as it was.
+//! Saving streams `<path>.tmp-<pid>-<n>` (one block in host memory at a
+//! time), syncs it and renames it over `path`, so a reader sees the old file
+//! or the new one, never half of one. A save first removes the temps of
+//! earlier saves to the same path whose process is gone (a killed save;
+//! Linux, where `/proc` tells), so they do not pile up. Loading streams the
+//! file twice with one block in host memory: the first pass verifies
+//! everything (size, magic, version, header fields against this manager,
+//! each block's checksum, the trailer checksum); then it notes the new
+//! entries, checks capacity, allocates fresh blocks (refs — never raw ids),
+//! and the second pass copies each new block's bytes in through [`BlockIo`],
+//! checking its checksum again (the file may have changed in between). Only
+//! when every copy has succeeded are the entries inserted. Any failure drops
+//! the fresh refs and leaves the manager as it was. Only regular files are
+//! read or replaced (a FIFO would block the open forever). A manager with
+//! prefix caching off refuses a load (`InvalidArgument`): it would hold the
+//! blocks and never hit them.
+//!
+//! Thread safety: the file I/O runs outside the manager's lock. A save takes
+//! a [`PrefixSnapshot`] under it (a ref on each cached block, so none is
+//! reused while the file is written) and writes without it; a load verifies
+//! the file without it, takes the lock to allocate, copies without it, and
+//! takes it again to insert. Refs held outside the lock are registered as
+//! lent ([`LentRefs`]), which [`KVCacheManager::check_invariants`] counts.
 //!
 //! Block bytes travel through [`BlockIo`] — device → pinned host → file on a
 //! GPU; a host read/write on [`FakeBackend`](crate::FakeBackend)
@@ -31,18 +43,20 @@
 
 use std::fs::{self, File};
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
-use crate::block_pool::SharedBlockRef;
+use crate::block_pool::{BlockId, SharedBlockRef};
 use crate::error::{KvCapacityReport, MemError};
 use crate::fake::FakeBackend;
 use crate::kv::events::Medium;
 use crate::kv::hash::{BlockHash, HASH_ALGORITHM};
 use crate::kv::manager::KVCacheManager;
-use crate::kv::prefix::Insert;
+use crate::kv::prefix::{FastMap, Insert};
 
 /// The file's first bytes.
 pub const FILE_MAGIC: &[u8; 8] = b"IMPKVPC\0";
@@ -55,7 +69,7 @@ const FORMAT: &str = "imp-mem prefix cache";
 /// `block_bytes` is the block's whole footprint, which for a layer-major KV
 /// layout is the concatenation of its pieces in every layer (the
 /// implementation decides the order; the file records `layout`).
-pub trait BlockIo: Send + std::fmt::Debug {
+pub trait BlockIo: Send + Sync + std::fmt::Debug {
     /// Bytes per block.
     fn block_bytes(&self) -> usize;
     /// Copies the block's bytes into `dst` (`block_bytes` long).
@@ -250,60 +264,60 @@ impl KVCacheManager {
             block_bytes,
         })
     }
+}
 
-    /// Refuses a file saved under another configuration, naming every field
-    /// that differs.
-    fn check_header(&self, path: &Path, header: &Header, bb: usize) -> Result<(), MemError> {
-        let want = self.header(header.entries, bb);
-        let fields = [
-            ("format", header.format.clone(), want.format),
-            (
-                "model_fingerprint",
-                header.model_fingerprint.clone(),
-                want.model_fingerprint,
-            ),
-            (
-                "block_size",
-                header.block_size.to_string(),
-                want.block_size.to_string(),
-            ),
-            (
-                "block_bytes",
-                header.block_bytes.to_string(),
-                want.block_bytes.to_string(),
-            ),
-            ("dtype", header.dtype.clone(), want.dtype),
-            ("layout", header.layout.clone(), want.layout),
-            (
-                "hash_algorithm",
-                header.hash_algorithm.clone(),
-                want.hash_algorithm,
-            ),
-            (
-                "hash_seed",
-                header.hash_seed.to_string(),
-                want.hash_seed.to_string(),
-            ),
-        ];
-        let mismatches: Vec<String> = fields
-            .into_iter()
-            .filter(|(_, theirs, ours)| theirs != ours)
-            .map(|(name, theirs, ours)| {
-                format!("{name} is {theirs:?} in the file but {ours:?} here")
-            })
-            .collect();
-        if mismatches.is_empty() {
-            return Ok(());
-        }
-        Err(refuse(
-            path,
-            format!(
-                "it was saved for another configuration: {}",
-                mismatches.join("; ")
-            ),
-        ))
+/// Refuses a file saved under another configuration, naming every field
+/// that differs.
+fn check_header(path: &Path, header: &Header, want: &Header) -> Result<(), MemError> {
+    let want = want.clone();
+    let fields = [
+        ("format", header.format.clone(), want.format),
+        (
+            "model_fingerprint",
+            header.model_fingerprint.clone(),
+            want.model_fingerprint,
+        ),
+        (
+            "block_size",
+            header.block_size.to_string(),
+            want.block_size.to_string(),
+        ),
+        (
+            "block_bytes",
+            header.block_bytes.to_string(),
+            want.block_bytes.to_string(),
+        ),
+        ("dtype", header.dtype.clone(), want.dtype),
+        ("layout", header.layout.clone(), want.layout),
+        (
+            "hash_algorithm",
+            header.hash_algorithm.clone(),
+            want.hash_algorithm,
+        ),
+        (
+            "hash_seed",
+            header.hash_seed.to_string(),
+            want.hash_seed.to_string(),
+        ),
+    ];
+    let mismatches: Vec<String> = fields
+        .into_iter()
+        .filter(|(_, theirs, ours)| theirs != ours)
+        .map(|(name, theirs, ours)| format!("{name} is {theirs:?} in the file but {ours:?} here"))
+        .collect();
+    if mismatches.is_empty() {
+        return Ok(());
     }
+    Err(refuse(
+        path,
+        format!(
+            "it was saved for another configuration: {}",
+            mismatches.join("; ")
+        ),
+    ))
+}
 
+impl KVCacheManager {
     fn header(&self, entries: u64, block_bytes: usize) -> Header {
         let c = self.config();
         Header {
@@ -332,31 +346,249 @@ impl KVCacheManager {
 
     /// Writes every cached block (hash and bytes) to `path`, atomically,
     /// streaming: host memory holds one block at a time, not the file.
-    /// Returns the entries written.
+    /// Returns the entries written. (The binding takes the snapshot under
+    /// its lock and writes without it.)
     pub fn save_prefix_cache(&self, path: &Path) -> Result<u64, MemError> {
+        self.snapshot_prefix_cache()?.write(path)
+    }
+
+    /// What a save writes, taken now: the header and a lent ref to every
+    /// cached block with its hash, least recently used first.
+    pub fn snapshot_prefix_cache(&self) -> Result<PrefixSnapshot, MemError> {
         let io = self.block_io()?;
         let bb = io.block_bytes();
         let entries = self.cache.entries_in_order();
         let header = serde_json::to_vec(&self.header(entries.len() as u64, bb))
             .map_err(|e| MemError::Invariant(format!("header does not serialise: {e}")))?;
+        let mut hashes = Vec::with_capacity(entries.len());
+        let mut refs = Vec::with_capacity(entries.len());
+        for e in &entries {
+            hashes.push(e.hash);
+            refs.push(self.pool().ref_of_token(&e.block)?);
+        }
+        Ok(PrefixSnapshot {
+            io: self.block_io_shared()?,
+            header,
+            hashes,
+            refs: LentRefs::new(refs, &self.lent),
+        })
+    }
+
+    /// Loads the entries of `path` whose hashes are not cached yet, as fresh
+    /// blocks owned by the cache (least recently used first, as saved).
+    /// Refuses a truncated, corrupted or mismatched file, or one that does
+    /// not fit, and then changes nothing. Returns the entries added. (The
+    /// binding runs the steps — [`Self::load_target`], [`LoadTarget::verify`],
+    /// [`Self::reserve_load`], [`PendingLoad::copy_in`],
+    /// [`Self::finish_load`] — taking its lock only for the second and the
+    /// last.)
+    pub fn load_prefix_cache(&mut self, path: &Path) -> Result<u64, MemError> {
+        let file = self.load_target()?.verify(path)?;
+        let mut pending = self.reserve_load(file)?;
+        pending.copy_in()?;
+        self.finish_load(pending)
+    }
+
+    /// What a file must match to load here. Refused when prefix caching is
+    /// off or the manager cannot copy block bytes.
+    pub fn load_target(&self) -> Result<LoadTarget, MemError> {
+        if !self.config().enable_prefix_caching {
+            return Err(MemError::invalid(
+                "this manager has prefix caching off (enable_prefix_caching=False): loaded \
+                 blocks would be held and never hit, so nothing was loaded; open the manager \
+                 with prefix caching on to load a prefix cache",
+            ));
+        }
+        let io = self.block_io_shared()?;
+        let bb = io.block_bytes();
+        Ok(LoadTarget {
+            want: self.header(0, bb),
+            io,
+        })
+    }
+
+    /// Allocates fresh blocks for the verified file's entries that are not
+    /// cached yet (evicting what it must), or changes nothing.
+    pub fn reserve_load(&mut self, file: VerifiedFile) -> Result<PendingLoad, MemError> {
+        let mut seen = std::collections::HashSet::new();
+        let fresh: Vec<(BlockHash, u64, u64)> = file
+            .entries
+            .iter()
+            .copied()
+            .filter(|(hash, _, _)| self.cache.get(hash).is_none() && seen.insert(*hash))
+            .collect();
+        let path = &file.path;
+        let need = u32::try_from(fresh.len()).map_err(|_| refuse(path, "too many entries"))?;
+        let (free, growable) = self.main_room();
+        let evictable = self.cache.evictable();
+        if need as u64 > free as u64 + growable as u64 + evictable as u64 {
+            return Err(MemError::KvCapacity(KvCapacityReport {
+                what: format!("load {need} cached blocks from {}", path.display()),
+                needed: need,
+                free,
+                growable,
+                evictable,
+                pinned: self.cache.pinned_idle(),
+                pool: "kv",
+            }));
+        }
+        // Evicting to make room is the one change that precedes the copies;
+        // it drops only entries eviction could have dropped at any time.
+        let free = self.pool().stats().free;
+        self.make_room(need.saturating_sub(free))?;
+        let refs = self.pool().allocate_many_unchecked(need)?.into_refs();
+        Ok(PendingLoad {
+            refs: LentRefs::new(refs, &self.lent),
+            fresh,
+            file,
+        })
+    }
+
+    /// Inserts the copied blocks into the cache; returns the entries added.
+    /// An entry another thread cached meanwhile keeps its block, and the
+    /// fresh one is released.
+    pub fn finish_load(&mut self, mut pending: PendingLoad) -> Result<u64, MemError> {
+        let refs = pending.refs.take();
+        let mut refused = None;
+        let mut leftover = Vec::new();
+        let mut added = 0u64;
+        for (r, (hash, _, _)) in refs.into_iter().zip(&pending.fresh) {
+            let token = self.pool().token_from_ref(r)?;
+            match self.cache.insert(*hash, token, 0) {
+                Ok(Insert::Added(_)) => {
+                    added += 1;
+                    self.events.stored_alone(*hash, Medium::Device);
+                    self.drop_host_copy(hash);
+                }
+                Ok(Insert::Present(dup)) => leftover.push(dup),
+                Err((e, back)) => {
+                    leftover.push(back);
+                    refused.get_or_insert(e);
+                }
+            }
+        }
+        self.pool().release_tokens(leftover)?;
+        refused.map_or(Ok(added), Err)
+    }
+
+    fn block_io_shared(&self) -> Result<Arc<dyn BlockIo>, MemError> {
+        self.block_io()?;
+        self.io
+            .clone()
+            .ok_or_else(|| MemError::Invariant("block io vanished".into()))
+    }
+}
+
+/// Block refs held outside the manager's lock (a save's snapshot, a load's
+/// fresh blocks), registered so that the manager's invariant check counts
+/// them. Registration and release happen under the registry's lock, which
+/// the check holds while it reads the pool's refcounts.
+#[derive(Debug, Default)]
+pub(crate) struct Lent {
+    ids: Mutex<FastMap<BlockId, u32>>,
+}
+
+impl Lent {
+    /// The registry, locked.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, FastMap<BlockId, u32>> {
+        self.ids.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Refs lent out of a manager; see [`Lent`]. Dropping them releases them.
+#[derive(Debug)]
+pub struct LentRefs {
+    refs: Vec<SharedBlockRef>,
+    lent: Arc<Lent>,
+}
+
+impl LentRefs {
+    fn new(refs: Vec<SharedBlockRef>, lent: &Arc<Lent>) -> Self {
+        let mut ids = lent.lock();
+        for r in &refs {
+            *ids.entry(r.id()).or_default() += 1;
+        }
+        drop(ids);
+        Self {
+            refs,
+            lent: lent.clone(),
+        }
+    }
+
+    /// Takes the refs back under the manager's lock (unregistered).
+    fn take(&mut self) -> Vec<SharedBlockRef> {
+        let mut ids = self.lent.lock();
+        for r in &self.refs {
+            unregister(&mut ids, r.id());
+        }
+        std::mem::take(&mut self.refs)
+    }
+}
+
+fn unregister(ids: &mut FastMap<BlockId, u32>, id: BlockId) {
+    if let Some(n) = ids.get_mut(&id) {
+        *n -= 1;
+        if *n == 0 {
+            ids.remove(&id);
+        }
+    }
+}
+
+impl Drop for LentRefs {
+    fn drop(&mut self) {
+        let mut ids = self.lent.lock();
+        for r in self.refs.drain(..) {
+            unregister(&mut ids, r.id());
+            drop(r);
+        }
+    }
+}
+
+/// What a save writes ([`KVCacheManager::snapshot_prefix_cache`]).
+#[derive(Debug)]
+pub struct PrefixSnapshot {
+    io: Arc<dyn BlockIo>,
+    header: Vec<u8>,
+    hashes: Vec<BlockHash>,
+    refs: LentRefs,
+}
+
+/// Temps of one save: a counter keeps two saves of one process apart.
+static SAVES: AtomicU64 = AtomicU64::new(0);
+
+impl PrefixSnapshot {
+    /// Writes the file atomically; returns the entries written.
+    pub fn write(self, path: &Path) -> Result<u64, MemError> {
+        refuse_irregular(path, "write the prefix cache to")?;
+        let bb = self.io.block_bytes();
         let file_name = path
             .file_name()
             .ok_or_else(|| MemError::invalid(format!("{} names no file", path.display())))?;
+        remove_dead_temps(path);
         let mut tmp_name = file_name.to_os_string();
-        tmp_name.push(format!(".tmp-{}", std::process::id()));
+        tmp_name.push(format!(
+            ".tmp-{}-{}",
+            std::process::id(),
+            SAVES.fetch_add(1, Ordering::Relaxed)
+        ));
         let tmp = path.with_file_name(tmp_name);
         let failed = |e| io_err("cannot write the prefix cache to", path, e);
         let written = (|| -> Result<(), MemError> {
-            let mut out = HashingWriter::new(File::create(&tmp).map_err(failed)?);
+            let file = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(failed)?;
+            let mut out = HashingWriter::new(file);
             out.put(FILE_MAGIC).map_err(failed)?;
             out.put(&FILE_VERSION.to_le_bytes()).map_err(failed)?;
-            out.put(&(header.len() as u32).to_le_bytes())
+            out.put(&(self.header.len() as u32).to_le_bytes())
                 .map_err(failed)?;
-            out.put(&header).map_err(failed)?;
+            out.put(&self.header).map_err(failed)?;
             let mut buf = vec![0u8; bb];
-            for e in &entries {
-                io.read_block(&self.pool().ref_of_token(&e.block)?, &mut buf)?;
-                out.put(&e.hash.to_le_bytes()).map_err(failed)?;
+            for (hash, block) in self.hashes.iter().zip(&self.refs.refs) {
+                self.io.read_block(block, &mut buf)?;
+                out.put(&hash.to_le_bytes()).map_err(failed)?;
                 out.put(&xxh3_64(&buf).to_le_bytes()).map_err(failed)?;
                 out.put(&buf).map_err(failed)?;
             }
@@ -374,24 +606,99 @@ impl KVCacheManager {
                 let _ = d.sync_all();
             }
         }
-        Ok(self.cache.len() as u64)
+        Ok(self.hashes.len() as u64)
     }
+}
 
-    /// Loads the entries of `path` whose hashes are not cached yet, as fresh
-    /// blocks owned by the cache (least recently used first, as saved).
-    /// Refuses a truncated, corrupted or mismatched file, or one that does
-    /// not fit, and then changes nothing. Returns the entries added.
-    ///
-    /// Streams the file twice, holding one block in host memory: the first
-    /// pass verifies everything, the second copies the new blocks in (each
-    /// block's checksum checked again, in case the file changed between the
-    /// passes).
-    pub fn load_prefix_cache(&mut self, path: &Path) -> Result<u64, MemError> {
-        let io = self.block_io()?;
-        let bb = io.block_bytes();
+/// Refuses `path` when it exists and is not a regular file: opening a FIFO
+/// blocks until a writer comes, and a device or a directory is no cache.
+fn refuse_irregular(path: &Path, what: &str) -> Result<(), MemError> {
+    match fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(MemError::invalid(format!(
+            "cannot {what} {}: it is not a regular file (a directory, FIFO, socket or device); \
+             pass the path of a regular file",
+            path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Removes `<path>.tmp-<pid>[-<n>]` files whose process is gone (killed
+/// saves). Only where `/proc` lists processes (Linux); best effort.
+fn remove_dead_temps(path: &Path) {
+    let proc = Path::new("/proc/self");
+    let (Some(name), Some(dir)) = (path.file_name(), path.parent()) else {
+        return;
+    };
+    if !proc.exists() {
+        return;
+    }
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let Ok(listing) = fs::read_dir(dir) else {
+        return;
+    };
+    let mut prefix = name.to_os_string();
+    prefix.push(".tmp-");
+    let prefix = prefix.to_string_lossy().into_owned();
+    for entry in listing.flatten() {
+        let file = entry.file_name();
+        let Some(rest) = file.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let pid = rest.split('-').next().unwrap_or_default();
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        let alive = Path::new("/proc").join(pid.to_string()).exists();
+        let regular = entry.file_type().is_ok_and(|t| t.is_file());
+        if !alive && regular {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// What a file must match to load into a manager
+/// ([`KVCacheManager::load_target`]).
+#[derive(Debug)]
+pub struct LoadTarget {
+    want: Header,
+    io: Arc<dyn BlockIo>,
+}
+
+/// A file whose every checksum and header field was verified.
+#[derive(Debug)]
+pub struct VerifiedFile {
+    path: PathBuf,
+    file: BufReader<File>,
+    io: Arc<dyn BlockIo>,
+    body: u64,
+    stride: u64,
+    /// `(hash, index in the file, block checksum)` of every entry.
+    entries: Vec<(BlockHash, u64, u64)>,
+}
+
+/// Fresh blocks allocated for a load, to be filled and inserted.
+#[derive(Debug)]
+pub struct PendingLoad {
+    refs: LentRefs,
+    fresh: Vec<(BlockHash, u64, u64)>,
+    file: VerifiedFile,
+}
+
+impl LoadTarget {
+    /// Pass 1: opens `path` and verifies everything.
+    pub fn verify(self, path: &Path) -> Result<VerifiedFile, MemError> {
+        let bb = self.io.block_bytes();
         let read_err = |e| io_err("cannot read the prefix cache", path, e);
+        refuse_irregular(path, "read the prefix cache")?;
         let file = File::open(path).map_err(read_err)?;
-        let len = file.metadata().map_err(read_err)?.len();
+        let meta = file.metadata().map_err(read_err)?;
+        refuse_irregular(path, "read the prefix cache")?;
+        let len = meta.len();
         let mut file = BufReader::with_capacity(1 << 20, file);
         let mut prefix = [0u8; 16];
         if len < 16 + 16 || file.read_exact(&mut prefix).is_err() || &prefix[..8] != FILE_MAGIC {
@@ -419,7 +726,7 @@ impl KVCacheManager {
         file.read_exact(&mut header_bytes).map_err(read_err)?;
         let header: Header = serde_json::from_slice(&header_bytes)
             .map_err(|e| refuse(path, format!("unreadable header ({e})")))?;
-        self.check_header(path, &header, bb)?;
+        check_header(path, &header, &self.want)?;
         let n = header.entries;
         let stride = 24 + bb as u64;
         let expected = n
@@ -441,14 +748,13 @@ impl KVCacheManager {
             ));
         }
 
-        // Pass 1: every checksum, and which entries are new.
+        // Every checksum; the entries noted.
         let mut trailer_hash = Xxh3::new();
         trailer_hash.update(&prefix);
         trailer_hash.update(&header_bytes);
         let mut entry = vec![0u8; stride as usize];
         let mut bad_block = None;
-        let mut fresh_entries: Vec<(BlockHash, u64, u64)> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
+        let mut entries = Vec::new();
         for k in 0..n {
             file.read_exact(&mut entry).map_err(read_err)?;
             trailer_hash.update(&entry);
@@ -460,9 +766,7 @@ impl KVCacheManager {
                 continue;
             }
             let hash = u128::from_le_bytes(h.try_into().unwrap_or_default());
-            if self.cache.get(&hash).is_none() && seen.insert(hash) {
-                fresh_entries.push((hash, k, sum));
-            }
+            entries.push((hash, k, sum));
         }
         let mut trailer = [0u8; 16];
         file.read_exact(&mut trailer).map_err(read_err)?;
@@ -475,38 +779,33 @@ impl KVCacheManager {
                 format!("block {k}'s checksum does not match (corrupted)"),
             ));
         }
-        let need =
-            u32::try_from(fresh_entries.len()).map_err(|_| refuse(path, "too many entries"))?;
-        let (free, growable) = self.main_room();
-        let evictable = self.cache.evictable();
-        if need as u64 > free as u64 + growable as u64 + evictable as u64 {
-            return Err(MemError::KvCapacity(KvCapacityReport {
-                what: format!("load {need} cached blocks from {}", path.display()),
-                needed: need,
-                free,
-                growable,
-                evictable,
-                pinned: self.cache.pinned_idle(),
-                pool: "kv",
-            }));
-        }
-        // Evicting to make room is the one change that precedes the copies;
-        // it drops only entries eviction could have dropped at any time.
-        let free = self.pool().stats().free;
-        self.make_room(need.saturating_sub(free))?;
-        let refs = self.pool().allocate_many(need)?.into_refs();
+        Ok(VerifiedFile {
+            path: path.to_path_buf(),
+            file,
+            io: self.io,
+            body,
+            stride,
+            entries,
+        })
+    }
+}
 
-        // Pass 2: the new blocks' bytes, straight from the file into them,
-        // in file order (skips stay inside the reader's buffer when short).
-        let io = self.block_io()?;
-        file.seek(SeekFrom::Start(body)).map_err(read_err)?;
-        let mut pos = body;
+impl PendingLoad {
+    /// Pass 2: the new blocks' bytes, straight from the file into them, in
+    /// file order (skips stay inside the reader's buffer when short).
+    pub fn copy_in(&mut self) -> Result<(), MemError> {
+        let f = &mut self.file;
+        let path = f.path.as_path();
+        let read_err = |e| io_err("cannot read the prefix cache", path, e);
+        let bb = f.io.block_bytes();
+        f.file.seek(SeekFrom::Start(f.body)).map_err(read_err)?;
+        let mut pos = f.body;
         let mut block = vec![0u8; bb];
-        for (r, &(_, k, sum)) in refs.iter().zip(&fresh_entries) {
-            let want = body + k * stride + 24;
+        for (r, &(_, k, sum)) in self.refs.refs.iter().zip(&self.fresh) {
+            let want = f.body + k * f.stride + 24;
             let skip = i64::try_from(want - pos).map_err(|_| refuse(path, "absurd offset"))?;
-            file.seek_relative(skip).map_err(read_err)?;
-            file.read_exact(&mut block).map_err(read_err)?;
+            f.file.seek_relative(skip).map_err(read_err)?;
+            f.file.read_exact(&mut block).map_err(read_err)?;
             pos = want + bb as u64;
             if xxh3_64(&block) != sum {
                 return Err(refuse(
@@ -514,25 +813,8 @@ impl KVCacheManager {
                     format!("block {k} changed while it was being loaded"),
                 ));
             }
-            io.write_block(r, &block)?;
+            f.io.write_block(r, &block)?;
         }
-        let mut refused = None;
-        let mut leftover = Vec::new();
-        for (r, (hash, _, _)) in refs.into_iter().zip(&fresh_entries) {
-            let token = self.pool().token_from_ref(r)?;
-            match self.cache.insert(*hash, token, 0) {
-                Ok(Insert::Added(_)) => {
-                    self.events.stored_alone(*hash, Medium::Device);
-                    self.drop_host_copy(hash);
-                }
-                Ok(Insert::Present(dup)) => leftover.push(dup),
-                Err((e, back)) => {
-                    leftover.push(back);
-                    refused.get_or_insert(e);
-                }
-            }
-        }
-        self.pool().release_tokens(leftover)?;
-        refused.map_or(Ok(need as u64), Err)
+        Ok(())
     }
 }

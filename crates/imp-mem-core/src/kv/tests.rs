@@ -1001,3 +1001,112 @@ fn append_each_stops_at_the_first_sequence_that_does_not_fit() {
     assert_eq!(m.num_tokens(1).unwrap(), 5);
     m.check_invariants().unwrap();
 }
+// ------------------------------------------------------ issue 14 (hardening)
+
+#[test]
+fn a_second_manager_on_one_pool_is_refused_until_the_first_drops() {
+    let pool = SharedBlockPool::slots(16).unwrap();
+    let first = KVCacheManager::with_pools(KvConfig::new(4, 16), pool.clone(), None).unwrap();
+    let err = KVCacheManager::with_pools(KvConfig::new(4, 16), pool.clone(), None).unwrap_err();
+    assert!(
+        err.to_string().contains("already serves a KV manager"),
+        "{err}"
+    );
+    let err = pool.allocate().unwrap_err();
+    assert!(err.to_string().contains("belongs to a KV manager"), "{err}");
+    assert!(pool.allocate_many(2).is_err());
+    drop(first);
+    assert!(!pool.is_claimed());
+    KVCacheManager::with_pools(KvConfig::new(4, 16), pool, None).unwrap();
+}
+
+#[test]
+fn a_snapshot_held_across_evictions_is_counted_by_the_invariant_walk() {
+    let (mut m, _fake) = backed(16, 32);
+    m.admit(1, &toks(0..16), none()).unwrap();
+    m.free(1, None).unwrap();
+    let snap = m.snapshot_prefix_cache().unwrap();
+    m.check_invariants().unwrap();
+    // Evicting every entry leaves the snapshot's refs as the only ones.
+    assert_eq!(m.evict(16), 4);
+    m.check_invariants().unwrap();
+    assert_eq!(m.stats().free, 12);
+    let dir = tempfile::tempdir().unwrap();
+    assert_eq!(snap.write(&dir.path().join("c.bin")).unwrap(), 4);
+    assert_eq!(m.stats().free, 16);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_load_in_steps_is_counted_while_its_blocks_are_lent() {
+    let (mut m, _fake) = backed(16, 32);
+    m.admit(1, &toks(0..16), none()).unwrap();
+    m.free(1, None).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.bin");
+    m.save_prefix_cache(&path).unwrap();
+    let (mut other, _fake2) = backed(16, 32);
+    let file = other.load_target().unwrap().verify(&path).unwrap();
+    let mut pending = other.reserve_load(file).unwrap();
+    other.check_invariants().unwrap();
+    pending.copy_in().unwrap();
+    // Meanwhile the same prefix was cached here: the loaded duplicate is
+    // released, not inserted twice.
+    other.admit(2, &toks(0..8), none()).unwrap();
+    other.free(2, None).unwrap();
+    other.check_invariants().unwrap();
+    assert_eq!(other.finish_load(pending).unwrap(), 2);
+    other.check_invariants().unwrap();
+    assert_eq!(other.stats().cached, 4);
+}
+
+#[test]
+fn loading_with_prefix_caching_off_is_refused() {
+    let (mut m, _fake) = backed(16, 32);
+    m.admit(1, &toks(0..16), none()).unwrap();
+    m.free(1, None).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.bin");
+    m.save_prefix_cache(&path).unwrap();
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, 16);
+    cfg.block_bytes = 32;
+    cfg.enable_prefix_caching = false;
+    let mut off = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    off.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), 32)))
+        .unwrap();
+    let err = off.load_prefix_cache(&path).unwrap_err();
+    assert!(err.to_string().contains("prefix caching off"), "{err}");
+    assert_eq!(off.stats().live, 0);
+}
+
+#[test]
+fn a_directory_is_not_a_prefix_cache_file() {
+    let (mut m, _fake) = backed(16, 32);
+    let dir = tempfile::tempdir().unwrap();
+    let err = m.load_prefix_cache(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+    let err = m.save_prefix_cache(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 512, ..Default::default() })]
+
+    /// `can_append` is the block arithmetic done in `u128`, for any count:
+    /// nothing wraps or truncates into a count that fits.
+    #[test]
+    fn can_append_is_exact_for_any_count(
+        blocks in 1u32..64,
+        bs in 1usize..32,
+        have in 1usize..2048,
+        n in proptest::prop_oneof![0usize..4096, proptest::prelude::any::<usize>()],
+    ) {
+        let mut m = slots(bs, blocks);
+        let have = have.min(blocks as usize * bs);
+        m.admit(1, &toks(0..have as u32), none()).unwrap();
+        let used = have.div_ceil(bs) as u128;
+        let need = (have as u128 + n as u128).div_ceil(bs as u128) - used;
+        proptest::prop_assert_eq!(m.can_append(1, n).unwrap(), need <= blocks as u128 - used);
+    }
+}

@@ -149,6 +149,7 @@ impl PlanInput {
         }
         positive("tp", u64::from(self.tp))?;
         at_most("tp", u64::from(self.tp), 4096)?;
+        check_tp(&self.model, self.tp)?;
         positive("budget", self.budget)?;
         at_most("budget", self.budget, MAX_BYTES)?;
         at_most("context", self.context_bytes, MAX_BYTES)?;
@@ -288,6 +289,39 @@ pub fn parse_size(text: &str, field: &str) -> Result<u64, MemError> {
         )));
     }
     Ok(value)
+}
+
+/// Refuses a tensor-parallel degree the attention heads do not split over
+/// evenly: every rank must get the same number of query heads, and the KV
+/// heads must split evenly (`tp` divides them) or be replicated (they
+/// divide `tp`). Names the nearest degrees that do.
+fn check_tp(m: &ModelShape, tp: u32) -> Result<(), MemError> {
+    let heads = m.num_attention_heads;
+    let kv = match m.attention {
+        Attention::Gqa { num_kv_heads, .. } => Some(num_kv_heads),
+        Attention::Mla { .. } => None,
+    };
+    let ok = |t: u64| {
+        t > 0 && heads % t == 0 && kv.map_or(true, |k| k > 0 && (k % t == 0 || t % k == 0))
+    };
+    let tp = u64::from(tp);
+    if heads == 0 || ok(tp) {
+        return Ok(());
+    }
+    let below = (1..tp).rev().find(|&t| ok(t));
+    let above = (tp + 1..=4096).find(|&t| ok(t));
+    let nearest = match (below, above) {
+        (Some(b), Some(a)) => format!("tp {b} or {a}"),
+        (Some(b), None) => format!("tp {b}"),
+        (None, Some(a)) => format!("tp {a}"),
+        (None, None) => "tp 1".to_string(),
+    };
+    let kv_text = kv.map_or(String::new(), |k| format!(" and {k} KV heads"));
+    Err(MemError::invalid(format!(
+        "tp={tp} does not split the model's {heads} attention heads{kv_text} evenly over the \
+         ranks (each rank needs the same heads; KV heads split evenly or are replicated); use \
+         {nearest}"
+    )))
 }
 
 #[cfg(test)]

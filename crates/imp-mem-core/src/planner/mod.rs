@@ -21,6 +21,7 @@
 
 mod dtype;
 mod failure;
+mod hf_defaults;
 mod input;
 mod plan;
 mod shape;

@@ -225,17 +225,32 @@ impl ModelShape {
         let top = config.as_object().ok_or_else(|| {
             MemError::invalid("config.json: expected a JSON object at the top level")
         })?;
-        let cfg = match top.get("text_config") {
-            Some(Value::Object(text)) => Cfg {
-                primary: text,
-                fallback: Some(top),
-            },
-            _ => Cfg {
-                primary: top,
-                fallback: None,
-            },
+        let (primary, fallback) = match top.get("text_config") {
+            Some(Value::Object(text)) => (text, Some(top)),
+            _ => (top, None),
         };
-        parse(&cfg)
+        // transformers' defaults for the fields the file leaves out, by the
+        // text model's type.
+        let model_type = [Some(primary), fallback]
+            .into_iter()
+            .flatten()
+            .find_map(|m| m.get("model_type").and_then(Value::as_str))
+            .unwrap_or_default();
+        let defaults: Map<String, Value> = super::hf_defaults::defaults(model_type)
+            .iter()
+            .map(|(key, value)| {
+                let value = match *value {
+                    super::hf_defaults::D::Int(n) => Value::from(n),
+                    super::hf_defaults::D::Bool(b) => Value::from(b),
+                };
+                ((*key).to_string(), value)
+            })
+            .collect();
+        parse(&Cfg {
+            primary,
+            fallback,
+            defaults: &defaults,
+        })
     }
 
     /// Reads a `config.json` file; if a safetensors index or safetensors
@@ -394,16 +409,25 @@ pub fn weights_bytes_from_safetensors_index(index: &Value) -> Result<u64, MemErr
 struct Cfg<'a> {
     primary: &'a Map<String, Value>,
     fallback: Option<&'a Map<String, Value>>,
+    /// transformers' default for a key neither level has (`hf_defaults`);
+    /// a key present as `null` keeps its "none".
+    defaults: &'a Map<String, Value>,
 }
 
 impl<'a> Cfg<'a> {
     fn raw(&self, key: &str) -> Option<&'a Value> {
         let found = self.primary.get(key).filter(|v| !v.is_null());
-        found.or_else(|| {
-            self.fallback
-                .and_then(|f| f.get(key))
-                .filter(|v| !v.is_null())
-        })
+        found
+            .or_else(|| {
+                self.fallback
+                    .and_then(|f| f.get(key))
+                    .filter(|v| !v.is_null())
+            })
+            .or_else(|| {
+                let absent = !self.primary.contains_key(key)
+                    && !self.fallback.is_some_and(|f| f.contains_key(key));
+                absent.then(|| self.defaults.get(key)).flatten()
+            })
     }
 
     /// The first of `keys` present, as a non-negative integer.

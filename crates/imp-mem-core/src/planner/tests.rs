@@ -574,8 +574,11 @@ fn hybrid_state_is_a_pool_of_per_sequence_slots() {
 
 #[test]
 fn bad_input_names_the_field() {
+    // Without a model type transformers knows, a missing field is refused
+    // (a known type takes transformers' default, see below).
     let mut cfg = llama3_8b();
     cfg.as_object_mut().unwrap().remove("num_hidden_layers");
+    cfg.as_object_mut().unwrap().remove("model_type");
     let err = ModelShape::from_hf_config(&cfg).unwrap_err().to_string();
     assert!(err.contains("'num_hidden_layers'"), "{err}");
     let mut cfg = llama3_8b();
@@ -760,8 +763,12 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
                 (ctx, lib),
                 (spec, vision, lora, scratch),
             )| {
+                let model = ModelShape::from_hf_config(&cfg).unwrap();
+                // A valid split: no more ranks than query heads (all powers of
+                // two here, so the KV heads split or replicate).
+                let tp = tp.min(model.num_attention_heads as u32);
                 PlanInput {
-                    model: ModelShape::from_hf_config(&cfg).unwrap(),
+                    model,
                     limits: Limits {
                         max_batch: batch,
                         max_seq_len: seq,
@@ -1014,4 +1021,47 @@ fn a_measured_activation_high_water_is_its_own_line_and_none_changes_nothing() {
     );
     let back = MemoryPlan::from_json(&plan.to_json().unwrap()).unwrap();
     assert_eq!(back, plan);
+}
+
+#[test]
+fn a_field_left_out_takes_the_transformers_default_of_its_model_type() {
+    // Gemma-3 without head_dim or vocab_size: transformers' 256 and 262208,
+    // not hidden / heads (issue 14: 368 640 instead of 393 216 B per token).
+    let gemma3 = json!({
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "sliding_window": 1024,
+    });
+    let s = ModelShape::from_hf_config(&gemma3).unwrap();
+    assert_eq!(s.vocab_size, 262208);
+    match s.attention {
+        Attention::Gqa { head_dim, .. } => assert_eq!(head_dim, 256),
+        other => panic!("{other:?}"),
+    }
+    // The same keys under a multimodal gemma3 config's text_config.
+    let wrapped = json!({"model_type": "gemma3", "text_config": gemma3});
+    assert_eq!(ModelShape::from_hf_config(&wrapped).unwrap(), s);
+    // An explicit null keeps its meaning: no sliding window for Mistral,
+    // whose default window is 4096.
+    let mistral = json!({"model_type": "mistral", "sliding_window": null});
+    let s = ModelShape::from_hf_config(&mistral).unwrap();
+    assert_eq!((s.sliding_layers, s.sliding_window), (0, None));
+    let s = ModelShape::from_hf_config(&json!({"model_type": "mistral"})).unwrap();
+    assert_eq!(s.sliding_window, Some(4096));
+}
+
+#[test]
+fn a_tp_degree_the_heads_do_not_split_over_is_refused_naming_the_nearest() {
+    let mut bad = input(shape(&llama3_8b()), 8, 4096, 80 * GIB);
+    bad.tp = 3;
+    let err = plan_memory(&bad).unwrap_err().to_string();
+    assert!(err.contains("tp=3") && err.contains("8 KV heads"), "{err}");
+    assert!(err.contains("use tp 2 or 4"), "{err}");
+    // Replicating the KV heads (tp a multiple of them) is a valid split.
+    bad.tp = 16;
+    assert!(plan_memory(&bad).is_ok());
 }

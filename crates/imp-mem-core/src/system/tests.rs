@@ -377,6 +377,16 @@ fn without_measured_charges_the_plans_are_reported_as_estimates() {
     assert!(r.device.is_none());
     assert_eq!(r.charges[0].bytes, p.context);
     assert!(!r.charges[0].measured);
+    // Estimates nobody measured or claimed are shown, not attributed.
+    let estimated: u64 = r
+        .charges
+        .iter()
+        .filter(|c| !c.measured)
+        .map(|c| c.bytes)
+        .sum();
+    assert!(estimated > 0);
+    assert_eq!(r.planned_unclaimed, estimated);
+    assert_eq!(r.attributed, r.backend_committed);
     let text = r.text();
     for needle in [
         "model-resident arena",
@@ -384,6 +394,7 @@ fn without_measured_charges_the_plans_are_reported_as_estimates() {
         "CUDA context + driver (plan)",
         "no device reading",
         "steady-state allocations while serving: 0",
+        "planned, not claimed (estimate)",
     ] {
         assert!(text.contains(needle), "{needle}\n{text}");
     }
