@@ -123,7 +123,7 @@ impl Harness {
         cfg.kv_events = true;
         let mut m = KVCacheManager::new(cfg, Some(fake.backend())).map_err(fail)?;
         let host = if disk { HOST_BEFORE_DISK } else { HOST };
-        let tier = FakeTierIo::new(fake.clone(), BYTES, host, false);
+        let tier = FakeTierIo::new(fake.clone(), BYTES, host, false).map_err(fail)?;
         m.set_host_tier(Box::new(tier.clone())).map_err(fail)?;
         let dir = if disk {
             let dir = tempfile::tempdir().map_err(fail)?;

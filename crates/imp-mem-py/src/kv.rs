@@ -666,12 +666,9 @@ pub(crate) fn tier_io(
         return Err(unsupported());
     };
     if let Ok(fake) = b.downcast::<PyFakeBackend>() {
-        Ok(Box::new(FakeTierIo::new(
-            fake.get().fake.clone(),
-            block_bytes,
-            host_blocks,
-            true,
-        )))
+        Ok(Box::new(
+            FakeTierIo::new(fake.get().fake.clone(), block_bytes, host_blocks, true).py()?,
+        ))
     } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
         Ok(Box::new(
             CudaTierIo::new(cuda.get().context(), block_bytes, host_blocks).py()?,

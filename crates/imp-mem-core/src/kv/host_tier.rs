@@ -37,7 +37,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::block_pool::{BlockId, BlockToken};
-use crate::error::MemError;
+use crate::error::{try_reserve, MemError};
 use crate::fake::FakeBackend;
 use crate::kv::disk_tier::DiskTier;
 use crate::kv::events::{EventLog, Medium};
@@ -148,12 +148,20 @@ pub(crate) struct Reaped {
 }
 
 impl HostTier {
-    pub fn new(io: Box<dyn TierIo>) -> Self {
+    /// The tier over `io`'s slots; its free list is reserved fallibly.
+    pub fn new(io: Box<dyn TierIo>) -> Result<Self, MemError> {
         let capacity = io.slots();
-        Self {
+        let mut free = Vec::new();
+        try_reserve(
+            &mut free,
+            capacity as usize,
+            &format!("a host tier of {capacity} blocks"),
+        )?;
+        free.extend((0..capacity).rev());
+        Ok(Self {
             io,
             capacity,
-            free: (0..capacity).rev().collect(),
+            free,
             resident: FastMap::default(),
             lru: BTreeMap::new(),
             next_stamp: 0,
@@ -161,7 +169,7 @@ impl HostTier {
             onboarding: VecDeque::new(),
             counters: HostCounters::default(),
             disk: None,
-        }
+        })
     }
 
     pub fn capacity(&self) -> u32 {
@@ -534,20 +542,39 @@ pub struct FakeTierIo {
 }
 
 impl FakeTierIo {
-    /// `slots` host blocks of `block_bytes` over `fake`'s memory.
-    pub fn new(fake: FakeBackend, block_bytes: usize, slots: u32, auto: bool) -> Self {
-        Self {
+    /// `slots` host blocks of `block_bytes` over `fake`'s memory. The host
+    /// bytes are reserved fallibly (the count is a caller's): refused with
+    /// `HostOutOfMemory`, or `InvalidArgument` past the address space.
+    pub fn new(
+        fake: FakeBackend,
+        block_bytes: usize,
+        slots: u32,
+        auto: bool,
+    ) -> Result<Self, MemError> {
+        let bytes = block_bytes.checked_mul(slots as usize).ok_or_else(|| {
+            MemError::invalid(format!(
+                "a host tier of {slots} blocks of {block_bytes} B is too large"
+            ))
+        })?;
+        let mut host = Vec::new();
+        try_reserve(
+            &mut host,
+            bytes,
+            &format!("a host tier of {slots} blocks of {block_bytes} B"),
+        )?;
+        host.resize(bytes, 0);
+        Ok(Self {
             state: Arc::new(Mutex::new(FakeTierState {
                 fake,
                 block_bytes,
                 slots,
-                host: vec![0; block_bytes * slots as usize],
+                host,
                 queue: VecDeque::new(),
                 next: 0,
                 done_below: 0,
                 auto,
             })),
-        }
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, FakeTierState> {

@@ -509,7 +509,7 @@ impl KVCacheManager {
         if self.host.is_some() {
             return Err(MemError::invalid("this manager has a host tier already"));
         }
-        self.host = Some(HostTier::new(io));
+        self.host = Some(HostTier::new(io)?);
         Ok(())
     }
 
@@ -700,7 +700,7 @@ impl KVCacheManager {
 
     /// Device blocks in flight to the host tier: room, once their copies
     /// complete.
-    fn offloading(&self) -> u32 {
+    pub(crate) fn offloading(&self) -> u32 {
         self.host.as_ref().map_or(0, |h| h.offloading.len() as u32)
     }
 

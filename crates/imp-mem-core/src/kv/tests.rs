@@ -1110,3 +1110,65 @@ proptest::proptest! {
         proptest::prop_assert_eq!(m.can_append(1, n).unwrap(), need <= blocks as u128 - used);
     }
 }
+
+// ------------------------------------- issue 14 x issue 17 (merge of both)
+
+#[test]
+fn lent_refs_and_offloads_in_flight_are_both_counted_and_a_load_leaves_one_tier() {
+    use crate::kv::events::{KvEvent, Medium};
+    use crate::kv::FakeTierIo;
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, 16);
+    cfg.block_bytes = 32;
+    cfg.kv_events = true;
+    let mut m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    m.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), 32)))
+        .unwrap();
+    // Copies run only when told (or waited for).
+    let tier = FakeTierIo::new(fake.clone(), 32, 8, false).unwrap();
+    m.set_host_tier(Box::new(tier.clone())).unwrap();
+    m.admit(1, &toks(0..16), none()).unwrap();
+    m.free(1, None).unwrap();
+    let snap = m.snapshot_prefix_cache().unwrap();
+    // Two entries evicted into the host tier: their copies are in flight
+    // while the snapshot still lends a ref on every block.
+    assert_eq!(m.evict(2), 2);
+    assert_eq!(m.offloading(), 2);
+    m.check_invariants().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.bin");
+    assert_eq!(snap.write(&path).unwrap(), 4);
+    m.check_invariants().unwrap();
+    tier.advance(8).unwrap();
+    m.poll_copies(true).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(m.host_cached_blocks().len(), 2);
+    let _ = m.drain_events();
+
+    // The load brings the two evicted blocks back onto the device: stored
+    // there, and dropped from the host tier (one tier per hash).
+    assert_eq!(m.load_prefix_cache(&path).unwrap(), 2);
+    m.check_invariants().unwrap();
+    assert!(m.host_cached_blocks().is_empty());
+    assert_eq!(m.stats().cached, 4);
+    let events = m.drain_events();
+    let count = |want: Medium, stored: bool| {
+        events
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    medium,
+                    ..
+                } if stored && *medium == want => block_hashes.len(),
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                } if !stored && *medium == want => block_hashes.len(),
+                _ => 0,
+            })
+            .sum::<usize>()
+    };
+    assert_eq!(count(Medium::Device, true), 2, "{events:?}");
+    assert_eq!(count(Medium::Host, false), 2, "{events:?}");
+}
