@@ -117,6 +117,13 @@ class World:
         kv.admit(1, list(range(20)))
         kv.admit(2, list(range(9)))
         objs += [kv, P.KVCacheManager(8, 16)]
+        # Main's KV tiers and events, and the activation pool (T4a).
+        tiered = P.KVCacheManager(
+            64, 4, backend=fake, block_bytes=64, kv_events=True, host_blocks=8
+        )
+        tiered.admit(3, list(range(20)))
+        tiered.free(3)
+        objs += [tiered, P.ActivationPool(fake, "1MiB")]
         objs += [P.PinnedBuffer(4096)]
         shape = P.ModelShape.from_hf_config(
             {

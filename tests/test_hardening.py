@@ -140,6 +140,7 @@ def test_an_out_of_memory_commit_under_a_gc_callback_that_touches_the_region():
 
 CLASS_TEST = """
 import gc
+import types
 import imp_mem as P
 
 fake = P.FakeBackend(capacity="64MiB")
@@ -153,7 +154,24 @@ mark = stack.mark()
 kv = P.KVCacheManager(64, 4, backend=fake, block_bytes=64)
 kv.admit(1, list(range(16)))
 region = fake.acquire_growable("1MiB", 4096)
-objects = [pool, refs, one, arena, span, stack, mark, kv, region, fake]
+# What main added beside the hardening: a manager with events and a host
+# tier, the activation pool, and a memory system (sleep / wake / swap).
+tiered = P.KVCacheManager(64, 4, backend=fake, block_bytes=64, kv_events=True, host_blocks=8)
+tiered.admit(1, list(range(16)))
+tiered.free(1)
+tiered.admit(2, list(range(16)))
+activations = P.ActivationPool(fake, "1MiB")
+shape = P.ModelShape.from_hf_config({
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 1000, "max_position_embeddings": 2048,
+})
+plan = P.plan_memory(P.PlanInput(
+    shape, P.Limits(2, 256, kv_policy="fit"), P.Features(), budget="128MiB",
+    context=1 << 20, library_reserve=1 << 20,
+))
+system = P.MemorySystem(P.FakeBackend(capacity="256MiB"), plan)
+objects = [pool, refs, one, arena, span, stack, mark, kv, region, fake, tiered, activations, system]
 target = [None]
 
 def touch(phase, info):
@@ -164,12 +182,13 @@ def touch(phase, info):
         return
     repr(o)
     for name in dir(type(o)):
-        if isinstance(getattr(type(o), name, None), property) or name in ("ids", "nbytes"):
+        # pyo3's getters are getset descriptors, not properties.
+        if isinstance(getattr(type(o), name, None), (property, types.GetSetDescriptorType)):
             try:
                 getattr(o, name)
             except Exception:
                 pass
-    for name in ("stats", "sequences", "cached_blocks"):
+    for name in ("stats", "sequences", "cached_blocks", "host_cached_blocks", "pending_events"):
         try:
             getattr(o, name)()
         except Exception:

@@ -64,9 +64,10 @@ impl PyActivationPool {
     fn new(
         backend: &Bound<'_, PyBackend>,
         capacity: &Bound<'_, PyAny>,
-        strict: Option<bool>,
+        strict: Option<&Bound<'_, PyAny>>,
         align: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let strict = convert::opt(strict, "strict", convert::flag)?;
         let capacity = convert::bytes(capacity, "capacity")?;
         let mut config = ActivationConfig::new(capacity);
         if let Some(a) = align.filter(|a| !a.is_none()) {

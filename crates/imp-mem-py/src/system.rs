@@ -543,10 +543,6 @@ impl PyMemorySystem {
         self.lock().check().py()
     }
 
-    /// Releases every tier and restores the backend's budget. Memory a
-    /// block ref, an export or a tier object still holds is released when
-    /// that is dropped; an `ImpMemWarning` names it. Returns
-    /// `{"released": bytes, "still_held": {tag: bytes}}`.
     /// Swaps the model: checks `plan` against what survives (budget, T2,
     /// context, library reserve: an itemised InvalidArgument otherwise),
     /// refuses while T1 is exported, a pool holds blocks or a re-laid pool
@@ -604,7 +600,10 @@ impl PyMemorySystem {
     /// BackendUnavailable on a backend without growable regions and
     /// InvalidArgument for a busy pool; nothing changes then. Returns
     /// `{"level", "released", "host_bytes", "tiers": [...]}`.
-    #[pyo3(signature = (level = None, tiers = None))]
+    #[pyo3(
+        signature = (level = None, tiers = None),
+        text_signature = "($self, level=1, tiers=None)"
+    )]
     fn sleep<'py>(
         &self,
         py: Python<'py>,
@@ -689,12 +688,18 @@ impl PyMemorySystem {
     #[getter]
     fn asleep<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
-        for (key, level) in self.lock().asleep() {
+        // Copied out first: no Python object is built under the lock.
+        let asleep = self.lock().asleep();
+        for (key, level) in asleep {
             out.set_item(key, level)?;
         }
         Ok(out)
     }
 
+    /// Releases every tier and restores the backend's budget. Memory a
+    /// block ref, an export or a tier object still holds is released when
+    /// that is dropped; an `ImpMemWarning` names it. Returns
+    /// `{"released": bytes, "still_held": {tag: bytes}}`.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         // The system's own pool objects go first, so only what the caller
         // still holds is reported as held.
