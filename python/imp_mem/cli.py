@@ -40,6 +40,12 @@ def _demo(args: argparse.Namespace) -> int:
     import imp_mem
     from imp_mem.system import run_demo
 
+    others = None
+    if args.backend != "fake" and imp_mem.cuda_available():
+        from imp_mem.engine.demo import device_used_by_all_processes
+
+        # Before this process opens a context: what the others hold.
+        others = device_used_by_all_processes()
     backend = _pick_backend(args.backend, args.capacity)
     if backend.kind != "fake" and _torch_cuda():
         # On a GPU with torch, the demo is the reference engine serving.
@@ -47,6 +53,7 @@ def _demo(args: argparse.Namespace) -> int:
 
         return run_engine_demo(
             backend,
+            other_processes=others,
             seconds=args.seconds,
             max_batch=args.max_batch,
             max_seq_len=min(args.max_seq_len, 1024),
