@@ -229,16 +229,9 @@ def child_imp(args) -> dict:
 
 def device_used_now() -> int:
     """Device memory in use by every process (nvidia-smi), in bytes; 0 if unknown."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-        return int(float(out.strip().splitlines()[0]) * MIB)
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return 0
+    from imp_mem.reserve import device_used_by_all_processes
+
+    return device_used_by_all_processes() or 0
 
 
 def run_child(kind: str, args, extra: list[str]) -> dict:

@@ -42,7 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     others = None
     if args.backend != "fake" and imp_mem.cuda_available():
-        from imp_mem.engine.demo import device_used_by_all_processes
+        from imp_mem.reserve import device_used_by_all_processes
 
         # Before this process opens a context: what the others hold.
         others = device_used_by_all_processes()

@@ -70,6 +70,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
     ) from exc
 
 from imp_mem import _core
+from imp_mem._frameworks import activations_of as _activations_of
 from imp_mem.errors import InvalidArgument, PhaseViolation
 
 __all__ = [
@@ -108,20 +109,6 @@ def pluggable_allocator() -> torch.cuda.memory.CUDAPluggableAllocator:
     """torch's view of the entry points; one per process (the entry points route
     to whichever tier is installed)."""
     return torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL)
-
-
-def _activations_of(target: Any) -> Any:
-    """The ActivationPool of a MemorySystem, or the pool itself."""
-    if isinstance(target, _core.ActivationPool):
-        return target
-    pool = getattr(target, "activations", None)
-    if pool is None:
-        raise InvalidArgument(
-            "target: the memory system has no activations tier; plan one with "
-            "Features(activation_bytes=...) (imp_mem.torch.measure_step_high_water "
-            "measures it), or pass an ActivationPool"
-        )
-    return pool
 
 
 def _device_index(device: Any) -> int:

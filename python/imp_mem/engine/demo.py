@@ -51,6 +51,7 @@ def run_engine_demo(
 
         import imp_mem
         from imp_mem.engine.runtime import measure_torch_high_water
+        from imp_mem.reserve import device_used_by_all_processes
 
         pooled: dict[str, Any] = {}
         others, retained = None, 0
@@ -135,22 +136,3 @@ def run_engine_demo(
             )
             out(e.mem_report_text(other_processes=others))
     return 0
-
-
-def device_used_by_all_processes() -> int | None:
-    """Device 0's memory in use by every process (nvidia-smi), or None."""
-    import shutil
-    import subprocess
-
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        text = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        return int(float(text.strip().splitlines()[0]) * (1 << 20))
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
