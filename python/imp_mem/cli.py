@@ -56,6 +56,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     shape = imp_mem.ModelShape.from_hf_config(preset(args.model))
     _warn_past_trained_context(shape, args.max_seq_len)
+    others = None
+    if args.backend != "fake" and imp_mem.cuda_available():
+        from imp_mem.reserve import device_used_by_all_processes
+
+        # Before this process opens a context: what the others hold.
+        others = device_used_by_all_processes()
     backend = _pick_backend(args.backend, args.capacity)
     if backend.kind != "fake" and _torch_cuda() and not args.json:
         # On a GPU with torch, the demo is the reference engine serving
@@ -64,6 +70,7 @@ def _demo(args: argparse.Namespace) -> int:
 
         return run_engine_demo(
             backend,
+            other_processes=others,
             seconds=args.seconds,
             max_batch=args.max_batch,
             max_seq_len=min(args.max_seq_len, 1024),

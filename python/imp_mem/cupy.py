@@ -33,24 +33,13 @@ except ImportError as exc:  # pragma: no cover - exercised where CuPy is absent
     ) from exc
 
 from imp_mem import _core
+from imp_mem._frameworks import activations_of as _activations_of
 from imp_mem.errors import InvalidArgument
 
 __all__ = ["FREE_SYMBOL", "MALLOC_SYMBOL", "allocator", "install", "use_pool"]
 
 MALLOC_SYMBOL = "imp_mem_cupy_malloc"
 FREE_SYMBOL = "imp_mem_cupy_free"
-
-
-def _activations_of(target: Any) -> Any:
-    if isinstance(target, _core.ActivationPool):
-        return target
-    pool = getattr(target, "activations", None)
-    if pool is None:
-        raise InvalidArgument(
-            "target: the memory system has no activations tier; plan one with "
-            "Features(activation_bytes=...), or pass an ActivationPool"
-        )
-    return pool
 
 
 def _symbol(name: str) -> int:

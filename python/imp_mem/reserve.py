@@ -43,6 +43,7 @@ from imp_mem import _core
 
 __all__ = [
     "default_cache_path",
+    "device_used_by_all_processes",
     "fingerprint",
     "load_or_measure",
     "lookup",
@@ -87,21 +88,41 @@ def default_cache_path() -> Path:
     return base / "reserve.json"
 
 
-def _driver_version() -> str:
+def nvidia_smi_query(field: str, device: int = 0) -> str | None:
+    """One ``nvidia-smi --query-gpu`` field of ``device`` (no header, no
+    units), or None where nvidia-smi is missing or fails. It opens no CUDA
+    context in this process."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"],
+            [
+                "nvidia-smi",
+                f"--query-gpu={field}",
+                "--format=csv,noheader,nounits",
+                "-i",
+                str(device),
+            ],
             capture_output=True,
             text=True,
             timeout=20,
             check=True,
         )
-        version = out.stdout.strip().splitlines()[0].strip()
-        if version:
-            return version
-    except (OSError, subprocess.SubprocessError, IndexError):
-        pass
-    return f"cuda-driver-api-{_core.cuda_driver_version()}"
+        return out.stdout.strip().splitlines()[0].strip()
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def device_used_by_all_processes(device: int = 0) -> int | None:
+    """Bytes of ``device`` in use by every process (nvidia-smi), or None: read
+    before this process opens a context, it is what the others hold."""
+    text = nvidia_smi_query("memory.used", device)
+    try:
+        return int(float(text) * (1 << 20)) if text else None
+    except ValueError:
+        return None
+
+
+def _driver_version() -> str:
+    return nvidia_smi_query("driver_version") or f"cuda-driver-api-{_core.cuda_driver_version()}"
 
 
 def _dist_version(*names: str) -> str | None:

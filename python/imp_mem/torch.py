@@ -70,6 +70,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
     ) from exc
 
 from imp_mem import _core
+from imp_mem._frameworks import activations_of as _activations_of
 from imp_mem.errors import InvalidArgument, PhaseViolation
 
 __all__ = [
@@ -108,20 +109,6 @@ def pluggable_allocator() -> torch.cuda.memory.CUDAPluggableAllocator:
     """torch's view of the entry points; one per process (the entry points route
     to whichever tier is installed)."""
     return torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL)
-
-
-def _activations_of(target: Any) -> Any:
-    """The ActivationPool of a MemorySystem, or the pool itself."""
-    if isinstance(target, _core.ActivationPool):
-        return target
-    pool = getattr(target, "activations", None)
-    if pool is None:
-        raise InvalidArgument(
-            "target: the memory system has no activations tier; plan one with "
-            "Features(activation_bytes=...) (imp_mem.torch.measure_step_high_water "
-            "measures it), or pass an ActivationPool"
-        )
-    return pool
 
 
 def _device_index(device: Any) -> int:
@@ -393,23 +380,23 @@ def measure_step_high_water(step: Callable[[], Any], *, warmup: int = 1, device:
 
 
 def measure_outside_charge(
-    system: Any, warmup: Callable[[], Any], *, device: Any = None, key: str = "torch_runtime"
+    system: Any, warmup: Callable[[], Any], *, device: int | None = None, key: str = "torch_runtime"
 ) -> int:
-    """Measures the device memory torch's warm-up takes outside every allocator
-    (kernels loaded lazily into the context, library handles) and charges it to
-    ``system`` under ``key``, so the report names it.
+    """Measures the device memory ``warmup()`` takes outside every allocator
+    (torch's own runtime when it initialises there, kernels loaded lazily into
+    the context, library handles) and charges it to ``system`` under ``key``,
+    so the report names it.
 
-    The charge is the growth of the device's used memory over the whole warm-up,
-    less the growth of what the backend committed; run the real workload's
-    warm-up (the window of lazily loaded kernels is what varies, not the
-    charge)."""
-    dev = _device_index(device)
-    torch.cuda.synchronize(dev)
-    free0, _ = torch.cuda.mem_get_info(dev)
+    The charge is the growth of the device's used memory over the whole warm-up
+    (read through the driver, so torch need not be initialised before), less
+    the growth of what the backend committed; run the real workload's warm-up
+    (the window of lazily loaded kernels is what varies, not the charge)."""
+    dev = 0 if device is None else int(device)
+    free0, _ = _core.cuda_mem_get_info(dev)
     committed0 = int(system.backend.stats()["committed"])
     warmup()
     torch.cuda.synchronize(dev)
-    free1, _ = torch.cuda.mem_get_info(dev)
+    free1, _ = _core.cuda_mem_get_info(dev)
     committed1 = int(system.backend.stats()["committed"])
     charge = max(0, (free0 - free1) - (committed1 - committed0))
     total = _outside_charges.get((id(system), key), 0) + charge
