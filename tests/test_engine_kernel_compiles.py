@@ -27,7 +27,14 @@ SCRIPT = textwrap.dedent(
     from imp_mem.engine import _paged_kernel as K
 
     target = GPUTarget("cuda", 90, 32)
-    PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    try:
+        # The ptxas Triton itself runs for sm_90 (newer releases ship two and
+        # pick by architecture; the older one rejects their PTX version).
+        from triton.backends.nvidia.compiler import get_ptxas
+        PTXAS = get_ptxas(90).path
+    except (ImportError, AttributeError, TypeError):
+        PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "ptxas")
 
     def compile(fn, args, consts, options):
         names = [n for n in fn.arg_names if n not in consts]
