@@ -1,8 +1,10 @@
 use std::sync::Arc;
 
 use super::*;
+use crate::error::MemError;
 use crate::fake::{FakeBackend, FakeConfig};
 use crate::phase::PhaseMode;
+use crate::tag::Tag;
 
 const KIB: u64 = 1024;
 

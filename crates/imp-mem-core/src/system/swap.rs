@@ -38,7 +38,8 @@ use crate::phase::Phase;
 use crate::planner::MemoryPlan;
 use crate::units::human_bytes;
 
-use super::{Handle, MemorySystem, Slot, Step};
+use super::open::Step;
+use super::{Handle, MemorySystem, Slot};
 
 const T1: &str = "model_resident";
 const T2: &str = "engine_persistent";

@@ -2,11 +2,15 @@
 //! failure at every step, the attribution arithmetic, the metrics format,
 //! V8 against a journal, and close.
 
+use std::collections::BTreeMap;
+
 use serde_json::json;
 
 use super::*;
 use crate::accounting::JournalOp;
+use crate::error::MemError;
 use crate::fake::{FakeBackend, FakeConfig};
+use crate::phase::Phase;
 use crate::phase::PhaseMode;
 use crate::planner::{
     plan_memory, Features, KvPlan, KvPolicy, Limits, ModelShape, PlanInput, PoolPlan,

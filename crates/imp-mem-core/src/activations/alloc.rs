@@ -1,0 +1,270 @@
+//! Allocate and free: the stream-ordered search (own lane, fresh memory,
+//! another lane after an order, reclaim), the fallback acquisition of
+//! production mode, and the refused frees.
+
+use crate::backend::{DEFAULT_ALIGNMENT, MAX_REQUEST_BYTES};
+use crate::error::{MemError, OomReport};
+use crate::tag::Tag;
+
+use super::blocks::{Core, Fallback};
+use super::config::{Freed, RefusedFree};
+use super::pool::{reserve_err, ActivationPool};
+use super::FRESH_STREAM;
+
+impl ActivationPool {
+    /// Allocates `bytes` (rounded up to the alignment) for work on `stream`
+    /// and returns its address. See the module documentation for the order
+    /// in which free blocks are tried.
+    pub fn allocate(&self, bytes: u64, stream: u64) -> Result<usize, MemError> {
+        let inner = &*self.inner;
+        if bytes == 0 || bytes > MAX_REQUEST_BYTES {
+            return Err(MemError::invalid(format!(
+                "allocate of {bytes} B: the size must be between 1 B and 1 PiB"
+            )));
+        }
+        if stream == FRESH_STREAM {
+            return Err(MemError::invalid(format!(
+                "stream {FRESH_STREAM:#x} is reserved; pass a real stream handle (0 for the legacy \
+                 default stream)"
+            )));
+        }
+        let need = bytes.div_ceil(inner.align) << inner.shift;
+        let units = need >> inner.shift;
+        let shift = inner.shift;
+        {
+            let mut core = self.core();
+            if let Some((level, _)) = core.asleep {
+                return Err(MemError::Asleep(format!(
+                    "allocate of {bytes} B from the activation pool, which sleeps (level \
+                     {level}); call wake() first"
+                )));
+            }
+            if core.live.try_reserve(1).is_err() {
+                core.c.ooms += 1;
+                return Err(reserve_err("pointer map"));
+            }
+            if let Some(idx) = Self::find_own(&core, stream, units, need) {
+                core.take(idx, shift);
+                core.carve(idx, need, stream, bytes, shift);
+                return Ok(inner.base + core.slab[idx as usize].offset as usize);
+            }
+            if need <= inner.capacity {
+                if let Some(addr) = self.take_other_lane(&mut core, stream, units, need, bytes)? {
+                    return Ok(addr);
+                }
+                if let Some(addr) = self.reclaim(&mut core, stream, units, need, bytes) {
+                    return Ok(addr);
+                }
+            }
+            if inner.strict {
+                core.c.ooms += 1;
+                return Err(self.oom(&core, bytes));
+            }
+        }
+        self.fall_back(bytes, need, stream)
+    }
+
+    /// A block of `stream`'s own lane that fits.
+    #[inline]
+    fn find_own(core: &Core, stream: u64, units: u64, need: u64) -> Option<u32> {
+        let lane = &core.lanes[core.lane_of(stream)? as usize];
+        lane.find(units)
+            .or_else(|| lane.find_exact(&core.slab, units, need))
+    }
+
+    /// Serves the request from another stream's free block, after ordering
+    /// `stream` after that one. A failed order is returned, nothing changed.
+    fn take_other_lane(
+        &self,
+        core: &mut Core,
+        stream: u64,
+        units: u64,
+        need: u64,
+        bytes: u64,
+    ) -> Result<Option<usize>, MemError> {
+        // Never-used memory first: it needs no order (and so no driver
+        // call, which matters while a stream is being captured).
+        let fresh = core.lanes.iter().filter(|l| l.stream == FRESH_STREAM);
+        let others = core
+            .lanes
+            .iter()
+            .filter(|l| l.stream != stream && l.stream != FRESH_STREAM);
+        let found = fresh.chain(others).filter(|l| l.blocks > 0).find_map(|l| {
+            l.find(units)
+                .or_else(|| l.find_exact(&core.slab, units, need))
+                .map(|idx| (idx, l.stream))
+        });
+        let Some((idx, producer)) = found else {
+            return Ok(None);
+        };
+        if producer != FRESH_STREAM {
+            self.inner.order.order_after(stream, producer)?;
+            core.c.cross_stream_reuses += 1;
+        }
+        core.take(idx, self.inner.shift);
+        core.carve(idx, need, stream, bytes, self.inner.shift);
+        Ok(Some(
+            self.inner.base + core.slab[idx as usize].offset as usize,
+        ))
+    }
+
+    /// Orders `stream` after every other stream holding free blocks, moves
+    /// their blocks to `stream`'s lane (merging), and searches once more.
+    fn reclaim(
+        &self,
+        core: &mut Core,
+        stream: u64,
+        units: u64,
+        need: u64,
+        bytes: u64,
+    ) -> Option<usize> {
+        let shift = self.inner.shift;
+        if core
+            .lanes
+            .iter()
+            .all(|l| l.stream == stream || l.blocks == 0)
+        {
+            return None;
+        }
+        let mut moved = false;
+        let mut i = 0;
+        while i < core.lanes.len() {
+            let (other, blocks) = (core.lanes[i].stream, core.lanes[i].blocks);
+            let ordered =
+                || other == FRESH_STREAM || self.inner.order.order_after(stream, other).is_ok();
+            if other != stream && blocks > 0 && ordered() {
+                moved |= core.move_lane(i as u32, stream, shift);
+            }
+            i += 1;
+        }
+        if !moved {
+            return None;
+        }
+        core.c.reclaims += 1;
+        let idx = Self::find_own(core, stream, units, need)?;
+        core.take(idx, shift);
+        core.carve(idx, need, stream, bytes, shift);
+        Some(self.inner.base + core.slab[idx as usize].offset as usize)
+    }
+
+    fn oom(&self, core: &Core, bytes: u64) -> MemError {
+        MemError::OutOfMemory(OomReport {
+            asked: bytes,
+            live: core.c.allocated,
+            budget: self.inner.capacity,
+            capacity: self.inner.capacity,
+            tag: Tag::Activations,
+            device_refused: false,
+        })
+    }
+
+    /// Production mode: a region of its own from the backend.
+    fn fall_back(&self, bytes: u64, need: u64, stream: u64) -> Result<usize, MemError> {
+        let inner = &*self.inner;
+        let region = match inner.backend.acquire(
+            need,
+            inner.align.max(DEFAULT_ALIGNMENT as u64),
+            Tag::Activations,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                self.core().c.ooms += 1;
+                return Err(e);
+            }
+        };
+        let addr = region.base();
+        let mut core = self.core();
+        if core.fallback.try_reserve(1).is_err() {
+            core.c.ooms += 1;
+            drop(core);
+            drop(region);
+            return Err(reserve_err("fallback map"));
+        }
+        core.fallback.insert(
+            addr as u64,
+            Fallback {
+                region,
+                requested: bytes,
+                stream,
+            },
+        );
+        let c = &mut core.c;
+        c.fallbacks_total += 1;
+        c.fallback_bytes_total += need;
+        c.fallback_bytes += need;
+        c.reserved_peak = c.reserved_peak.max(inner.capacity + c.fallback_bytes);
+        c.in_use_peak = c.in_use_peak.max(c.allocated + c.fallback_bytes);
+        c.requested += bytes;
+        c.live += 1;
+        c.live_peak = c.live_peak.max(c.live);
+        c.allocs_total += 1;
+        c.allocated_bytes_total += need;
+        Ok(addr)
+    }
+
+    /// Frees `addr` on `stream`: the block is reusable on `stream` at once,
+    /// on another stream after an order. A refused free changes nothing but
+    /// the refusal counter.
+    pub fn free(&self, addr: usize, stream: u64) -> Result<Freed, MemError> {
+        self.try_free(addr, stream).map_err(|r| r.error(addr))
+    }
+
+    /// [`ActivationPool::free`], with the reason for a refusal as a value.
+    pub fn try_free(&self, addr: usize, stream: u64) -> Result<Freed, RefusedFree> {
+        let inner = &*self.inner;
+        let mut core = self.core();
+        if stream == FRESH_STREAM {
+            core.c.refused_frees += 1;
+            return Err(RefusedFree::ReservedStream);
+        }
+        if self.contains(addr) {
+            let offset = (addr - inner.base) as u64;
+            let found = if offset & (inner.align - 1) == 0 {
+                core.live.remove(&(offset >> inner.shift))
+            } else {
+                None
+            };
+            let Some(idx) = found else {
+                core.c.refused_frees += 1;
+                return Err(RefusedFree::NotLive);
+            };
+            let b = core.slab[idx as usize];
+            // SAFETY: the block is live and was just removed from the map,
+            // so no handle to it remains; it lies inside the region.
+            unsafe { self.region().scrub(b.offset as usize, b.size as usize) };
+            core.put_free(idx, stream, inner.shift);
+            let c = &mut core.c;
+            c.allocated -= b.size;
+            c.requested -= b.requested;
+            c.live -= 1;
+            c.frees_total += 1;
+            c.freed_bytes_total += b.size;
+            return Ok(Freed {
+                size: b.size,
+                requested: b.requested,
+                alloc_stream: b.stream,
+                fallback: false,
+            });
+        }
+        let Some(fb) = core.fallback.remove(&(addr as u64)) else {
+            core.c.refused_frees += 1;
+            return Err(RefusedFree::Foreign);
+        };
+        let size = fb.region.len() as u64;
+        let c = &mut core.c;
+        c.fallback_bytes -= size;
+        c.requested -= fb.requested;
+        c.live -= 1;
+        c.frees_total += 1;
+        c.freed_bytes_total += size;
+        drop(core);
+        let freed = Freed {
+            size,
+            requested: fb.requested,
+            alloc_stream: fb.stream,
+            fallback: true,
+        };
+        drop(fb);
+        Ok(freed)
+    }
+}

@@ -1,0 +1,345 @@
+//! [`ActivationPool`]: the handle, opening the region, the accessors,
+//! sleep / wake, the counters and the description.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT, MAX_ALIGNMENT};
+use crate::error::MemError;
+use crate::phase::PhaseMode;
+use crate::tag::Tag;
+use crate::units::human_bytes;
+
+use super::blocks::{Core, Counters, OffsetMap};
+use super::config::{ActivationConfig, ActivationStats};
+use super::stream::StreamOrder;
+use super::tlsf::{Block, BlockState, Lane, NONE};
+use super::{DEFAULT_ACTIVATION_ALIGN, FRESH_STREAM, INITIAL_BLOCKS, INITIAL_LANES};
+
+pub(super) struct Inner {
+    id: u64,
+    pub(super) base: usize,
+    pub(super) capacity: u64,
+    pub(super) align: u64,
+    pub(super) shift: u32,
+    pub(super) strict: bool,
+    pub(super) backend: Backend,
+    pub(super) order: Arc<dyn StreamOrder>,
+    state: Mutex<Core>,
+    /// Declared last: released after the state (and its fallbacks) is gone.
+    /// Locked after `state` (a sleep decommits it), never before.
+    region: Mutex<Region>,
+}
+
+/// The activation pool (see the module documentation). Cloning gives
+/// another handle to the same pool.
+#[derive(Clone)]
+pub struct ActivationPool {
+    pub(super) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ActivationPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActivationPool")
+            .field("id", &self.inner.id)
+            .field("base", &format_args!("{:#x}", self.inner.base))
+            .field("capacity", &self.inner.capacity)
+            .field("align", &self.inner.align)
+            .field("strict", &self.inner.strict)
+            .finish()
+    }
+}
+
+static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(super) fn reserve_err(what: &str) -> MemError {
+    MemError::Capacity(format!(
+        "the activation pool could not allocate host memory for its {what}; the host is out of \
+         memory"
+    ))
+}
+
+impl ActivationPool {
+    /// Acquires a region of `config.capacity` bytes (tag `activations`) from
+    /// `backend` and opens a pool over it. `order` orders streams for
+    /// cross-stream reuse ([`NoStreams`](super::NoStreams) where there is one stream or none).
+    pub fn new(
+        backend: &Backend,
+        config: &ActivationConfig,
+        order: Arc<dyn StreamOrder>,
+    ) -> Result<Self, MemError> {
+        let align = config.align;
+        if align == 0 || !align.is_power_of_two() || align > MAX_ALIGNMENT {
+            return Err(MemError::invalid(format!(
+                "align must be a power of two up to 1 GiB, got {align}; use e.g. \
+                 {DEFAULT_ACTIVATION_ALIGN}"
+            )));
+        }
+        let capacity = config.capacity / align * align;
+        if capacity == 0 {
+            return Err(MemError::invalid(format!(
+                "capacity of {} B holds no block of align {align} B; give the activation pool at \
+                 least {align} B",
+                config.capacity
+            )));
+        }
+        let strict = config
+            .strict
+            .unwrap_or_else(|| backend.stats().mode == PhaseMode::Strict);
+        let mut slab: Vec<Block> = Vec::new();
+        slab.try_reserve(INITIAL_BLOCKS)
+            .map_err(|_| reserve_err("block metadata"))?;
+        let mut lanes: Vec<Lane> = Vec::new();
+        lanes
+            .try_reserve(INITIAL_LANES)
+            .map_err(|_| reserve_err("stream lanes"))?;
+        let mut live: OffsetMap<u32> = OffsetMap::default();
+        live.try_reserve(INITIAL_BLOCKS)
+            .map_err(|_| reserve_err("pointer map"))?;
+        let region = if config.growable {
+            backend.acquire_growable(capacity, capacity, Tag::Activations)?
+        } else {
+            backend.acquire(
+                capacity,
+                align.max(DEFAULT_ALIGNMENT as u64),
+                Tag::Activations,
+            )?
+        };
+        let mut core = Core {
+            slab,
+            spare: NONE,
+            lanes,
+            live,
+            fallback: OffsetMap::default(),
+            c: Counters {
+                reserved_peak: capacity,
+                ..Counters::default()
+            },
+            asleep: None,
+        };
+        core.slab.push(Block {
+            offset: 0,
+            size: capacity,
+            ..Block::spare()
+        });
+        core.put_free(0, FRESH_STREAM, align.trailing_zeros());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
+                base: region.base(),
+                capacity,
+                align,
+                shift: align.trailing_zeros(),
+                strict,
+                backend: backend.clone(),
+                order,
+                state: Mutex::new(core),
+                region: Mutex::new(region),
+            }),
+        })
+    }
+
+    pub(super) fn core(&self) -> MutexGuard<'_, Core> {
+        // A poisoned lock means a panic elsewhere while it was held; the
+        // structure is only ever changed by code that does not panic, so it
+        // is still consistent (check_invariants says so if not).
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// A process-unique id.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The region's first address.
+    pub fn base(&self) -> usize {
+        self.inner.base
+    }
+
+    /// Bytes of the region.
+    pub fn capacity(&self) -> u64 {
+        self.inner.capacity
+    }
+
+    /// The alignment and size granule.
+    pub fn align(&self) -> u64 {
+        self.inner.align
+    }
+
+    /// Whether exhaustion is refused (true) or falls back to the backend.
+    pub fn is_strict(&self) -> bool {
+        self.inner.strict
+    }
+
+    /// The backend the region came from.
+    pub fn backend(&self) -> &Backend {
+        &self.inner.backend
+    }
+
+    pub(super) fn region(&self) -> MutexGuard<'_, Region> {
+        self.inner
+            .region
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Bytes of the region committed now (0 while it sleeps).
+    pub fn committed(&self) -> u64 {
+        self.region().len() as u64
+    }
+
+    /// The sleep level, `None` when awake.
+    pub fn asleep(&self) -> Option<u8> {
+        self.core().asleep.map(|(level, _)| level)
+    }
+
+    /// What a sleeping pool had committed (0 when awake).
+    pub fn sleeping_committed(&self) -> usize {
+        self.core().asleep.map_or(0, |(_, committed)| committed)
+    }
+
+    /// Gives the region's physical memory back, keeping its addresses and
+    /// every block's bookkeeping: the bytes of live blocks are dropped (an
+    /// activation or a graph's intermediate is rewritten before it is read;
+    /// a tensor that must survive is copied out first), and allocations are
+    /// refused with [`MemError::Asleep`] (the C hooks return null) until
+    /// [`ActivationPool::wake`]. Fallback regions are not touched. Needs a
+    /// growable region ([`MemError::BackendUnavailable`] otherwise).
+    /// Returns the bytes decommitted.
+    pub fn sleep(&self, level: u8) -> Result<u64, MemError> {
+        let mut core = self.core();
+        if let Some((level, _)) = core.asleep {
+            return Err(MemError::invalid(format!(
+                "the activation pool already sleeps (level {level}); call wake() first"
+            )));
+        }
+        let mut region = self.region();
+        if !region.is_growable() {
+            return Err(MemError::BackendUnavailable(
+                "the activation pool cannot sleep: its region is fixed; open the system on a \
+                 VMM backend"
+                    .into(),
+            ));
+        }
+        let committed = region.len();
+        region.decommit(0)?;
+        core.asleep = Some((level, committed));
+        Ok(committed as u64)
+    }
+
+    /// Recommits the region at the same base; a no-op when awake. On
+    /// failure it sleeps on.
+    pub fn wake(&self) -> Result<(), MemError> {
+        let mut core = self.core();
+        let Some((_, committed)) = core.asleep else {
+            return Ok(());
+        };
+        self.region().commit(committed as u64)?;
+        core.asleep = None;
+        Ok(())
+    }
+
+    /// Whether `addr` lies inside the region.
+    pub fn contains(&self, addr: usize) -> bool {
+        addr >= self.inner.base && ((addr - self.inner.base) as u64) < self.inner.capacity
+    }
+
+    /// The requested size of the live allocation at `addr`, if it is one.
+    pub fn requested_size(&self, addr: usize) -> Option<u64> {
+        let inner = &*self.inner;
+        let core = self.core();
+        if self.contains(addr) {
+            let offset = (addr - inner.base) as u64;
+            let idx = core.live.get(&(offset >> inner.shift))?;
+            let b = &core.slab[*idx as usize];
+            (b.offset == offset).then_some(b.requested)
+        } else {
+            core.fallback.get(&(addr as u64)).map(|f| f.requested)
+        }
+    }
+
+    /// Resets the peaks to the current values.
+    pub fn reset_peak(&self) {
+        let cap = self.inner.capacity;
+        let mut core = self.core();
+        let c = &mut core.c;
+        c.allocated_peak = c.allocated;
+        c.in_use_peak = c.allocated + c.fallback_bytes;
+        c.live_peak = c.live;
+        c.reserved_peak = cap + c.fallback_bytes;
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> ActivationStats {
+        let core = self.core();
+        let c = core.c;
+        let (mut free_bytes, mut free_blocks, mut largest, mut streams) = (0, 0, 0, 0);
+        for lane in &core.lanes {
+            free_bytes += lane.bytes;
+            free_blocks += u64::from(lane.blocks);
+            if lane.blocks > 0 {
+                streams += 1;
+                largest = largest.max(lane.largest(&core.slab));
+            }
+        }
+        ActivationStats {
+            capacity: self.inner.capacity,
+            align: self.inner.align,
+            allocated: c.allocated,
+            allocated_peak: c.allocated_peak,
+            in_use: c.allocated + c.fallback_bytes,
+            in_use_peak: c.in_use_peak,
+            requested: c.requested,
+            live: c.live,
+            live_peak: c.live_peak,
+            allocs_total: c.allocs_total,
+            frees_total: c.frees_total,
+            allocated_bytes_total: c.allocated_bytes_total,
+            freed_bytes_total: c.freed_bytes_total,
+            fallbacks_total: c.fallbacks_total,
+            fallback_bytes_total: c.fallback_bytes_total,
+            fallback_live: core.fallback.len() as u64,
+            fallback_bytes: c.fallback_bytes,
+            reserved_peak: c.reserved_peak,
+            ooms: c.ooms,
+            refused_frees: c.refused_frees,
+            free_bytes,
+            free_blocks,
+            largest_free: largest,
+            cross_stream_reuses: c.cross_stream_reuses,
+            reclaims: c.reclaims,
+            streams,
+            parked_blocks: c.parked_blocks,
+        }
+    }
+
+    /// Where the memory lives (the backend's kind and device).
+    pub fn placement(&self) -> crate::span::Placement {
+        crate::arena::placement_of(&self.region())
+    }
+
+    /// A short description of the pool's size, for messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "activation pool of {} (align {} B, {})",
+            human_bytes(self.inner.capacity),
+            self.inner.align,
+            if self.inner.strict {
+                "strict"
+            } else {
+                "production"
+            }
+        )
+    }
+}
+
+pub(super) fn parked_bytes(core: &Core) -> u64 {
+    core.slab
+        .iter()
+        .filter(|b| b.state == BlockState::Parked)
+        .map(|b| b.size)
+        .sum()
+}

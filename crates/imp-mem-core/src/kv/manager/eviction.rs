@@ -1,0 +1,103 @@
+//! The prefix cache from the manager's side: its listing, LRU eviction,
+//! making room for an allocation, and the reset.
+
+use super::KVCacheManager;
+use crate::block_pool::{BlockId, BlockToken};
+use crate::error::MemError;
+use crate::kv::events::Medium;
+use crate::kv::hash::BlockHash;
+
+impl KVCacheManager {
+    /// `(hash, block id, address)` of every cache entry (address `None` in
+    /// slots mode).
+    pub fn cached_blocks(&self) -> Vec<(BlockHash, BlockId, Option<usize>)> {
+        self.cache
+            .entries_in_order()
+            .into_iter()
+            .map(|e| {
+                let addr = self.pool.token_span(&e.block).ok().map(|s| s.addr());
+                (e.hash, e.block.id(), addr)
+            })
+            .collect()
+    }
+
+    /// Evicts up to `n` LRU cached blocks (pinned and in-use ones are
+    /// skipped). Returns the blocks evicted: freed now, or, with a host
+    /// tier, being copied there (freed by a later [`Self::poll_copies`]).
+    pub fn evict(&mut self, n: u32) -> u32 {
+        if self.host.is_some() {
+            // Into the host tier, asynchronously: the blocks return to the
+            // free list at a later `poll_copies`.
+            let mut done = 0;
+            while done < n && self.offload_one() {
+                done += 1;
+            }
+            return done;
+        }
+        let mut evicted = Vec::new();
+        while (evicted.len() as u64) < u64::from(n) {
+            let Some(token) = self.evict_one() else {
+                break;
+            };
+            evicted.push(token);
+        }
+        let done = evicted.len() as u32;
+        // Every evicted token is this pool's, so the release cannot be refused.
+        let _ = self.pool.release_tokens(evicted);
+        done
+    }
+
+    /// Evicts the LRU cache entry and hands over its block's token,
+    /// counting the eviction and recording its event. (With a host tier,
+    /// room is made by [`Self::make_room`] instead; this then only takes
+    /// what could not be offloaded.)
+    pub(crate) fn evict_one(&mut self) -> Option<BlockToken> {
+        let (hash, token) = self.cache.evict_take_hashed()?;
+        self.stats.evictions += 1;
+        self.events.removed(hash, Medium::Device);
+        if let Some(host) = self.host.as_mut() {
+            // A block still being onboarded must have its bytes before it
+            // is reused.
+            let _ = host.settle_onboard(token.id());
+        }
+        Some(token)
+    }
+
+    /// Frees up to `n` device blocks onto the free list by eviction: into
+    /// the host tier when there is one (waiting for the copies, and for
+    /// offloads already in flight), released otherwise.
+    pub(crate) fn make_room(&mut self, n: u32) -> Result<(), MemError> {
+        if self.host.is_none() {
+            let mut evicted = Vec::new();
+            while (evicted.len() as u32) < n {
+                let Some(token) = self.evict_one() else { break };
+                evicted.push(token);
+            }
+            return self.pool.release_tokens(evicted);
+        }
+        let mut started = self.offloading();
+        while started < n && self.offload_one() {
+            started += 1;
+        }
+        self.poll_copies(true).map(|_| ())
+    }
+
+    /// Empties the prefix cache, as vLLM's `reset_prefix_cache`: only when
+    /// no sequence uses a cached block and none is pinned (returns false
+    /// and changes nothing otherwise). Records `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.cache.evictable() != self.cache.len() {
+            return false;
+        }
+        // No copy may still read or write a block released here.
+        let _ = self.poll_copies(true);
+        let tokens = self.cache.drain();
+        self.stats.evictions += tokens.len() as u64;
+        let _ = self.pool.release_tokens(tokens);
+        if let Some(host) = self.host.as_mut() {
+            host.clear_resident();
+        }
+        self.events.cleared();
+        true
+    }
+}
