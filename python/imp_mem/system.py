@@ -2,7 +2,7 @@
 
 ``MemorySystem`` itself is compiled (``imp_mem._core``); every rule —
 the open order, the clean failure, the budget, the report, the metrics —
-lives in the Rust core (``crates/imp-mem-core/src/system.rs``). This module
+lives in the Rust core (``crates/imp-mem-core/src/system/``). This module
 holds :func:`run_demo`, the walk-through ``imp-mem demo`` prints.
 
 Typical use::
