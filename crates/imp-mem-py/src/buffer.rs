@@ -14,7 +14,7 @@
 //! A [`BufferView`] holds one export, asked for C-contiguous and with its
 //! format (`PyBUF_FORMAT | PyBUF_ND`), and releases it on drop. It borrows
 //! the GIL lifetime `'py` and is neither `Send` nor `Sync`, so it cannot be
-//! moved into (or dropped inside) `allow_threads`: `PyBuffer_Release` always
+//! moved into (or dropped inside) `detach`: `PyBuffer_Release` always
 //! runs with the GIL held. What it lends out — bytes or `u32` words — is
 //! plain memory that the exporter keeps valid until the release, so those
 //! slices may be read with the GIL released.
@@ -254,7 +254,7 @@ impl Drop for BufferView<'_> {
         // SAFETY: `raw` was filled by a successful `PyObject_GetBuffer` and
         // is released exactly once, here; the GIL is held, since the view
         // is bound to `'py` and is not `Send`, so it is dropped on the
-        // thread that holds the GIL and never inside `allow_threads`.
+        // thread that holds the GIL and never inside `detach`.
         unsafe { PyBuffer_Release(&mut *self.raw) };
     }
 }

@@ -28,7 +28,15 @@ use crate::dlpack::{self, DType, Export, UINT8};
 use crate::errors::{invalid, IntoPyResult, StaleSpan};
 
 /// The lifetime tiers (seed A2).
-#[pyclass(eq, eq_int, frozen, hash, name = "Tier", module = "imp_mem._core")]
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    name = "Tier",
+    module = "imp_mem._core"
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PyTier {
     /// T1: model load to unload.
@@ -96,9 +104,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A plain `int` (not a bool, not text) that fits, read without the general
 /// conversion: the hot paths take one per call.
-fn fast_int<T: for<'py> FromPyObject<'py>>(value: &Bound<'_, PyAny>) -> Option<T> {
+fn fast_int<T: for<'a, 'py> FromPyObject<'a, 'py>>(value: &Bound<'_, PyAny>) -> Option<T> {
     value
-        .downcast_exact::<PyInt>()
+        .cast_exact::<PyInt>()
         .ok()
         .and_then(|i| i.extract::<T>().ok())
 }
@@ -303,7 +311,7 @@ impl SpanInner {
         dtype: DType,
         shape: Vec<i64>,
         args: DlpackArgs<'_, '_>,
-    ) -> PyResult<PyObject> {
+    ) -> PyResult<Py<PyAny>> {
         if !self.exportable {
             return Err(pyo3::exceptions::PyBufferError::new_err(
                 "this span's backend is unbacked (FakeBackend(backed=False)): its addresses have \
@@ -497,7 +505,7 @@ macro_rules! span_methods {
                 max_version: Option<&Bound<'_, PyAny>>,
                 dl_device: Option<&Bound<'_, PyAny>>,
                 copy: Option<bool>,
-            ) -> PyResult<PyObject> {
+            ) -> PyResult<Py<PyAny>> {
                 let args = DlpackArgs { stream, max_version, dl_device, copy };
                 self.inner.export(py, UINT8, raw_shape(self.inner.len), args)
             }
@@ -571,7 +579,7 @@ impl PyTensorView {
         max_version: Option<&Bound<'_, PyAny>>,
         dl_device: Option<&Bound<'_, PyAny>>,
         copy: Option<bool>,
-    ) -> PyResult<PyObject> {
+    ) -> PyResult<Py<PyAny>> {
         let args = DlpackArgs {
             stream,
             max_version,
@@ -794,7 +802,7 @@ impl PyBlockPool {
         let Some(fence) = fence.filter(|f| !f.is_none()) else {
             return Ok(Box::new(NothingInFlight));
         };
-        if let Ok(f) = fence.downcast::<PyFence>() {
+        if let Ok(f) = fence.cast::<PyFence>() {
             return Ok(Box::new(f.get().shared()));
         }
         let (query, wait) = if fence.hasattr("query")? && fence.hasattr("synchronize")? {
@@ -865,7 +873,7 @@ impl PyBlockPool {
         self.poll_watched(py, false, true)?;
         let fence = self.core_fence(fence)?;
         let pool = &self.pool;
-        let done = py.allow_threads(move || op(pool, fence));
+        let done = py.detach(move || op(pool, fence));
         self.poll_watched(py, false, false)?;
         done.py()
     }
@@ -961,7 +969,7 @@ impl PyBlockPool {
     fn flush_decommit(&self, py: Python<'_>) -> PyResult<u64> {
         self.poll_watched(py, true, true)?;
         let pool = &self.pool;
-        let done = py.allow_threads(move || pool.flush_decommit());
+        let done = py.detach(move || pool.flush_decommit());
         self.poll_watched(py, false, false)?;
         done.py()
     }
@@ -1068,7 +1076,7 @@ impl PyBlockPool {
     /// Releases `block` (a `BlockRef` or `BlockRefs`) into this pool; a ref
     /// from another pool is refused with `InvalidArgument` and left as it is.
     fn release(&self, block: &Bound<'_, PyAny>) -> PyResult<()> {
-        if let Ok(r) = block.downcast::<PyBlockRef>() {
+        if let Ok(r) = block.cast::<PyBlockRef>() {
             let r = r.get();
             let mut guard = lock(&r.inner);
             let live = guard.as_ref().ok_or_else(already_released)?;
@@ -1076,7 +1084,7 @@ impl PyBlockPool {
             drop(guard.take());
             return Ok(());
         }
-        if let Ok(b) = block.downcast::<PyBlockRefs>() {
+        if let Ok(b) = block.cast::<PyBlockRefs>() {
             let b = b.get();
             let mut guard = lock(&b.inner);
             let live = guard.as_ref().ok_or_else(already_released)?;
