@@ -271,11 +271,11 @@ fn numpy_direct_active(py: Python<'_>) -> bool {
 }
 
 /// Test hook: reads buffers through the buffer protocol (`True`, the
-/// default on Python 3.11+) or through the copying path every version has
-/// (`False`); returns the previous setting. `True` before 3.11 is refused.
+/// default) or through the copying path that strided views take (`False`);
+/// returns the previous setting.
 #[pyfunction(name = "_set_buffer_protocol")]
-fn set_buffer_protocol(py: Python<'_>, enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    buffer::set_enabled(py, switch(enabled)?)
+fn set_buffer_protocol(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(buffer::set_enabled(switch(enabled)?))
 }
 
 /// A request's extra keys, from the methods' keyword arguments.
