@@ -1,7 +1,7 @@
 """A/B of the tier hot paths between builds of ``imp_mem._core``, in one process.
 
     python benches/ab_tiers.py base=/tmp/base/imp_mem/_core.abi3.so \\
-        new=/tmp/new/imp_mem/_core.abi3.so [--turns 8] [--calls 20000]
+        new=/tmp/new/imp_mem/_core.abi3.so [--turns 8] [--calls 200000]
 
 The builds are given and loaded as for ``ab_kv.py`` (``name=path``, each
 module side by side under a name of its own). Every build gets its own
@@ -91,7 +91,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", metavar="NAME=PATH")
     parser.add_argument("--turns", type=int, default=8, help="turns per build and case")
-    parser.add_argument("--calls", type=int, default=20_000, help="calls per turn")
+    parser.add_argument("--calls", type=int, default=200_000, help="calls per turn")
     args = parser.parse_args()
     builds = {}
     for build in args.builds:
