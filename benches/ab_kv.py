@@ -18,7 +18,9 @@ Each slice first runs a third of its requests untimed, so that the manager's
 structures are back in the cache after the other builds' turns, then times
 the rest. ``--tokens`` gives the prompts as int32 NumPy arrays (the
 default), int64 arrays, Python lists or ``array('i')`` (``bench_kv.FORMATS``).
-Prints the fastest and the median slice per build. A diagnostic:
+Prints the fastest and the median slice per build, and each build's median
+per-turn ratio to the first (the steadier figure on a loaded machine). A
+diagnostic:
 the ratios the project claims come from ``bench_kv.py``, against its
 reference in the same run.
 """
@@ -101,7 +103,20 @@ def main() -> int:
             f"{name}: fastest {min(t) * 1e6:.3f} µs, median {statistics.median(t) * 1e6:.3f} µs "
             f"a request ({len(t)} turns of {args.size - warm})"
         )
+    first = order[0]
+    for name in order[1:]:
+        print(f"{name}/{first}: {paired(times[name], times[first])}")
     return 0
+
+
+def paired(t: list[float], base: list[float]) -> str:
+    """The median of the per-turn ratios of ``t`` to ``base``: the two turns
+    of a pair run back to back, so a drift slower than a turn cancels, where
+    the fastest turns of a loaded machine can be minutes apart."""
+    r = sorted(a / b for a, b in zip(t, base))
+    q = len(r) // 4
+    mid = statistics.median(r)
+    return f"median per-turn ratio {mid:.3f} (middle half {r[q]:.3f}-{r[-q - 1]:.3f})"
 
 
 if __name__ == "__main__":

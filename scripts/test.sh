@@ -3,7 +3,7 @@
 #
 # Builds the wheel into a fresh virtual environment, then: cargo fmt --check,
 # cargo clippy -D warnings, the Rust tests, ruff, and pytest. Needs Rust,
-# Python 3.9+ and PyPI; installs everything else itself.
+# Python 3.11+ and PyPI; installs everything else itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Literal, TypeAlias, final, overload
 
@@ -167,11 +167,6 @@ buffer of integers (a NumPy integer array, ``array.array``, a
 MmItem = tuple[int, int, int]
 """``(start, end, content_hash)``: a multimodal item's placeholder tokens."""
 
-def _fastcall_original(name: str) -> Callable[..., Any] | None:
-    """Test hook: pyo3's own ``KVCacheManager`` method ``name`` ("admit",
-    "free", "abort" or "append") when a vectorcall entry replaced it
-    (Python 3.10+), else ``None``."""
-
 def _set_numpy_direct(enabled: bool) -> bool:
     """Test hook: read int32/uint32 NumPy arrays straight from the array
     (the default) or through the buffer protocol like any other buffer;
@@ -183,8 +178,8 @@ def _numpy_direct_active() -> bool:
 
 def _set_buffer_protocol(enabled: bool) -> bool:
     """Test hook: read token buffers in place through the buffer protocol
-    (the default on Python 3.11+) or copy them as before 3.11; returns the
-    previous setting. ``True`` before 3.11 raises ``InvalidArgument``."""
+    (the default) or copy them, as a strided view is; returns the previous
+    setting."""
 
 def _set_list_direct(enabled: bool) -> bool:
     """Test hook: read lists and tuples of ints straight from the objects'

@@ -33,7 +33,7 @@ pub(crate) fn stream_order_for(backend: &Backend) -> Result<Arc<dyn StreamOrder>
 
 /// A plain int read without the general conversion (the hot calls).
 fn fast_u64(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    if let Ok(i) = value.downcast_exact::<PyInt>() {
+    if let Ok(i) = value.cast_exact::<PyInt>() {
         if let Ok(n) = i.extract::<u64>() {
             return Ok(n);
         }
@@ -94,7 +94,7 @@ impl PyActivationPool {
         nbytes: &Bound<'_, PyAny>,
         stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let bytes = match nbytes.downcast_exact::<PyInt>() {
+        let bytes = match nbytes.cast_exact::<PyInt>() {
             Ok(i) => match i.extract::<u64>() {
                 Ok(n) => n,
                 Err(_) => convert::bytes(nbytes, "nbytes")?,
@@ -249,7 +249,7 @@ impl PyActivationPool {
         let weights = weights_arena.map(|a| a.arena.clone());
         // The write lock waits for hook calls reading the slot, which never
         // need the GIL; release it so none of them can wait on this thread.
-        py.allow_threads(move || hooks::install(pool, device, weights));
+        py.detach(move || hooks::install(pool, device, weights));
         Ok(())
     }
 

@@ -18,7 +18,15 @@ use crate::convert;
 use crate::errors::{invalid, ImpMemWarning, IntoPyResult};
 
 /// The engine's phase, as Python sees it.
-#[pyclass(eq, eq_int, frozen, hash, name = "Phase", module = "imp_mem._core")]
+#[pyclass(
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object,
+    name = "Phase",
+    module = "imp_mem._core"
+)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PyPhase {
     /// Weights are loading.
@@ -531,7 +539,7 @@ impl PyFakeBackend {
         granularity: Option<&Bound<'_, PyAny>>,
         backed: bool,
         strict: bool,
-    ) -> PyResult<(Self, PyBackend)> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let capacity = convert::opt_bytes(capacity, "capacity")?.unwrap_or(1 << 30);
         let granularity = convert::opt_bytes(granularity, "granularity")?.unwrap_or(4096);
         let config = FakeConfig {
@@ -548,7 +556,7 @@ impl PyFakeBackend {
         };
         let fake = FakeBackend::new(config).py()?;
         let base = PyBackend::wrap(fake.backend().clone());
-        Ok((Self { fake }, base))
+        Ok(PyClassInitializer::from(base).add_subclass(Self { fake }))
     }
 
     /// Makes the `n`-th acquisition from now fail (1 = the next); None clears.

@@ -1,113 +1,40 @@
 //! A Python buffer read in place, through the CPython buffer protocol.
 //!
-//! `PyObject_GetBuffer`, `PyBuffer_Release` and the `Py_buffer` struct are in
-//! the stable ABI from Python 3.11; the wheel is built for abi3-py39, where
-//! pyo3-ffi does not declare them, so they are declared here and used only
-//! when the running interpreter is 3.11 or later (checked once). On older
-//! interpreters [`enabled`] is false and callers keep their `memoryview` path.
-//! The symbols themselves have been exported by every CPython 3 on Linux and
-//! macOS, so declaring them does not stop the module loading on 3.9 or 3.10.
-//! (A Windows abi3 build links `python3.dll`, which exports them only from
-//! 3.11; it would need them looked up at run time. No Windows wheel is
-//! built.)
+//! `PyObject_GetBuffer`, `PyBuffer_Release` and `Py_buffer` are in the
+//! stable ABI from Python 3.11, the wheel's floor, and pyo3-ffi declares them
+//! for it. (pyo3's own `PyBuffer` is not used: it always asks for
+//! `PyBUF_FULL_RO`, so it cannot ask for a writable or a C-contiguous export,
+//! and its drop re-attaches to the interpreter to release.)
 //!
 //! A [`BufferView`] holds one export, asked for C-contiguous and with its
 //! format (`PyBUF_FORMAT | PyBUF_ND`), and releases it on drop. It borrows
 //! the GIL lifetime `'py` and is neither `Send` nor `Sync`, so it cannot be
-//! moved into (or dropped inside) `allow_threads`: `PyBuffer_Release` always
+//! moved into (or dropped inside) `detach`: `PyBuffer_Release` always
 //! runs with the GIL held. What it lends out — bytes or `u32` words — is
 //! plain memory that the exporter keeps valid until the release, so those
 //! slices may be read with the GIL released.
 
 use std::borrow::Cow;
-use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ffi::{c_int, CStr};
 use std::ops::Deref;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
 
-/// CPython's `Py_buffer`, field for field, as the stable ABI of 3.11 fixes it
-/// (Include/pybuffer.h).
-#[repr(C)]
-struct RawBuffer {
-    buf: *mut c_void,
-    obj: *mut ffi::PyObject,
-    len: ffi::Py_ssize_t,
-    itemsize: ffi::Py_ssize_t,
-    readonly: c_int,
-    ndim: c_int,
-    format: *mut c_char,
-    shape: *mut ffi::Py_ssize_t,
-    strides: *mut ffi::Py_ssize_t,
-    suboffsets: *mut ffi::Py_ssize_t,
-    internal: *mut c_void,
-}
+/// Whether [`BufferView::get`] is used (a test hook turns it off so the
+/// tests run the copying path too).
+static ENABLED: AtomicBool = AtomicBool::new(true);
 
-impl RawBuffer {
-    const EMPTY: Self = Self {
-        buf: std::ptr::null_mut(),
-        obj: std::ptr::null_mut(),
-        len: 0,
-        itemsize: 0,
-        readonly: 0,
-        ndim: 0,
-        format: std::ptr::null_mut(),
-        shape: std::ptr::null_mut(),
-        strides: std::ptr::null_mut(),
-        suboffsets: std::ptr::null_mut(),
-        internal: std::ptr::null_mut(),
-    };
-}
-
-/// `PyBUF_WRITABLE`: the exporter must lend the memory for writing.
-const PYBUF_WRITABLE: c_int = 0x0001;
-/// `PyBUF_FORMAT`: fill in `format`.
-const PYBUF_FORMAT: c_int = 0x0004;
-/// `PyBUF_ND`: shape, no strides, so the exporter must be C-contiguous.
-const PYBUF_ND: c_int = 0x0008;
-
-extern "C" {
-    fn PyObject_GetBuffer(obj: *mut ffi::PyObject, view: *mut RawBuffer, flags: c_int) -> c_int;
-    fn PyBuffer_Release(view: *mut RawBuffer);
-}
-
-const UNKNOWN: u8 = 0;
-const OFF: u8 = 1;
-const ON: u8 = 2;
-/// Whether [`BufferView::get`] is used: decided from the interpreter's
-/// version on first use, or set by [`set_enabled`] (a test hook).
-static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
-
-fn supported(py: Python<'_>) -> bool {
-    py.version_info() >= (3, 11)
-}
-
-/// True when the running interpreter has the buffer protocol in its stable
-/// ABI (3.11+) and the test hook has not turned it off.
-pub fn enabled(py: Python<'_>) -> bool {
-    match STATE.load(Ordering::Relaxed) {
-        ON => true,
-        OFF => false,
-        _ => {
-            let on = supported(py);
-            STATE.store(if on { ON } else { OFF }, Ordering::Relaxed);
-            on
-        }
-    }
+/// True unless the test hook turned the buffer path off.
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
 }
 
 /// Turns the buffer path on or off (tests use it to run both paths); returns
-/// whether it was on. Turning it on before 3.11 is refused.
-pub fn set_enabled(py: Python<'_>, on: bool) -> PyResult<bool> {
-    if on && !supported(py) {
-        return Err(crate::errors::invalid(
-            "the buffer protocol path needs Python 3.11 or later",
-        ));
-    }
-    let was = enabled(py);
-    STATE.store(if on { ON } else { OFF }, Ordering::Relaxed);
-    Ok(was)
+/// whether it was on.
+pub fn set_enabled(on: bool) -> bool {
+    ENABLED.swap(on, Ordering::Relaxed)
 }
 
 /// One held, C-contiguous buffer export; released on drop, with the GIL.
@@ -115,7 +42,7 @@ pub struct BufferView<'py> {
     // Boxed so the struct never moves while exported: an exporter may point
     // into it (`PyBuffer_FillInfo` sets `shape = &view->len`), and
     // `PyBuffer_Release` is handed its address.
-    raw: Box<RawBuffer>,
+    raw: Box<ffi::Py_buffer>,
     _gil: Python<'py>,
 }
 
@@ -124,47 +51,32 @@ impl<'py> BufferView<'py> {
     /// is off ([`enabled`]), and (the error cleared) when `obj` has no
     /// buffer or cannot export one that way — a strided NumPy view, say.
     pub fn get(obj: &Bound<'py, PyAny>) -> Option<Self> {
-        if !enabled(obj.py()) {
-            return None;
-        }
-        let mut raw = Box::new(RawBuffer::EMPTY);
-        // SAFETY: the GIL is held (`obj` is bound to `'py`); the interpreter
-        // is 3.11+ (`enabled`), so the function is in its stable ABI and
-        // `raw` is a writable `Py_buffer` with the layout it documents.
-        let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *raw, PYBUF_FORMAT | PYBUF_ND) };
-        if rc != 0 {
-            // SAFETY: the GIL is held and an exception is set (the call
-            // failed); clearing it is all the fallback needs.
-            unsafe { ffi::PyErr_Clear() };
-            return None;
-        }
-        Some(Self {
-            raw,
-            _gil: obj.py(),
-        })
+        Self::export(obj, ffi::PyBUF_FORMAT | ffi::PyBUF_ND)
     }
 
     /// Exports `obj` writable and C-contiguous with its format, or `None`
     /// (the error cleared) when the path is off or `obj` cannot lend its
     /// memory that way: no buffer, read-only, or strided.
     pub fn get_writable(obj: &Bound<'py, PyAny>) -> Option<Self> {
-        if !enabled(obj.py()) {
+        Self::export(obj, ffi::PyBUF_WRITABLE | ffi::PyBUF_FORMAT | ffi::PyBUF_ND)
+    }
+
+    fn export(obj: &Bound<'py, PyAny>, flags: c_int) -> Option<Self> {
+        if !enabled() {
             return None;
         }
-        let mut raw = Box::new(RawBuffer::EMPTY);
-        let flags = PYBUF_WRITABLE | PYBUF_FORMAT | PYBUF_ND;
-        // SAFETY: as in `get`: the GIL is held, the interpreter is 3.11+,
-        // and `raw` is a writable `Py_buffer` of the documented layout.
-        let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *raw, flags) };
-        if rc != 0 {
-            // SAFETY: the GIL is held and the failed call set an exception.
+        let py = obj.py();
+        let mut raw = Box::new(ffi::Py_buffer::new());
+        // SAFETY: the GIL is held (`obj` is bound to `'py`) and `raw` is a
+        // writable `Py_buffer` that stays at its address (boxed).
+        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *raw, flags) } != 0 {
+            // SAFETY: the GIL is held and the failed call set an exception;
+            // clearing it is all the fallback needs (`PyErr::take` would
+            // resume a panic an exporter raised, which this path must not).
             unsafe { ffi::PyErr_Clear() };
             return None;
         }
-        Some(Self {
-            raw,
-            _gil: obj.py(),
-        })
+        Some(Self { raw, _gil: py })
     }
 
     /// The extent of each dimension.
@@ -254,8 +166,8 @@ impl Drop for BufferView<'_> {
         // SAFETY: `raw` was filled by a successful `PyObject_GetBuffer` and
         // is released exactly once, here; the GIL is held, since the view
         // is bound to `'py` and is not `Send`, so it is dropped on the
-        // thread that holds the GIL and never inside `allow_threads`.
-        unsafe { PyBuffer_Release(&mut *self.raw) };
+        // thread that holds the GIL and never inside `detach`.
+        unsafe { ffi::PyBuffer_Release(&mut *self.raw) };
     }
 }
 

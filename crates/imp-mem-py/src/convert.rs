@@ -16,7 +16,7 @@ fn count(value: &Bound<'_, PyAny>, what: &str, allow_text: bool) -> PyResult<u64
     if value.is_instance_of::<PyBool>() {
         return Err(invalid(format!("{what} must be an integer, got a bool")));
     }
-    if let Ok(text) = value.downcast::<PyString>() {
+    if let Ok(text) = value.cast::<PyString>() {
         if allow_text {
             let text = text.to_cow().map_err(|_| {
                 invalid(format!(
@@ -90,10 +90,7 @@ pub fn bytes_like(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> 
         .getattr("bytes")?
         .call1((data,))
         .map_err(|_| refuse())?;
-    Ok(as_bytes
-        .downcast::<pyo3::types::PyBytes>()?
-        .as_bytes()
-        .to_vec())
+    Ok(as_bytes.cast::<pyo3::types::PyBytes>()?.as_bytes().to_vec())
 }
 
 /// The name of `value`'s type, for messages.
@@ -110,7 +107,7 @@ pub fn type_name(value: &Bound<'_, PyAny>) -> String {
 /// raises `InvalidArgument` naming the parameter, the range and the value;
 /// another type raises `TypeError` naming the parameter and `int`.
 pub fn int_in(value: &Bound<'_, PyAny>, what: &str, lo: i128, hi: i128) -> PyResult<i128> {
-    if let Ok(i) = value.downcast_exact::<pyo3::types::PyInt>() {
+    if let Ok(i) = value.cast_exact::<pyo3::types::PyInt>() {
         if let Ok(n) = i.extract::<i64>() {
             let n = i128::from(n);
             if (lo..=hi).contains(&n) {
@@ -183,7 +180,7 @@ pub fn opt<T>(
 /// A text parameter: a `str` whose characters UTF-8 can encode (a lone
 /// surrogate is refused with `InvalidArgument`); `TypeError` otherwise.
 pub fn text(value: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
-    let Ok(s) = value.downcast::<PyString>() else {
+    let Ok(s) = value.cast::<PyString>() else {
         return Err(pyo3::exceptions::PyTypeError::new_err(format!(
             "{what} must be a str, got {}",
             type_name(value)
@@ -213,7 +210,7 @@ pub fn path(value: &Bound<'_, PyAny>, what: &str) -> PyResult<std::path::PathBuf
             ))
         })?;
     let bytes = raw
-        .downcast::<pyo3::types::PyBytes>()
+        .cast::<pyo3::types::PyBytes>()
         .map_err(|_| invalid(format!("{what} could not be encoded as a file name")))?
         .as_bytes()
         .to_vec();
@@ -243,13 +240,10 @@ pub fn path(value: &Bound<'_, PyAny>, what: &str) -> PyResult<std::path::PathBuf
 /// A `True`/`False` parameter (`TypeError` for anything else: `1` or `"no"`
 /// is more likely a mistake than a choice).
 pub fn flag(value: &Bound<'_, PyAny>, what: &str) -> PyResult<bool> {
-    value
-        .downcast::<PyBool>()
-        .map(|b| b.is_true())
-        .map_err(|_| {
-            pyo3::exceptions::PyTypeError::new_err(format!(
-                "{what} must be True or False, got {}",
-                type_name(value)
-            ))
-        })
+    value.cast::<PyBool>().map(|b| b.is_true()).map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "{what} must be True or False, got {}",
+            type_name(value)
+        ))
+    })
 }

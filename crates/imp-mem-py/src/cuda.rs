@@ -41,7 +41,7 @@ fn with_range<T>(
     f: impl FnOnce(u64, usize) -> PyResult<T>,
 ) -> PyResult<T> {
     let region = region
-        .downcast::<PyRegion>()
+        .cast::<PyRegion>()
         .map_err(|_| invalid("expected a Region acquired from this backend"))?;
     region.get().with_live(|r| {
         if r.backend().id() != backend.id() {
@@ -273,7 +273,7 @@ impl PyVmmBackend {
     /// Releases every cached handle now.
     fn trim_cache(&self, py: Python<'_>) {
         let source = self.source.clone();
-        py.allow_threads(move || source.trim_cache());
+        py.detach(move || source.trim_cache());
     }
 
     /// Driver-call counters: reservations, handles created / released, cache
@@ -335,7 +335,7 @@ impl PyFence {
     /// Blocks (without the GIL) until the work before the record finished.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         let fence = self.inner.clone();
-        py.allow_threads(move || fence.wait()).py()
+        py.detach(move || fence.wait()).py()
     }
 
     /// Device ordinal.

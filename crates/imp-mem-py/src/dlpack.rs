@@ -289,7 +289,7 @@ unsafe extern "C" fn capsule_destructor<M: Managed>(capsule: *mut ffi::PyObject)
 }
 
 /// Wraps `e` in a DLPack capsule (versioned when `versioned`).
-pub fn capsule(py: Python<'_>, e: Export, versioned: bool) -> PyResult<PyObject> {
+pub fn capsule(py: Python<'_>, e: Export, versioned: bool) -> PyResult<Py<PyAny>> {
     if versioned {
         into_capsule::<DLManagedTensorVersioned>(py, e)
     } else {
@@ -297,7 +297,7 @@ pub fn capsule(py: Python<'_>, e: Export, versioned: bool) -> PyResult<PyObject>
     }
 }
 
-fn into_capsule<M: Managed>(py: Python<'_>, e: Export) -> PyResult<PyObject> {
+fn into_capsule<M: Managed>(py: Python<'_>, e: Export) -> PyResult<Py<PyAny>> {
     let managed = M::new(dl_tensor(&e));
     let Export { shape, keep, .. } = e;
     let raw = Box::into_raw(Box::new(Ctx {

@@ -42,9 +42,9 @@ struct Facts {
 }
 
 impl pyo3::PyErrArguments for Facts {
-    fn arguments(self, py: Python<'_>) -> PyObject {
+    fn arguments(self, py: Python<'_>) -> Py<PyAny> {
         let message = self.message.clone();
-        let build = || -> PyResult<PyObject> {
+        let build = || -> PyResult<Py<PyAny>> {
             let facts = py.import("imp_mem.errors")?.getattr("_Facts")?.call0()?;
             for (name, value) in self.attrs {
                 match value {

@@ -126,7 +126,7 @@ fn reset_hook_stats() {
 /// thread holds it (another thread lets go at its next call).
 #[pyfunction]
 fn uninstall_hooks(py: Python<'_>) -> bool {
-    py.allow_threads(routing::uninstall)
+    py.detach(routing::uninstall)
 }
 
 /// Where the hooks' mallocs go: "activations" (the installed pool) or

@@ -1,13 +1,12 @@
 //! Python face of the KV cache manager: `KVCacheManager`.
 //!
 //! Conversions only. Token ids arrive as any buffer of integers (a NumPy
-//! array, `array('i')`, a `memoryview`) or a list/tuple of ints. On Python
-//! 3.11+ a buffer is read in place through the buffer protocol (see
-//! `buffer.rs`): native 4-byte ids are borrowed without a copy, anything
-//! else is converted straight from the exporter's memory; a buffer that
-//! cannot be exported C-contiguous, and every buffer before 3.11 (where the
-//! protocol is not in the limited API), is copied once to bytes
-//! (`tobytes()`) and reinterpreted in Rust. Either way there is no per-token
+//! array, `array('i')`, a `memoryview`) or a list/tuple of ints. A buffer
+//! is read in place through the buffer protocol (see `buffer.rs`): native
+//! 4-byte ids are borrowed without a copy, anything else is converted
+//! straight from the exporter's memory; a buffer that cannot be exported
+//! C-contiguous is copied once to bytes (`tobytes()`) and reinterpreted in
+//! Rust. Either way there is no per-token
 //! Python work. A list or tuple is read item by item in Rust
 //! (`sequence.rs`). What counts as an id, and every refusal's message, is
 //! the core's rule (`imp_mem_core::kv::tokens`), the same for every input.
@@ -28,7 +27,7 @@ use imp_mem_core::Backend;
 use imp_mem_cuda::{CudaBlockIo, CudaTierIo};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::GILOnceCell;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::backend::{PyBackend, PyFakeBackend};
@@ -37,10 +36,10 @@ use crate::convert;
 use crate::errors::{invalid, IntoPyResult};
 use crate::ndarray;
 
-static MEMORYVIEW: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+static MEMORYVIEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// `numpy.ndarray`, once NumPy has been imported by someone.
-static NDARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+static NDARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 /// NumPy dtypes seen so far and how to read them, `None` for a non-integer
 /// dtype. Holding each dtype keeps its identity (the pointer compared) from
 /// being reused.
@@ -108,7 +107,7 @@ fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
         return Ok(None);
     }
     let raw = obj.call_method0(intern!(py, "tobytes"))?;
-    rule::ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), layout)
+    rule::ids_from_bytes(raw.cast::<PyBytes>()?.as_bytes(), layout)
         .py()
         .map(Some)
 }
@@ -116,7 +115,7 @@ fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
 /// Token ids: borrowed in place from a held buffer export, or owned.
 /// Derefs to `&[u32]`. It holds the GIL lifetime and is not `Send`, so a
 /// call site takes the slice (`let ids: &[u32] = &toks;`) into
-/// `allow_threads` and drops the `Tokens` afterwards, with the GIL.
+/// `detach` and drops the `Tokens` afterwards, with the GIL.
 pub enum Tokens<'a> {
     /// Native 4-byte ids read where the exporter keeps them.
     Borrowed(WordView<'a>),
@@ -213,8 +212,8 @@ fn read_other_tokens<'a>(
     if let Some(view) = BufferView::get(obj) {
         return view_tokens(view, check);
     }
-    // Before 3.11, or no C-contiguous export (a strided view, or no buffer
-    // at all): the copying path reads or refuses it.
+    // No C-contiguous export (a strided view, or no buffer at all): the
+    // copying path reads or refuses it.
     if let Some(ids) = ndarray_tokens(obj)? {
         return Ok((Tokens::Owned(ids), IdSource::U32));
     }
@@ -233,17 +232,17 @@ fn read_other_tokens<'a>(
     let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
     rule::one_dimensional(ndim).py()?;
     let format = view.getattr(intern!(py, "format"))?;
-    let format = format.downcast::<PyString>()?.to_cow()?;
+    let format = format.cast::<PyString>()?.to_cow()?;
     let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
     let layout = IntLayout::from_format(&format, itemsize).py()?;
     let raw = view.call_method0(intern!(py, "tobytes"))?;
-    let ids = rule::ids_from_bytes(raw.downcast::<PyBytes>()?.as_bytes(), layout).py()?;
+    let ids = rule::ids_from_bytes(raw.cast::<PyBytes>()?.as_bytes(), layout).py()?;
     Ok((Tokens::Owned(ids), IdSource::U32))
 }
 
 /// A test hook's `enabled` argument: `True` or `False`, nothing else.
 pub(crate) fn switch(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    match enabled.downcast::<PyBool>() {
+    match enabled.cast::<PyBool>() {
         Ok(b) => Ok(b.is_true()),
         Err(_) => Err(invalid(format!(
             "enabled must be True or False, got {}",
@@ -272,11 +271,11 @@ fn numpy_direct_active(py: Python<'_>) -> bool {
 }
 
 /// Test hook: reads buffers through the buffer protocol (`True`, the
-/// default on Python 3.11+) or through the copying path every version has
-/// (`False`); returns the previous setting. `True` before 3.11 is refused.
+/// default) or through the copying path that strided views take (`False`);
+/// returns the previous setting.
 #[pyfunction(name = "_set_buffer_protocol")]
-fn set_buffer_protocol(py: Python<'_>, enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    buffer::set_enabled(py, switch(enabled)?)
+fn set_buffer_protocol(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(buffer::set_enabled(switch(enabled)?))
 }
 
 /// A request's extra keys, from the methods' keyword arguments.
@@ -310,7 +309,7 @@ fn read_extras(
         Some(s) => {
             if s.is_instance_of::<PyString>() {
                 Some(convert::text(s, "cache_salt")?.into_bytes())
-            } else if let Ok(b) = s.downcast::<PyBytes>() {
+            } else if let Ok(b) = s.cast::<PyBytes>() {
                 Some(b.as_bytes().to_vec())
             } else {
                 return Err(invalid("cache_salt must be str or bytes"));
@@ -406,7 +405,7 @@ fn native_int32(format: &str, itemsize: usize) -> bool {
 }
 
 /// Why `out` cannot take `rows` block-table rows: the typed refusal, read
-/// through a `memoryview` (the error path, and every path before 3.11).
+/// through a `memoryview` (the error path).
 /// `Ok((memoryview, width))` when it can.
 fn check_out<'py>(out: &Bound<'py, PyAny>, rows: usize) -> PyResult<(Bound<'py, PyAny>, usize)> {
     let py = out.py();
@@ -529,7 +528,7 @@ impl PyKVCacheManager {
                 return f(&mut g);
             }
         }
-        py.allow_threads(|| f(&mut self.lock()))
+        py.detach(|| f(&mut self.lock()))
     }
 
     /// Runs `f` under the manager's lock: at once, keeping the GIL, when the
@@ -541,7 +540,7 @@ impl PyKVCacheManager {
         self.run(py, |_| true, f)
     }
 
-    /// `admit`, shared by the method and its fast entry (`fastcall.rs`).
+    /// `admit` with its arguments converted.
     pub(crate) fn admit_impl(
         &self,
         py: Python<'_>,
@@ -587,7 +586,7 @@ impl PyKVCacheManager {
         .map(|a| a.cached_tokens)
     }
 
-    /// `append`, shared by the method and its fast entry.
+    /// `append` with its arguments converted.
     pub(crate) fn append_impl(
         &self,
         py: Python<'_>,
@@ -601,8 +600,7 @@ impl PyKVCacheManager {
             .py()
     }
 
-    /// `free` (and `abort`: nothing computed), shared by the methods and
-    /// their fast entries.
+    /// `free` (and `abort`: nothing computed) with the arguments converted.
     pub(crate) fn free_impl(
         &self,
         py: Python<'_>,
@@ -631,17 +629,17 @@ impl PyKVCacheManager {
 /// the fake, device -> pinned host -> file on a GPU; `None` for a backend
 /// with neither.
 pub(crate) fn block_io(backend: &Bound<'_, PyAny>, block_bytes: usize) -> Option<Box<dyn BlockIo>> {
-    if let Ok(fake) = backend.downcast::<PyFakeBackend>() {
+    if let Ok(fake) = backend.cast::<PyFakeBackend>() {
         Some(Box::new(FakeBlockIo::new(
             fake.get().fake.clone(),
             block_bytes,
         )))
-    } else if let Ok(cuda) = backend.downcast::<crate::cuda::PyCudaBackend>() {
+    } else if let Ok(cuda) = backend.cast::<crate::cuda::PyCudaBackend>() {
         Some(Box::new(CudaBlockIo::new(
             cuda.get().context(),
             block_bytes,
         )))
-    } else if let Ok(vmm) = backend.downcast::<crate::cuda::PyVmmBackend>() {
+    } else if let Ok(vmm) = backend.cast::<crate::cuda::PyVmmBackend>() {
         Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
     } else {
         None
@@ -665,15 +663,15 @@ pub(crate) fn tier_io(
     let Some(b) = backend.filter(|_| block_bytes > 0) else {
         return Err(unsupported());
     };
-    if let Ok(fake) = b.downcast::<PyFakeBackend>() {
+    if let Ok(fake) = b.cast::<PyFakeBackend>() {
         Ok(Box::new(
             FakeTierIo::new(fake.get().fake.clone(), block_bytes, host_blocks, true).py()?,
         ))
-    } else if let Ok(cuda) = b.downcast::<crate::cuda::PyCudaBackend>() {
+    } else if let Ok(cuda) = b.cast::<crate::cuda::PyCudaBackend>() {
         Ok(Box::new(
             CudaTierIo::new(cuda.get().context(), block_bytes, host_blocks).py()?,
         ))
-    } else if let Ok(vmm) = b.downcast::<crate::cuda::PyVmmBackend>() {
+    } else if let Ok(vmm) = b.cast::<crate::cuda::PyVmmBackend>() {
         Ok(Box::new(
             CudaTierIo::new(vmm.get().context(), block_bytes, host_blocks).py()?,
         ))
@@ -761,7 +759,7 @@ impl PyKVCacheManager {
         let backend = backend.filter(|b| !b.is_none());
         let core: Option<Backend> = match backend {
             Some(b) => Some(
-                b.downcast::<PyBackend>()
+                b.cast::<PyBackend>()
                     .map_err(|_| {
                         pyo3::exceptions::PyTypeError::new_err(format!(
                             "backend must be an imp_mem Backend (FakeBackend, CudaBackend, \
@@ -841,7 +839,7 @@ impl PyKVCacheManager {
     ) -> PyResult<bool> {
         let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
-        Ok(py.allow_threads(|| self.lock().can_admit(ids, &extras)))
+        Ok(py.detach(|| self.lock().can_admit(ids, &extras)))
     }
 
     /// Cached leading tokens for `tokens` now (a hint; takes no refs).
@@ -856,7 +854,7 @@ impl PyKVCacheManager {
     ) -> PyResult<usize> {
         let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
-        Ok(py.allow_threads(|| self.lock().probe(ids, &extras)) * self.block_size)
+        Ok(py.detach(|| self.lock().probe(ids, &extras)) * self.block_size)
     }
 
     /// Appends tokens to `seq_id`; all or nothing.
@@ -991,7 +989,7 @@ impl PyKVCacheManager {
         seq_ids: &Bound<'_, PyAny>,
         out: Option<&Bound<'_, PyAny>>,
         pool: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyObject> {
+    ) -> PyResult<Py<PyAny>> {
         let swa = convert::opt(pool, "pool", |v, _| table_pool(v))?.unwrap_or(false);
         let ids = seq_id_list(seq_ids)?;
         let rows = ids.len();
@@ -1039,8 +1037,8 @@ impl PyKVCacheManager {
                 }
             }
         }
-        // Everything else: the refusal, or (an empty buffer, Python before
-        // 3.11) the rows written through a memoryview.
+        // Everything else: the refusal, or (an empty buffer, the buffer path
+        // turned off) the rows written through a memoryview.
         let (view, width) = check_out(out, rows)?;
         let mut values = vec![-1i32; rows * width];
         let used = self
@@ -1109,7 +1107,7 @@ impl PyKVCacheManager {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
-        let raw = py.allow_threads(|| {
+        let raw = py.detach(|| {
             let hasher = self.lock().hasher().clone();
             let hashes = hasher.chain(ids, &extras);
             let mut raw = Vec::with_capacity(hashes.len() * 16);
@@ -1135,8 +1133,7 @@ impl PyKVCacheManager {
         let owner = convert::u64_arg(owner, "owner")?;
         let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
         let ids: &[u32] = &toks;
-        py.allow_threads(|| self.lock().pin(owner, ids, &extras))
-            .py()
+        py.detach(|| self.lock().pin(owner, ids, &extras)).py()
     }
 
     /// Drops every pin of `owner`; returns the pins dropped.
@@ -1159,7 +1156,7 @@ impl PyKVCacheManager {
     /// during the write.
     fn save_prefix_cache(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<u64> {
         let path = convert::path(path, "path")?;
-        py.allow_threads(|| {
+        py.detach(|| {
             let snapshot = self.lock().snapshot_prefix_cache()?;
             snapshot.write(&path)
         })
@@ -1171,7 +1168,7 @@ impl PyKVCacheManager {
     /// outside the manager's lock.
     fn load_prefix_cache(&self, py: Python<'_>, path: &Bound<'_, PyAny>) -> PyResult<u64> {
         let path = convert::path(path, "path")?;
-        py.allow_threads(|| {
+        py.detach(|| {
             let target = self.lock().load_target()?;
             let file = target.verify(&path)?;
             let reserved = self.lock().reserve_load(file);
@@ -1239,7 +1236,7 @@ impl PyKVCacheManager {
     #[pyo3(signature = (wait = None), text_signature = "(self, wait=False)")]
     fn poll_copies(&self, py: Python<'_>, wait: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
         let wait = convert::opt(wait, "wait", convert::flag)?.unwrap_or(false);
-        py.allow_threads(|| self.lock().poll_copies(wait)).py()
+        py.detach(|| self.lock().poll_copies(wait)).py()
     }
 
     /// The host-to-device copies `seq_id`'s blocks still wait for (tickets).
@@ -1261,7 +1258,7 @@ impl PyKVCacheManager {
     ) -> PyResult<u32> {
         let seq_id = seq(seq_id)?;
         let stream = convert::opt(stream, "stream", convert::usize_arg)?;
-        py.allow_threads(|| self.lock().wait_onboarding(seq_id, stream))
+        py.detach(|| self.lock().wait_onboarding(seq_id, stream))
             .py()
     }
 
@@ -1324,8 +1321,6 @@ fn count(value: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 /// Registers this file's classes.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyKVCacheManager>()?;
-    crate::fastcall::install(&m.py().get_type::<PyKVCacheManager>())?;
-    m.add_function(wrap_pyfunction!(crate::fastcall::fastcall_original, m)?)?;
     m.add_function(wrap_pyfunction!(set_buffer_protocol, m)?)?;
     m.add_function(wrap_pyfunction!(set_numpy_direct, m)?)?;
     m.add_function(wrap_pyfunction!(numpy_direct_active, m)?)?;

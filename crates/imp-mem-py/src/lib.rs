@@ -13,7 +13,6 @@ pub mod convert;
 pub mod cuda;
 pub mod dlpack;
 pub mod errors;
-pub mod fastcall;
 pub mod hooks;
 pub mod kv;
 pub mod ndarray;

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::sync::GILOnceCell;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PySlice};
 
 /// The leading fields of NumPy's `PyArrayObject_fields` (some are here only
@@ -74,9 +74,9 @@ struct Types {
 
 /// Set once NumPy has been imported (by anyone) and the self-check ran:
 /// `None` when it failed or NumPy's major version is not 1 or 2.
-static TYPES: GILOnceCell<Option<Types>> = GILOnceCell::new();
+static TYPES: PyOnceLock<Option<Types>> = PyOnceLock::new();
 /// `sys.modules`, to find NumPy without importing it.
-static SYS_MODULES: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+static SYS_MODULES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 /// The test hook's switch.
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
@@ -118,7 +118,7 @@ pub fn loaded_numpy(py: Python<'_>) -> PyResult<Option<Bound<'_, PyAny>>> {
     let modules = SYS_MODULES.get_or_try_init(py, || {
         Ok::<_, PyErr>(py.import("sys")?.getattr("modules")?.unbind())
     })?;
-    match modules.bind(py).downcast::<PyDict>() {
+    match modules.bind(py).cast::<PyDict>() {
         Ok(modules) => modules.get_item("numpy"),
         Err(_) => Ok(None),
     }

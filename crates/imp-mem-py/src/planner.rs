@@ -19,7 +19,7 @@ use crate::convert;
 use crate::errors::{invalid, IntoPyResult, PlanFailure};
 
 /// Serialises a core value and hands it to Python as plain dicts and lists.
-fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<PyObject> {
+fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
     let text = serde_json::to_string(value)
         .map_err(|err| MemError::Invariant(format!("planner value does not serialise: {err}")))
         .py()?;
@@ -39,7 +39,7 @@ fn from_py_json(value: &Bound<'_, PyAny>, what: &str) -> PyResult<serde_json::Va
 
 /// A byte count: an int, or text such as `"80GiB"`; errors name `what`.
 fn size(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
-    match value.downcast::<PyString>() {
+    match value.cast::<PyString>() {
         Ok(_) => core::parse_size(&convert::text(value, what)?, what).py(),
         Err(_) => convert::bytes(value, what),
     }
@@ -187,7 +187,7 @@ impl PyModelShape {
     }
     /// The attention geometry as a dict.
     #[getter]
-    fn attention(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn attention(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner.attention)
     }
     #[getter]
@@ -212,7 +212,7 @@ impl PyModelShape {
     }
     /// The MoE layout as a dict, or None.
     #[getter]
-    fn moe(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn moe(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner.moe)
     }
     #[getter]
@@ -251,7 +251,7 @@ impl PyModelShape {
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
         other
-            .downcast::<Self>()
+            .cast::<Self>()
             .is_ok_and(|o| o.get().inner == self.inner)
     }
 
@@ -575,7 +575,7 @@ impl PyMemoryPlan {
         self.inner.to_json().py()
     }
     /// The plan as plain dicts and lists.
-    fn to_dict(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn to_dict(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner)
     }
     /// Reads a plan back from `to_json()`.
@@ -629,23 +629,23 @@ impl PyMemoryPlan {
     }
     /// The full-attention KV pool as a dict (blocks, bytes, block_bytes, ...).
     #[getter]
-    fn kv(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn kv(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner.kv)
     }
     /// The KV host tier (T5b) as a dict (blocks, block_bytes, bytes), or
     /// None: pinned host memory, outside the device total.
     #[getter]
-    fn kv_host(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn kv_host(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner.kv_host)
     }
     /// The sliding-window KV pool as a dict, or None.
     #[getter]
-    fn swa(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn swa(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner.swa)
     }
     /// Other T3 pools (linear / SSM state), as dicts.
     #[getter]
-    fn pools(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn pools(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner.pools)
     }
     #[getter]
@@ -671,7 +671,7 @@ impl PyMemoryPlan {
     }
     /// Every charge in report order, as `{"key", "label", "bytes"}` dicts.
     #[getter]
-    fn charges(&self, py: Python<'_>) -> PyResult<PyObject> {
+    fn charges(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         to_py_object(py, &self.inner.charges)
     }
 

@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::sync::GILOnceCell;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
 use imp_mem_core::kv::tokens::{self as rule, IdNarrower, TokenItem};
@@ -113,7 +113,7 @@ impl Layout {
 
 /// Set once, on the first list read: `None` when the interpreter is not
 /// one whose layout is known or the self-check failed.
-static LAYOUT: GILOnceCell<Option<Layout>> = GILOnceCell::new();
+static LAYOUT: PyOnceLock<Option<Layout>> = PyOnceLock::new();
 /// The test hook's switch.
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
@@ -429,13 +429,13 @@ fn careful(seq: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     loop {
         // The length is read again at each item: `__index__` may have
         // changed the sequence.
-        let item = if let Ok(list) = seq.downcast::<PyList>() {
+        let item = if let Ok(list) = seq.cast::<PyList>() {
             if i >= list.len() {
                 break;
             }
             list.get_item(i)?
         } else {
-            let tuple = seq.downcast::<PyTuple>()?;
+            let tuple = seq.cast::<PyTuple>()?;
             if i >= tuple.len() {
                 break;
             }
@@ -453,7 +453,7 @@ fn one_id(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
     if item.is_exact_instance_of::<PyBool>() {
         return rule::item_id(index, TokenItem::Bool).py();
     }
-    let int = match item.downcast::<PyInt>() {
+    let int = match item.cast::<PyInt>() {
         Ok(int) => int.clone(),
         Err(_) if is_numpy_bool(item)? => {
             // Older NumPy gives its bools an `__index__`; refused all the
@@ -467,7 +467,7 @@ fn one_id(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
             let index_of =
                 unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyNumber_Index(item.as_ptr())) };
             match index_of {
-                Ok(int) => int.downcast_into::<PyInt>()?,
+                Ok(int) => int.cast_into::<PyInt>()?,
                 Err(e) if e.is_instance_of::<PyTypeError>(py) => {
                     let name = type_name(item);
                     return rule::item_id(index, TokenItem::NotInteger(&name)).py();

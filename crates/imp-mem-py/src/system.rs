@@ -171,7 +171,7 @@ fn read_device(backend: &Bound<'_, PyAny>) -> PyResult<Option<DeviceReading>> {
     Ok(Some(DeviceReading { free, total }))
 }
 
-fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<PyObject> {
+fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
     let text = serde_json::to_string(value)
         .map_err(|err| MemError::Invariant(format!("memory report does not serialise: {err}")))
         .py()?;
@@ -510,7 +510,7 @@ impl PyMemorySystem {
         py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<PyObject> {
+    ) -> PyResult<Py<PyAny>> {
         let report = self.report(py, device, other_processes)?;
         to_py_object(py, &report)
     }
