@@ -3,7 +3,9 @@ backends (issue 18's CPU part; skipped without torch): the TP = 2 engine's
 greedy tokens are the TP = 1 engine's on the same checkpoint, each rank's
 plan is the single-process planner's tp=2 plan, the gathered fleet report
 adds up, nothing is allocated while serving on either rank, and a rank that
-fails to open unwinds both.
+fails to open (or to load) unwinds both. Three models: full attention with
+the KV heads split (2 over 2 ranks) and replicated (1 on both ranks), and
+sliding-window layers (the prefill ring) with the heads split.
 
 float32 weights (the tiny model of test_engine_runtime): the row-parallel
 all-reduces sum the two ranks' partial products in a different order from
@@ -49,13 +51,21 @@ RANK = textwrap.dedent(
     kw, prompts, new = json.loads(sys.argv[7])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     backend = FakeBackend(capacity="2GiB")
-    if fail == "yes" and rank == world - 1:
+    last = rank == world - 1
+    if fail == "open" and last:
         backend.fail_nth(3)  # the third tier this rank opens fails
+
+    def hook(system):  # called once the system is open, before the weights load
+        if fail == "load" and last:
+            raise RuntimeError("no activations pool on this rank")
+        return None
+
     result = {"rank": rank}
     try:
-        engine = Engine(directory, backend=backend, group=dist.group.WORLD, **kw)
+        engine = Engine(directory, backend=backend, group=dist.group.WORLD, torch_pool=hook, **kw)
     except RankFailure as e:
         result["failure"] = {str(k): v for k, v in e.failures.items()}
+        result["message"] = str(e)
     else:
         result["plan"] = json.loads(engine.plan.to_json())
         result["tokens"] = engine.generate(prompts, new)
@@ -78,12 +88,20 @@ RANK = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_random_checkpoint(tmp_path_factory.mktemp("tp"), tiny("full"), seed=5, scale=0.1)
+def tp_config(kind: str, kv: int) -> dict:
+    config = tiny(kind)
+    config["num_key_value_heads"] = kv
+    return config
 
 
-def run_ranks(tmp_path, directory, ps, *, fail=False, world=2):
+@pytest.fixture(scope="module", params=[("full", 2), ("full", 1), ("swa", 2)], ids=str)
+def checkpoint(request, tmp_path_factory):
+    kind, kv = request.param
+    directory = tmp_path_factory.mktemp(f"tp-{kind}-{kv}")
+    return kv, write_random_checkpoint(directory, tp_config(kind, kv), seed=5, scale=0.1)
+
+
+def run_ranks(tmp_path, directory, ps, *, fail="no", world=2):
     env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     args = json.dumps([ENGINE_KW, ps, NEW_TOKENS])
     procs = [
@@ -96,7 +114,7 @@ def run_ranks(tmp_path, directory, ps, *, fail=False, world=2):
                 str(world),
                 str(tmp_path / "store"),
                 str(tmp_path / "result"),
-                "yes" if fail else "no",
+                fail,
                 str(directory),
                 args,
             ],
@@ -114,6 +132,7 @@ def run_ranks(tmp_path, directory, ps, *, fail=False, world=2):
 
 
 def test_tp2_serves_the_tp1_tokens_from_per_rank_plans(tmp_path, checkpoint):
+    kv, checkpoint = checkpoint
     ps = prompts(5, seed=3)
     results = run_ranks(tmp_path, checkpoint, ps)
     with Engine(checkpoint, backend=FakeBackend(capacity="2GiB"), **ENGINE_KW) as single:
@@ -143,18 +162,21 @@ def test_tp2_serves_the_tp1_tokens_from_per_rank_plans(tmp_path, checkpoint):
         # The rank holds its slices: half the heads and the MLP, its vocab rows.
         w = r["weights"]
         assert w["model.layers.0.self_attn.q_proj.weight"] == [2 * 16, 64]
-        assert w["model.layers.0.self_attn.k_proj.weight"] == [1 * 16, 64]
+        assert w["model.layers.0.self_attn.k_proj.weight"] == [1 * 16, 64]  # 1 KV head
         assert w["model.layers.0.self_attn.o_proj.weight"] == [64, 2 * 16]
         assert w["model.layers.0.mlp.down_proj.weight"] == [64, 48]
         assert w["model.norm.weight"] == [64]
         assert w["model.embed_tokens.weight"] == [129 if r["rank"] == 0 else 128, 64]
-        # Held beyond the even share: the replicated norms, and rank 0's
-        # extra vocab row (257 ids over two ranks) against rank 1's missing one.
+        # Held beyond the even share: the replicated norms, rank 0's extra
+        # vocab row (257 ids over two ranks) against rank 1's missing one,
+        # and with one KV head, half of k_proj and v_proj (both ranks hold it).
         norms = sum(s[0] for n, s in full.items() if n.endswith("norm.weight")) * 4
         row = 64 * 4
         total = sum(torch.Size(s).numel() for s in full.values()) * 4
         share = -(-total // 2)
         extra = norms // 2 + (row // 2 if r["rank"] == 0 else -row // 2)
+        if kv == 1:
+            extra += config.num_layers * 2 * (16 * 64 * 4) // 2
         assert r["weights_over_share"] == pytest.approx(extra, abs=2)
         assert share + r["weights_over_share"] <= r["t1_used"] <= r["plan"]["weights"]
         assert r["left_committed"] == 0 and r["left_reserved"] == 0
@@ -169,11 +191,18 @@ def test_tp2_serves_the_tp1_tokens_from_per_rank_plans(tmp_path, checkpoint):
     assert fleet["totals"]["steady_state_allocations"] == 0
 
 
-def test_a_rank_that_fails_to_open_unwinds_every_rank(tmp_path, checkpoint):
-    results = run_ranks(tmp_path, checkpoint, [[1, 2, 3]], fail=True)
+@pytest.mark.parametrize(
+    "fail, step", [("open", "opening the memory system"), ("load", "loading the weights")]
+)
+def test_a_rank_that_fails_to_open_unwinds_every_rank(tmp_path, fail, step):
+    directory = write_random_checkpoint(tmp_path / "model", tp_config("full", 2), seed=5)
+    results = run_ranks(tmp_path, directory, [[1, 2, 3]], fail=fail)
     for r in results:
         assert list(r["failure"]) == ["1"], r
-        assert "opening the memory system" not in r["failure"]["1"]  # the error's own text
+        assert r["message"].startswith(step), r["message"]
+        if fail == "load":
+            assert "no activations pool on this rank" in r["failure"]["1"]
+        # Both ranks closed everything, the one that had loaded included.
         assert r["left_committed"] == 0 and r["left_reserved"] == 0
 
 
