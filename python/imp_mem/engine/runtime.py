@@ -88,9 +88,9 @@ from typing import Any
 import torch
 
 import imp_mem
-from imp_mem._safetensors import load_safetensors
+from imp_mem._safetensors import load_safetensors, read_header, safetensors_files
 from imp_mem.engine.config import ModelConfig
-from imp_mem.engine.model import KvViews, PagedModel, weight_names
+from imp_mem.engine.model import KvViews, PagedModel
 from imp_mem.engine.scheduler import Prefill, Request, Scheduler
 from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.errors import InvalidArgument
@@ -362,10 +362,12 @@ class Engine:
             system, self.model_dir, progress=progress, shards=self.tp.shards()
         )
         self.load_seconds = time.perf_counter() - t0
-        # What this rank holds beyond the plan's even split (replicated
-        # norms, shared KV heads, the vocab's rounding); 0 at TP = 1.
-        held, share = self.tp.held_bytes(weight_names(c), _itemsize(getattr(torch, c.dtype)))
-        self.weights_over_share = held - share
+        # What this rank holds beyond the plan's even split of the
+        # checkpoint (replicated norms, shared KV heads, the vocab's
+        # rounding); 0 at TP = 1.
+        full = sum(t.nbytes for f in safetensors_files(self.model_dir) for t in read_header(f))
+        held = sum(t.numel() * t.element_size() for t in self.weights.values())
+        self.weights_over_share = held - -(-full // self.tp.tp)
         self.model = PagedModel(
             c,
             self.weights,

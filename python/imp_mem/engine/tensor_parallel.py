@@ -27,10 +27,10 @@ Bytes against the plan. The planner's weights line is ``ceil(total / tp)``
 rounded up to a MiB; what a rank holds beyond its even share is the
 replicated norms, the duplicated KV head rows (above), the first ranks'
 extra vocab row when ``tp`` does not divide the vocabulary, and the 256-byte
-alignment of each tensor. `TensorParallel.held_bytes` counts the first
-three, so the engine reports them (`Engine.weights_over_share`); the
-loader checks the whole layout against the plan's line as it does at
-TP = 1 and refuses by name a tensor that does not fit.
+alignment of each tensor. The engine reports the first three as
+`Engine.weights_over_share` (the bytes it holds less ``ceil(checkpoint /
+tp)``); the loader checks the whole layout against the plan's line as it
+does at TP = 1 and refuses by name a tensor that does not fit.
 
 Collectives run on the group's backend (NCCL on GPUs, gloo on the CPU) on
 the current stream, with no host syncs of their own, so a decode step that
@@ -142,17 +142,6 @@ class TensorParallel:
         out = list(shape)
         out[shard.dim] = shard.stop - shard.start
         return tuple(out)
-
-    def held_bytes(self, shapes: dict[str, tuple[int, ...]], itemsize: int) -> tuple[int, int]:
-        """``(held, share)``: the bytes of `shapes` (full shapes by name) this
-        rank holds, and its even share ``ceil(total / tp)`` — the planner's
-        assumption. ``held - share`` is what replication and the vocab's
-        rounding add (the module doc)."""
-        total = held = 0
-        for name, shape in shapes.items():
-            total += math.prod(shape) * itemsize
-            held += math.prod(self.local_shape(name, shape)) * itemsize
-        return held, -(-total // self.tp)
 
     # -- the collectives ------------------------------------------------------
 
