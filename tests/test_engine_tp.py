@@ -30,12 +30,16 @@ torch = pytest.importorskip("torch")
 
 from test_engine_runtime import prompts, tiny  # noqa: E402
 
-from imp_mem import FakeBackend, PlanInput, plan_memory  # noqa: E402
+from imp_mem import FakeBackend, Features, Limits, PlanInput, plan_memory  # noqa: E402
 from imp_mem.engine import Engine  # noqa: E402
-from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
+from imp_mem.engine.checkpoint import random_weights, write_random_checkpoint  # noqa: E402
 from imp_mem.engine.config import ModelConfig  # noqa: E402
 from imp_mem.engine.model import weight_names  # noqa: E402
-from imp_mem.engine.tensor_parallel import TensorParallel  # noqa: E402
+from imp_mem.engine.tensor_parallel import (  # noqa: E402
+    TensorParallel,
+    plan_shape,
+    rank_layout_bytes,
+)
 
 NEW_TOKENS = 16
 ENGINE_KW = dict(max_batch=4, max_seq_len=64, block_size=4, prefill_chunk=8)
@@ -218,3 +222,37 @@ def test_a_degree_the_heads_do_not_split_over_is_refused():
     assert [(s[k].start, s[k].stop) for s in shards] == [(0, 16), (0, 16), (16, 32), (16, 32)]
     q = "model.layers.0.self_attn.q_proj.weight"
     assert [(s[q].start, s[q].stop) for s in shards] == [(0, 16), (16, 32), (32, 48), (48, 64)]
+
+
+def test_replication_past_the_even_split_raises_the_planned_weights(tmp_path):
+    """A checkpoint whose even split ends just under a MiB: the replicated
+    tensors push each rank's load past the planner's line, so the engine
+    plans the weights at tp times the largest rank's layout."""
+    from safetensors.torch import save_file
+
+    config_dict = dict(tp_config("full", 2), torch_dtype="float32")
+    config = ModelConfig.from_hf_config(config_dict)
+    weights = random_weights(config_dict, seed=1)
+    base = sum(t.numel() * t.element_size() for t in weights.values())
+    # An extra replicated tensor that brings the even split to 1 MiB - 512 B.
+    extra = (2 << 20) - 1024 - base
+    assert extra > 0 and extra % 4 == 0
+    weights["extra.weight"] = torch.zeros(extra // 4)
+    write_random_checkpoint(tmp_path, config_dict)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    plain, _ = plan_shape(tmp_path, config, 1)
+    assert -(-plain.weights_bytes // 2) == (1 << 20) - 512
+    need = rank_layout_bytes(tmp_path, config, 2)
+    assert need > 1 << 20  # the extra tensor and the norms are on both ranks
+
+    def weights_line(shape):
+        return plan_memory(PlanInput(shape, Limits(4, 64), Features(), budget="1GiB", tp=2)).weights
+
+    assert weights_line(plain) < need, "without the raise a rank's load is refused"
+    shape, got = plan_shape(tmp_path, config, 2)
+    assert got == need and shape.weights_bytes == 2 * need
+    assert weights_line(shape) >= need
+    # A checkpoint with room to spare keeps its own bytes.
+    roomy = write_random_checkpoint(tmp_path / "roomy", tp_config("full", 2))
+    own = plan_shape(roomy, config, 1)[0].weights_bytes
+    assert plan_shape(roomy, config, 2)[0].weights_bytes == own

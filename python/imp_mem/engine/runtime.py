@@ -58,7 +58,9 @@ model over the ``torch.distributed`` group `g` (one process per device;
 NCCL on GPUs, gloo on the CPU), every rank constructing its own engine
 with the same arguments and submitting the same requests in the same
 order. The plan is the planner's per-rank plan (``tp`` = the group's size:
-its heads, KV and weights per rank); the memory system opens collectively
+its heads, KV and weights per rank; the weights raised to ``tp`` times
+the largest rank's layout when replication would pass the even split,
+`tensor_parallel.plan_shape`); the memory system opens collectively
 (`imp_mem.distributed.open_rank_system`); the loader reads only the rank's
 slice of each tensor (`imp_mem.engine.tensor_parallel`), and after the
 load all ranks agree: when one failed (planning, opening or loading),
@@ -92,7 +94,7 @@ from imp_mem._safetensors import load_safetensors, read_header, safetensors_file
 from imp_mem.engine.config import ModelConfig
 from imp_mem.engine.model import KvViews, PagedModel
 from imp_mem.engine.scheduler import Prefill, Request, Scheduler
-from imp_mem.engine.tensor_parallel import TensorParallel
+from imp_mem.engine.tensor_parallel import TensorParallel, plan_shape
 from imp_mem.errors import InvalidArgument
 
 # Sequence ids of the engine's own (a scheduler counts from 0).
@@ -311,7 +313,9 @@ class Engine:
         self.sliding = bool(c.sliding_layers)
         probe_bs = block_size or imp_mem.Limits(1, 16).block_size
         self.ring_blocks = 0
-        shape = imp_mem.ModelShape.from_hf_config(self.model_dir)
+        # The checkpoint's bytes; with ranks, raised where a rank's slices
+        # would pass the planner's even split (`plan_shape`).
+        shape, self.rank_weights_bytes = plan_shape(self.model_dir, c, self.tp.tp)
         # One sequence more than served: the padding rows' block is held
         # through a sequence of the engine's (see `_reserve_blocks`).
         plan_batch = self.max_batch + 1

@@ -27,10 +27,13 @@ Bytes against the plan. The planner's weights line is ``ceil(total / tp)``
 rounded up to a MiB; what a rank holds beyond its even share is the
 replicated norms, the duplicated KV head rows (above), the first ranks'
 extra vocab row when ``tp`` does not divide the vocabulary, and the 256-byte
-alignment of each tensor. The engine reports the first three as
-`Engine.weights_over_share` (the bytes it holds less ``ceil(checkpoint /
-tp)``); the loader checks the whole layout against the plan's line as it
-does at TP = 1 and refuses by name a tensor that does not fit.
+alignment of each tensor. The MiB rounding usually covers that (Qwen3-0.6B
+at TP = 2: 64 KiB of norms a rank, plus the alignment of ~310 tensors), but
+not always, so `plan_shape` lays out every rank's load as the loader will
+and, when the largest passes the even split's line, plans the weights at
+``tp`` times that layout instead. The engine reports what a rank holds
+beyond ``ceil(checkpoint / tp)`` as `Engine.weights_over_share`; the
+loader checks the layout against the plan's line as it does at TP = 1.
 
 Collectives run on the group's backend (NCCL on GPUs, gloo on the CPU) on
 the current stream, with no host syncs of their own, so a decode step that
@@ -58,6 +61,44 @@ class Shard:
 
 
 _KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_MIB = 1 << 20
+
+
+def rank_layout_bytes(model_dir: Any, config: ModelConfig, tp: int) -> int:
+    """The most T1 bytes any of `tp` ranks' loads of the checkpoint in
+    `model_dir` lays out: its slices, in file order, at the loader's
+    256-byte alignment (`imp_mem._safetensors.plan_layout`)."""
+    from imp_mem._safetensors import plan_layout, read_header, safetensors_files, shard_entry
+
+    entries = [t for f in safetensors_files(model_dir) for t in read_header(f)]
+    worst = 0
+    for rank in range(tp):
+        shards = TensorParallel(config, tp=tp, rank=rank).shards()
+        sliced = [
+            shard_entry(t, s.dim, s.start, s.stop) if (s := shards.get(t.name)) else t
+            for t in entries
+        ]
+        worst = max(worst, plan_layout(sliced, 1 << 62)[1])
+    return worst
+
+
+def plan_shape(model_dir: Any, config: ModelConfig, tp: int) -> tuple[Any, int]:
+    """``(shape, need)``: the `ModelShape` to plan `tp` ranks with, and the
+    largest rank's weight layout (`rank_layout_bytes`). The shape is the
+    checkpoint's own unless the planner's per-rank line for it (its bytes
+    over `tp`, rounded up to a MiB) is below `need`; then its weights are
+    ``tp * need``, so every rank's load fits."""
+    from imp_mem import ModelShape
+
+    shape = ModelShape.from_hf_config(model_dir)
+    if tp == 1:
+        return shape, 0
+    need = rank_layout_bytes(model_dir, config, tp)
+    share = -(-shape.weights_bytes // tp)
+    line = -(-share // _MIB) * _MIB  # the planner's per-rank weights line
+    if line < need:
+        shape = shape.with_weights_bytes(tp * need)
+    return shape, need
 
 
 class TensorParallel:
