@@ -1,7 +1,9 @@
 """`load_safetensors` on the fake backend (CPU torch): every tensor lands in
 T1 byte for byte and views the arena in place, chunks of the staging
-buffers cross tensor boundaries, and a checkpoint larger than the plan's
-weights line is refused by tensor name before anything is taken."""
+buffers cross tensor boundaries, a tensor-parallel rank's slices (rows,
+columns, a 3-D middle dimension, empty) land as those slices, and a
+checkpoint larger than the plan's weights line is refused by tensor name
+before anything is taken."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from imp_mem import (  # noqa: E402
     WeightsOverflow,
     plan_memory,
 )
-from imp_mem._safetensors import load_safetensors, read_header  # noqa: E402
+from imp_mem._safetensors import load_safetensors, read_header, shard_entry  # noqa: E402
+from imp_mem.engine.tensor_parallel import Shard  # noqa: E402
 
 MIB = 1 << 20
 CONFIG = {
@@ -102,6 +105,43 @@ def test_every_tensor_lands_in_t1_in_place(tmp_path, shards, chunk):
     again = arena.take(256)  # the arena moved on past the weights
     assert again.address >= spans[-1][1]
     del got, again, arena
+    system.close()
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 1000, 256])
+def test_shards_load_only_their_slice(tmp_path, chunk):
+    want = checkpoint(tmp_path, 2)
+    g = torch.Generator().manual_seed(1)
+    cube = torch.randn(3, 10, 6, generator=g)
+    safetensors_torch.save_file({"cube": cube}, str(tmp_path / "model-00009.safetensors"))
+    shards = {
+        "embed.weight": Shard(0, 500, 1000),  # rows: one range of the file
+        "lm_head.weight": Shard(1, 100, 356),  # columns: a range a row
+        "cube": Shard(1, 2, 7),  # a middle dimension
+        "norm.weight": Shard(0, 0, 0),  # an empty slice
+    }
+    system = open_system(tmp_path)
+    used = system.weights_arena.used
+    got = load_safetensors(system, tmp_path, chunk_bytes=chunk, shards=shards)
+    assert torch.equal(got["embed.weight"], want["embed.weight"][500:])
+    assert torch.equal(got["lm_head.weight"], want["lm_head.weight"][:, 100:356])
+    assert torch.equal(got["cube"], cube[:, 2:7])
+    assert got["norm.weight"].shape == (0,)
+    assert torch.equal(got["ids"], want["ids"])  # unsharded tensors whole
+    # Only the slices' bytes were taken.
+    sliced = 500 * 512 * 2 + 1000 * 256 * 2 + 3 * 5 * 6 * 4
+    rest = sum(t.numel() * t.element_size() for n, t in want.items() if n not in shards)
+    assert sliced + rest <= system.weights_arena.used - used <= sliced + rest + 8 * 256
+    del got
+    # A shard of a tensor the checkpoint lacks, or outside its tensor, is refused.
+    with pytest.raises(InvalidArgument, match="not in the checkpoint"):
+        load_safetensors(system, tmp_path, shards={"nope": Shard(0, 0, 1)})
+    entry = next(t for t in read_header(tmp_path / "model-00009.safetensors"))
+    with pytest.raises(InvalidArgument, match="outside"):
+        shard_entry(entry, 1, 4, 11)
+    # Rows of a leading dimension read as one range, columns as one a row.
+    assert len(shard_entry(entry, 0, 1, 3).file_runs()) == 1
+    assert len(shard_entry(entry, 2, 0, 3).file_runs()) == 30
     system.close()
 
 

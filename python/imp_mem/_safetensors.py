@@ -15,6 +15,14 @@ the device runs, and a buffer is reused only after its copy's event
 completed. The returned torch tensors view the arena in place (DLPack); on
 the fake backend they are CPU tensors over the fake's host memory.
 
+Shards. With `shards` (name -> the rows or columns ``[start, stop)`` of one
+dimension, a tensor-parallel rank's slice), a tensor is laid out and
+checked at its slice's size and only the slice's bytes are read: the
+rows of a leading dimension are one contiguous range of the file, any
+other dimension one range per index of the dimensions before it, read
+in order into consecutive arena bytes (and copied to the device as one
+copy per staging buffer). The check against the plan is the same one.
+
 The tensors stay valid while T1 is not reset; each export holds the arena
 alive. Not thread-safe: one load at a time per system.
 """
@@ -25,7 +33,8 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +78,44 @@ class TensorEntry:
     end: int
     # Offset from the start of this load in the arena.
     offset: int = 0
+    # A shard's byte ranges of the file, (start, length), in arena order;
+    # empty: the whole [begin, end).
+    runs: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
+        if self.runs:
+            return sum(n for _, n in self.runs)
         return self.end - self.begin
+
+    def file_runs(self) -> tuple[tuple[int, int], ...]:
+        """The byte ranges of the file to read, in order."""
+        return self.runs or ((self.begin, self.end - self.begin),)
+
+
+def shard_entry(t: TensorEntry, dim: int, start: int, stop: int) -> TensorEntry:
+    """`t` cut to indices ``[start, stop)`` of dimension `dim`: its shape and
+    the file ranges that hold the slice (one a row of the dimensions before
+    `dim`, merged where they touch)."""
+    if not (0 <= dim < len(t.shape) and 0 <= start <= stop <= t.shape[dim]):
+        raise InvalidArgument(
+            f"tensor {t.name!r} ({list(t.shape)}): shard [{start}, {stop}) of dimension {dim} "
+            "is outside it"
+        )
+    inner = math.prod(t.shape[dim + 1 :]) * DTYPES[t.dtype][1]
+    outer = math.prod(t.shape[:dim])
+    length = (stop - start) * inner
+    runs: list[tuple[int, int]] = []
+    if length:
+        for o in range(outer):
+            at = t.begin + (o * t.shape[dim] + start) * inner
+            if runs and runs[-1][0] + runs[-1][1] == at:
+                runs[-1] = (runs[-1][0], runs[-1][1] + length)
+            else:
+                runs.append((at, length))
+    shape = (*t.shape[:dim], stop - start, *t.shape[dim + 1 :])
+    # An empty slice keeps one empty run, so nbytes reads 0.
+    return replace(t, shape=shape, runs=tuple(runs) or ((t.begin, 0),))
 
 
 def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -143,7 +186,7 @@ def plan_layout(entries: list[TensorEntry], limit: int) -> tuple[list[TensorEntr
             )
             err.tensor, err.end, err.limit = t.name, end, limit
             raise err
-        placed.append(TensorEntry(t.name, t.dtype, t.shape, t.file, t.begin, t.end, offset))
+        placed.append(replace(t, offset=offset))
         cursor = end
     return placed, cursor
 
@@ -155,6 +198,7 @@ def load_safetensors(
     device: Any = None,
     chunk_bytes: int = CHUNK_BYTES,
     progress: bool | None = None,
+    shards: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Loads a safetensors checkpoint (a file or a directory of shards) into
     `system`'s weights arena and returns `{name: torch.Tensor}` viewing it.
@@ -164,10 +208,24 @@ def load_safetensors(
     The bytes travel through pinned host memory in chunks of `chunk_bytes`.
     `device` (default: the backend's device, or the CPU on the fake) must be
     where the arena lives. `progress`: a tqdm bar (None: for loads of 256
-    MiB or more, when tqdm is installed)."""
+    MiB or more, when tqdm is installed). `shards`: name -> an object with
+    ``dim``, ``start`` and ``stop`` (`imp_mem.engine.tensor_parallel.Shard`):
+    only that slice of the tensor is loaded (module doc); a name the
+    checkpoint lacks is refused."""
     import torch
 
     entries = [t for f in safetensors_files(path) for t in read_header(f)]
+    if shards:
+        missing = sorted(set(shards) - {t.name for t in entries})
+        if missing:
+            raise InvalidArgument(
+                f"shards: {len(missing)} sharded tensors are not in the checkpoint, first "
+                f"{missing[0]!r}"
+            )
+        entries = [
+            shard_entry(t, s.dim, s.start, s.stop) if (s := shards.get(t.name)) else t
+            for t in entries
+        ]
     # Checked before the arena is held here, so a refusal's traceback keeps
     # no tier object alive.
     placed, total = plan_layout(entries, _weights_room(system))
@@ -236,7 +294,9 @@ def _stream(system, views, total, chunk_bytes, progress, device) -> None:
     events: list[Any] = [None, None]
     stream = torch.cuda.Stream(device) if cuda else None
     bar = _progress(sum(t.nbytes for t, _ in views), progress)
-    which, fill, pending = 0, 0, []
+    which, fill = 0, 0
+    # [arena view, its first byte, staging offset, bytes]: one copy each.
+    pending: list[list[Any]] = []
 
     def flush() -> None:
         nonlocal which, fill, pending
@@ -245,13 +305,13 @@ def _stream(system, views, total, chunk_bytes, progress, device) -> None:
         src = staging[which]
         if cuda:
             with torch.cuda.stream(stream):
-                for dst, at, n in pending:
-                    dst.copy_(src[at : at + n], non_blocking=True)
+                for raw, done, at, n in pending:
+                    raw[done : done + n].copy_(src[at : at + n], non_blocking=True)
                 events[which] = torch.cuda.Event()
                 events[which].record(stream)
         else:
-            for dst, at, n in pending:
-                dst.copy_(src[at : at + n])
+            for raw, done, at, n in pending:
+                raw[done : done + n].copy_(src[at : at + n])
         if bar is not None:
             bar.update(fill)
         which, fill, pending = 1 - which, 0, []
@@ -264,22 +324,29 @@ def _stream(system, views, total, chunk_bytes, progress, device) -> None:
             f = files.get(t.file)
             if f is None:
                 f = files[t.file] = open(t.file, "rb", buffering=0)
-            f.seek(t.begin)
             done = 0
-            while done < t.nbytes:
-                if fill == chunk:
-                    flush()
-                n = min(t.nbytes - done, chunk - fill)
-                view = memoryview(hosts[which])[fill : fill + n]
-                got = 0
-                while got < n:
-                    r = f.readinto(view[got:])
-                    if not r:
-                        raise InvalidArgument(f"{t.file} ended inside tensor {t.name!r}")
-                    got += r
-                pending.append((raw[done : done + n], fill, n))
-                fill += n
-                done += n
+            for pos, length in t.file_runs():
+                f.seek(pos)
+                left = length
+                while left:
+                    if fill == chunk:
+                        flush()
+                    n = min(left, chunk - fill)
+                    view = memoryview(hosts[which])[fill : fill + n]
+                    got = 0
+                    while got < n:
+                        r = f.readinto(view[got:])
+                        if not r:
+                            raise InvalidArgument(f"{t.file} ended inside tensor {t.name!r}")
+                        got += r
+                    last = pending[-1] if pending else None
+                    if last and last[0] is raw and last[1] + last[3] == done:
+                        last[3] += n  # a shard's next run, adjacent on both sides
+                    else:
+                        pending.append([raw, done, fill, n])
+                    fill += n
+                    done += n
+                    left -= n
         flush()
         if cuda:
             stream.synchronize()

@@ -37,7 +37,7 @@ from imp_mem._core import Backend, MemoryPlan, MemorySystem
 from imp_mem._format import human_bytes
 from imp_mem.errors import ImpMemError, InvalidArgument
 
-__all__ = ["FleetReport", "RankFailure", "gather_reports", "open_rank_system"]
+__all__ = ["FleetReport", "RankFailure", "agree", "gather_reports", "open_rank_system"]
 
 
 class RankFailure(ImpMemError):
@@ -76,6 +76,22 @@ def _dist():
     return dist
 
 
+def agree(step: str, error: BaseException | None, *, group: Any = None) -> None:
+    """Every rank learns whether every rank got through `step`: returns when
+    none failed, else raises :class:`RankFailure` on every rank (chained to
+    this rank's own `error`, if any). Every rank must call it, after its
+    attempt and before its next collective; the caller closes what it
+    opened."""
+    dist = _dist()
+    world = dist.get_world_size(group)
+    text = "" if error is None else f"{type(error).__name__}: {error}"
+    outcomes: list[str] = [""] * world
+    dist.all_gather_object(outcomes, text, group=group)
+    failures = {r: t for r, t in enumerate(outcomes) if t}
+    if failures:
+        raise RankFailure(dist.get_rank(group), failures, step) from error
+
+
 def open_rank_system(
     make_backend: Callable[[int], Backend],
     plan: MemoryPlan,
@@ -104,18 +120,17 @@ def open_rank_system(
         )
     device = rank if local_rank is None else local_rank
     system: MemorySystem | None = None
-    error = ""
+    error: Exception | None = None
     try:
         system = MemorySystem(make_backend(device), plan, **system_kwargs)
-    except Exception as e:  # every rank must reach the gather below
-        error = f"{type(e).__name__}: {e}"
-    outcomes: list[str] = [""] * world
-    dist.all_gather_object(outcomes, error, group=group)
-    failures = {r: text for r, text in enumerate(outcomes) if text}
-    if failures:
+    except Exception as e:  # every rank must reach the agreement below
+        error = e
+    try:
+        agree("opening the memory system", error, group=group)
+    except RankFailure:
         if system is not None:
             system.close()
-        raise RankFailure(rank, failures, "opening the memory system")
+        raise
     assert system is not None
     return system
 

@@ -1,5 +1,7 @@
 """A reference engine on imp-mem: continuous batching, paged KV over the
-KV pool, weights in T1, decode in CUDA graphs over T2 buffers.
+KV pool, weights in T1, decode in CUDA graphs over T2 buffers; at TP = 1, or
+tensor-parallel over a ``torch.distributed`` group (``Engine(group=...)``,
+`TensorParallel`: one process per device, each serving its rank's slices).
 
 `imp_mem.engine` imports without torch: the scheduler is pure Python over a
 `KVCacheManager`, and the names that run a model (`Engine`, `KvViews`,
@@ -30,6 +32,7 @@ __all__ = [
     "RequestState",
     "Scheduler",
     "SchedulerStats",
+    "TensorParallel",
     "qwen3_0_6b_config",
     "swa_config",
     "write_random_checkpoint",
@@ -41,6 +44,7 @@ _LAZY = {
     "EngineStats": "imp_mem.engine.runtime",
     "KvViews": "imp_mem.engine.model",
     "PagedModel": "imp_mem.engine.model",
+    "TensorParallel": "imp_mem.engine.tensor_parallel",
     "ModelConfig": "imp_mem.engine.config",
     "qwen3_0_6b_config": "imp_mem.engine.config",
     "swa_config": "imp_mem.engine.config",

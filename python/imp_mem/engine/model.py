@@ -19,6 +19,15 @@ allocates itself are the RoPE tables, once, at construction.
 all index math on the device. `prefill` is not captured (its length varies)
 and may check its arguments on the host.
 
+Tensor parallelism. With a `TensorParallel` (``tp=``) the weights are one
+rank's slices (`imp_mem.engine.tensor_parallel`: column-parallel q/k/v,
+gate and up; row-parallel o and down; vocab-parallel embedding and head;
+norms replicated), the pages hold the rank's KV heads, and the forward
+pass adds an all-reduce after ``o_proj`` and after ``down_proj``, one in
+the embedding, and an all-gather of the logits, so every rank returns the
+whole vocabulary's logits. Every rank must make the same calls in the same
+order (the engine's scheduler is deterministic, so ranks stay in step).
+
 A `PagedModel` holds no per-request state; calls must not overlap on the
 same pages (the engine runs one step at a time on one stream).
 """
@@ -37,6 +46,7 @@ from imp_mem.engine.attention import (
     store_kv,
 )
 from imp_mem.engine.config import FULL, ModelConfig
+from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.errors import InvalidArgument
 
 
@@ -113,7 +123,9 @@ class PagedModel:
     `weights` maps Hugging Face names (`weight_names`) to tensors already on
     the target device. `attention_backend` is ``"triton"`` or ``"torch"``
     (default: Triton on CUDA, torch elsewhere). `max_positions` sizes the
-    RoPE tables (default: the config's ``max_position_embeddings``).
+    RoPE tables (default: the config's ``max_position_embeddings``). `tp`:
+    this rank's share of a tensor-parallel group (`weights` then hold its
+    slices, by `TensorParallel.local_shape`); default TP = 1.
     """
 
     def __init__(
@@ -124,8 +136,13 @@ class PagedModel:
         attention_backend: str | None = None,
         max_positions: int | None = None,
         split_blocks: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
-        expected = weight_names(config)
+        self.tp = tp = tp or TensorParallel(config, tp=1)
+        self.heads, self.kv_heads = tp.heads, tp.kv_heads
+        expected = {
+            name: tp.local_shape(name, shape) for name, shape in weight_names(config).items()
+        }
         missing = [name for name in expected if name not in weights]
         if missing:
             raise InvalidArgument(
@@ -137,6 +154,7 @@ class PagedModel:
                 raise InvalidArgument(
                     f"weights: {name!r} has shape {tuple(weights[name].shape)}, "
                     f"the config needs {shape}"
+                    + (f" on rank {tp.rank} of tp={tp.tp}" if tp.tp > 1 else "")
                 )
         self.config = config
         embed = weights["model.embed_tokens.weight"]
@@ -205,7 +223,7 @@ class PagedModel:
         }
         cos = self.cos[start_pos:end].unsqueeze(1)
         sin = self.sin[start_pos:end].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)
+        x = self.tp.embed(input_ids, self.embed)
         for layer in self.layers:
             pages = kv.full if layer.pool == "full" else kv.swa
 
@@ -256,7 +274,7 @@ class PagedModel:
         }
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        x = F.embedding(input_ids, self.embed)
+        x = self.tp.embed(input_ids, self.embed)
         for layer in self.layers:
             pages = kv.full if layer.pool == "full" else kv.swa
 
@@ -286,23 +304,24 @@ class PagedModel:
         w = layer.w
         n = x.shape[0]
         h = rms_norm(x, w["input_layernorm.weight"], eps)
-        q = F.linear(h, w["self_attn.q_proj.weight"]).view(n, c.num_heads, c.head_dim)
-        k = F.linear(h, w["self_attn.k_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
-        v = F.linear(h, w["self_attn.v_proj.weight"]).view(n, c.num_kv_heads, c.head_dim)
+        q = F.linear(h, w["self_attn.q_proj.weight"]).view(n, self.heads, c.head_dim)
+        k = F.linear(h, w["self_attn.k_proj.weight"]).view(n, self.kv_heads, c.head_dim)
+        v = F.linear(h, w["self_attn.v_proj.weight"]).view(n, self.kv_heads, c.head_dim)
         q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        a = attend(q, k, v).reshape(n, c.num_heads * c.head_dim)
-        x = x + F.linear(a, w["self_attn.o_proj.weight"])
+        a = attend(q, k, v).reshape(n, self.heads * c.head_dim)
+        # Row-parallel o_proj and down_proj: partial sums, reduced over the ranks.
+        x = x + self.tp.reduce(F.linear(a, w["self_attn.o_proj.weight"]))
         h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
         gate = F.linear(h, w["mlp.gate_proj.weight"])
         up = F.linear(h, w["mlp.up_proj.weight"])
-        return x + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"])
+        return x + self.tp.reduce(F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"]))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.tp.gather_logits(F.linear(x, self.lm_head)).float()
 
     def _check_tables(self, kv, table, swa_table, end, where):
         c = self.config
@@ -319,10 +338,10 @@ class PagedModel:
                     f"{where}: the model has {len(layers)} {pool} layers; pass kv.{pool} "
                     f"and {tname}"
                 )
-            if pages.shape[1:] != (len(layers), 2, kv.block_size, c.num_kv_heads, c.head_dim):
+            if pages.shape[1:] != (len(layers), 2, kv.block_size, self.kv_heads, c.head_dim):
                 raise InvalidArgument(
                     f"{where}: kv.{pool} has shape {tuple(pages.shape)}; expected "
-                    f"[blocks, {len(layers)}, 2, {kv.block_size}, {c.num_kv_heads}, {c.head_dim}]"
+                    f"[blocks, {len(layers)}, 2, {kv.block_size}, {self.kv_heads}, {c.head_dim}]"
                 )
             if t.shape[-1] * kv.block_size < end:
                 raise InvalidArgument(

@@ -53,6 +53,24 @@ graphs' pool — or a zero-argument factory of a context manager to enter
 around every forward pass. Without one, the engine names torch's reserved
 bytes in the memory report (`set_charge`).
 
+Tensor parallelism. `Engine(..., group=g)` serves one rank's shard of the
+model over the ``torch.distributed`` group `g` (one process per device;
+NCCL on GPUs, gloo on the CPU), every rank constructing its own engine
+with the same arguments and submitting the same requests in the same
+order. The plan is the planner's per-rank plan (``tp`` = the group's size:
+its heads, KV and weights per rank; the weights raised to ``tp`` times
+the largest rank's layout when replication would pass the even split,
+`tensor_parallel.plan_shape`); the memory system opens collectively
+(`imp_mem.distributed.open_rank_system`); the loader reads only the rank's
+slice of each tensor (`imp_mem.engine.tensor_parallel`), and after the
+load all ranks agree: when one failed (planning, opening or loading),
+every rank closes what it opened and raises the same
+`imp_mem.distributed.RankFailure`. A failure after that (warm-up,
+serving) leaves the peers waiting in a collective until the group's
+timeout. The model all-reduces twice a layer and gathers the logits, so
+every rank samples the same greedy token and the deterministic scheduler
+keeps the ranks in step. `fleet_report()` gathers every rank's report.
+
 Thread safety: none; one thread drives an engine.
 """
 
@@ -62,6 +80,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -71,10 +90,11 @@ from typing import Any
 import torch
 
 import imp_mem
-from imp_mem._safetensors import load_safetensors
+from imp_mem._safetensors import load_safetensors, read_header, safetensors_files
 from imp_mem.engine.config import ModelConfig
 from imp_mem.engine.model import KvViews, PagedModel
 from imp_mem.engine.scheduler import Prefill, Request, Scheduler
+from imp_mem.engine.tensor_parallel import TensorParallel, plan_shape
 from imp_mem.errors import InvalidArgument
 
 # Sequence ids of the engine's own (a scheduler counts from 0).
@@ -165,6 +185,9 @@ class Engine:
     the engine's buffers, T4 at 1 MiB unless `torch_pool` or
     `scratch_bytes` is given). The plan serves `max_batch` sequences of
     `max_seq_len` plus one sequence's worth, which holds the padding block.
+    `group`: a ``torch.distributed`` process group to serve a tensor-parallel
+    shard over (module doc); default None, TP = 1. With a group, the default
+    backend is `VmmBackend` on device ``LOCAL_RANK`` (else the group rank).
     """
 
     def __init__(
@@ -190,12 +213,15 @@ class Engine:
         features: Any = None,
         scratch_bytes: int | None = None,
         activation_bytes: int | None = None,
+        group: Any = None,
     ) -> None:
         t_open = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.config_dict = json.loads((self.model_dir / "config.json").read_text())
         self.config = ModelConfig.from_hf_config(self.config_dict)
         c = self.config
+        self.group = group
+        self.tp = TensorParallel(c, group) if group is not None else TensorParallel(c, tp=1)
         if max_seq_len > c.max_position_embeddings:
             raise InvalidArgument(
                 f"max_seq_len={max_seq_len} is above the model's max_position_embeddings "
@@ -213,6 +239,7 @@ class Engine:
         self.kv_growable = kv_growable
         self._torch_pool = torch_pool
         self.activation_bytes = activation_bytes
+        self._scratch_bytes = scratch_bytes
         if torch_pool == "imp_mem":
             if activation_bytes is None:
                 raise InvalidArgument(
@@ -226,9 +253,58 @@ class Engine:
         self._step_imp_mem = 0.0
 
         # -- 1. the plan -------------------------------------------------------
+        error = None
+        try:
+            self._plan(backend, budget, block_size, context, library_reserve, features)
+        except Exception as e:  # every rank must reach the agreement below
+            error = e
+        self._agree("planning", error)
+        context, library_reserve = self._context, self._library_reserve
+
+        # -- 2. the memory system ---------------------------------------------
+        if self.on_gpu:
+            torch.cuda.set_device(self.device)
+        system_kw = dict(
+            context=context,
+            library_reserve=library_reserve,
+            kv_growable=kv_growable,
+            # With the tier torch's, a full tier returns null to torch, which
+            # gives its pool's cached segments back and retries.
+            activation_strict=True if activation_bytes is not None else None,
+        )
+        if group is None:
+            self.system = imp_mem.MemorySystem(self.backend, self.plan, **system_kw)
+        else:
+            from imp_mem.distributed import open_rank_system
+
+            self.system = open_rank_system(
+                lambda _device: self.backend, self.plan, group=group, **system_kw
+            )
+        try:
+            self._open(enable_prefix_caching, buckets, graphs, attention_backend, progress)
+        except BaseException:
+            self.close()
+            raise
+        self.open_seconds = time.perf_counter() - t_open
+
+    def _agree(self, step: str, error: BaseException | None) -> None:
+        """At TP = 1 re-raises `error`; with a group, every rank learns
+        whether every rank got past `step`, and all raise the same
+        `RankFailure` when one did not."""
+        if self.group is None:
+            if error is not None:
+                raise error
+            return
+        from imp_mem.distributed import agree
+
+        agree(step, error, group=self.group)
+
+    def _plan(self, backend, budget, block_size, context, library_reserve, features) -> None:
+        c = self.config
         if backend is None:
             if imp_mem.cuda_available() and torch.cuda.is_available():
-                backend = imp_mem.VmmBackend(0)
+                local = int(os.environ.get("LOCAL_RANK", self.tp.rank))
+                backend = imp_mem.VmmBackend(local if self.group is not None else 0)
             else:
                 backend = imp_mem.FakeBackend(capacity=budget or "8GiB")
         self.backend = backend
@@ -237,10 +313,12 @@ class Engine:
         self.sliding = bool(c.sliding_layers)
         probe_bs = block_size or imp_mem.Limits(1, 16).block_size
         self.ring_blocks = 0
-        shape = imp_mem.ModelShape.from_hf_config(self.model_dir)
+        # The checkpoint's bytes; with ranks, raised where a rank's slices
+        # would pass the planner's even split (`plan_shape`).
+        shape, self.rank_weights_bytes = plan_shape(self.model_dir, c, self.tp.tp)
         # One sequence more than served: the padding rows' block is held
         # through a sequence of the engine's (see `_reserve_blocks`).
-        plan_batch = max_batch + 1
+        plan_batch = self.max_batch + 1
         if self.sliding:
             # The ring must be longer than a chunk's reach (chunk + window),
             # in blocks; the engine's sequences that hold it (each the
@@ -248,60 +326,63 @@ class Engine:
             self.ring_blocks = math.ceil((self.prefill_chunk + c.sliding_window) / probe_bs) + 2
             per_seq = math.ceil(c.sliding_window / probe_bs)
             plan_batch += math.ceil(self.ring_blocks / per_seq)
-        limits = imp_mem.Limits(plan_batch, max_seq_len, block_size=block_size)
+        limits = imp_mem.Limits(plan_batch, self.max_seq_len, block_size=block_size)
         if not self.on_gpu:
             context = 8 << 20 if context is None else context
             library_reserve = 4 << 20 if library_reserve is None else library_reserve
-        self.plan = imp_mem.plan_memory(
-            imp_mem.PlanInput(
-                shape,
-                limits,
-                features or self._features(probe_bs, scratch_bytes),
-                budget=budget if budget is not None else backend.budget,
-                context=context,
-                library_reserve=library_reserve,
-            )
-        )
-        self.block_size = int(self.plan.kv["block_size"])
-
-        # -- 2. the memory system ---------------------------------------------
-        if self.on_gpu:
-            torch.cuda.set_device(self.device)
-        self.system = imp_mem.MemorySystem(
-            backend,
-            self.plan,
+        self._context, self._library_reserve = context, library_reserve
+        self.plan_input = imp_mem.PlanInput(
+            shape,
+            limits,
+            features or self._features(probe_bs, self._scratch_bytes),
+            budget=budget if budget is not None else backend.budget,
+            tp=self.tp.tp,
             context=context,
             library_reserve=library_reserve,
-            kv_growable=kv_growable,
-            # With the tier torch's, a full tier returns null to torch, which
-            # gives its pool's cached segments back and retries.
-            activation_strict=True if activation_bytes is not None else None,
         )
-        try:
-            if self._torch_pool is not None:
-                self._torch_pool = self._torch_pool(self.system)
-            self._open(enable_prefix_caching, buckets, graphs, attention_backend, progress)
-        except BaseException:
-            self.close()
-            raise
-        self.open_seconds = time.perf_counter() - t_open
+        self.plan = imp_mem.plan_memory(self.plan_input)
+        self.block_size = int(self.plan.kv["block_size"])
 
     # ------------------------------------------------------------------ setup
 
     def _open(self, prefix_caching, buckets, graphs, attention_backend, progress) -> None:
+        error = None
+        try:
+            self._load(prefix_caching, attention_backend, progress)
+        except Exception as e:  # every rank must reach the agreement below
+            error = e
+        # Past here the ranks run collectives: none may be missing.
+        self._agree("loading the weights", error)
+        self._serve(buckets, graphs)
+
+    def _load(self, prefix_caching, attention_backend, progress) -> None:
         c = self.config
         system = self.system
-        # -- 3. weights into T1 -----------------------------------------------
+        if self._torch_pool is not None:
+            self._torch_pool = self._torch_pool(system)
+        # -- 3. weights into T1 (this rank's slices) ---------------------------
         t0 = time.perf_counter()
-        self.weights = load_safetensors(system, self.model_dir, progress=progress)
+        self.weights = load_safetensors(
+            system, self.model_dir, progress=progress, shards=self.tp.shards()
+        )
         self.load_seconds = time.perf_counter() - t0
+        # What this rank holds beyond the plan's even split of the
+        # checkpoint (replicated norms, shared KV heads, the vocab's
+        # rounding); 0 at TP = 1.
+        full = sum(t.nbytes for f in safetensors_files(self.model_dir) for t in read_header(f))
+        held = sum(t.numel() * t.element_size() for t in self.weights.values())
+        self.weights_over_share = held - -(-full // self.tp.tp)
         self.model = PagedModel(
-            c, self.weights, attention_backend=attention_backend, max_positions=self.max_seq_len
+            c,
+            self.weights,
+            attention_backend=attention_backend,
+            max_positions=self.max_seq_len,
+            tp=self.tp,
         )
 
         # -- 5. the KV pools as tensors ---------------------------------------
         kv_dtype = getattr(torch, _KV_DTYPES[self.plan.kv["dtype"]])
-        geometry = (self.block_size, c.num_kv_heads, c.head_dim)
+        geometry = (self.block_size, self.tp.kv_heads, c.head_dim)
         full = self._pool_view(system.kv_pool, len(c.full_layers), geometry, kv_dtype, "kv")
         swa = None
         if self.sliding:
@@ -345,6 +426,8 @@ class Engine:
             step_in["swa_tables"][:] = self._pad_swa_row
         self._t2_raw["decode_in"].copy_(self.staging["decode_in"].raw)
 
+    def _serve(self, buckets, graphs) -> None:
+        system = self.system
         # -- 6. warm-up, graphs, serving --------------------------------------
         self.use_graphs = self.on_gpu if graphs is None else graphs
         if self.use_graphs and not self.on_gpu:
@@ -702,6 +785,19 @@ class Engine:
         other processes use, left out of the attribution."""
         self._charge_torch()
         return self.system.mem_report(other_processes=other_processes)
+
+    def fleet_report(self, *, dst: int = 0, other_processes: int | None = None) -> Any:
+        """Every rank's `mem_report` gathered on rank `dst` of the group as a
+        `imp_mem.distributed.FleetReport` (None on the other ranks; every
+        rank must call it). At TP = 1, this engine's report alone."""
+        from imp_mem.distributed import FleetReport, gather_reports
+
+        self._charge_torch()
+        if self.group is None:
+            return FleetReport([self.system.mem_report(other_processes=other_processes)])
+        return gather_reports(
+            self.system, group=self.group, dst=dst, other_processes=other_processes
+        )
 
     def mem_report_text(self, other_processes: int | None = None) -> str:
         """`mem_report` as the text table."""
