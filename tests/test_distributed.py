@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+from test_system import SMALL
 
 from imp_mem import (
     FakeBackend,
@@ -26,19 +27,6 @@ from imp_mem.distributed import FleetReport, RankFailure
 
 MIB = 1 << 20
 GIB = 1 << 30
-
-SMALL = {
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 def rank_plan(tp=2, budget=GIB):
@@ -170,24 +158,17 @@ RANK = textwrap.dedent(
 )
 
 
-def run_ranks(tmp_path, fail: bool, world=2):
+def spawn_ranks(tmp_path, script: str, args: list[str], *, world=2, timeout=300):
+    """Runs `script` in `world` processes with ``argv[1:]`` = ``rank world
+    store out *args`` (a gloo ``file://`` store and a result prefix under
+    `tmp_path`); each rank writes ``out.<rank>`` as JSON. Returns them in
+    rank order."""
     pytest.importorskip("torch")
-    store = tmp_path / "store"
-    out = tmp_path / "result"
+    store, out = tmp_path / "store", tmp_path / "result"
     env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                RANK,
-                str(r),
-                str(world),
-                str(store),
-                str(out),
-                "yes" if fail else "no",
-                json.dumps(SMALL),
-            ],
+            [sys.executable, "-c", script, str(r), str(world), str(store), str(out), *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -196,9 +177,13 @@ def run_ranks(tmp_path, fail: bool, world=2):
         for r in range(world)
     ]
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err[-3000:]
     return [json.loads((tmp_path / f"result.{r}").read_text()) for r in range(world)]
+
+
+def run_ranks(tmp_path, fail: bool, world=2):
+    return spawn_ranks(tmp_path, RANK, ["yes" if fail else "no", json.dumps(SMALL)], world=world)
 
 
 def test_two_gloo_ranks_plan_open_and_gather(tmp_path):

@@ -19,15 +19,13 @@ So the exact comparison is made in float32.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_distributed import spawn_ranks  # noqa: E402
 from test_engine_runtime import prompts, tiny  # noqa: E402
 
 from imp_mem import FakeBackend, Features, Limits, PlanInput, plan_memory  # noqa: E402
@@ -108,33 +106,8 @@ def checkpoint(request, tmp_path_factory):
 
 
 def run_ranks(tmp_path, directory, ps, *, fail="no", world=2):
-    env = dict(os.environ, GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
     args = json.dumps([ENGINE_KW, ps, NEW_TOKENS])
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                RANK,
-                str(r),
-                str(world),
-                str(tmp_path / "store"),
-                str(tmp_path / "result"),
-                fail,
-                str(directory),
-                args,
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-    return [json.loads((tmp_path / f"result.{r}").read_text()) for r in range(world)]
+    return spawn_ranks(tmp_path, RANK, [fail, str(directory), args], world=world, timeout=600)
 
 
 def test_tp2_serves_the_tp1_tokens_from_per_rank_plans(tmp_path, checkpoint):
