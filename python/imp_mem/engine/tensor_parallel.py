@@ -114,13 +114,9 @@ class TensorParallel:
         self.config = config
         self.group = group
         if tp is None:
-            import torch.distributed as dist
+            from imp_mem.distributed import _dist
 
-            if not dist.is_available() or not dist.is_initialized():
-                raise InvalidArgument(
-                    "group: torch.distributed is not initialised; call "
-                    "torch.distributed.init_process_group(...) on every rank first"
-                )
+            dist = _dist()
             self.tp = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
         else:
@@ -148,12 +144,17 @@ class TensorParallel:
         self.vocab_part = math.ceil(config.vocab_size / tp)
         self.vocab_start = min(config.vocab_size, rank * self.vocab_part)
         self.vocab_stop = min(config.vocab_size, self.vocab_start + self.vocab_part)
+        self._shards = self._split()
 
     # -- the split ------------------------------------------------------------
 
     def shards(self) -> dict[str, Shard]:
         """This rank's slice of every split tensor, by its Hugging Face name
         (the replicated ones are absent). Empty at TP = 1."""
+        return dict(self._shards)
+
+    def _split(self) -> dict[str, Shard]:
+        """`shards`, computed once at construction (the split is fixed)."""
         if self.tp == 1:
             return {}
         c, d = self.config, self.config.head_dim
@@ -177,7 +178,7 @@ class TensorParallel:
 
     def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape this rank holds of the tensor `name` of full `shape`."""
-        shard = self.shards().get(name)
+        shard = self._shards.get(name)
         if shard is None:
             return shape
         out = list(shape)
