@@ -139,10 +139,38 @@ def our_side(directory, prompts, new_tokens, max_seq_len):
             "reserved": backend.stats()["peak"] + torch.cuda.max_memory_reserved(),
             "imp_mem_share": e.stats.imp_mem_share,
             "steady_state": sum(backend.stats()["steady_state_allocations_total"].values()),
+            "report": e.mem_report_text(),
+            "torch_segments": torch_segments(),
+            "backend_peak": backend.stats()["peak"],
+            "torch_peak_reserved": torch.cuda.max_memory_reserved(),
         }
     gc.collect()
     backend.trim_cache()
     return out
+
+
+def torch_segments() -> str:
+    """torch's reserved memory by pool and stream, and its largest live
+    blocks: where the bytes beyond the weights and the KV go."""
+    import torch
+
+    groups: dict[tuple, list[int]] = {}
+    blocks = []
+    for seg in torch.cuda.memory_snapshot():
+        key = (str(seg.get("segment_pool_id", "default")), seg.get("stream", 0))
+        g = groups.setdefault(key, [0, 0, 0])
+        g[0] += seg["total_size"]
+        g[1] += seg.get("allocated_size", 0)
+        g[2] += 1
+        blocks += [b["size"] for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
+    lines = ["  torch segments: pool, stream -> reserved MiB, allocated MiB, segments"]
+    for (pool, stream), (res, alloc, n) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"    {pool:>12} {stream:>16}  {res / 2**20:9.1f} {alloc / 2**20:9.1f} {n:5d}")
+    blocks.sort(reverse=True)
+    lines.append(
+        "  largest live blocks (MiB): " + ", ".join(f"{b / 2**20:.1f}" for b in blocks[:16])
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
                 + batch * config.vocab_size * 4
             )
             print(f"-- batch {batch}")
+            print(ours["report"])
+            print(ours["torch_segments"])
+            print(
+                f"  needed {needed / 2**20:.1f} MiB (weights {weights / 2**20:.1f}, KV "
+                f"{batch * (prompt_len + new_tokens) * kv_bytes_per_token(config) / 2**20:.1f}, "
+                f"logits {batch * config.vocab_size * 4 / 2**20:.1f}); backend peak "
+                f"{ours['backend_peak'] / 2**20:.1f}, torch peak reserved "
+                f"{ours['torch_peak_reserved'] / 2**20:.1f}"
+            )
             row(
                 f"decode tokens/s, batch {batch}",
                 ours["tok_s"],

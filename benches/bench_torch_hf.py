@@ -286,6 +286,14 @@ def summarize(args, default: dict, imp: dict, needed: int) -> dict:
         "needed_bytes": needed,
         "reserved_over_needed_default": default["reserved"] / needed,
         "reserved_over_needed_imp": imp["committed"] / needed,
+        # The floor any allocator has on this workload: HF's own live bytes
+        # at its peak (weights, its KV cache and the step's activations).
+        "live_peak_over_needed_default": (
+            default["weights_bytes"] + default["activation_high_water"]
+        )
+        / needed,
+        "reserved_over_live_peak_imp": imp["committed"]
+        / (default["weights_bytes"] + default["activation_high_water"]),
         "activation_high_water": default["activation_high_water"],
         "plan_activations": imp["plan_activations"],
         "allocator_calls_default": default["allocator_calls"],

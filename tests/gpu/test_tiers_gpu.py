@@ -55,7 +55,13 @@ def test_export_keeps_device_memory_alive_and_resets_refuse_old_spans(cuda):
     t = torch.from_dlpack(span)
     t.fill_(3)
     live = cuda.live
-    arena.reset()
+    # A reset under a live export is refused (the tensor would read whatever
+    # the arena hands out next); the caller may insist, and the old span is
+    # then stale while the tensor still holds the region.
+    with pytest.raises(imp_mem.InvalidArgument, match="unsafe_allow_live_exports"):
+        arena.reset()
+    assert int(t.sum().item()) == 3 * 1024
+    arena.reset(unsafe_allow_live_exports=True)
     with pytest.raises(StaleSpan):
         torch.from_dlpack(span)
     del arena, span
