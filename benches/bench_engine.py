@@ -109,7 +109,6 @@ def our_side(directory, prompts, new_tokens, max_seq_len):
     import imp_mem
     from imp_mem.engine.runtime import Engine, EngineStats
 
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     batch = len(prompts)
     backend = imp_mem.VmmBackend(device=0, strict=True)
@@ -147,6 +146,20 @@ def our_side(directory, prompts, new_tokens, max_seq_len):
     gc.collect()
     backend.trim_cache()
     return out
+
+
+def release_torch_memory() -> None:
+    """What the side before left in torch's allocator goes back to the
+    device, cuBLAS's per-stream workspaces included (torch keeps one for
+    every stream that ran a matmul, for the life of the process), so each
+    side's peak is its own."""
+    import torch
+
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
 
 
 def torch_segments() -> str:
@@ -209,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
             hf = hf_side(directory, prompts, new_tokens)
             gc.collect()  # HF's model is gone with hf_side's frame
-            torch.cuda.empty_cache()
+            release_torch_memory()
             ours = our_side(directory, prompts, new_tokens, prompt_len + new_tokens)
+            release_torch_memory()
             needed = (
                 weights
                 + batch * (prompt_len + new_tokens) * kv_bytes_per_token(config)

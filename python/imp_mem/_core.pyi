@@ -916,6 +916,8 @@ class Features:
         engine_persistent_bytes: ByteCount | None = None,
         kv_host_bytes: ByteCount | None = None,
         activation_bytes: ByteCount | None = None,
+        engine_kv_blocks: int | None = None,
+        engine_swa_blocks: int | None = None,
     ) -> None: ...
     @property
     def spec_depth(self) -> int: ...
@@ -936,6 +938,12 @@ class Features:
     def engine_persistent_bytes(self) -> int | None: ...
     @property
     def activation_bytes(self) -> int | None: ...
+    @property
+    def engine_kv_blocks(self) -> int:
+        """KV blocks the engine holds for itself beyond `max_batch` sequences."""
+    @property
+    def engine_swa_blocks(self) -> int:
+        """The same for the sliding-window pool."""
 
 @final
 class PlanInput:

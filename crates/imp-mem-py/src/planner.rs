@@ -375,7 +375,8 @@ impl PyFeatures {
     #[pyo3(signature = (*, spec_depth = None, draft_weights_bytes = None, vision_tower_bytes = None,
                         lora_slots = None, lora_rank = None, scratch_bytes = None,
                         engine_persistent_bytes = None, kv_host_bytes = None,
-                        activation_bytes = None))]
+                        activation_bytes = None, engine_kv_blocks = None,
+                        engine_swa_blocks = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         spec_depth: Option<&Bound<'_, PyAny>>,
@@ -387,6 +388,8 @@ impl PyFeatures {
         engine_persistent_bytes: Option<&Bound<'_, PyAny>>,
         kv_host_bytes: Option<&Bound<'_, PyAny>>,
         activation_bytes: Option<&Bound<'_, PyAny>>,
+        engine_kv_blocks: Option<&Bound<'_, PyAny>>,
+        engine_swa_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let count = |v: Option<&Bound<'_, PyAny>>, what: &str| -> PyResult<u32> {
             match v.filter(|v| !v.is_none()) {
@@ -404,6 +407,8 @@ impl PyFeatures {
             engine_persistent_bytes: opt_size(engine_persistent_bytes, "engine_persistent_bytes")?,
             kv_host_bytes: opt_size(kv_host_bytes, "kv_host_bytes")?.unwrap_or(0),
             activation_bytes: opt_size(activation_bytes, "activation_bytes")?,
+            engine_kv_blocks: count(engine_kv_blocks, "engine_kv_blocks")?.into(),
+            engine_swa_blocks: count(engine_swa_blocks, "engine_swa_blocks")?.into(),
         };
         if inner.lora_slots > 0 && inner.lora_rank == 0 {
             return Err(invalid("lora_rank: must be at least 1 when lora_slots > 0"));
@@ -447,6 +452,16 @@ impl PyFeatures {
     #[getter]
     fn activation_bytes(&self) -> Option<u64> {
         self.inner.activation_bytes
+    }
+    /// KV blocks the engine holds for itself beyond `max_batch` sequences.
+    #[getter]
+    fn engine_kv_blocks(&self) -> u64 {
+        self.inner.engine_kv_blocks
+    }
+    /// The same for the sliding-window pool.
+    #[getter]
+    fn engine_swa_blocks(&self) -> u64 {
+        self.inner.engine_swa_blocks
     }
 
     fn __repr__(&self) -> String {

@@ -316,17 +316,18 @@ class Engine:
         # The checkpoint's bytes; with ranks, raised where a rank's slices
         # would pass the planner's even split (`plan_shape`).
         shape, self.rank_weights_bytes = plan_shape(self.model_dir, c, self.tp.tp)
-        # One sequence more than served: the padding rows' block is held
-        # through a sequence of the engine's (see `_reserve_blocks`).
-        plan_batch = self.max_batch + 1
+        # The blocks the engine holds through sequences of its own (see
+        # `_reserve_blocks`), planned as blocks beyond max_batch sequences:
+        # the padding rows' block in each pool and, for a sliding model, the
+        # ring, which must be longer than a chunk's reach (chunk + window);
+        # each ring sequence holds a window's blocks in both pools.
+        self._engine_blocks = [1, 1 if self.sliding else 0]
         if self.sliding:
-            # The ring must be longer than a chunk's reach (chunk + window),
-            # in blocks; the engine's sequences that hold it (each the
-            # window's blocks) and the padding sequence are planned for.
             self.ring_blocks = math.ceil((self.prefill_chunk + c.sliding_window) / probe_bs) + 2
             per_seq = math.ceil(c.sliding_window / probe_bs)
-            plan_batch += math.ceil(self.ring_blocks / per_seq)
-        limits = imp_mem.Limits(plan_batch, self.max_seq_len, block_size=block_size)
+            held = math.ceil(self.ring_blocks / per_seq) * per_seq
+            self._engine_blocks = [1 + held, 1 + held]
+        limits = imp_mem.Limits(self.max_batch, self.max_seq_len, block_size=block_size)
         if not self.on_gpu:
             context = 8 << 20 if context is None else context
             library_reserve = 4 << 20 if library_reserve is None else library_reserve
@@ -334,7 +335,9 @@ class Engine:
         self.plan_input = imp_mem.PlanInput(
             shape,
             limits,
-            features or self._features(probe_bs, self._scratch_bytes),
+            _with_engine_blocks(features, self._engine_blocks)
+            if features is not None
+            else self._features(probe_bs, self._scratch_bytes),
             budget=budget if budget is not None else backend.budget,
             tp=self.tp.tp,
             context=context,
@@ -426,9 +429,22 @@ class Engine:
             step_in["swa_tables"][:] = self._pad_swa_row
         self._t2_raw["decode_in"].copy_(self.staging["decode_in"].raw)
 
+    def _on_stream(self) -> Any:
+        """The engine's stream: every kernel it runs, eager or captured, goes
+        there, so cuBLAS keeps one workspace for it (a workspace is per
+        stream) rather than one for the current stream and one for capture."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
     def _serve(self, buckets, graphs) -> None:
         system = self.system
         # -- 6. warm-up, graphs, serving --------------------------------------
+        self._stream = None
+        if self.on_gpu:
+            self._stream = torch.cuda.Stream(self.device)
+            # The weights and T2 were written on the current stream.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self.use_graphs = self.on_gpu if graphs is None else graphs
         if self.use_graphs and not self.on_gpu:
             raise InvalidArgument("graphs=True needs a GPU backend")
@@ -437,10 +453,15 @@ class Engine:
             raise InvalidArgument(
                 f"buckets {self.buckets} must be at least 1 and cover max_batch={self.max_batch}"
             )
-        self._warm_up()
+        with self._on_stream():
+            self._warm_up()
+        # The warm-up's transients go back to the device before the capture
+        # takes its pool, so torch's peak is the larger of the two, not the sum.
+        self._empty_torch_cache()
         self.graphs: dict[int, Any] = {}
         if self.use_graphs:
             self._capture()
+            self._empty_torch_cache()
         self._charge_torch()
         system.begin_serving()
         self.stats = EngineStats()  # serving starts here
@@ -457,6 +478,8 @@ class Engine:
             engine_persistent_bytes=self._t2_bytes(block_size),
             scratch_bytes=scratch_bytes,
             activation_bytes=self.activation_bytes,
+            engine_kv_blocks=self._engine_blocks[0],
+            engine_swa_blocks=self._engine_blocks[1],
         )
 
     def _reserve_blocks(self) -> None:
@@ -550,15 +573,15 @@ class Engine:
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
 
+    def _empty_torch_cache(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     def _capture(self) -> None:
-        pool = self._graph_pool()
-        stream = torch.cuda.Stream(self.device)
-        # Warm up on the capture stream first (library handles and
-        # workspaces are per stream), as torch's graph recipe does.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            self._decode_body(self.buckets[-1])
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # On the stream the warm-up ran on (its library handles and
+        # workspaces exist already, as torch's graph recipe needs).
+        pool, stream = self._graph_pool(), self._stream
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):
                 g = torch.cuda.CUDAGraph()
@@ -641,7 +664,7 @@ class Engine:
         kv0 = sched.kv_seconds
         self._step_imp_mem = 0.0
         out: list[tuple[int, int]] = []
-        with torch.inference_mode(), self._torch_ctx():
+        with torch.inference_mode(), self._on_stream(), self._torch_ctx():
             prefills = sched.admit_waiting()
             t0 = time.perf_counter()
             for p in prefills:
@@ -670,7 +693,7 @@ class Engine:
             fence = None
             if self.on_gpu:
                 fence = torch.cuda.Event()
-                fence.record()
+                fence.record(self._stream)
             t0 = time.perf_counter()
             self.system.step(fence)
             self._count_imp_mem(time.perf_counter() - t0)
@@ -843,6 +866,28 @@ class Engine:
 
     def __exit__(self, *args: object) -> None:
         self.close()
+
+
+def _with_engine_blocks(features: Any, blocks: Sequence[int]) -> Any:
+    """`features` (a caller's `imp_mem.Features`) with the engine's own KV
+    blocks added to what it already plans for."""
+    names = (
+        "spec_depth",
+        "draft_weights_bytes",
+        "vision_tower_bytes",
+        "lora_slots",
+        "lora_rank",
+        "scratch_bytes",
+        "engine_persistent_bytes",
+        "kv_host_bytes",
+        "activation_bytes",
+    )
+    kw = {n: getattr(features, n) for n in names}
+    return imp_mem.Features(
+        **kw,
+        engine_kv_blocks=features.engine_kv_blocks + blocks[0],
+        engine_swa_blocks=features.engine_swa_blocks + blocks[1],
+    )
 
 
 def _pad_row(width: int, block: int):

@@ -97,6 +97,19 @@ pub struct Features {
     /// `None`: no pool and no plan line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub activation_bytes: Option<u64>,
+    /// KV blocks an engine holds for itself beyond `max_batch` sequences
+    /// (the padding rows' block of a captured decode, a prefill's scratch
+    /// ring): added to the KV pool's target, so the engine plans one block
+    /// instead of a whole sequence for its padding.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub engine_kv_blocks: u64,
+    /// The same for the sliding-window pool.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub engine_swa_blocks: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Everything `plan_memory` reads. Seed A4.2 plus D7's two measured charges.
@@ -175,6 +188,8 @@ impl PlanInput {
             f.engine_persistent_bytes.unwrap_or(0),
             MAX_BYTES,
         )?;
+        at_most("engine_kv_blocks", f.engine_kv_blocks, 1 << 32)?;
+        at_most("engine_swa_blocks", f.engine_swa_blocks, 1 << 32)?;
         let m = &self.model;
         positive("model.num_layers", u64::from(m.num_layers))?;
         positive("model.hidden_size", m.hidden_size)?;

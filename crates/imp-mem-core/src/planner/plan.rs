@@ -329,13 +329,21 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
         kv_bytes_per_token: per_token.full,
         kv_blocks_per_seq,
         kv_target: if per_token.full > 0 {
-            batch.saturating_mul(kv_blocks_per_seq)
+            batch
+                .saturating_mul(kv_blocks_per_seq)
+                .saturating_add(f.engine_kv_blocks)
         } else {
             0
         },
         swa_bytes_per_token,
         swa_blocks_per_seq,
-        swa_target: batch.saturating_mul(swa_blocks_per_seq),
+        swa_target: if swa_blocks_per_seq > 0 {
+            batch
+                .saturating_mul(swa_blocks_per_seq)
+                .saturating_add(f.engine_swa_blocks)
+        } else {
+            0
+        },
         context: mib(input.context_bytes),
         library: mib(input.library_reserve_bytes),
     };
@@ -362,8 +370,12 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
 
 fn kv_label(input: &PlanInput, blocks: u64, target: u64, bs: u32) -> String {
     if blocks == target {
+        let engine = match input.features.engine_kv_blocks {
+            0 => String::new(),
+            n => format!(" + {n} engine blocks"),
+        };
         format!(
-            "KV pool ({} x {} tok, {})",
+            "KV pool ({} x {} tok{engine}, {})",
             input.limits.max_batch,
             input.limits.max_seq_len,
             input.kv_dtype()

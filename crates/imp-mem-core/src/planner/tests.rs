@@ -788,6 +788,8 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
                         kv_host_bytes: 0,
                         // The activation line rides on the scratch lever.
                         activation_bytes: scratch.map(|s| s / 3),
+                        engine_kv_blocks: u64::from(spec % 3),
+                        engine_swa_blocks: u64::from(lora % 2),
                     },
                     tp,
                     budget,
@@ -1064,4 +1066,31 @@ fn a_tp_degree_the_heads_do_not_split_over_is_refused_naming_the_nearest() {
     // Replicating the KV heads (tp a multiple of them) is a valid split.
     bad.tp = 16;
     assert!(plan_memory(&bad).is_ok());
+}
+
+#[test]
+fn engine_blocks_add_to_the_kv_targets_and_name_themselves() {
+    let base = input(shape(&gemma3_27b()), 8, 4096, 200 * GIB);
+    let plain = plan_memory(&base).unwrap();
+    let mut with = base.clone();
+    with.features.engine_kv_blocks = 3;
+    with.features.engine_swa_blocks = 5;
+    let plan = plan_memory(&with).unwrap();
+    assert_eq!(plan.kv.blocks, plain.kv.blocks + 3);
+    assert_eq!(plan.kv.target_blocks, plain.kv.target_blocks + 3);
+    let (swa, plain_swa) = (plan.swa.as_ref().unwrap(), plain.swa.as_ref().unwrap());
+    assert_eq!(swa.blocks, plain_swa.blocks + 5);
+    // Still max_batch whole sequences: the engine's blocks are not one.
+    assert_eq!(plan.kv.full_sequences, plain.kv.full_sequences);
+    let line = plan.charges.iter().find(|c| c.key == "kv_pool").unwrap();
+    assert!(line.label.contains("+ 3 engine blocks"), "{}", line.label);
+    // A model without sliding layers gets no SWA pool from engine_swa_blocks.
+    let mut dense = input(shape(&llama3_8b()), 8, 4096, 200 * GIB);
+    dense.features.engine_swa_blocks = 5;
+    assert!(plan_memory(&dense).unwrap().swa.is_none());
+    // Out of range is refused, naming the field.
+    let mut huge = base.clone();
+    huge.features.engine_kv_blocks = u64::MAX;
+    let err = plan_memory(&huge).unwrap_err().to_string();
+    assert!(err.contains("engine_kv_blocks"), "{err}");
 }
