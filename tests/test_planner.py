@@ -252,6 +252,24 @@ def test_features_cost_memory():
     assert plan.kv["blocks_per_sequence"] == (4096 + 4 + 15) // 16
 
 
+def test_engine_blocks_are_planned_as_blocks_and_round_trip():
+    base = plan_memory(plan_input())
+    feats = Features(engine_kv_blocks=3)
+    assert (feats.engine_kv_blocks, feats.engine_swa_blocks) == (3, 0)
+    inp = PlanInput(ModelShape(**LLAMA3_8B), Limits(8, 4096), feats, budget="80GiB")
+    plan = plan_memory(inp)
+    assert plan.kv["blocks"] == base.kv["blocks"] + 3
+    assert "+ 3 engine blocks" in plan.table()
+    assert json.loads(inp.to_json())["features"]["engine_kv_blocks"] == 3
+    assert "engine_kv_blocks" not in json.loads(plan_input().to_json())["features"]
+    with pytest.raises(InvalidArgument, match="engine_kv_blocks"):
+        Features(engine_kv_blocks=-1)
+    with pytest.raises(InvalidArgument, match="engine_swa_blocks"):
+        Features(engine_swa_blocks=1 << 40)
+    with pytest.raises(InvalidArgument, match="engine_kv_blocks must be an integer"):
+        Features(engine_kv_blocks="3")
+
+
 def test_plan_failure_report_and_attributes():
     inp = plan_input(batch=32, seq=8192, budget="40GiB")
     with pytest.raises(PlanFailure) as info:
