@@ -370,3 +370,42 @@ def test_engine_on_the_imp_mem_torch_pool_allocates_nothing_while_serving(checkp
     same = sum(a == b for a, b in zip(reference, got))
     print(f"greedy outputs identical to torch's allocator's: {same} of {len(prompts)}")
     assert same >= 0.9 * len(prompts)
+
+
+def test_the_engine_swaps_between_two_shapes_and_serves_each_as_a_fresh_one(tmp_path):
+    """Issue 19 with the engine serving before and after: a VMM engine (strict:
+    an acquisition while serving raises) swaps from one Qwen3-shaped
+    checkpoint to another with other layers and KV heads and back; each
+    serves the greedy tokens a fresh engine on it serves, T2 and T1 keep
+    their addresses, the KV pool is re-laid, nothing is acquired while
+    serving."""
+    small = qwen3_0_6b_config()
+    small["num_hidden_layers"] = 4
+    other = qwen3_0_6b_config()
+    other.update(num_hidden_layers=6, num_key_value_heads=4)
+    a = write_random_checkpoint(tmp_path / "a", small)
+    b = write_random_checkpoint(tmp_path / "b", other)
+    kw = {"max_batch": 8, "max_seq_len": 256}
+    rng = random.Random(11)
+    prompts = [
+        [rng.randrange(small["vocab_size"]) for _ in range(rng.randint(8, 96))] for _ in range(8)
+    ]
+
+    def fresh(directory):
+        with Engine(directory, backend=imp_mem.VmmBackend(device=0, strict=True), **kw) as e:
+            return e.generate(prompts, 16)
+
+    want_a, want_b = fresh(a), fresh(b)
+    backend = imp_mem.VmmBackend(device=0, strict=True)
+    with Engine(a, backend=backend, **kw) as e:
+        assert e.generate(prompts, 16) == want_a
+        t2 = {k: t.data_ptr() for k, t in e._t2_raw.items()}
+        report = e.swap_model(b)
+        assert report["t1_in_place"] and report["t1_base"][0] == report["t1_base"][1], report
+        assert "kv_pool" in report["relaid"], report
+        assert {k: t.data_ptr() for k, t in e._t2_raw.items()} == t2
+        assert e.generate(prompts, 16) == want_b
+        e.swap_model(a)
+        assert e.generate(prompts, 16) == want_a
+        assert sum(backend.stats()["steady_state_allocations_total"].values()) == 0
+        e.system.check()

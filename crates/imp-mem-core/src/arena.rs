@@ -269,13 +269,19 @@ impl ArenaCore {
         let Some(sleep) = self.sleep.as_ref() else {
             return Ok(());
         };
-        self.region.commit(sleep.committed as u64)?;
-        if let Some(copy) = &sleep.copy {
-            let len = sleep.saved.min(copy.len());
-            if let Err(err) = self.region.copy_from_host(0, &copy.as_slice()[..len]) {
-                let _ = self.region.decommit(0);
-                return Err(err);
+        match &sleep.copy {
+            // The commit of each piece overlaps the copy of the one before.
+            Some(copy) => {
+                let len = sleep.saved.min(copy.len());
+                let filled = self
+                    .region
+                    .commit_and_fill(sleep.committed as u64, &copy.as_slice()[..len]);
+                if let Err(err) = filled {
+                    let _ = self.region.decommit(0);
+                    return Err(err);
+                }
             }
+            None => self.region.commit(sleep.committed as u64)?,
         }
         if let Some(sleep) = self.sleep.take() {
             self.spare_copy = sleep.copy;

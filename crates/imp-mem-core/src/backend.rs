@@ -722,6 +722,11 @@ impl Drop for ReplanGuard {
     }
 }
 
+/// Bytes [`Region::commit_and_fill`] commits ahead of its copy at a time:
+/// two 64 MiB VMM chunks, a DMA of ~2.4 ms at an H200's pinned bandwidth
+/// against ~0.3 ms of driver work to commit them.
+pub const FILL_PIECE_BYTES: usize = 128 << 20;
+
 /// Memory acquired from a backend. Move-only; released exactly once, when
 /// dropped.
 pub struct Region {
@@ -905,6 +910,96 @@ impl Region {
         .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
     }
 
+    /// Commits the region to `new_len` bytes (as [`Region::commit`]) and
+    /// copies `src` to its start, the two overlapped: a scoped worker thread
+    /// commits piece after piece (whole granules, about [`FILL_PIECE_BYTES`])
+    /// while this thread copies each piece once it is committed. On a device
+    /// a commit is the driver creating and mapping handles, the copy a DMA
+    /// from pinned memory; in sequence a wake pays both (the commit measured
+    /// at ~11 % of the copy of the same bytes on an H200), overlapped about
+    /// the copy alone. On failure the region keeps what it committed (the
+    /// caller decommits) and the first error is returned.
+    pub fn commit_and_fill(&mut self, new_len: u64, src: &[u8]) -> Result<(), MemError> {
+        self.commit_and_fill_by(new_len, src, FILL_PIECE_BYTES)
+    }
+
+    /// [`Region::commit_and_fill`] with pieces of about `piece_bytes`.
+    pub(crate) fn commit_and_fill_by(
+        &mut self,
+        new_len: u64,
+        src: &[u8],
+        piece_bytes: usize,
+    ) -> Result<(), MemError> {
+        let granule = self.check_growable("commit")?;
+        if src.len() as u64 > new_len {
+            return Err(MemError::invalid(format!(
+                "fill of {} B is larger than the commit to {new_len} B",
+                src.len()
+            )));
+        }
+        let piece = piece_bytes.div_ceil(granule).max(1) * granule;
+        if src.len() <= piece {
+            self.commit(new_len)?;
+            return self.copy_from_host(0, src);
+        }
+        let (base, tag, start) = (self.base, self.tag, self.committed);
+        let shared = Arc::clone(&self.backend.shared);
+        let (tx, rx) = std::sync::mpsc::channel::<usize>();
+        let region = &mut *self;
+        std::thread::scope(|scope| {
+            let worker = scope.spawn(move || -> Result<(), MemError> {
+                while (region.committed as u64) < new_len {
+                    let next = (region.committed as u64).saturating_add(piece as u64);
+                    region.commit(next.min(new_len))?;
+                    if tx.send(region.committed).is_err() {
+                        break; // the copy failed: nothing more to fill
+                    }
+                }
+                Ok(())
+            });
+            let mut copied = 0usize;
+            let mut copy_error = None;
+            for committed in std::iter::once(start).chain(rx.iter()) {
+                let upto = committed.min(src.len());
+                if upto <= copied {
+                    continue;
+                }
+                // SAFETY: `[base + copied, base + upto)` lies in the part of
+                // this live region the worker has committed (it sent
+                // `committed` after the commit returned); the region is
+                // borrowed mutably for the whole scope, so no span of this
+                // crate refers to it, and `src[copied..upto]` is a host slice
+                // we borrow for the call.
+                let result = unsafe {
+                    shared.source.copy_from_host(
+                        base + copied,
+                        src[copied..].as_ptr(),
+                        upto - copied,
+                    )
+                };
+                if let Err(e) = result {
+                    copy_error = Some(shared.map_source_error(&shared.state(), e, 0, tag));
+                    break;
+                }
+                copied = upto;
+            }
+            drop(rx);
+            let committed = worker.join().unwrap_or_else(|_| {
+                Err(MemError::Invariant(
+                    "the commit worker of a fill panicked".to_string(),
+                ))
+            });
+            match (committed, copy_error) {
+                (Err(e), _) | (Ok(()), Some(e)) => Err(e),
+                (Ok(()), None) if copied == src.len() => Ok(()),
+                (Ok(()), None) => Err(MemError::Invariant(format!(
+                    "fill copied {copied} of {} B",
+                    src.len()
+                ))),
+            }
+        })
+    }
+
     /// Tells the source that `[offset, offset + len)` of this region was
     /// released by the tier allocator that owns it (see
     /// [`MemorySource::scrub`]). Ranges past the committed part are clipped.
@@ -931,5 +1026,58 @@ impl Drop for Region {
     fn drop(&mut self) {
         let shared = Arc::clone(&self.backend.shared);
         shared.release(self);
+    }
+}
+
+#[cfg(test)]
+mod fill_tests {
+    use super::*;
+    use crate::fake::{FakeBackend, FakeConfig};
+
+    fn fake() -> FakeBackend {
+        FakeBackend::new(FakeConfig {
+            capacity: 64 << 20,
+            granularity: 4096,
+            ..FakeConfig::default()
+        })
+        .unwrap()
+    }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + i / 4096) as u8).collect()
+    }
+
+    #[test]
+    fn a_fill_in_pieces_commits_the_length_and_copies_every_byte() {
+        let fb = fake();
+        // Pieces of 4 granules, a fill of 10.5 granules into a commit of 13,
+        // and one that starts from a region already partly committed.
+        for (start, new_len, fill) in [(0, 13 * 4096, 43_008), (8192, 13 * 4096, 43_008)] {
+            let mut region = fb.acquire_growable(1 << 20, start, Tag::Weights).unwrap();
+            let src = pattern(fill);
+            region
+                .commit_and_fill_by(new_len as u64, &src, 3 * 4096 + 1)
+                .unwrap();
+            assert_eq!(region.len(), new_len);
+            let mut back = vec![0u8; fill];
+            region.copy_to_host(0, &mut back).unwrap();
+            assert_eq!(back, src);
+            assert_eq!(fb.stats().total.committed, new_len as u64);
+        }
+    }
+
+    #[test]
+    fn a_refused_commit_is_the_fills_error_and_a_bad_fill_changes_nothing() {
+        let fb = fake();
+        let mut region = fb.acquire_growable(1 << 20, 0, Tag::Weights).unwrap();
+        fb.fail_commits(1);
+        let src = pattern(40_000);
+        assert!(region.commit_and_fill_by(65_536, &src, 8192).is_err());
+        assert_eq!(region.len(), 0);
+        let err = region.commit_and_fill_by(1024, &src, 8192).unwrap_err();
+        assert!(err.to_string().contains("larger than the commit"), "{err}");
+        assert_eq!(region.len(), 0);
+        let mut fixed = fb.acquire(4096, 4096, Tag::Workspace).unwrap();
+        assert!(fixed.commit_and_fill(4096, &src[..16]).is_err());
     }
 }

@@ -184,7 +184,10 @@ class Engine:
     window). `features` replaces the plan's `Features` (default: T2 sized to
     the engine's buffers, T4 at 1 MiB unless `torch_pool` or
     `scratch_bytes` is given). The plan serves `max_batch` sequences of
-    `max_seq_len` plus one sequence's worth, which holds the padding block.
+    `max_seq_len` plus the blocks the engine holds itself (the padding
+    block; a sliding model's ring), planned as `Features.engine_kv_blocks`.
+    `swap_model` serves another checkpoint in place (T2 and every address
+    kept).
     `group`: a ``torch.distributed`` process group to serve a tensor-parallel
     shard over (module doc); default None, TP = 1. With a group, the default
     backend is `VmmBackend` on device ``LOCAL_RANK`` (else the group rank).
@@ -238,6 +241,7 @@ class Engine:
         self.keep_logits = keep_logits
         self.kv_growable = kv_growable
         self._torch_pool = torch_pool
+        self._torch_pool_made = False
         self.activation_bytes = activation_bytes
         self._scratch_bytes = scratch_bytes
         if torch_pool == "imp_mem":
@@ -253,6 +257,8 @@ class Engine:
         self._step_imp_mem = 0.0
 
         # -- 1. the plan -------------------------------------------------------
+        self._plan_args = (budget, block_size, context, library_reserve, features)
+        self._open_args = (enable_prefix_caching, buckets, graphs, attention_backend, progress)
         error = None
         try:
             self._plan(backend, budget, block_size, context, library_reserve, features)
@@ -260,6 +266,9 @@ class Engine:
             error = e
         self._agree("planning", error)
         context, library_reserve = self._context, self._library_reserve
+        # A swap plans against the same budget (the backend's shrinks once
+        # the system holds its context and reserve).
+        self._plan_args = (self.plan.budget, *self._plan_args[1:])
 
         # -- 2. the memory system ---------------------------------------------
         if self.on_gpu:
@@ -361,8 +370,9 @@ class Engine:
     def _load(self, prefix_caching, attention_backend, progress) -> None:
         c = self.config
         system = self.system
-        if self._torch_pool is not None:
+        if self._torch_pool is not None and not self._torch_pool_made:
             self._torch_pool = self._torch_pool(system)
+            self._torch_pool_made = True
         # -- 3. weights into T1 (this rank's slices) ---------------------------
         t0 = time.perf_counter()
         self.weights = load_safetensors(
@@ -404,19 +414,10 @@ class Engine:
         # -- 4. static buffers in T2, staging in pinned host memory ------------
         # Three regions of T2: a step's inputs (one host-to-device copy a
         # step), a prefill chunk's inputs, and the outputs; the inputs are
-        # staged in pinned regions of the same layout.
-        self.width = math.ceil(self.max_seq_len / self.block_size)
-        self.t2: dict[str, torch.Tensor] = {}
-        self._t2_raw: dict[str, torch.Tensor] = {}
-        self.staging: dict[str, _Staging] = {}
-        for group, specs in self._t2_groups().items():
-            layout, total = _layout(specs)
-            raw = torch.from_dlpack(system.engine_arena.take(total, 256))
-            self._t2_raw[group] = raw
-            self.t2.update(_carve(raw, layout))
-            if group != "out":
-                self.staging[group] = _Staging(self.backend, specs)
-        self.staging["next"] = _Staging(self.backend, {"next": self._t2_groups()["out"]["next"]})
+        # staged in pinned regions of the same layout. Carved once: a model
+        # swap keeps T2 (its layout is checked to be the same).
+        if not hasattr(self, "t2"):
+            self._carve_t2()
         W = self.width
         # Padding rows: position 0 in the pad block, nothing else.
         self._pad_row = _pad_row(W, self._pad_full)
@@ -437,14 +438,30 @@ class Engine:
             return contextlib.nullcontext()
         return torch.cuda.stream(self._stream)
 
-    def _serve(self, buckets, graphs) -> None:
+    def _carve_t2(self) -> None:
+        self.width = math.ceil(self.max_seq_len / self.block_size)
+        self.t2: dict[str, torch.Tensor] = {}
+        self._t2_raw: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, _Staging] = {}
+        for group, specs in self._t2_groups().items():
+            layout, total = _layout(specs)
+            raw = torch.from_dlpack(self.system.engine_arena.take(total, 256))
+            self._t2_raw[group] = raw
+            self.t2.update(_carve(raw, layout))
+            if group != "out":
+                self.staging[group] = _Staging(self.backend, specs)
+        self.staging["next"] = _Staging(self.backend, {"next": self._t2_groups()["out"]["next"]})
+
+    def _serve(self, buckets, graphs, *, begin: bool = True) -> None:
         system = self.system
         # -- 6. warm-up, graphs, serving --------------------------------------
-        self._stream = None
         if self.on_gpu:
-            self._stream = torch.cuda.Stream(self.device)
+            if getattr(self, "_stream", None) is None:  # kept across a model swap
+                self._stream = torch.cuda.Stream(self.device)
             # The weights and T2 were written on the current stream.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self._stream = None
         self.use_graphs = self.on_gpu if graphs is None else graphs
         if self.use_graphs and not self.on_gpu:
             raise InvalidArgument("graphs=True needs a GPU backend")
@@ -463,7 +480,8 @@ class Engine:
             self._capture()
             self._empty_torch_cache()
         self._charge_torch()
-        system.begin_serving()
+        if begin:
+            system.begin_serving()
         self.stats = EngineStats()  # serving starts here
 
     def _features(self, block_size: int, scratch_bytes: int | None) -> Any:
@@ -799,6 +817,88 @@ class Engine:
         """Steps until nothing is waiting or running (or `until()` says stop)."""
         while self.scheduler.has_work and not (until and until()):
             self.step()
+
+    # ------------------------------------------------------------ model swap
+
+    def swap_model(self, model_dir: str | Path) -> dict[str, Any]:
+        """Serves the checkpoint in `model_dir` in place of this one without
+        closing the memory system (issue 19). Inside the backend's
+        replanning bracket it drops the model's graphs, views and KV
+        manager, plans the new config with this engine's arguments, swaps
+        the system's model (`MemorySystem.swap_model`: T2 kept at its
+        address, T1 reset and resized at its base on a VMM backend, the KV
+        pool re-laid when its geometry changes, the prefix cache dropped),
+        loads the new weights into T1, warms up and captures again. Returns
+        the swap's report.
+
+        Refused with `InvalidArgument`, changing nothing, while requests are
+        waiting or running, on a tensor-parallel engine, or when the new
+        model needs T2 laid out differently (another vocabulary while
+        logits are kept, sliding layers where there were none). When the
+        swap itself fails, the old checkpoint is loaded again and serves
+        on, and the error is raised."""
+        if self.group is not None:
+            raise InvalidArgument(
+                "swap_model: a tensor-parallel engine cannot swap its model; close it and "
+                "open an engine on the new checkpoint"
+            )
+        if self.scheduler.has_work:
+            raise InvalidArgument(
+                "swap_model: requests are waiting or running; finish them (run()) or cancel "
+                "them first"
+            )
+        new_dir = Path(model_dir)
+        new_dict = json.loads((new_dir / "config.json").read_text())
+        new_config = ModelConfig.from_hf_config(new_dict)
+        if self.max_seq_len > new_config.max_position_embeddings:
+            raise InvalidArgument(
+                f"swap_model: max_seq_len={self.max_seq_len} is above {new_dir.name}'s "
+                f"max_position_embeddings ({new_config.max_position_embeddings})"
+            )
+        old = (self.model_dir, self.config_dict, self.config)
+        t2 = self._t2_groups()
+        self._set_model(new_dir, new_dict, new_config)
+        if self._t2_groups(self.block_size) != t2:
+            self._set_model(*old)
+            raise InvalidArgument(
+                f"swap_model: {new_dir.name} needs engine buffers (T2) laid out differently "
+                "(its vocabulary or its sliding layers differ), and a swap keeps T2; open a "
+                "new engine for it"
+            )
+        self._drop_model()
+        with self.backend.replanning(f"model swap to {new_dir.name}"):
+            try:
+                self._plan(self.backend, *self._plan_args)
+                report = self.system.swap_model(self.plan)
+            except BaseException:
+                # The old model serves on: its plan again, its weights read
+                # again into the (reset) T1, its KV manager and graphs.
+                self._set_model(*old)
+                self._plan(self.backend, *self._plan_args)
+                self.system.weights_arena.reset()
+                self._reload()
+                raise
+            self._reload()
+        return report
+
+    def _set_model(self, model_dir: Path, config_dict: dict, config: ModelConfig) -> None:
+        self.model_dir, self.config_dict, self.config = model_dir, config_dict, config
+        self.tp = TensorParallel(config, tp=1)
+        self.sliding = bool(config.sliding_layers)
+
+    def _drop_model(self) -> None:
+        """Drops everything over the model's memory (graphs, weights, KV
+        views and manager), so that no export of T1 and no block is alive."""
+        for name in ("graphs", "model", "weights", "kv_views", "scheduler", "kv"):
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()
+        self._empty_torch_cache()
+
+    def _reload(self) -> None:
+        prefix_caching, buckets, graphs, attention_backend, progress = self._open_args
+        self._load(prefix_caching, attention_backend, progress)
+        self._serve(buckets, graphs, begin=False)
 
     # ----------------------------------------------------------------- report
 
