@@ -262,17 +262,21 @@ class Engine:
         error = None
         try:
             self._plan(backend, budget, block_size, context, library_reserve, features)
+            if self.on_gpu:
+                # Before the first collective: NCCL binds its communicator
+                # to the current device.
+                torch.cuda.set_device(self.device)
         except Exception as e:  # every rank must reach the agreement below
             error = e
+        before = self._nccl_reading()
         self._agree("planning", error)
+        self._nccl_bytes = self._nccl_lost(before)
         context, library_reserve = self._context, self._library_reserve
         # A swap plans against the same budget (the backend's shrinks once
         # the system holds its context and reserve).
         self._plan_args = (self.plan.budget, *self._plan_args[1:])
 
         # -- 2. the memory system ---------------------------------------------
-        if self.on_gpu:
-            torch.cuda.set_device(self.device)
         system_kw = dict(
             context=context,
             library_reserve=library_reserve,
@@ -289,12 +293,40 @@ class Engine:
             self.system = open_rank_system(
                 lambda _device: self.backend, self.plan, group=group, **system_kw
             )
+        if self._nccl_bytes:
+            self.system.set_charge(
+                "nccl", self._nccl_bytes, "NCCL communicator (buffers, at its first collective)"
+            )
         try:
             self._open(enable_prefix_caching, buckets, graphs, attention_backend, progress)
         except BaseException:
             self.close()
             raise
         self.open_seconds = time.perf_counter() - t_open
+
+    def _nccl_reading(self) -> tuple[int, int] | None:
+        """With an NCCL group: the device's free bytes and torch's reserved
+        bytes now; None otherwise."""
+        if self.group is None or not getattr(self, "on_gpu", False):
+            return None
+        import torch.distributed as dist
+
+        if dist.get_backend(self.group) != "nccl":
+            return None
+        torch.cuda.synchronize(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free, torch.cuda.memory_reserved(self.device)
+
+    def _nccl_lost(self, before: tuple[int, int] | None) -> int:
+        """What NCCL took of the device outside every allocator across the
+        engine's first collective (the communicator is created lazily,
+        there): the device's loss less torch's share. 0 without an NCCL
+        group, or when the communicator was created before the engine (its
+        bytes then show as the report's residual)."""
+        now = self._nccl_reading() if before is not None else None
+        if before is None or now is None:
+            return 0
+        return max(0, (before[0] - now[0]) - (now[1] - before[1]))
 
     def _agree(self, step: str, error: BaseException | None) -> None:
         """At TP = 1 re-raises `error`; with a group, every rank learns
