@@ -295,7 +295,7 @@ class Engine:
             )
         if self._nccl_bytes:
             self.system.set_charge(
-                "nccl", self._nccl_bytes, "NCCL communicator (buffers, at its first collective)"
+                "nccl", self._nccl_bytes, "NCCL communicator (created at its first collective)"
             )
         try:
             self._open(enable_prefix_caching, buckets, graphs, attention_backend, progress)
