@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", default="process,scope", help="imp-mem modes to measure, the first reported"
     )
     ap.add_argument("--slack-mib", type=int, default=96)
-    ap.add_argument("--ladder-process", default="1.03,1.1,1.3,1.6,2.0", help="margins tried")
+    ap.add_argument("--ladder-process", default="1.0,1.03,1.1,1.3,1.6,2.0", help="margins tried")
     ap.add_argument("--ladder-scope", default="1.03,1.3,1.6,2.0", help="margins tried")
     ap.add_argument("--quick", action="store_true", help="batch 8 x 256 + 16")
     ap.add_argument("--json", help="write the results here")

@@ -242,7 +242,7 @@ def test_hf_generate_on_imp_mem_allocates_nothing_while_serving(tmp_path):
     # torch's cache first fits (1.03 / 1.3 did not serve: its cache fragments
     # inside the pool), so the test stays a few minutes long.
     cmd = [sys.executable, str(ROOT / "benches" / "bench_torch_hf.py"), "--json", str(out)]
-    cmd += ["--modes", "scope,process", "--ladder-scope", "1.6,2.0"]
+    cmd += ["--modes", "process,scope", "--ladder-scope", "1.6,2.0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-8000:])
     assert proc.returncode == 0, proc.stderr[-6000:]
