@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_system import SMALL  # the small llama shape the system tests share
 
 import imp_mem
 
@@ -168,20 +169,6 @@ def test_sequences_through_the_binding_keep_bytes_and_counts(ops):
         assert s["requested"] == sum(v[0] for v in live.values())
         assert s["free_bytes"] + s["allocated"] == MIB
     pool.check_invariants()
-
-
-SMALL = {
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 def small_plan(features: imp_mem.Features) -> imp_mem.MemoryPlan:

@@ -6,6 +6,7 @@ tier). The tier's rules are proven by the Rust state machine
 from __future__ import annotations
 
 import pytest
+from test_system import SMALL  # the small llama shape the system tests share
 
 import imp_mem
 from imp_mem import events as ev
@@ -113,18 +114,7 @@ def test_host_tier_events_and_metrics():
 
 
 def test_the_plan_sizes_the_host_tier_of_a_systems_manager():
-    config = {
-        "model_type": "llama",
-        "hidden_size": 512,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "vocab_size": 4096,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+    config = SMALL
 
     def plan(**features):
         return imp_mem.plan_memory(

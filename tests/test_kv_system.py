@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from test_system import SMALL  # the small llama shape the system tests share
 
 from imp_mem import (
     CapacityError,
@@ -27,18 +28,6 @@ from imp_mem import (
 MIB = 1 << 20
 GIB = 1 << 30
 
-SMALL = {
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 # Sliding-window layers beside full attention: the plan has an SWA pool.
 SLIDING = dict(SMALL, model_type="gemma2", head_dim=64, sliding_window=128)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+from test_system import SMALL  # the small llama shape the system tests share
 
 import imp_mem
 from imp_mem import Features, KVCacheManager, Limits, MemorySystem, ModelShape, PlanInput
@@ -20,19 +21,6 @@ pytestmark = pytest.mark.gpu
 MIB = 1 << 20
 GIB = 1 << 30
 CHUNK = 2 << 20  # VMM handle size and the region's granularity
-
-SMALL = {
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 def small_plan():
