@@ -113,7 +113,7 @@ def paired(t: list[float], base: list[float]) -> str:
     """The median of the per-turn ratios of ``t`` to ``base``: the two turns
     of a pair run back to back, so a drift slower than a turn cancels, where
     the fastest turns of a loaded machine can be minutes apart."""
-    r = sorted(a / b for a, b in zip(t, base))
+    r = sorted(a / b for a, b in zip(t, base, strict=True))
     q = len(r) // 4
     mid = statistics.median(r)
     return f"median per-turn ratio {mid:.3f} (middle half {r[q]:.3f}-{r[-q - 1]:.3f})"

@@ -24,7 +24,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import imp_mem
 
@@ -307,12 +308,15 @@ def bench_acquire(sizes: list[int], iters: int, raw: RawDriver) -> None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     headers = ["benchmark", "ours_us", "peer", "peer_us", "ratio", "goal"]
-    widths = [max(len(str(r[h])) for r in [*rows, dict(zip(headers, headers))]) for h in headers]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    widths = [
+        max(len(str(r[h])) for r in [*rows, dict(zip(headers, headers, strict=True))])
+        for h in headers
+    ]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
     print(line)
     print("-" * len(line))
     for r in rows:
-        print("  ".join(str(r[h]).ljust(w) for h, w in zip(headers, widths)))
+        print("  ".join(str(r[h]).ljust(w) for h, w in zip(headers, widths, strict=True)))
 
 
 def main(argv: list[str] | None = None) -> int:

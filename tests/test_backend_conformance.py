@@ -7,6 +7,8 @@ LOADING. GPU factories are marked ``gpu`` and skipped where no device exists.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 import imp_mem
@@ -45,7 +47,7 @@ def test_acquire_release_conserves_bytes(make):
     assert backend.live == sum(sizes)
     assert len({r.address for r in regions}) == len(regions)
     spans = sorted((r.address, r.address + r.nbytes) for r in regions)
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(spans))
     for r in regions[::2]:
         r.release()
     assert backend.live == sum(sizes[1::2])

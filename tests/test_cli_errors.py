@@ -156,7 +156,7 @@ def test_the_plot_stacks_in_legend_order_with_headroom_overflow_and_levers(tmp_p
     assert fits["labels"][0].startswith("budget")
     assert [lb.split(" (")[0] for lb in fits["labels"][1:]] == ["headroom", "kv", "tiny", "weights"]
     assert "tiny (1 MiB)" in fits["labels"]
-    heights = dict(zip(["weights", "tiny", "kv"], [h for _, h in fits["bars"][:3]]))
+    heights = dict(zip(["weights", "tiny", "kv"], [h for _, h in fits["bars"][:3]], strict=True))
     assert heights["tiny"] >= 0.008 * 20 * 1024 * 0.99, "a small charge stays visible"
     assert any(lb.startswith("over budget by 2,049 MiB") for lb in over["labels"])
     assert any("tp 1 -> 2" in t for t in over["texts"])

@@ -105,7 +105,7 @@ def test_generate_matches_hf_and_serves_from_imp_mem(checkpoint):
     assert base != 0
     ps = prompts(9, seed=1)
     outs = engine.generate(ps, 6)
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         assert len(o) == 6
         check_greedy(hf, p, o)
     # Same prompts again: prefix hits (full attention only) change nothing.

@@ -36,7 +36,7 @@ def test_the_engine_on_the_triton_kernel_matches_hf(kind, tmp_path):
     assert engine.model.attention_backend == "triton"
     ps = prompts(6, seed=1)
     outs = engine.generate(ps, 5)
-    for p, o in zip(ps, outs):
+    for p, o in zip(ps, outs, strict=True):
         check_greedy(hf, p, o)
     assert len(engine.stats.bucket_steps) > 1, "padded buckets ran"
     engine.close()

@@ -90,7 +90,7 @@ def step(sched, kv):
         width = max(len(kv.block_table(i)) for i in ids)
         tables = kv.block_tables(ids)
         assert tables.shape == (len(ids), width)
-        for row, req in zip(tables, batch):
+        for row, req in zip(tables, batch, strict=True):
             n = kv.num_tokens(req.seq_id)
             assert n == req.computed + 1 == len(req.tokens)
             used = -(-n // bs)

@@ -45,7 +45,7 @@ def test_rows_are_the_per_sequence_tables_padded(lengths, extra, swa, holes):
     width = max(len(table(i)) for i in ids) + extra
     out = np.full((len(ids), width), 7, np.int32)
     assert m.block_tables(ids[::-1], out, pool=pool) == width - extra
-    for row, i in zip(out, ids[::-1]):
+    for row, i in zip(out, ids[::-1], strict=True):
         t = table(i)
         assert row[: len(t)].tolist() == t
         assert (row[len(t) :] == -1).all()

@@ -115,7 +115,7 @@ class TestLists:
         scalars reads as the NumPy array of the same ids (the careful loop
         takes over at the first item that is not an exact int)."""
         kinds = data.draw(st.lists(st.sampled_from(INT_LIKE), min_size=len(ids), max_size=len(ids)))
-        tokens = [kind(v) for kind, v in zip(kinds, ids)]
+        tokens = [kind(v) for kind, v in zip(kinds, ids, strict=True)]
         assert everything(tokens) == everything(np.array(ids, dtype=np.int64))
 
     @given(

@@ -8,6 +8,7 @@ before anything is taken."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 
@@ -97,7 +98,7 @@ def test_every_tensor_lands_in_t1_in_place(tmp_path, shards, chunk):
         if v.numel()
     )
     assert all(a % 256 == 0 for a, _ in spans)
-    assert all(e <= b for (_, e), (b, _) in zip(spans, spans[1:]))
+    assert all(e <= b for (_, e), (b, _) in pairwise(spans))
     used = arena.stats()["used"]
     assert used - base >= sum(t.numel() * t.element_size() for t in want.values())
     assert used <= system.plan.weights

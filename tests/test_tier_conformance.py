@@ -5,6 +5,8 @@ and skipped where no device exists."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 
@@ -196,7 +198,7 @@ def test_allocations_are_aligned_and_disjoint(tier):
         live.append(span)
     assert len(live) >= 4
     ranges = sorted((s.address, s.address + s.nbytes) for s in live)
-    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] <= b[0] for a, b in pairwise(ranges))
 
 
 def test_contents_survive_other_allocations(tier, backend):

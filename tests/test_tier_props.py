@@ -12,6 +12,7 @@ the live list, so every generated sequence is valid.
 from __future__ import annotations
 
 import contextlib
+from itertools import pairwise
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -71,7 +72,7 @@ class ArenaMachine(RuleBasedStateMachine):
     @invariant()
     def current_spans_are_disjoint(self):
         ranges = sorted((a, a + s.nbytes) for s, g, a in self.spans if g == self.generation)
-        assert all(x[1] <= y[0] for x, y in zip(ranges, ranges[1:]))
+        assert all(x[1] <= y[0] for x, y in pairwise(ranges))
 
 
 TestV3Arena = ArenaMachine.TestCase

@@ -4,16 +4,14 @@ from this schema decodes our payloads in ``test_kv_events.py``. Imported only
 where msgspec is installed."""
 
 # No `from __future__ import annotations`: msgspec evaluates these at run
-# time, and `X | None` needs Python 3.10 (the package supports 3.9).
-from typing import Optional, Union
-
+# time (`X | None` evaluates there since Python 3.10).
 import msgspec
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     ts: float
     events: list
-    data_parallel_rank: Optional[int] = None
+    data_parallel_rank: int | None = None
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
@@ -21,17 +19,17 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[Union[bytes, int]]
-    parent_block_hash: Optional[Union[bytes, int]]
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
+    lora_id: int | None
+    medium: str | None
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[Union[bytes, int]]
-    medium: Optional[str]
+    block_hashes: list[bytes | int]
+    medium: str | None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -39,4 +37,4 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 class KVEventBatch(EventBatch):
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]

@@ -303,7 +303,8 @@ class FleetReport:
 
         def fmt(cells: Iterable[str]) -> str:
             return "  ".join(
-                c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+                c.ljust(w) if i < 3 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
             )
 
         rule = "  ".join("-" * w for w in widths)

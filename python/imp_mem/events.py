@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from imp_mem._core import KVCacheManager
@@ -88,7 +88,7 @@ class AllBlocksCleared:
     """Every block left the cache."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass

@@ -367,7 +367,7 @@ def test_engine_on_the_imp_mem_torch_pool_allocates_nothing_while_serving(checkp
             assert h1[misuse] == h0[misuse], misuse
         assert acts.stats()["fallbacks_total"] == 0
         acts.check_invariants()
-    same = sum(a == b for a, b in zip(reference, got))
+    same = sum(a == b for a, b in zip(reference, got, strict=True))
     print(f"greedy outputs identical to torch's allocator's: {same} of {len(prompts)}")
     assert same >= 0.9 * len(prompts)
 

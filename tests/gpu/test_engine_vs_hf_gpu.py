@@ -102,7 +102,7 @@ def hf_runs(hf, prompts: torch.Tensor):
     path = (decode - at).abs().amax(-1).flatten()
     first_diff = [
         int((a != b).nonzero()[0]) - PROMPT_LEN if (a != b).any() else None
-        for a, b in zip(seqs, runs[1].sequences)
+        for a, b in zip(seqs, runs[1].sequences, strict=True)
     ]
     noise = {
         "sequences differing between two generate() calls": int(differ.sum()),

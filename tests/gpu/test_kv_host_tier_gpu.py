@@ -223,6 +223,6 @@ def test_onboarded_blocks_serve_the_same_paged_attention():
     moved = torch.tensor([kv.block_table(3)], dtype=torch.int32, device="cuda")
     assert moved[0, :5].tolist() != table[0, :5].tolist()
     after = attend(moved)
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=True):
         assert torch.equal(b, a)
     kv.poll_copies(wait=True)

@@ -498,6 +498,12 @@ impl FakeBackend {
         &self.backend
     }
 
+    /// The source under the backend, for a test that drives the
+    /// [`MemorySource`] contract directly (the conformance suite).
+    pub fn source(&self) -> &Arc<FakeSource> {
+        &self.source
+    }
+
     /// Makes the `n`-th acquisition from now (1 = the next) fail as out of
     /// memory; `None` clears it.
     pub fn fail_nth(&self, n: Option<u64>) -> Result<(), MemError> {

@@ -29,6 +29,8 @@ pub mod activations;
 pub mod arena;
 pub mod backend;
 pub mod block_pool;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 pub mod decommit;
 pub mod error;
 pub mod fake;

@@ -1010,3 +1010,6 @@ pub(crate) mod sim;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod conformance;

@@ -730,7 +730,7 @@ class Engine:
             if batch:
                 tokens = self._decode(batch)
                 sched.decoded(batch, tokens)
-                out.extend((r.seq_id, t) for r, t in zip(batch, tokens))
+                out.extend((r.seq_id, t) for r, t in zip(batch, tokens, strict=True))
                 dt = time.perf_counter() - t_dec
                 stats.decode_seconds += dt
                 stats.decode_steps += 1

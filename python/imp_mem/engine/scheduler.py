@@ -281,7 +281,7 @@ class Scheduler:
         is its next token."""
         if len(batch) != len(tokens):
             raise InvalidArgument(f"{len(batch)} requests but {len(tokens)} tokens")
-        for req, tok in zip(batch, tokens):
+        for req, tok in zip(batch, tokens, strict=True):
             if req.state is not RequestState.RUNNING:
                 continue
             req.computed += 1

@@ -316,9 +316,8 @@ fn check_tp(m: &ModelShape, tp: u32) -> Result<(), MemError> {
         Attention::Gqa { num_kv_heads, .. } => Some(num_kv_heads),
         Attention::Mla { .. } => None,
     };
-    let ok = |t: u64| {
-        t > 0 && heads % t == 0 && kv.map_or(true, |k| k > 0 && (k % t == 0 || t % k == 0))
-    };
+    let ok =
+        |t: u64| t > 0 && heads % t == 0 && kv.is_none_or(|k| k > 0 && (k % t == 0 || t % k == 0));
     let tp = u64::from(tp);
     if heads == 0 || ok(tp) {
         return Ok(());

@@ -1,0 +1,779 @@
+//! The [`MemorySource`] conformance suite: one set of contract checks, run
+//! over every source (RMM's `mr_ref_test` is the model).
+//!
+//! A crate that implements a source describes how to open a fresh one in a
+//! [`Subject`] (the backend over it, the source itself and a [`Probe`] into
+//! its device) and expands [`memory_source_conformance!`](crate::memory_source_conformance)
+//! with that opener: every check below becomes one `#[test]` of that crate,
+//! and [`check_sequence`] a proptest over generated sequences of operations.
+//! The core runs it over [`FakeBackend`](crate::FakeBackend)'s source
+//! (`tests/source_conformance.rs`); `imp-mem-cuda` over the VMM source on its
+//! simulated driver.
+//!
+//! What every source must show, through the real [`Backend`]:
+//!
+//! * acquire, commit, decommit and release keep the books: live, committed,
+//!   reserved, the acquisition and release counts, the byte totals and the
+//!   journal say what was done, and everything returns to the device;
+//! * alignment is honoured, and live allocations do not overlap;
+//! * growable regions commit in whole granules, and their base never moves;
+//! * a request past the budget, or past what the device has left, is refused
+//!   as [`MemError::OutOfMemory`] (saying which refused) and changes nothing;
+//! * bad input is [`MemError::InvalidArgument`] before the source is asked;
+//! * a call outside the source contract is refused as
+//!   [`SourceError::Invariant`], never a panic.
+//!
+//! Built only with the `conformance` feature.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test support: a failed unwrap is a failed test
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use crate::backend::{
+    Backend, MemorySource, Region, SourceError, MAX_ALIGNMENT, MAX_REQUEST_BYTES,
+};
+use crate::error::MemError;
+use crate::phase::Phase;
+use crate::tag::Tag;
+use crate::units::round_up;
+
+/// What the suite can see of a source's device, beyond the backend.
+pub trait Probe {
+    /// Physical bytes the source holds on its device now (mapped memory and
+    /// anything it keeps for reuse).
+    fn physical(&self) -> u64;
+    /// Simulates something outside this source (another process) taking
+    /// the device's memory until only `free` bytes are left beyond what the
+    /// source holds now; `None` gives it all back.
+    fn leave_free(&self, free: Option<u64>);
+    /// Returns whatever the source keeps for reuse (a handle cache) to the
+    /// device. The default: nothing is kept.
+    fn settle(&self) {}
+}
+
+/// A fresh source under test, in `LOADING`, strict mode, journal on.
+pub struct Subject {
+    /// The backend over the source.
+    pub backend: Backend,
+    /// The source itself, for the checks that call it directly.
+    pub source: Arc<dyn MemorySource>,
+    /// Its device.
+    pub probe: Box<dyn Probe>,
+}
+
+/// Opens a fresh subject with this budget (`None`: the source's capacity).
+pub type Open<'a> = &'a dyn Fn(Option<u64>) -> Subject;
+
+fn open(open: Open<'_>, budget: Option<u64>) -> Subject {
+    let s = open(budget);
+    s.backend.enable_journal();
+    assert_eq!(
+        s.backend.phase(),
+        Phase::Loading,
+        "a fresh source is in LOADING"
+    );
+    assert_eq!(s.backend.live(), 0);
+    assert_eq!(s.probe.physical(), 0, "a fresh source holds nothing");
+    s
+}
+
+fn granule(s: &Subject) -> u64 {
+    s.backend.info().granularity.max(1) as u64
+}
+
+fn replay(backend: &Backend) -> i128 {
+    backend
+        .journal()
+        .unwrap_or_default()
+        .iter()
+        .map(|e| e.op.sign() as i128 * e.bytes as i128)
+        .sum()
+}
+
+/// The books agree with each other and with the device.
+fn assert_books(s: &Subject) {
+    s.backend.check_invariants().unwrap();
+    let stats = s.backend.stats();
+    assert_eq!(
+        replay(&s.backend),
+        stats.total.live as i128,
+        "journal vs live"
+    );
+    assert_eq!(
+        stats.acquired_bytes_total - stats.released_bytes_total,
+        stats.total.live
+    );
+    assert!(
+        s.probe.physical() >= stats.total.committed,
+        "the device holds {} B, the backend counts {} B committed",
+        s.probe.physical(),
+        stats.total.committed
+    );
+}
+
+/// Drops everything and checks the device got every byte back.
+fn assert_returns_everything(s: Subject, regions: Vec<Region>) {
+    drop(regions);
+    assert_eq!(s.backend.live(), 0);
+    assert_books(&s);
+    let stats = s.backend.stats();
+    assert_eq!(stats.total.acquisitions, stats.total.releases);
+    assert_eq!(stats.total.committed, 0);
+    assert_eq!(stats.total.reserved, 0);
+    s.probe.settle();
+    assert_eq!(
+        s.probe.physical(),
+        0,
+        "released memory went back to the device"
+    );
+}
+
+fn overlaps(regions: &[&Region]) -> bool {
+    let mut spans: Vec<(usize, usize)> = regions
+        .iter()
+        .map(|r| (r.base(), r.base() + r.reserved().max(1)))
+        .collect();
+    spans.sort_unstable();
+    spans.windows(2).any(|w| w[0].1 > w[1].0)
+}
+
+/// Acquisitions and releases conserve bytes; the stats count each one.
+pub fn acquire_release_conserves_bytes(o: Open<'_>) {
+    let s = open(o, None);
+    let g = granule(&s);
+    let sizes = [1, 255, 256, 4096, g + 7, 3 * g];
+    let mut regions: Vec<Region> = sizes
+        .iter()
+        .map(|&n| s.backend.acquire(n, 256, Tag::Workspace).unwrap())
+        .collect();
+    let total: u64 = sizes.iter().sum();
+    for (r, &n) in regions.iter().zip(&sizes) {
+        assert_eq!(r.len() as u64, n, "a fixed region is as long as asked");
+        assert!(!r.is_growable());
+    }
+    assert!(!overlaps(&regions.iter().collect::<Vec<_>>()));
+    assert_eq!(s.backend.live(), total);
+    let stats = s.backend.stats();
+    assert_eq!(stats.total.committed, total);
+    assert_eq!(stats.total.reserved, total);
+    assert_eq!(stats.tags[&Tag::Workspace].live, total);
+    assert_books(&s);
+
+    // Release every other one, through the backend and by drop.
+    let mut kept = Vec::new();
+    for (i, r) in regions.drain(..).enumerate() {
+        if i % 2 == 0 {
+            s.backend.release(r).unwrap();
+        } else {
+            kept.push(r);
+        }
+    }
+    let odd: u64 = sizes.iter().skip(1).step_by(2).sum();
+    assert_eq!(s.backend.live(), odd);
+    assert_books(&s);
+    drop(kept);
+    let stats = s.backend.stats();
+    assert_eq!(stats.total.acquisitions, sizes.len() as u64);
+    assert_eq!(stats.total.releases, sizes.len() as u64);
+    assert_eq!(stats.acquired_bytes_total, total);
+    assert_eq!(stats.released_bytes_total, total);
+    assert_eq!(stats.total.peak, total);
+    assert_returns_everything(s, Vec::new());
+}
+
+/// Every alignment up to a large page is honoured, by the backend and by the
+/// source's own `allocate` and `reserve`.
+pub fn alignment_is_honoured(o: Open<'_>) {
+    let s = open(o, None);
+    let g = granule(&s) as usize;
+    let mut regions = Vec::new();
+    for align in [1u64, 256, 4096, 1 << 16, 2 << 20] {
+        for i in 0..3 {
+            let r = s.backend.acquire(1000 + i, align, Tag::Workspace).unwrap();
+            assert_eq!(r.base() as u64 % align, 0, "align {align}");
+            regions.push(r);
+        }
+    }
+    let grow = s
+        .backend
+        .acquire_growable(4 * g as u64, 0, Tag::KvCache)
+        .unwrap();
+    assert_eq!(grow.base() % grow.align(), 0);
+    assert!(
+        grow.align() >= g,
+        "a growable base is aligned to the granule"
+    );
+    regions.push(grow);
+    assert!(!overlaps(&regions.iter().collect::<Vec<_>>()));
+    assert_books(&s);
+
+    // The source's side of the contract (rule 1 and 2 of its `# Safety`).
+    let addr = s.source.allocate(4096, 1 << 16).unwrap();
+    assert_eq!(addr % (1 << 16), 0);
+    let base = s.source.reserve(2 * g, g.next_power_of_two()).unwrap();
+    assert_eq!(base % g.next_power_of_two(), 0);
+    // SAFETY: both were made just above with these sizes, nothing uses them,
+    // and nothing of the reservation is committed.
+    unsafe {
+        s.source.free(addr, 4096, 1 << 16);
+        s.source.unreserve(base, 2 * g, 0);
+    }
+    assert_returns_everything(s, regions);
+}
+
+/// A request past the budget is `OutOfMemory` from the budget (not the
+/// device) and changes nothing: fixed, growable, and growth.
+pub fn budget_refusal_is_typed_and_changes_nothing(o: Open<'_>) {
+    let probe_budget = {
+        let s = open(o, None);
+        8 * granule(&s)
+    };
+    let s = open(o, Some(probe_budget));
+    let g = granule(&s);
+    assert_eq!(s.backend.budget(), 8 * g);
+    let held = s.backend.acquire(6 * g, 256, Tag::Weights).unwrap();
+    let before = s.backend.stats().total;
+
+    let refused = |err: MemError, asked: u64| match err {
+        MemError::OutOfMemory(report) => {
+            assert!(!report.device_refused, "the budget refused, not the device");
+            assert_eq!(report.asked, asked);
+            assert_eq!(report.budget, 8 * g);
+            assert!(report.live + report.asked > report.budget);
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    };
+    refused(
+        s.backend.acquire(3 * g, 256, Tag::KvCache).unwrap_err(),
+        3 * g,
+    );
+    refused(
+        s.backend
+            .acquire_growable(8 * g, 3 * g, Tag::KvCache)
+            .unwrap_err(),
+        3 * g,
+    );
+    let mut grow = s.backend.acquire_growable(8 * g, g, Tag::KvCache).unwrap();
+    let base = grow.base();
+    let mid = (s.backend.stats(), s.probe.physical());
+    refused(grow.commit(4 * g).unwrap_err(), 3 * g);
+    assert_eq!(grow.len() as u64, g, "a refused commit leaves the length");
+    assert_eq!(grow.base(), base);
+    assert_eq!(s.backend.stats().total, mid.0.total);
+    assert_eq!(s.probe.physical(), mid.1);
+    // Exactly up to the budget is allowed.
+    grow.commit(2 * g).unwrap();
+    assert_eq!(s.backend.stats().total.committed, 8 * g);
+    grow.decommit(0).unwrap();
+    drop(grow);
+    s.probe.settle();
+    let after = s.backend.stats().total;
+    assert_eq!(after.live, before.live);
+    assert_eq!(after.committed, before.committed);
+    assert_eq!(s.backend.live(), 6 * g);
+    assert_books(&s);
+    assert_returns_everything(s, vec![held]);
+}
+
+/// When the device itself has no room (something outside took it), the
+/// refusal is `OutOfMemory` with `device_refused`, and changes nothing.
+pub fn device_refusal_is_typed_and_changes_nothing(o: Open<'_>) {
+    let s = open(o, None);
+    let g = granule(&s);
+    let held = s.backend.acquire(2 * g, 256, Tag::Weights).unwrap();
+    let mut grow = s.backend.acquire_growable(8 * g, g, Tag::KvCache).unwrap();
+    let base = grow.base();
+    // Leave the device half a granule beyond what is held now.
+    s.probe.leave_free(Some(g / 2));
+    let before = (s.backend.stats().total, s.probe.physical());
+    let device_refused = |err: MemError| match err {
+        MemError::OutOfMemory(report) => {
+            assert!(report.device_refused, "the device refused, not the budget");
+            assert!(report.live + report.asked <= report.budget);
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    };
+    device_refused(s.backend.acquire(2 * g, 256, Tag::KvCache).unwrap_err());
+    device_refused(
+        s.backend
+            .acquire_growable(4 * g, 2 * g, Tag::KvCache)
+            .unwrap_err(),
+    );
+    device_refused(grow.commit(3 * g).unwrap_err());
+    assert_eq!(grow.base(), base);
+    assert_eq!(grow.len() as u64, g);
+    assert_eq!(s.backend.stats().total, before.0);
+    assert_eq!(s.probe.physical(), before.1);
+    assert_books(&s);
+    // And once the device has room again, the same growth succeeds.
+    s.probe.leave_free(None);
+    grow.commit(3 * g).unwrap();
+    assert_eq!(grow.base(), base);
+    assert_books(&s);
+    assert_returns_everything(s, vec![held, grow]);
+}
+
+/// Bad input is `InvalidArgument`, decided before the source is asked.
+pub fn bad_input_is_invalid_argument(o: Open<'_>) {
+    let s = open(o, None);
+    let other = open(o, None);
+    let g = granule(&s);
+    let invalid = |r: Result<Region, MemError>, what: &str| match r {
+        Err(MemError::InvalidArgument(_)) => {}
+        got => panic!("{what}: expected InvalidArgument, got {got:?}"),
+    };
+    invalid(s.backend.acquire(0, 256, Tag::Workspace), "size 0");
+    invalid(
+        s.backend
+            .acquire(MAX_REQUEST_BYTES + 1, 256, Tag::Workspace),
+        "over 1 PiB",
+    );
+    for align in [0, 6, 3 << 10, MAX_ALIGNMENT << 1] {
+        invalid(s.backend.acquire(64, align, Tag::Workspace), "alignment");
+    }
+    invalid(s.backend.acquire_growable(0, 0, Tag::KvCache), "reserve 0");
+    invalid(
+        s.backend.acquire_growable(2 * g, 3 * g, Tag::KvCache),
+        "initial past the reservation",
+    );
+    assert_eq!(s.probe.physical(), 0, "nothing reached the device");
+    assert_eq!(s.backend.stats().total.acquisitions, 0);
+
+    let mut grow = s.backend.acquire_growable(4 * g, g, Tag::KvCache).unwrap();
+    assert!(matches!(
+        grow.commit(4 * g + 1),
+        Err(MemError::InvalidArgument(_))
+    ));
+    assert_eq!(grow.len() as u64, g);
+    let mut fixed = s.backend.acquire(4096, 256, Tag::Workspace).unwrap();
+    assert!(matches!(fixed.commit(g), Err(MemError::InvalidArgument(_))));
+    assert!(matches!(
+        fixed.decommit(0),
+        Err(MemError::InvalidArgument(_))
+    ));
+    assert_eq!(fixed.len(), 4096);
+    // A region released to the wrong backend is refused, and still goes
+    // back to its own.
+    assert!(matches!(
+        other.backend.release(fixed),
+        Err(MemError::InvalidArgument(_))
+    ));
+    assert_eq!(s.backend.live(), g);
+    assert_eq!(other.backend.live(), 0);
+    assert_books(&s);
+    assert_returns_everything(other, Vec::new());
+    assert_returns_everything(s, vec![grow]);
+}
+
+/// Growth commits whole granules, a shrink keeps whole granules, the
+/// reservation is rounded to the granule, and the base never moves.
+pub fn growth_rounds_to_granules_and_keeps_the_base(o: Open<'_>) {
+    let s = open(o, None);
+    let g = granule(&s);
+    let mut r = s
+        .backend
+        .acquire_growable(10 * g - 1, g / 2 + 1, Tag::KvCache)
+        .unwrap();
+    let base = r.base();
+    assert!(r.is_growable());
+    assert_eq!(r.reserved() as u64, 10 * g, "the reservation rounds up");
+    assert_eq!(r.len() as u64, g, "the initial commit rounds up");
+    let reserved = r.reserved();
+    let expect = |target: u64| round_up(target as usize, g as usize).unwrap().min(reserved);
+    for target in [3 * g + 1, 5 * g, 2 * g, 2 * g - 1, 10 * g, 0, 7 * g - 3, g] {
+        let before = r.len();
+        let want = expect(target);
+        if (target as usize) > before {
+            r.commit(target).unwrap();
+            assert_eq!(r.len(), want.max(before), "commit({target})");
+        } else {
+            r.decommit(target).unwrap();
+            assert_eq!(r.len(), want.min(before), "decommit({target})");
+        }
+        assert_eq!(r.base(), base, "V9: the base moved");
+        assert_eq!(r.len() as u64 % g, 0);
+        assert_eq!(s.backend.live(), r.len() as u64);
+        assert_eq!(s.backend.stats().total.committed, r.len() as u64);
+        assert_eq!(s.backend.stats().total.reserved, 10 * g);
+        assert_books(&s);
+    }
+    // A commit below the length and a decommit above it are no-ops.
+    let len = r.len() as u64;
+    let ops = s.backend.journal().unwrap().len();
+    r.commit(len / 2).unwrap();
+    r.decommit(len + g).unwrap();
+    assert_eq!(r.len() as u64, len);
+    assert_eq!(
+        s.backend.journal().unwrap().len(),
+        ops,
+        "no-ops are not journalled"
+    );
+    // A region that starts empty grows from nothing.
+    let mut empty = s.backend.acquire_growable(4 * g, 0, Tag::KvCache).unwrap();
+    assert!(empty.is_empty());
+    let empty_base = empty.base();
+    empty.commit(1).unwrap();
+    assert_eq!(empty.len() as u64, g);
+    assert_eq!(empty.base(), empty_base);
+    assert!(!overlaps(&[&r, &empty]));
+    assert_returns_everything(s, vec![r, empty]);
+}
+
+/// A call outside the source contract (a base that moved, a commit that
+/// does not extend the committed prefix, a decommit that is not the tail)
+/// is refused as `SourceError::Invariant` and changes nothing.
+pub fn out_of_contract_calls_are_invariant_errors(o: Open<'_>) {
+    let s = open(o, None);
+    let g = granule(&s) as usize;
+    let r = s
+        .backend
+        .acquire_growable(8 * g as u64, 2 * g as u64, Tag::KvCache)
+        .unwrap();
+    let base = r.base();
+    let physical = s.probe.physical();
+    let invariant = |res: Result<(), SourceError>, what: &str| match res {
+        Err(SourceError::Invariant(_)) => {}
+        other => panic!("{what}: expected Invariant, got {other:?}"),
+    };
+    invariant(
+        s.source.commit(base + 1, 2 * g, 3 * g),
+        "commit at a moved base",
+    );
+    invariant(
+        s.source.commit(base, 0, g),
+        "commit below the committed prefix",
+    );
+    invariant(s.source.commit(base, 3 * g, 4 * g), "commit leaving a gap");
+    invariant(
+        s.source.commit(base, 2 * g, 9 * g),
+        "commit past the reservation",
+    );
+    // SAFETY: each call is outside the contract and refused before it
+    // touches anything; the region is not used meanwhile.
+    unsafe {
+        invariant(
+            s.source.decommit(base + 1, g, 2 * g),
+            "decommit at a moved base",
+        );
+        invariant(
+            s.source.decommit(base, 0, g),
+            "decommit that is not the tail",
+        );
+        invariant(
+            s.source.decommit(base, 0, 3 * g),
+            "decommit past the committed",
+        );
+    }
+    assert_eq!(
+        s.probe.physical(),
+        physical,
+        "a refused call changed the device"
+    );
+    assert_eq!(r.len(), 2 * g);
+    // The region still works afterwards.
+    let mut r = r;
+    r.commit(3 * g as u64).unwrap();
+    r.decommit(g as u64).unwrap();
+    assert_eq!(r.base(), base);
+    assert_books(&s);
+    assert_returns_everything(s, vec![r]);
+}
+
+/// The phase guard holds whatever the source: acquisitions while serving
+/// are refused (strict), the bracketed re-entry admits them.
+pub fn the_phase_guard_holds(o: Open<'_>) {
+    let s = open(o, None);
+    let g = granule(&s);
+    let keep = s.backend.acquire(g, 256, Tag::Weights).unwrap();
+    s.backend.begin_planning().unwrap();
+    let plan = s.backend.acquire(g, 256, Tag::Workspace).unwrap();
+    let mut grow = s.backend.acquire_growable(4 * g, g, Tag::KvCache).unwrap();
+    s.backend.begin_serving().unwrap();
+    let physical = s.probe.physical();
+    assert!(matches!(
+        s.backend.acquire(g, 256, Tag::Scratch),
+        Err(MemError::PhaseViolation { .. })
+    ));
+    assert!(matches!(
+        s.backend.acquire_growable(4 * g, 0, Tag::KvCache),
+        Err(MemError::PhaseViolation { .. })
+    ));
+    assert_eq!(
+        s.probe.physical(),
+        physical,
+        "a refused acquisition reached the device"
+    );
+    // Growing a region acquired before serving is not an acquisition.
+    grow.commit(2 * g).unwrap();
+    let swap = {
+        let _replan = s.backend.replanning("conformance").unwrap();
+        s.backend.acquire(g, 256, Tag::Weights).unwrap()
+    };
+    assert_eq!(s.backend.phase(), Phase::Serving);
+    assert_books(&s);
+    assert_returns_everything(s, vec![keep, plan, grow, swap]);
+}
+
+/// One generated operation of [`check_sequence`]. Sizes are in 1/16 of a
+/// granule so that one strategy fits every source.
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// A fixed region of `sixteenths / 16` granules (at least 1 B).
+    Acquire {
+        /// Size in 1/16 granule.
+        sixteenths: u64,
+        /// log2 of the alignment.
+        align_log: u32,
+        /// Index into [`Tag::ALL`].
+        tag: usize,
+    },
+    /// A growable region of `granules` reserved, `initial` committed.
+    AcquireGrowable {
+        /// Reserved granules.
+        granules: u64,
+        /// Initially committed, in 1/16 granule.
+        initial: u64,
+    },
+    /// Resize the growable region `live[seed % n]` to `sixteenths / 16`
+    /// granules.
+    Resize {
+        /// Picks the region.
+        seed: usize,
+        /// New length in 1/16 granule.
+        sixteenths: u64,
+    },
+    /// Release `live[seed % n]`.
+    Release(usize),
+    /// Something outside takes the device's memory until `percent` of its
+    /// capacity is free beyond what the source holds (`None`: gives it back).
+    Occupy(Option<u64>),
+}
+
+/// The operations [`check_sequence`] draws from.
+pub fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u64..64, 0u32..17, 0usize..Tag::ALL.len())
+            .prop_map(|(sixteenths, align_log, tag)| Op::Acquire { sixteenths, align_log, tag }),
+        3 => (1u64..12, 0u64..64).prop_map(|(granules, initial)| Op::AcquireGrowable {
+            granules,
+            initial: initial.min(granules * 16),
+        }),
+        5 => (any::<usize>(), 0u64..200).prop_map(|(seed, sixteenths)| Op::Resize { seed, sixteenths }),
+        3 => any::<usize>().prop_map(Op::Release),
+        1 => prop_oneof![Just(None), (0u64..30).prop_map(Some)].prop_map(Op::Occupy),
+    ]
+}
+
+fn oom(err: MemError, committed: u64, asked: u64, budget: u64) -> Result<(), TestCaseError> {
+    match err {
+        MemError::OutOfMemory(report) => {
+            prop_assert_eq!(report.asked, asked);
+            // The budget refuses exactly past the budget; the device may
+            // refuse earlier (rounding, other users), never past it.
+            prop_assert_eq!(!report.device_refused, committed + asked > budget);
+            Ok(())
+        }
+        other => Err(TestCaseError::fail(format!(
+            "expected OutOfMemory, got {other:?}"
+        ))),
+    }
+}
+
+/// The books over any sequence of operations: after every step the model's
+/// live, committed and reserved bytes and counts equal the backend's stats,
+/// the journal replays to live, the device holds at least what is
+/// committed, bases never move, growable lengths are whole granules; a
+/// refusal is typed, budget refusals happen exactly past the budget, and
+/// a refused operation changes nothing. At the end everything returns to
+/// the device.
+pub fn check_sequence(
+    o: Open<'_>,
+    budget_granules: u64,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
+    let probe = open(o, None);
+    let g = granule(&probe);
+    let capacity = probe.backend.info().capacity;
+    drop(probe);
+    let budget = (budget_granules * g).min(capacity);
+    let s = open(o, Some(budget));
+    let mut live: Vec<(Region, usize)> = Vec::new();
+    let (mut acquisitions, mut releases) = (0u64, 0u64);
+    let bytes = |sixteenths: u64| (sixteenths * g / 16).max(1);
+    for op in ops {
+        let committed: u64 = live.iter().map(|(r, _)| r.len() as u64).sum();
+        let before = s.backend.stats().total;
+        match op {
+            Op::Acquire {
+                sixteenths,
+                align_log,
+                tag,
+            } => {
+                let n = bytes(sixteenths);
+                match s.backend.acquire(n, 1 << align_log, Tag::ALL[tag]) {
+                    Ok(r) => {
+                        prop_assert!(committed + n <= budget);
+                        prop_assert_eq!(r.base() % (1usize << align_log), 0);
+                        prop_assert_eq!(r.len() as u64, n);
+                        acquisitions += 1;
+                        let base = r.base();
+                        live.push((r, base));
+                    }
+                    Err(e) => oom(e, committed, n, budget)?,
+                }
+            }
+            Op::AcquireGrowable { granules, initial } => {
+                let initial = initial * g / 16;
+                let want = round_up(initial as usize, g as usize).unwrap() as u64;
+                match s
+                    .backend
+                    .acquire_growable(granules * g, initial, Tag::KvCache)
+                {
+                    Ok(r) => {
+                        prop_assert!(committed + want <= budget);
+                        prop_assert_eq!(r.len() as u64, want);
+                        prop_assert_eq!(r.reserved() as u64, granules * g);
+                        acquisitions += 1;
+                        let base = r.base();
+                        live.push((r, base));
+                    }
+                    Err(e) => oom(e, committed, want, budget)?,
+                }
+            }
+            Op::Resize { seed, sixteenths } => {
+                let growable: Vec<usize> = (0..live.len())
+                    .filter(|&i| live[i].0.is_growable())
+                    .collect();
+                if growable.is_empty() {
+                    continue;
+                }
+                let (r, _) = &mut live[growable[seed % growable.len()]];
+                let len = r.len() as u64;
+                let target = (sixteenths * g / 16).min(r.reserved() as u64);
+                let want = round_up(target as usize, g as usize).unwrap() as u64;
+                if want > len {
+                    match r.commit(target) {
+                        Ok(()) => prop_assert_eq!(r.len() as u64, want),
+                        Err(e) => {
+                            prop_assert_eq!(
+                                r.len() as u64,
+                                len,
+                                "a refused commit changed the length"
+                            );
+                            oom(e, committed, want - len, budget)?;
+                        }
+                    }
+                } else {
+                    r.decommit(target)
+                        .map_err(|e| TestCaseError::fail(format!("decommit: {e}")))?;
+                    prop_assert_eq!(r.len() as u64, want.min(len));
+                }
+                prop_assert_eq!(r.len() as u64 % g, 0);
+            }
+            Op::Release(seed) => {
+                if live.is_empty() {
+                    continue;
+                }
+                let (r, _) = live.swap_remove(seed % live.len());
+                s.backend
+                    .release(r)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                releases += 1;
+            }
+            Op::Occupy(percent) => s.probe.leave_free(percent.map(|p| capacity * p / 100)),
+        }
+        // The model against the books.
+        let stats = s.backend.stats();
+        let committed: u64 = live.iter().map(|(r, _)| r.len() as u64).sum();
+        let reserved: u64 = live.iter().map(|(r, _)| r.reserved() as u64).sum();
+        for (r, base) in &live {
+            prop_assert_eq!(r.base(), *base, "V9: a base moved");
+        }
+        prop_assert!(
+            !overlaps(&live.iter().map(|(r, _)| r).collect::<Vec<_>>()),
+            "live regions overlap"
+        );
+        prop_assert_eq!(stats.total.live, committed);
+        prop_assert_eq!(stats.total.committed, committed);
+        prop_assert_eq!(stats.total.reserved, reserved);
+        prop_assert_eq!(stats.total.acquisitions, acquisitions);
+        prop_assert_eq!(stats.total.releases, releases);
+        prop_assert!(stats.total.peak >= before.peak.max(committed));
+        prop_assert!(committed <= budget);
+        prop_assert_eq!(replay(&s.backend), committed as i128, "journal vs live");
+        prop_assert!(
+            s.probe.physical() >= committed,
+            "the device holds less than is committed"
+        );
+        s.backend
+            .check_invariants()
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+    s.probe.leave_free(None);
+    live.clear();
+    let stats = s.backend.stats();
+    prop_assert_eq!(stats.total.live, 0);
+    prop_assert_eq!(stats.total.reserved, 0);
+    prop_assert_eq!(stats.total.acquisitions, stats.total.releases);
+    s.probe.settle();
+    prop_assert_eq!(
+        s.probe.physical(),
+        0,
+        "released memory went back to the device"
+    );
+    Ok(())
+}
+
+/// Expands to the whole suite as tests of the calling crate: one `#[test]`
+/// per contract and a proptest of [`check_sequence`] with `$cases` cases.
+/// `$open` is an expression of type `fn(Option<u64>) -> Subject` (or a
+/// closure of that shape); the caller needs `proptest` as a dev-dependency.
+#[macro_export]
+macro_rules! memory_source_conformance {
+    ($open:expr, cases = $cases:expr) => {
+        #[test]
+        fn acquire_release_conserves_bytes() {
+            $crate::conformance::acquire_release_conserves_bytes(&$open);
+        }
+        #[test]
+        fn alignment_is_honoured() {
+            $crate::conformance::alignment_is_honoured(&$open);
+        }
+        #[test]
+        fn budget_refusal_is_typed_and_changes_nothing() {
+            $crate::conformance::budget_refusal_is_typed_and_changes_nothing(&$open);
+        }
+        #[test]
+        fn device_refusal_is_typed_and_changes_nothing() {
+            $crate::conformance::device_refusal_is_typed_and_changes_nothing(&$open);
+        }
+        #[test]
+        fn bad_input_is_invalid_argument() {
+            $crate::conformance::bad_input_is_invalid_argument(&$open);
+        }
+        #[test]
+        fn growth_rounds_to_granules_and_keeps_the_base() {
+            $crate::conformance::growth_rounds_to_granules_and_keeps_the_base(&$open);
+        }
+        #[test]
+        fn out_of_contract_calls_are_invariant_errors() {
+            $crate::conformance::out_of_contract_calls_are_invariant_errors(&$open);
+        }
+        #[test]
+        fn the_phase_guard_holds() {
+            $crate::conformance::the_phase_guard_holds(&$open);
+        }
+        ::proptest::proptest! {
+            #![proptest_config(::proptest::prelude::ProptestConfig::with_cases($cases))]
+            #[test]
+            fn sequences_keep_the_books(
+                budget_granules in 4u64..40,
+                ops in ::proptest::collection::vec($crate::conformance::op(), 1..48),
+            ) {
+                $crate::conformance::check_sequence(&$open, budget_granules, ops)?;
+            }
+        }
+    };
+}
