@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 from test_distributed import spawn_ranks  # noqa: E402
 from test_engine_runtime import prompts, tiny  # noqa: E402
 
-from imp_mem import FakeBackend, Features, Limits, PlanInput, plan_memory  # noqa: E402
+from imp_mem import FakeBackend, Features, InvalidArgument, Limits, PlanInput, plan_memory  # noqa: E402
 from imp_mem.engine import Engine  # noqa: E402
 from imp_mem.engine.checkpoint import random_weights, write_random_checkpoint  # noqa: E402
 from imp_mem.engine.config import ModelConfig  # noqa: E402
@@ -187,7 +187,8 @@ def test_a_rank_that_fails_to_open_unwinds_every_rank(tmp_path, fail, step):
 
 def test_a_degree_the_heads_do_not_split_over_is_refused():
     config = ModelConfig.from_hf_config(tiny("full"))
-    with pytest.raises(Exception, match="tp=3"):
+    # The planner's message, naming the nearest degrees that split.
+    with pytest.raises(InvalidArgument, match=r"tp=3 does not split .* use tp 2 or 4"):
         TensorParallel(config, tp=3)
     # Two KV heads over four ranks: each keeps the one its query heads read.
     shards = [TensorParallel(config, tp=4, rank=r).shards() for r in range(4)]

@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import imp_mem
 from imp_mem.engine.config import ModelConfig
 from imp_mem.errors import InvalidArgument
 
@@ -101,6 +102,26 @@ def plan_shape(model_dir: Any, config: ModelConfig, tp: int) -> tuple[Any, int]:
     return shape, need
 
 
+def _refuse_tp(config: ModelConfig, tp: int) -> None:
+    """Raises the planner's refusal of `tp` for this model's heads: one rule
+    and one message (which names the nearest valid degrees), the planner's."""
+    shape = imp_mem.ModelShape(
+        model_type="llama",
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+    )
+    imp_mem.PlanInput(shape, imp_mem.Limits(1, 16), imp_mem.Features(), budget=1 << 40, tp=tp)
+    raise InvalidArgument(  # the planner accepted what this engine cannot split
+        f"tp={tp}: the model's {config.num_heads} attention heads and {config.num_kv_heads} "
+        "KV heads do not split evenly over the ranks; use a tp that divides the heads"
+    )
+
+
 class TensorParallel:
     """One rank's share of a model over `group` (a ``torch.distributed``
     process group; ``None``: the default group when `tp` is not given).
@@ -126,11 +147,7 @@ class TensorParallel:
         tp, rank = self.tp, self.rank
         heads, kv = config.num_heads, config.num_kv_heads
         if heads % tp or not (kv % tp == 0 or tp % kv == 0):
-            raise InvalidArgument(
-                f"tp={tp}: the model's {heads} attention heads and {kv} KV heads do not split "
-                "evenly over the ranks (query heads split evenly; KV heads split evenly or are "
-                "replicated); use a tp that divides the heads"
-            )
+            _refuse_tp(config, tp)
         if config.intermediate_size % tp:
             raise InvalidArgument(
                 f"tp={tp} does not divide intermediate_size ({config.intermediate_size}); "
