@@ -93,6 +93,30 @@ pub enum SourceError {
     Unsupported(String),
 }
 
+/// A device reading: how much of the device is free now, and its size
+/// (`cuMemGetInfo`). Taken from a source ([`MemorySource::mem_info`]) or
+/// passed in by a caller that read the device itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DeviceReading {
+    /// Free bytes.
+    pub free: u64,
+    /// Total bytes.
+    pub total: u64,
+}
+
+/// Physical memory a source holds that its backend's ledger does not count
+/// (a VMM handle cache, mapping rounded past what was committed), named so
+/// that the memory report attributes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceCharge {
+    /// Stable key (`vmm_handle_cache`, ...).
+    pub key: String,
+    /// What the report prints.
+    pub label: String,
+    /// Bytes held now.
+    pub bytes: u64,
+}
+
 /// The physical side of a backend: one kind of memory on one device.
 ///
 /// # Safety
@@ -176,6 +200,21 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
     /// synthetic addresses; the default is true.
     fn addressable(&self) -> bool {
         true
+    }
+
+    /// The device's free and total bytes now, or `None` for a source with no
+    /// device to read (the default: the fake, host memory). A memory report
+    /// reads it unless its caller passes a reading.
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        Ok(None)
+    }
+
+    /// What this source holds beyond the `committed` bytes its backend's
+    /// ledger counts, as named charges for the memory report (a line of 0 B
+    /// is left out there). The default: nothing.
+    fn extra_charges(&self, committed: u64) -> Vec<SourceCharge> {
+        let _ = committed;
+        Vec::new()
     }
 
     /// Copies `len` bytes at `src`, this source's memory, to host memory at
@@ -306,6 +345,19 @@ impl Shared {
     fn map_source_error(&self, state: &State, err: SourceError, asked: u64, tag: Tag) -> MemError {
         match err {
             SourceError::OutOfMemory => state.oom(asked, tag, self.info.capacity, true),
+            other => self.map_query_error(other),
+        }
+    }
+
+    /// The error of a source call that acquires nothing (a device reading):
+    /// as [`Shared::map_source_error`], with an out-of-memory reported as the
+    /// driver's failure, there being no request to itemise.
+    fn map_query_error(&self, err: SourceError) -> MemError {
+        match err {
+            SourceError::OutOfMemory => MemError::Driver(format!(
+                "the {} source ran out of memory answering a query",
+                self.info.name
+            )),
             SourceError::NotGrowable => MemError::invalid(format!(
                 "the {} backend has no growable regions; use acquire() for a fixed size, or a \
                  VMM backend for a region that grows",
@@ -659,6 +711,24 @@ impl Backend {
             self.shared.info.capacity,
             |tag| guard.steady_state_allocations(tag),
         )
+    }
+
+    /// The source's device reading now ([`MemorySource::mem_info`]); `None`
+    /// for a source with no device.
+    pub fn mem_info(&self) -> Result<Option<DeviceReading>, MemError> {
+        self.shared
+            .source
+            .mem_info()
+            .map_err(|e| self.shared.map_query_error(e))
+    }
+
+    /// What the source holds beyond the ledger's committed bytes
+    /// ([`MemorySource::extra_charges`]). Read under the backend's lock, so
+    /// no commit or release lands between the ledger's figure and the
+    /// source's.
+    pub fn extra_charges(&self) -> Vec<SourceCharge> {
+        let state = self.shared.state();
+        self.shared.source.extra_charges(state.ledger.committed())
     }
 
     /// Bytes live now.

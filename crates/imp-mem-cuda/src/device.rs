@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use imp_mem_core::{
-    Backend, MemError, MemoryKind, MemorySource, PhaseMode, SourceError, SourceInfo,
+    Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, SourceError, SourceInfo,
 };
 
 use crate::driver::{check, CuDevicePtr, DeviceContext};
@@ -101,6 +101,10 @@ unsafe impl MemorySource for CudaSource {
             granularity: 1,
             growable: false,
         }
+    }
+
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        self.device.reading().map(Some)
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {

@@ -34,7 +34,7 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 use std::ptr;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use imp_mem_core::{MemError, SourceError};
+use imp_mem_core::{DeviceReading, MemError, SourceError};
 
 /// A driver result code (`CUresult`), kept as the plain integer the C API
 /// returns.
@@ -704,6 +704,18 @@ impl DeviceContext {
             (self.api().mem_get_info)(&mut free, &mut total)
         })?;
         Ok((free as u64, total as u64))
+    }
+
+    /// [`DeviceContext::mem_info`] as a source's device reading. Its error
+    /// maps back, through the backend, to the same [`MemError`] class and
+    /// message (`BackendUnavailable` through `Unsupported`).
+    pub fn reading(&self) -> Result<DeviceReading, SourceError> {
+        let (free, total) = self.mem_info().map_err(|err| match err {
+            MemError::BackendUnavailable(msg) => SourceError::Unsupported(msg),
+            MemError::Driver(msg) => SourceError::Driver(msg),
+            other => SourceError::Driver(other.to_string()),
+        })?;
+        Ok(DeviceReading { free, total })
     }
 
     /// Copies `data` to device (or pinned host) address `dst`, synchronously.

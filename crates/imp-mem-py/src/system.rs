@@ -4,15 +4,14 @@
 //! clean failure, the budget, the report and the metrics. This file converts
 //! arguments, hands out the opened tiers as the same Python classes
 //! (`Arena`, `BlockPool`, `ScratchStack`) a caller would build by hand, and
-//! takes the device reading the core never takes itself: a backend with
-//! `mem_get_info()` (`CudaBackend`, `VmmBackend`) is read on every report,
-//! and a `VmmBackend`'s handle cache is named as a charge.
+//! converts a report's device argument (the core reads the backend's device
+//! and its VMM charges itself: `MemorySystem::report_input`).
 
 use std::sync::{Mutex, MutexGuard};
 
 use imp_mem_core::kv::DEFAULT_HASH_SEED;
 use imp_mem_core::system::{
-    ActivationOrder, DeviceReading, MemReport, MemorySystem, OpenError, ReportInput, SystemOptions,
+    ActivationOrder, DeviceQuery, DeviceReading, MemReport, MemorySystem, OpenError, SystemOptions,
 };
 use imp_mem_core::{MemError, SharedBlockPool};
 use pyo3::prelude::*;
@@ -97,20 +96,18 @@ impl PyMemorySystem {
         self.backend.get().notices.emit(py)
     }
 
-    /// The device reading and the backend's own charges for one report.
-    fn input(
-        &self,
-        py: Python<'_>,
+    /// What one report reads: the device `device` names (by default the
+    /// backend's own reading) and, in the core, the backend's charges.
+    fn query(
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<ReportInput> {
-        let backend = self.backend.bind(py);
-        let reading = match device.filter(|d| !d.is_none()) {
+    ) -> PyResult<(DeviceQuery, u64)> {
+        let query = match device.filter(|d| !d.is_none()) {
             Some(d) if d.is_instance_of::<PyBool>() => {
                 if d.extract::<bool>()? {
-                    read_device(backend.as_any())?
+                    DeviceQuery::Backend
                 } else {
-                    None
+                    DeviceQuery::Skip
                 }
             }
             Some(d) => {
@@ -122,53 +119,24 @@ impl PyMemorySystem {
                         "device: free {free} B is larger than total {total} B; pass (free, total)"
                     )));
                 }
-                Some(DeviceReading { free, total })
+                DeviceQuery::Given(DeviceReading { free, total })
             }
-            None => read_device(backend.as_any())?,
+            None => DeviceQuery::Backend,
         };
         let other_processes = convert::opt_bytes(other_processes, "other_processes")?.unwrap_or(0);
-        let mut extra = Vec::new();
-        if let Ok(cached) = backend.getattr("cached_bytes") {
-            extra.push((
-                "vmm_handle_cache".to_string(),
-                "VMM handle cache (kept for reuse)".to_string(),
-                cached.extract::<u64>()?,
-            ));
-        }
-        if let Ok(mapped) = backend.getattr("mapped_bytes") {
-            let mapped: u64 = mapped.extract()?;
-            let committed = self.backend.get().inner.stats().total.committed;
-            extra.push((
-                "vmm_rounding".to_string(),
-                "VMM mapping past the ledger (chunk rounding)".to_string(),
-                mapped.saturating_sub(committed),
-            ));
-        }
-        Ok(ReportInput {
-            device: reading,
-            other_processes,
-            extra,
-        })
+        Ok((query, other_processes))
     }
 
     fn report(
         &self,
-        py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<MemReport> {
-        let input = self.input(py, device, other_processes)?;
-        Ok(self.lock().report(&input))
+        let (query, other_processes) = Self::query(device, other_processes)?;
+        let system = self.lock();
+        let input = system.report_input(query, other_processes).py()?;
+        Ok(system.report(&input))
     }
-}
-
-/// `mem_get_info()` of a device backend; `None` for one without it.
-fn read_device(backend: &Bound<'_, PyAny>) -> PyResult<Option<DeviceReading>> {
-    if !backend.hasattr("mem_get_info")? {
-        return Ok(None);
-    }
-    let (free, total): (u64, u64) = backend.call_method0("mem_get_info")?.extract()?;
-    Ok(Some(DeviceReading { free, total }))
 }
 
 fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
@@ -501,8 +469,9 @@ impl PyMemorySystem {
     }
 
     /// Every named charge, plan against actual, per tier and per tag, as
-    /// plain data. `device` is a `(free, total)` reading; by default a
-    /// backend with `mem_get_info()` is read (False: no reading).
+    /// plain data. `device` is a `(free, total)` reading; by default the
+    /// backend's device is read (a `DeviceBackend`'s; the fake has none;
+    /// False: no reading).
     /// `other_processes` is left out of the attribution's denominator.
     #[pyo3(signature = (device = None, other_processes = None))]
     fn mem_report(
@@ -511,7 +480,7 @@ impl PyMemorySystem {
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let report = self.report(py, device, other_processes)?;
+        let report = self.report(device, other_processes)?;
         to_py_object(py, &report)
     }
 
@@ -519,22 +488,20 @@ impl PyMemorySystem {
     #[pyo3(signature = (device = None, other_processes = None))]
     fn mem_report_text(
         &self,
-        py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
-        Ok(self.report(py, device, other_processes)?.text())
+        Ok(self.report(device, other_processes)?.text())
     }
 
     /// Prometheus text exposition of one snapshot.
     #[pyo3(signature = (device = None, other_processes = None))]
     fn metrics(
         &self,
-        py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
-        Ok(self.report(py, device, other_processes)?.metrics())
+        Ok(self.report(device, other_processes)?.metrics())
     }
 
     /// Checks the invariants of the whole system (backend, every pool, no
@@ -740,8 +707,8 @@ impl PyMemorySystem {
         Ok(false)
     }
 
-    fn __str__(&self, py: Python<'_>) -> PyResult<String> {
-        self.mem_report_text(py, None, None)
+    fn __str__(&self) -> PyResult<String> {
+        self.mem_report_text(None, None)
     }
 
     fn __repr__(&self) -> String {
