@@ -7,7 +7,7 @@
 //! converts a report's device argument (the core reads the backend's device
 //! and its VMM charges itself: `MemorySystem::report_input`).
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use imp_mem_core::kv::DEFAULT_HASH_SEED;
 use imp_mem_core::system::{
@@ -23,7 +23,7 @@ use crate::convert;
 use crate::errors::{invalid, to_py_with, Attr, ImpMemWarning, IntoPyResult};
 use crate::kv::{block_io, PyKVCacheManager};
 use crate::planner::PyMemoryPlan;
-use crate::tiers::{PyArena, PyBlockPool, PyScratchStack};
+use crate::tiers::{FenceWatch, PyArena, PyBlockPool, PyScratchStack};
 
 /// Raises the exception of the step's error, with the step in the message
 /// and as attributes (`step`, `step_name`).
@@ -58,11 +58,12 @@ pub struct PyMemorySystem {
     /// The plan now (replaced by a model swap).
     plan: Mutex<Py<PyMemoryPlan>>,
     exportable: bool,
-    /// One `BlockPool` object per pool, by pool id, made on first use: the
-    /// Python fences a `step()` hands a pool are watched by its object, so
-    /// `system.kv_pool.flush_decommit()` must reach the same one. Emptied
-    /// on close, so the system itself keeps nothing alive.
+    /// One `BlockPool` object per pool, by pool id, made on first use.
+    /// Emptied on close, so the system itself keeps nothing alive.
     pools: Mutex<Vec<(u64, Py<PyBlockPool>)>>,
+    /// The Python fences `step()` hands the pools, shared with the pools'
+    /// objects, so `system.kv_pool.flush_decommit()` waits for them too.
+    watch: Arc<FenceWatch>,
 }
 
 impl PyMemorySystem {
@@ -87,7 +88,10 @@ impl PyMemorySystem {
             return Ok(obj.clone_ref(py));
         }
         let id = pool.id();
-        let obj = Py::new(py, PyBlockPool::wrap(pool, self.exportable))?;
+        let obj = Py::new(
+            py,
+            PyBlockPool::wrap_watched(pool, self.exportable, self.watch.clone()),
+        )?;
         pools.push((id, obj.clone_ref(py)));
         Ok(obj)
     }
@@ -199,6 +203,7 @@ impl PyMemorySystem {
             plan: Mutex::new(plan.clone().unbind()),
             exportable: core_backend.addressable(),
             pools: Mutex::new(Vec::new()),
+            watch: Arc::default(),
         })
     }
 
@@ -374,38 +379,28 @@ impl PyMemorySystem {
     /// touch the pools. Returns the bytes decommitted during this call.
     #[pyo3(signature = (fence = None))]
     fn step(&self, py: Python<'_>, fence: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-        let pools = self.open()?.growable_pools();
-        let fence = match fence {
-            Some(f) => f.clone(),
-            None => py.None().into_bound(py),
-        };
-        let mut bytes = 0u64;
-        let mut first_error = None;
-        for pool in pools {
-            let obj = self.pool_object(py, pool)?;
-            match obj.bind(py).call_method1("step", (&fence,)) {
-                Ok(n) => bytes += n.extract::<u64>()?,
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
+        if self.open()?.growable_pools().is_empty() {
+            return Ok(0);
         }
-        first_error.map_or(Ok(bytes), Err)
+        // The fence is converted once and watched by the system's watch,
+        // which its pools' objects share; the core steps every pool with it.
+        self.watch.poll(py, false, true)?;
+        let fence = self.watch.core_fence(fence)?;
+        let done = py.detach(|| self.lock().step(fence));
+        self.watch.poll(py, false, false)?;
+        done.py()
     }
 
     /// Waits for every growable pool's pending decommit (its fence) and
     /// decommits; the bytes returned.
     fn flush_decommit(&self, py: Python<'_>) -> PyResult<u64> {
-        let pools = self.open()?.growable_pools();
-        let mut bytes = 0u64;
-        for pool in pools {
-            let obj = self.pool_object(py, pool)?;
-            bytes += obj
-                .bind(py)
-                .call_method0("flush_decommit")?
-                .extract::<u64>()?;
+        if self.open()?.growable_pools().is_empty() {
+            return Ok(0);
         }
-        Ok(bytes)
+        self.watch.poll(py, true, true)?;
+        let done = py.detach(|| self.lock().flush_decommit());
+        self.watch.poll(py, false, false)?;
+        done.py()
     }
 
     /// T4a: the activation pool (torch's / CuPy's own allocations), if the

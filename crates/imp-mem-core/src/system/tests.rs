@@ -738,7 +738,40 @@ fn step_shrinks_the_kv_pool_once_the_manager_gives_its_blocks_back() {
         .unwrap();
     m.check_invariants().unwrap();
     system.check().unwrap();
+    // A step behind a fence not yet complete leaves the decommit pending;
+    // the system's flush waits for the fence and decommits.
+    m.free(2, None).unwrap();
+    m.evict(u32::MAX);
+    let fence = std::sync::Arc::new(Latch::default());
+    let mut freed = 0;
+    for _ in 0..8 {
+        freed += system.step(fence.clone()).unwrap();
+    }
+    assert_eq!(freed, 0);
+    let pending = pool.stats().pending_blocks;
+    assert!(pending > 0, "{:?}", pool.stats());
+    assert!(!fence.0.load(std::sync::atomic::Ordering::SeqCst));
+    let flushed = system.flush_decommit().unwrap();
+    assert!(fence.0.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(flushed, u64::from(pending) * p.kv.block_bytes);
+    assert_eq!(pool.stats().pending_blocks, 0);
+    assert_eq!(system.flush_decommit().unwrap(), 0);
     drop(m);
+}
+
+/// A fence that completes when it is waited on.
+#[derive(Default)]
+struct Latch(std::sync::atomic::AtomicBool);
+
+impl crate::decommit::FenceLike for Latch {
+    fn is_complete(&self) -> Result<bool, MemError> {
+        Ok(self.0.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    fn wait(&self) -> Result<(), MemError> {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
 }
 
 #[test]
@@ -768,6 +801,7 @@ fn kv_manager_refuses_what_does_not_match_the_plan() {
     system.close();
     assert!(system.kv_config().is_err());
     assert!(system.step(crate::decommit::NothingInFlight).is_err());
+    assert!(system.flush_decommit().is_err());
 }
 
 /// A fake that also reads a device and holds memory past its ledger, as a
