@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use imp_mem_core::kv::DEFAULT_HASH_SEED;
 use imp_mem_core::system::{
-    ActivationOrder, DeviceQuery, DeviceReading, MemReport, MemorySystem, OpenError, SystemOptions,
+    ActivationOrder, DeviceQuery, DeviceReading, MemReport, MemorySystem, SystemOptions,
 };
 use imp_mem_core::{MemError, SharedBlockPool};
 use pyo3::prelude::*;
@@ -20,24 +20,10 @@ use pyo3::types::{PyBool, PyDict, PyTuple};
 use crate::activations::{stream_order_for, PyActivationPool};
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
-use crate::errors::{invalid, to_py_with, Attr, ImpMemWarning, IntoPyResult};
+use crate::errors::{invalid, ImpMemWarning, IntoPyResult};
 use crate::kv::{block_io, PyKVCacheManager};
 use crate::planner::PyMemoryPlan;
 use crate::tiers::{FenceWatch, PyArena, PyBlockPool, PyScratchStack};
-
-/// Raises the exception of the step's error, with the step in the message
-/// and as attributes (`step`, `step_name`).
-fn open_error(err: OpenError) -> PyErr {
-    let message = err.to_string();
-    to_py_with(
-        err.error.clone(),
-        message,
-        vec![
-            ("step", Attr::Int(err.step as u64)),
-            ("step_name", Attr::Text(err.what.clone())),
-        ],
-    )
-}
 
 fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>> {
     value
@@ -196,7 +182,7 @@ impl PyMemorySystem {
         };
         let result = MemorySystem::open(&core_backend, plan.get().core(), options);
         backend.get().notices.emit(py)?;
-        let system = result.map_err(open_error)?;
+        let system = result.py()?;
         Ok(Self {
             inner: Mutex::new(system),
             backend: backend.clone().unbind(),
@@ -528,20 +514,7 @@ impl PyMemorySystem {
             system.swap_model(&core_plan)
         };
         self.emit(py)?;
-        let report = match result {
-            Ok(report) => report,
-            Err(err) => {
-                let message = err.to_string();
-                return Err(to_py_with(
-                    err.error.clone(),
-                    message,
-                    vec![
-                        ("old_model_kept", Attr::Flag(err.old_model_kept)),
-                        ("missing", Attr::Texts(err.missing.clone())),
-                    ],
-                ));
-            }
-        };
+        let report = result.py()?;
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan.clone().unbind();
         let out = PyDict::new(py);
         out.set_item("kept", report.kept)?;

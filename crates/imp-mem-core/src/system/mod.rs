@@ -57,7 +57,7 @@ pub use report::{
     ReportInput, TagLine, TierLine,
 };
 pub use sleep::{SleepReport, SleptTier, DEFAULT_SLEEP_TIERS};
-pub use swap::SwapReport;
+pub use swap::{SwapError, SwapReport};
 
 use crate::activations::ActivationPool;
 use crate::backend::Backend;
