@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
-use crate::error::{MemError, OomReport};
+use crate::error::{try_reserve, MemError, OomReport};
 use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
 use crate::tag::Tag;
 use crate::units::{human_bytes, round_up};
@@ -954,6 +954,19 @@ impl Region {
                 .copy_to_host(self.base + offset, dst.as_mut_ptr(), dst.len())
         }
         .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
+    }
+
+    /// Reads `len` bytes at `offset` of this region into a new host buffer
+    /// ([`Region::copy_to_host`]): the range is checked before the buffer is
+    /// reserved, and the reservation fails as `HostOutOfMemory` rather than
+    /// aborting.
+    pub fn read_to_vec(&self, offset: usize, len: usize) -> Result<Vec<u8>, MemError> {
+        self.check_copy(offset, len)?;
+        let mut out = Vec::new();
+        try_reserve(&mut out, len, "a region read")?;
+        out.resize(len, 0);
+        self.copy_to_host(offset, &mut out)?;
+        Ok(out)
     }
 
     /// Copies `src` into this region at `offset`, through the source

@@ -397,6 +397,17 @@ impl From<CuError> for SourceError {
     }
 }
 
+/// A driver error as a source reports it, such that the backend maps it
+/// back to the [`MemError`] class and message the driver call has outside a
+/// source (`BackendUnavailable` through `Unsupported`, the rest `Driver`).
+pub fn source_error(err: impl Into<MemError>) -> SourceError {
+    match err.into() {
+        MemError::BackendUnavailable(msg) => SourceError::Unsupported(msg),
+        MemError::Driver(msg) => SourceError::Driver(msg),
+        other => SourceError::Driver(other.to_string()),
+    }
+}
+
 /// Turns a result code into a `Result`.
 #[inline]
 pub fn check(call: &'static str, code: CuResult) -> Result<(), CuError> {
@@ -710,11 +721,7 @@ impl DeviceContext {
     /// maps back, through the backend, to the same [`MemError`] class and
     /// message (`BackendUnavailable` through `Unsupported`).
     pub fn reading(&self) -> Result<DeviceReading, SourceError> {
-        let (free, total) = self.mem_info().map_err(|err| match err {
-            MemError::BackendUnavailable(msg) => SourceError::Unsupported(msg),
-            MemError::Driver(msg) => SourceError::Driver(msg),
-            other => SourceError::Driver(other.to_string()),
-        })?;
+        let (free, total) = self.mem_info().map_err(source_error)?;
         Ok(DeviceReading { free, total })
     }
 
