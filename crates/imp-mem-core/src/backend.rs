@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
-use crate::error::{MemError, OomReport};
+use crate::error::{try_reserve, MemError, OomReport};
 use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
 use crate::tag::Tag;
 use crate::units::{human_bytes, round_up};
@@ -91,6 +91,30 @@ pub enum SourceError {
     /// The source cannot do this at all (a copy to the host on a source
     /// without one); the message names the operation.
     Unsupported(String),
+}
+
+/// A device reading: how much of the device is free now, and its size
+/// (`cuMemGetInfo`). Taken from a source ([`MemorySource::mem_info`]) or
+/// passed in by a caller that read the device itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DeviceReading {
+    /// Free bytes.
+    pub free: u64,
+    /// Total bytes.
+    pub total: u64,
+}
+
+/// Physical memory a source holds that its backend's ledger does not count
+/// (a VMM handle cache, mapping rounded past what was committed), named so
+/// that the memory report attributes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceCharge {
+    /// Stable key (`vmm_handle_cache`, ...).
+    pub key: String,
+    /// What the report prints.
+    pub label: String,
+    /// Bytes held now.
+    pub bytes: u64,
 }
 
 /// The physical side of a backend: one kind of memory on one device.
@@ -176,6 +200,21 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
     /// synthetic addresses; the default is true.
     fn addressable(&self) -> bool {
         true
+    }
+
+    /// The device's free and total bytes now, or `None` for a source with no
+    /// device to read (the default: the fake, host memory). A memory report
+    /// reads it unless its caller passes a reading.
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        Ok(None)
+    }
+
+    /// What this source holds beyond the `committed` bytes its backend's
+    /// ledger counts, as named charges for the memory report (a line of 0 B
+    /// is left out there). The default: nothing.
+    fn extra_charges(&self, committed: u64) -> Vec<SourceCharge> {
+        let _ = committed;
+        Vec::new()
     }
 
     /// Copies `len` bytes at `src`, this source's memory, to host memory at
@@ -306,6 +345,19 @@ impl Shared {
     fn map_source_error(&self, state: &State, err: SourceError, asked: u64, tag: Tag) -> MemError {
         match err {
             SourceError::OutOfMemory => state.oom(asked, tag, self.info.capacity, true),
+            other => self.map_query_error(other),
+        }
+    }
+
+    /// The error of a source call that acquires nothing (a device reading):
+    /// as [`Shared::map_source_error`], with an out-of-memory reported as the
+    /// driver's failure, there being no request to itemise.
+    fn map_query_error(&self, err: SourceError) -> MemError {
+        match err {
+            SourceError::OutOfMemory => MemError::Driver(format!(
+                "the {} source ran out of memory answering a query",
+                self.info.name
+            )),
             SourceError::NotGrowable => MemError::invalid(format!(
                 "the {} backend has no growable regions; use acquire() for a fixed size, or a \
                  VMM backend for a region that grows",
@@ -661,6 +713,24 @@ impl Backend {
         )
     }
 
+    /// The source's device reading now ([`MemorySource::mem_info`]); `None`
+    /// for a source with no device.
+    pub fn mem_info(&self) -> Result<Option<DeviceReading>, MemError> {
+        self.shared
+            .source
+            .mem_info()
+            .map_err(|e| self.shared.map_query_error(e))
+    }
+
+    /// What the source holds beyond the ledger's committed bytes
+    /// ([`MemorySource::extra_charges`]). Read under the backend's lock, so
+    /// no commit or release lands between the ledger's figure and the
+    /// source's.
+    pub fn extra_charges(&self) -> Vec<SourceCharge> {
+        let state = self.shared.state();
+        self.shared.source.extra_charges(state.ledger.committed())
+    }
+
     /// Bytes live now.
     pub fn live(&self) -> u64 {
         self.shared.state().ledger.live()
@@ -889,6 +959,19 @@ impl Region {
                 .copy_to_host(self.base + offset, dst.as_mut_ptr(), dst.len())
         }
         .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
+    }
+
+    /// Reads `len` bytes at `offset` of this region into a new host buffer
+    /// ([`Region::copy_to_host`]): the range is checked before the buffer is
+    /// reserved, and the reservation fails as `HostOutOfMemory` rather than
+    /// aborting.
+    pub fn read_to_vec(&self, offset: usize, len: usize) -> Result<Vec<u8>, MemError> {
+        self.check_copy(offset, len)?;
+        let mut out = Vec::new();
+        try_reserve(&mut out, len, "a region read")?;
+        out.resize(len, 0);
+        self.copy_to_host(offset, &mut out)?;
+        Ok(out)
     }
 
     /// Copies `src` into this region at `offset`, through the source

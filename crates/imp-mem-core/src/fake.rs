@@ -124,7 +124,7 @@ fn layout(len: usize, align: usize) -> Result<Layout, SourceError> {
 }
 
 impl FakeSource {
-    fn new(config: &FakeConfig) -> Self {
+    pub(crate) fn new(config: &FakeConfig) -> Self {
         Self {
             capacity: config.capacity,
             granularity: config.granularity.max(1),

@@ -49,7 +49,9 @@ pub use accounting::{BackendStats, JournalEntry, JournalOp, TagStats};
 pub use activations::{
     ActivationConfig, ActivationPool, ActivationStats, FakeStreamOrder, NoStreams, StreamOrder,
 };
-pub use backend::{Backend, MemoryKind, MemorySource, Region, SourceError, SourceInfo};
+pub use backend::{
+    Backend, DeviceReading, MemoryKind, MemorySource, Region, SourceCharge, SourceError, SourceInfo,
+};
 pub use error::{MemError, OomReport};
 pub use fake::{FakeBackend, FakeConfig};
 pub use phase::{Phase, PhaseMode};

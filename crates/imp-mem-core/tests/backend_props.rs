@@ -238,3 +238,34 @@ fn poison_is_readable_from_quarantine() {
         Err(MemError::StaleSpan(_))
     ));
 }
+
+#[test]
+fn region_copies_check_the_committed_range_before_touching_anything() {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut r = fake
+        .acquire_growable(4 * GRANULE as u64, GRANULE as u64, Tag::Other)
+        .unwrap();
+    r.copy_from_host(GRANULE - 3, b"abc").unwrap();
+    assert_eq!(r.read_to_vec(GRANULE - 3, 3).unwrap(), b"abc");
+    assert_eq!(fake.read(r.base() + GRANULE - 3, 3).unwrap(), b"abc");
+    assert!(r.read_to_vec(GRANULE, 0).unwrap().is_empty());
+    // Past the committed part (the reservation is larger): refused, one
+    // rule for reads and writes, and a huge length is refused before any
+    // buffer is reserved for it.
+    for (offset, len) in [
+        (GRANULE - 2, 3),
+        (GRANULE + 1, 0),
+        (0, usize::MAX / 2),
+        (usize::MAX, 2),
+    ] {
+        let read = r.read_to_vec(offset, len).unwrap_err();
+        assert!(matches!(read, MemError::InvalidArgument(_)), "{read:?}");
+        assert!(read.to_string().contains("committed"), "{read}");
+    }
+    let write = r.copy_from_host(GRANULE - 2, b"abc").unwrap_err();
+    assert!(matches!(write, MemError::InvalidArgument(_)), "{write:?}");
+    // Committed further, the same range is in bounds.
+    r.commit(2 * GRANULE as u64).unwrap();
+    r.copy_from_host(GRANULE - 2, b"xyz").unwrap();
+    assert_eq!(r.read_to_vec(GRANULE - 2, 3).unwrap(), b"xyz");
+}

@@ -7,6 +7,8 @@
 //! over-allocating `bytes + align - 256` and handing out the first aligned
 //! address inside, remembering the raw pointer in a small map to free it.
 //! The source is not growable: growable regions are [`crate::VmmSource`]'s.
+//! Host copies (`copy_to_host` / `copy_from_host`, which `Region`'s
+//! bounds-checked copies call) are synchronous `cuMemcpy`s.
 //!
 //! Accounting: the backend counts the bytes asked for. The driver rounds
 //! each allocation up (to 2 MiB pages for large ones), so device used memory
@@ -23,10 +25,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use imp_mem_core::{
-    Backend, MemError, MemoryKind, MemorySource, PhaseMode, SourceError, SourceInfo,
+    Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, SourceError, SourceInfo,
 };
 
-use crate::driver::{check, CuDevicePtr, DeviceContext};
+use crate::driver::{check, source_error, CuDevicePtr, DeviceContext};
 
 /// What `cuMemAlloc` guarantees.
 pub const CU_MEM_ALLOC_ALIGNMENT: usize = 256;
@@ -101,6 +103,36 @@ unsafe impl MemorySource for CudaSource {
             granularity: 1,
             growable: false,
         }
+    }
+
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        self.device.reading().map(Some)
+    }
+
+    unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
+        let _scope = self.device.bind().map_err(source_error)?;
+        // SAFETY: the backend passes a range inside a live allocation of this
+        // source (device memory of this context) and a host buffer of `len`
+        // writable bytes; the copy is synchronous with the host.
+        check("cuMemcpyDtoH_v2", unsafe {
+            (self.device.api().memcpy_dtoh)(dst.cast(), src as CuDevicePtr, len)
+        })
+        .map_err(source_error)
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), SourceError> {
+        let _scope = self.device.bind().map_err(source_error)?;
+        // SAFETY: as in `copy_to_host`, in the other direction: `len` readable
+        // host bytes into a live allocation nothing else uses meanwhile.
+        check("cuMemcpyHtoD_v2", unsafe {
+            (self.device.api().memcpy_htod)(dst as CuDevicePtr, src.cast(), len)
+        })
+        .map_err(source_error)
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {

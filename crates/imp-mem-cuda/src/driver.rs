@@ -34,7 +34,7 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 use std::ptr;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use imp_mem_core::{MemError, SourceError};
+use imp_mem_core::{DeviceReading, MemError, SourceError};
 
 /// A driver result code (`CUresult`), kept as the plain integer the C API
 /// returns.
@@ -397,6 +397,17 @@ impl From<CuError> for SourceError {
     }
 }
 
+/// A driver error as a source reports it, such that the backend maps it
+/// back to the [`MemError`] class and message the driver call has outside a
+/// source (`BackendUnavailable` through `Unsupported`, the rest `Driver`).
+pub fn source_error(err: impl Into<MemError>) -> SourceError {
+    match err.into() {
+        MemError::BackendUnavailable(msg) => SourceError::Unsupported(msg),
+        MemError::Driver(msg) => SourceError::Driver(msg),
+        other => SourceError::Driver(other.to_string()),
+    }
+}
+
 /// Turns a result code into a `Result`.
 #[inline]
 pub fn check(call: &'static str, code: CuResult) -> Result<(), CuError> {
@@ -704,6 +715,14 @@ impl DeviceContext {
             (self.api().mem_get_info)(&mut free, &mut total)
         })?;
         Ok((free as u64, total as u64))
+    }
+
+    /// [`DeviceContext::mem_info`] as a source's device reading. Its error
+    /// maps back, through the backend, to the same [`MemError`] class and
+    /// message (`BackendUnavailable` through `Unsupported`).
+    pub fn reading(&self) -> Result<DeviceReading, SourceError> {
+        let (free, total) = self.mem_info().map_err(source_error)?;
+        Ok(DeviceReading { free, total })
     }
 
     /// Copies `data` to device (or pinned host) address `dst`, synchronously.

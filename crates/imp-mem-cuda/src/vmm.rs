@@ -51,7 +51,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use imp_mem_core::units::round_up;
 use imp_mem_core::{
-    Backend, MemError, MemoryKind, MemorySource, PhaseMode, SourceError, SourceInfo,
+    Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, SourceCharge,
+    SourceError, SourceInfo,
 };
 
 use crate::driver::{
@@ -138,6 +139,12 @@ pub unsafe trait VmmDriver: Send + Sync + 'static {
     /// `[addr, addr + size)` is fully mapped.
     unsafe fn set_access(&self, addr: u64, size: usize) -> Result<(), CuError>;
 
+    /// `cuMemGetInfo`: the device's free and total bytes, or `None` for a
+    /// driver with no device to read (the default).
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        Ok(None)
+    }
+
     /// `cuMemcpyDtoH`: `len` bytes at device address `src` to host `dst`,
     /// returning when they are there. The default (a driver with no memory
     /// behind its addresses, the simulation) refuses.
@@ -220,6 +227,10 @@ unsafe impl VmmDriver for CudaVmm {
 
     fn total_memory(&self) -> u64 {
         self.device.props().total_memory
+    }
+
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        self.device.reading().map(Some)
     }
 
     fn granularity(&self) -> Result<(usize, usize), CuError> {
@@ -770,6 +781,32 @@ unsafe impl<D: VmmDriver> MemorySource for VmmCore<D> {
             granularity: self.chunk,
             growable: true,
         }
+    }
+
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        self.driver.mem_info()
+    }
+
+    /// The handle cache (physical memory no region holds) and the mapping
+    /// past the ledger: a fixed region is mapped to whole granules while
+    /// the ledger counts the bytes asked for.
+    fn extra_charges(&self, committed: u64) -> Vec<SourceCharge> {
+        let (cached, mapped) = {
+            let state = self.state();
+            ((state.cache.len() * self.chunk) as u64, state.mapped_bytes)
+        };
+        vec![
+            SourceCharge {
+                key: "vmm_handle_cache".into(),
+                label: "VMM handle cache (kept for reuse)".into(),
+                bytes: cached,
+            },
+            SourceCharge {
+                key: "vmm_rounding".into(),
+                label: "VMM mapping past the ledger (chunk rounding)".into(),
+                bytes: mapped.saturating_sub(committed),
+            },
+        ]
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {

@@ -5,15 +5,15 @@
 //! share every method of `FakeBackend` (acquire, stats, phases, budget). On a
 //! machine without a driver their constructors raise `BackendUnavailable`.
 //! The extras are for tests and benchmarks on a GPU, written once in
-//! `DeviceBackend`: `read` / `write` copy through the driver (bounds-checked
-//! against a live region of this backend), `mem_get_info` reads the device;
+//! `DeviceBackend`: `read` / `write` copy through the region's source (the
+//! core's `Region` copies check the range), `mem_get_info` reads the device;
 //! `VmmBackend` adds its handle cache and counters. Blocking driver waits
 //! release the GIL.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use imp_mem_core::{Backend, PhaseMode};
+use imp_mem_core::{Backend, PhaseMode, Region};
 use imp_mem_cuda::reserve::{self, Fingerprint, ReserveCache, ReserveMeasurement};
 use imp_mem_cuda::{CudaSource, DeviceContext, Fence, VmmConfig, VmmCore, VmmSource};
 use pyo3::prelude::*;
@@ -31,14 +31,11 @@ fn mode(strict: bool) -> PhaseMode {
     }
 }
 
-/// Resolves `(region, offset, nbytes)` into a device address range inside a
-/// live region of `backend`, and runs `f` on it while the region is held.
-fn with_range<T>(
+/// Runs `f` on the live region `region` of `backend`, holding it.
+fn with_region<T>(
     backend: &Backend,
     region: &Bound<'_, PyAny>,
-    offset: u64,
-    nbytes: Option<u64>,
-    f: impl FnOnce(u64, usize) -> PyResult<T>,
+    f: impl FnOnce(&mut Region) -> PyResult<T>,
 ) -> PyResult<T> {
     let region = region
         .cast::<PyRegion>()
@@ -52,19 +49,12 @@ fn with_range<T>(
                 backend.id()
             )));
         }
-        let len = r.len() as u64;
-        let n = nbytes.unwrap_or_else(|| len.saturating_sub(offset));
-        match offset.checked_add(n) {
-            Some(end) if end <= len => {}
-            _ => {
-                return Err(invalid(format!(
-                    "[{offset}, {offset} + {n}) is outside the region's {len} committed bytes"
-                )))
-            }
-        }
-        let n = usize::try_from(n).map_err(|_| invalid("nbytes does not fit this host"))?;
-        f(r.base() as u64 + offset, n)
+        f(r)
     })
+}
+
+fn host_usize(value: u64, what: &str) -> PyResult<usize> {
+    usize::try_from(value).map_err(|_| invalid(format!("{what} does not fit this host")))
 }
 
 /// What every CUDA backend adds to `Backend`: the GPU's name, its free
@@ -114,11 +104,13 @@ impl PyDeviceBackend {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let offset = convert::opt(offset, "offset", convert::u64_arg)?.unwrap_or(0);
         let nbytes = convert::opt(nbytes, "nbytes", convert::u64_arg)?;
-        let data = with_range(&self.backend, region, offset, nbytes, |addr, n| {
-            // SAFETY: `[addr, addr + n)` lies inside a live region of this
-            // backend (checked above, with the region held), which is memory of
-            // this device's context.
-            unsafe { self.context.copy_from_device(addr, n) }.py()
+        let data = with_region(&self.backend, region, |r| {
+            let offset = host_usize(offset, "offset")?;
+            let n = match nbytes {
+                Some(n) => host_usize(n, "nbytes")?,
+                None => r.len().saturating_sub(offset),
+            };
+            r.read_to_vec(offset, n).py()
         })?;
         Ok(PyBytes::new(py, &data))
     }
@@ -134,16 +126,9 @@ impl PyDeviceBackend {
     ) -> PyResult<()> {
         let offset = convert::opt(offset, "offset", convert::u64_arg)?.unwrap_or(0);
         let data = convert::bytes_like(py, data)?;
-        with_range(
-            &self.backend,
-            region,
-            offset,
-            Some(data.len() as u64),
-            |addr, _| {
-                // SAFETY: as in `read`; the range is exactly `data.len()` bytes.
-                unsafe { self.context.copy_to_device(addr, &data) }.py()
-            },
-        )
+        with_region(&self.backend, region, |r| {
+            r.copy_from_host(host_usize(offset, "offset")?, &data).py()
+        })
     }
 }
 

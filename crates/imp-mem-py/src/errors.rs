@@ -1,8 +1,13 @@
-//! The one place where core errors become Python exceptions.
+//! The one place where core errors become Python exceptions: `MemError`,
+//! and the errors that carry one with more facts (`OpenError`, `SwapError`)
+//! or instead of one (`PlanError`'s `PlanFailure`). The rest of the binding
+//! calls `.py()` on a core `Result` ([`IntoPyResult`]).
 //!
 //! The exception classes are defined in Python (`imp_mem/errors.py`) so that
 //! they can also derive from `MemoryError` / `ValueError`; Rust imports them.
 
+use imp_mem_core::planner::{FailureKind, PlanError, PlanFailure as CorePlanFailure};
+use imp_mem_core::system::{OpenError, SwapError};
 use imp_mem_core::MemError;
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
@@ -20,7 +25,7 @@ pyo3::import_exception!(imp_mem.errors, DriverError);
 pyo3::import_exception!(imp_mem.errors, ImpMemWarning);
 
 /// A value attached to a raised exception as an attribute.
-pub enum Attr {
+enum Attr {
     /// An `int`.
     Int(u64),
     /// A `str`.
@@ -29,6 +34,8 @@ pub enum Attr {
     Flag(bool),
     /// A `list` of `str`.
     Texts(Vec<String>),
+    /// Plain data (dicts, lists) given as JSON text, read by `json.loads`.
+    Json(String),
 }
 
 /// An exception's message and attributes, turned into Python objects only
@@ -52,6 +59,10 @@ impl pyo3::PyErrArguments for Facts {
                     Attr::Text(t) => facts.set_item(name, t)?,
                     Attr::Flag(b) => facts.set_item(name, b)?,
                     Attr::Texts(t) => facts.set_item(name, t)?,
+                    Attr::Json(text) => {
+                        let value = py.import("json")?.call_method1("loads", (text,))?;
+                        facts.set_item(name, value)?
+                    }
                 }
             }
             (self.message, facts).into_py_any(py)
@@ -116,22 +127,117 @@ pub fn to_py(err: MemError) -> PyErr {
 }
 
 /// [`to_py`] with another message and more attributes.
-pub fn to_py_with(err: MemError, message: String, more: Vec<(&'static str, Attr)>) -> PyErr {
+fn to_py_with(err: MemError, message: String, more: Vec<(&'static str, Attr)>) -> PyErr {
     let (class, mut facts) = facts(err);
     facts.message = message;
     facts.attrs.extend(more);
     class(facts)
 }
 
-/// `Result<T, MemError>` → `PyResult<T>`.
+/// A failed open: the step's exception, with the step in the message and
+/// as attributes (`step`, `step_name`).
+pub fn open_error(err: OpenError) -> PyErr {
+    let message = err.to_string();
+    to_py_with(
+        err.error,
+        message,
+        vec![
+            ("step", Attr::Int(err.step as u64)),
+            ("step_name", Attr::Text(err.what)),
+        ],
+    )
+}
+
+/// A failed model swap: the error's exception with `old_model_kept` and
+/// `missing`.
+pub fn swap_error(err: SwapError) -> PyErr {
+    let message = err.to_string();
+    to_py_with(
+        err.error,
+        message,
+        vec![
+            ("old_model_kept", Attr::Flag(err.old_model_kept)),
+            ("missing", Attr::Texts(err.missing)),
+        ],
+    )
+}
+
+/// A plan that does not fit raises `PlanFailure`: the report as its
+/// message, the arithmetic as attributes (`kind`, `total`, `budget`,
+/// `over_by`, `report`, `charges`, `levers`); a bad input is its
+/// `MemError`'s exception.
+pub fn plan_error(err: PlanError) -> PyErr {
+    match err {
+        PlanError::Invalid(err) => to_py(err),
+        PlanError::DoesNotFit(failure) => plan_failure(&failure),
+    }
+}
+
+fn plan_failure(failure: &CorePlanFailure) -> PyErr {
+    let report = failure.report();
+    let kind = match failure.kind {
+        FailureKind::OverBudget => "over_budget",
+        FailureKind::BelowAdmissionFloor { .. } => "below_admission_floor",
+    };
+    let mut attrs = vec![
+        ("kind", Attr::Text(kind.to_string())),
+        ("total", Attr::Int(failure.total)),
+        ("budget", Attr::Int(failure.budget)),
+        ("over_by", Attr::Int(failure.over_by)),
+        ("report", Attr::Text(report.clone())),
+    ];
+    // The message carries the same numbers if one did not serialise.
+    if let Ok(charges) = serde_json::to_string(&failure.charges) {
+        attrs.push(("charges", Attr::Json(charges)));
+    }
+    if let Ok(levers) = serde_json::to_string(&failure.levers) {
+        attrs.push(("levers", Attr::Json(levers)));
+    }
+    PlanFailure::new_err(Facts {
+        message: report.trim_end().to_string(),
+        attrs,
+    })
+}
+
+/// A core error that has one Python exception: what `.py()` maps.
+pub trait ToPyErr {
+    /// The exception.
+    fn to_py_err(self) -> PyErr;
+}
+
+impl ToPyErr for MemError {
+    fn to_py_err(self) -> PyErr {
+        to_py(self)
+    }
+}
+
+impl ToPyErr for OpenError {
+    fn to_py_err(self) -> PyErr {
+        open_error(self)
+    }
+}
+
+impl ToPyErr for SwapError {
+    fn to_py_err(self) -> PyErr {
+        swap_error(self)
+    }
+}
+
+impl ToPyErr for PlanError {
+    fn to_py_err(self) -> PyErr {
+        plan_error(self)
+    }
+}
+
+/// `Result<T, E>` of the core → `PyResult<T>`.
 pub trait IntoPyResult<T> {
-    /// Maps the error with [`to_py`].
+    /// Maps the error with its [`ToPyErr`].
     fn py(self) -> PyResult<T>;
 }
 
-impl<T> IntoPyResult<T> for Result<T, MemError> {
+impl<T, E: ToPyErr> IntoPyResult<T> for Result<T, E> {
     fn py(self) -> PyResult<T> {
-        self.map_err(to_py)
+        self.map_err(ToPyErr::to_py_err)
     }
 }
 

@@ -1,6 +1,6 @@
 //! Python face of the planner: `ModelShape`, `Limits`, `Features`,
-//! `PlanInput`, `plan_memory`, `MemoryPlan`, and `PlanFailure` raised with
-//! its report and arithmetic.
+//! `PlanInput`, `plan_memory`, `MemoryPlan`; a plan that does not fit
+//! raises `PlanFailure` with its report and arithmetic (`errors.rs`).
 //!
 //! Every rule is the core's (`imp_mem_core::planner`); this file converts
 //! arguments so that bad input is an `InvalidArgument` naming the field.
@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use imp_mem_core::planner::{
-    self as core, Dtype, KvPolicy, PlanError, DEFAULT_BLOCK_SIZE, H200_CONTEXT_BYTES,
+    self as core, Dtype, KvPolicy, DEFAULT_BLOCK_SIZE, H200_CONTEXT_BYTES,
     H200_LIBRARY_RESERVE_BYTES,
 };
 use imp_mem_core::MemError;
@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
 use crate::convert;
-use crate::errors::{invalid, IntoPyResult, PlanFailure};
+use crate::errors::{invalid, IntoPyResult};
 
 /// Serialises a core value and hands it to Python as plain dicts and lists.
 fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
@@ -705,42 +705,14 @@ impl PyMemoryPlan {
     }
 }
 
-/// Builds the `PlanFailure` exception: the report as its message, the
-/// arithmetic as attributes.
-fn plan_failure(py: Python<'_>, failure: &core::PlanFailure) -> PyErr {
-    let exc = PlanFailure::new_err(failure.report().trim_end().to_string());
-    let value = exc.value(py);
-    let kind = match failure.kind {
-        core::FailureKind::OverBudget => "over_budget",
-        core::FailureKind::BelowAdmissionFloor { .. } => "below_admission_floor",
-    };
-    // Setting attributes on a fresh exception cannot fail in practice; the
-    // message carries the same numbers if it did.
-    let _ = value.setattr("kind", kind);
-    let _ = value.setattr("total", failure.total);
-    let _ = value.setattr("budget", failure.budget);
-    let _ = value.setattr("over_by", failure.over_by);
-    let _ = value.setattr("report", failure.report());
-    if let Ok(charges) = to_py_object(py, &failure.charges) {
-        let _ = value.setattr("charges", charges);
-    }
-    if let Ok(levers) = to_py_object(py, &failure.levers) {
-        let _ = value.setattr("levers", levers);
-    }
-    exc
-}
-
 /// Plans memory for `plan_input`: a `MemoryPlan` within the budget, or
 /// raises `PlanFailure` (the report is the message; `charges`, `total`,
 /// `budget`, `over_by` and `levers` carry the arithmetic). Pure: no device
 /// query.
 #[pyfunction]
-fn plan_memory(py: Python<'_>, plan_input: &PyPlanInput) -> PyResult<PyMemoryPlan> {
-    match core::plan_memory(&plan_input.inner) {
-        Ok(plan) => Ok(PyMemoryPlan { inner: plan }),
-        Err(PlanError::Invalid(err)) => Err(crate::errors::to_py(err)),
-        Err(PlanError::DoesNotFit(failure)) => Err(plan_failure(py, &failure)),
-    }
+fn plan_memory(plan_input: &PyPlanInput) -> PyResult<PyMemoryPlan> {
+    let plan = core::plan_memory(&plan_input.inner).py()?;
+    Ok(PyMemoryPlan { inner: plan })
 }
 
 /// Parses a size such as `"80GiB"`, `"80 GB"` or `"81920MiB"` into bytes;

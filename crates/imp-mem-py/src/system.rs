@@ -4,15 +4,14 @@
 //! clean failure, the budget, the report and the metrics. This file converts
 //! arguments, hands out the opened tiers as the same Python classes
 //! (`Arena`, `BlockPool`, `ScratchStack`) a caller would build by hand, and
-//! takes the device reading the core never takes itself: a backend with
-//! `mem_get_info()` (`CudaBackend`, `VmmBackend`) is read on every report,
-//! and a `VmmBackend`'s handle cache is named as a charge.
+//! converts a report's device argument (the core reads the backend's device
+//! and its VMM charges itself: `MemorySystem::report_input`).
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use imp_mem_core::kv::DEFAULT_HASH_SEED;
 use imp_mem_core::system::{
-    ActivationOrder, DeviceReading, MemReport, MemorySystem, OpenError, ReportInput, SystemOptions,
+    ActivationOrder, DeviceQuery, DeviceReading, MemReport, MemorySystem, SystemOptions,
 };
 use imp_mem_core::{MemError, SharedBlockPool};
 use pyo3::prelude::*;
@@ -21,24 +20,10 @@ use pyo3::types::{PyBool, PyDict, PyTuple};
 use crate::activations::{stream_order_for, PyActivationPool};
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
-use crate::errors::{invalid, to_py_with, Attr, ImpMemWarning, IntoPyResult};
+use crate::errors::{invalid, ImpMemWarning, IntoPyResult};
 use crate::kv::{block_io, PyKVCacheManager};
 use crate::planner::PyMemoryPlan;
-use crate::tiers::{PyArena, PyBlockPool, PyScratchStack};
-
-/// Raises the exception of the step's error, with the step in the message
-/// and as attributes (`step`, `step_name`).
-fn open_error(err: OpenError) -> PyErr {
-    let message = err.to_string();
-    to_py_with(
-        err.error.clone(),
-        message,
-        vec![
-            ("step", Attr::Int(err.step as u64)),
-            ("step_name", Attr::Text(err.what.clone())),
-        ],
-    )
-}
+use crate::tiers::{FenceWatch, PyArena, PyBlockPool, PyScratchStack};
 
 fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>> {
     value
@@ -59,11 +44,12 @@ pub struct PyMemorySystem {
     /// The plan now (replaced by a model swap).
     plan: Mutex<Py<PyMemoryPlan>>,
     exportable: bool,
-    /// One `BlockPool` object per pool, by pool id, made on first use: the
-    /// Python fences a `step()` hands a pool are watched by its object, so
-    /// `system.kv_pool.flush_decommit()` must reach the same one. Emptied
-    /// on close, so the system itself keeps nothing alive.
+    /// One `BlockPool` object per pool, by pool id, made on first use.
+    /// Emptied on close, so the system itself keeps nothing alive.
     pools: Mutex<Vec<(u64, Py<PyBlockPool>)>>,
+    /// The Python fences `step()` hands the pools, shared with the pools'
+    /// objects, so `system.kv_pool.flush_decommit()` waits for them too.
+    watch: Arc<FenceWatch>,
 }
 
 impl PyMemorySystem {
@@ -88,7 +74,10 @@ impl PyMemorySystem {
             return Ok(obj.clone_ref(py));
         }
         let id = pool.id();
-        let obj = Py::new(py, PyBlockPool::wrap(pool, self.exportable))?;
+        let obj = Py::new(
+            py,
+            PyBlockPool::wrap_watched(pool, self.exportable, self.watch.clone()),
+        )?;
         pools.push((id, obj.clone_ref(py)));
         Ok(obj)
     }
@@ -97,20 +86,18 @@ impl PyMemorySystem {
         self.backend.get().notices.emit(py)
     }
 
-    /// The device reading and the backend's own charges for one report.
-    fn input(
-        &self,
-        py: Python<'_>,
+    /// What one report reads: the device `device` names (by default the
+    /// backend's own reading) and, in the core, the backend's charges.
+    fn query(
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<ReportInput> {
-        let backend = self.backend.bind(py);
-        let reading = match device.filter(|d| !d.is_none()) {
+    ) -> PyResult<(DeviceQuery, u64)> {
+        let query = match device.filter(|d| !d.is_none()) {
             Some(d) if d.is_instance_of::<PyBool>() => {
                 if d.extract::<bool>()? {
-                    read_device(backend.as_any())?
+                    DeviceQuery::Backend
                 } else {
-                    None
+                    DeviceQuery::Skip
                 }
             }
             Some(d) => {
@@ -122,53 +109,24 @@ impl PyMemorySystem {
                         "device: free {free} B is larger than total {total} B; pass (free, total)"
                     )));
                 }
-                Some(DeviceReading { free, total })
+                DeviceQuery::Given(DeviceReading { free, total })
             }
-            None => read_device(backend.as_any())?,
+            None => DeviceQuery::Backend,
         };
         let other_processes = convert::opt_bytes(other_processes, "other_processes")?.unwrap_or(0);
-        let mut extra = Vec::new();
-        if let Ok(cached) = backend.getattr("cached_bytes") {
-            extra.push((
-                "vmm_handle_cache".to_string(),
-                "VMM handle cache (kept for reuse)".to_string(),
-                cached.extract::<u64>()?,
-            ));
-        }
-        if let Ok(mapped) = backend.getattr("mapped_bytes") {
-            let mapped: u64 = mapped.extract()?;
-            let committed = self.backend.get().inner.stats().total.committed;
-            extra.push((
-                "vmm_rounding".to_string(),
-                "VMM mapping past the ledger (chunk rounding)".to_string(),
-                mapped.saturating_sub(committed),
-            ));
-        }
-        Ok(ReportInput {
-            device: reading,
-            other_processes,
-            extra,
-        })
+        Ok((query, other_processes))
     }
 
     fn report(
         &self,
-        py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<MemReport> {
-        let input = self.input(py, device, other_processes)?;
-        Ok(self.lock().report(&input))
+        let (query, other_processes) = Self::query(device, other_processes)?;
+        let system = self.lock();
+        let input = system.report_input(query, other_processes).py()?;
+        Ok(system.report(&input))
     }
-}
-
-/// `mem_get_info()` of a device backend; `None` for one without it.
-fn read_device(backend: &Bound<'_, PyAny>) -> PyResult<Option<DeviceReading>> {
-    if !backend.hasattr("mem_get_info")? {
-        return Ok(None);
-    }
-    let (free, total): (u64, u64) = backend.call_method0("mem_get_info")?.extract()?;
-    Ok(Some(DeviceReading { free, total }))
 }
 
 fn to_py_object<T: serde::Serialize>(py: Python<'_>, value: &T) -> PyResult<Py<PyAny>> {
@@ -224,13 +182,14 @@ impl PyMemorySystem {
         };
         let result = MemorySystem::open(&core_backend, plan.get().core(), options);
         backend.get().notices.emit(py)?;
-        let system = result.map_err(open_error)?;
+        let system = result.py()?;
         Ok(Self {
             inner: Mutex::new(system),
             backend: backend.clone().unbind(),
             plan: Mutex::new(plan.clone().unbind()),
             exportable: core_backend.addressable(),
             pools: Mutex::new(Vec::new()),
+            watch: Arc::default(),
         })
     }
 
@@ -406,38 +365,28 @@ impl PyMemorySystem {
     /// touch the pools. Returns the bytes decommitted during this call.
     #[pyo3(signature = (fence = None))]
     fn step(&self, py: Python<'_>, fence: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-        let pools = self.open()?.growable_pools();
-        let fence = match fence {
-            Some(f) => f.clone(),
-            None => py.None().into_bound(py),
-        };
-        let mut bytes = 0u64;
-        let mut first_error = None;
-        for pool in pools {
-            let obj = self.pool_object(py, pool)?;
-            match obj.bind(py).call_method1("step", (&fence,)) {
-                Ok(n) => bytes += n.extract::<u64>()?,
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
+        if self.open()?.growable_pools().is_empty() {
+            return Ok(0);
         }
-        first_error.map_or(Ok(bytes), Err)
+        // The fence is converted once and watched by the system's watch,
+        // which its pools' objects share; the core steps every pool with it.
+        self.watch.poll(py, false, true)?;
+        let fence = self.watch.core_fence(fence)?;
+        let done = py.detach(|| self.lock().step(fence));
+        self.watch.poll(py, false, false)?;
+        done.py()
     }
 
     /// Waits for every growable pool's pending decommit (its fence) and
     /// decommits; the bytes returned.
     fn flush_decommit(&self, py: Python<'_>) -> PyResult<u64> {
-        let pools = self.open()?.growable_pools();
-        let mut bytes = 0u64;
-        for pool in pools {
-            let obj = self.pool_object(py, pool)?;
-            bytes += obj
-                .bind(py)
-                .call_method0("flush_decommit")?
-                .extract::<u64>()?;
+        if self.open()?.growable_pools().is_empty() {
+            return Ok(0);
         }
-        Ok(bytes)
+        self.watch.poll(py, true, true)?;
+        let done = py.detach(|| self.lock().flush_decommit());
+        self.watch.poll(py, false, false)?;
+        done.py()
     }
 
     /// T4a: the activation pool (torch's / CuPy's own allocations), if the
@@ -501,8 +450,9 @@ impl PyMemorySystem {
     }
 
     /// Every named charge, plan against actual, per tier and per tag, as
-    /// plain data. `device` is a `(free, total)` reading; by default a
-    /// backend with `mem_get_info()` is read (False: no reading).
+    /// plain data. `device` is a `(free, total)` reading; by default the
+    /// backend's device is read (a `DeviceBackend`'s; the fake has none;
+    /// False: no reading).
     /// `other_processes` is left out of the attribution's denominator.
     #[pyo3(signature = (device = None, other_processes = None))]
     fn mem_report(
@@ -511,7 +461,7 @@ impl PyMemorySystem {
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let report = self.report(py, device, other_processes)?;
+        let report = self.report(device, other_processes)?;
         to_py_object(py, &report)
     }
 
@@ -519,22 +469,20 @@ impl PyMemorySystem {
     #[pyo3(signature = (device = None, other_processes = None))]
     fn mem_report_text(
         &self,
-        py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
-        Ok(self.report(py, device, other_processes)?.text())
+        Ok(self.report(device, other_processes)?.text())
     }
 
     /// Prometheus text exposition of one snapshot.
     #[pyo3(signature = (device = None, other_processes = None))]
     fn metrics(
         &self,
-        py: Python<'_>,
         device: Option<&Bound<'_, PyAny>>,
         other_processes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
-        Ok(self.report(py, device, other_processes)?.metrics())
+        Ok(self.report(device, other_processes)?.metrics())
     }
 
     /// Checks the invariants of the whole system (backend, every pool, no
@@ -566,20 +514,7 @@ impl PyMemorySystem {
             system.swap_model(&core_plan)
         };
         self.emit(py)?;
-        let report = match result {
-            Ok(report) => report,
-            Err(err) => {
-                let message = err.to_string();
-                return Err(to_py_with(
-                    err.error.clone(),
-                    message,
-                    vec![
-                        ("old_model_kept", Attr::Flag(err.old_model_kept)),
-                        ("missing", Attr::Texts(err.missing.clone())),
-                    ],
-                ));
-            }
-        };
+        let report = result.py()?;
         *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = plan.clone().unbind();
         let out = PyDict::new(py);
         out.set_item("kept", report.kept)?;
@@ -740,8 +675,8 @@ impl PyMemorySystem {
         Ok(false)
     }
 
-    fn __str__(&self, py: Python<'_>) -> PyResult<String> {
-        self.mem_report_text(py, None, None)
+    fn __str__(&self) -> PyResult<String> {
+        self.mem_report_text(None, None)
     }
 
     fn __repr__(&self) -> String {

@@ -24,9 +24,11 @@
 //! text ([`MemReport::metrics`]). Attribution (criterion 6) counts as
 //! attributed every byte the backend has committed (each region has a tag),
 //! plus the named charges outside it: the measured context and library
-//! reserve and any charge the caller names ([`MemorySystem::set_charge`]).
-//! Against a device reading (`total - free`, less what other processes
-//! hold) the remainder is the unattributed residual.
+//! reserve, any charge the caller names ([`MemorySystem::set_charge`]), and
+//! what the backend's source holds beyond its ledger (a VMM handle cache,
+//! chunk rounding: [`MemorySystem::report_input`] asks the source). Against
+//! a device reading (`total - free`, less what other processes hold; the
+//! source's own by default) the remainder is the unattributed residual.
 //!
 //! Thread safety: the tiers are the `Shared*` forms (`Arc` + mutex); the
 //! system itself is `Send + Sync` and its methods take `&self` except
@@ -51,11 +53,11 @@ mod tiers;
 
 pub use open::{ActivationOrder, CloseReport, OpenError, SystemOptions};
 pub use report::{
-    BlockLine, ChargeLine, DeviceLine, DeviceReading, MemReport, OutsideLine, ReportInput, TagLine,
-    TierLine,
+    BlockLine, ChargeLine, DeviceLine, DeviceQuery, DeviceReading, MemReport, OutsideLine,
+    ReportInput, TagLine, TierLine,
 };
 pub use sleep::{SleepReport, SleptTier, DEFAULT_SLEEP_TIERS};
-pub use swap::SwapReport;
+pub use swap::{SwapError, SwapReport};
 
 use crate::activations::ActivationPool;
 use crate::backend::Backend;

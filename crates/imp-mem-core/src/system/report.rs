@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::{slot_asleep, Handle, MemorySystem, Slot, ATTRIBUTION_TARGET};
+use crate::error::MemError;
 use crate::tag::Tag;
 
 /// A charge outside the backend: memory in use on the device that no
@@ -96,17 +97,11 @@ pub struct TagLine {
     pub steady_state_allocations: u64,
 }
 
-/// A device reading, taken by the caller (the core never queries a
-/// device).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DeviceReading {
-    /// Free bytes (`cuMemGetInfo`).
-    pub free: u64,
-    /// Total bytes.
-    pub total: u64,
-}
+pub use crate::backend::DeviceReading;
 
-/// What a report adds to the system's own state.
+/// What a report adds to the system's own state. Build it with
+/// [`MemorySystem::report_input`] to read the backend (its device and its
+/// own charges), or by hand to pass figures in.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReportInput {
     /// The device reading, if there is a device.
@@ -117,6 +112,19 @@ pub struct ReportInput {
     /// Charges for this report only (a backend's handle cache, ...), as
     /// `(key, label, bytes)`.
     pub extra: Vec<(String, String, u64)>,
+}
+
+/// Where a report's device reading comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceQuery {
+    /// The backend's own reading ([`Backend::mem_info`](crate::Backend::mem_info));
+    /// none for a backend without a device.
+    #[default]
+    Backend,
+    /// A reading the caller took.
+    Given(DeviceReading),
+    /// No device line.
+    Skip,
 }
 
 /// The device side of a report: what is in use, and how much of it is
@@ -285,6 +293,34 @@ impl MemorySystem {
             blocks,
             asleep,
         }
+    }
+
+    /// The input of a report taken now: the device reading `device` names,
+    /// `other_processes`, and what the backend's source holds beyond its
+    /// ledger ([`Backend::extra_charges`](crate::Backend::extra_charges): a
+    /// VMM backend's handle cache and chunk rounding). Fails only when the
+    /// device cannot be read.
+    pub fn report_input(
+        &self,
+        device: DeviceQuery,
+        other_processes: u64,
+    ) -> Result<ReportInput, MemError> {
+        let device = match device {
+            DeviceQuery::Backend => self.backend.mem_info()?,
+            DeviceQuery::Given(reading) => Some(reading),
+            DeviceQuery::Skip => None,
+        };
+        let extra = self
+            .backend
+            .extra_charges()
+            .into_iter()
+            .map(|c| (c.key, c.label, c.bytes))
+            .collect();
+        Ok(ReportInput {
+            device,
+            other_processes,
+            extra,
+        })
     }
 
     /// One snapshot of everything: the tiers plan against actual, the

@@ -738,7 +738,40 @@ fn step_shrinks_the_kv_pool_once_the_manager_gives_its_blocks_back() {
         .unwrap();
     m.check_invariants().unwrap();
     system.check().unwrap();
+    // A step behind a fence not yet complete leaves the decommit pending;
+    // the system's flush waits for the fence and decommits.
+    m.free(2, None).unwrap();
+    m.evict(u32::MAX);
+    let fence = std::sync::Arc::new(Latch::default());
+    let mut freed = 0;
+    for _ in 0..8 {
+        freed += system.step(fence.clone()).unwrap();
+    }
+    assert_eq!(freed, 0);
+    let pending = pool.stats().pending_blocks;
+    assert!(pending > 0, "{:?}", pool.stats());
+    assert!(!fence.0.load(std::sync::atomic::Ordering::SeqCst));
+    let flushed = system.flush_decommit().unwrap();
+    assert!(fence.0.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(flushed, u64::from(pending) * p.kv.block_bytes);
+    assert_eq!(pool.stats().pending_blocks, 0);
+    assert_eq!(system.flush_decommit().unwrap(), 0);
     drop(m);
+}
+
+/// A fence that completes when it is waited on.
+#[derive(Default)]
+struct Latch(std::sync::atomic::AtomicBool);
+
+impl crate::decommit::FenceLike for Latch {
+    fn is_complete(&self) -> Result<bool, MemError> {
+        Ok(self.0.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    fn wait(&self) -> Result<(), MemError> {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
 }
 
 #[test]
@@ -768,4 +801,228 @@ fn kv_manager_refuses_what_does_not_match_the_plan() {
     system.close();
     assert!(system.kv_config().is_err());
     assert!(system.step(crate::decommit::NothingInFlight).is_err());
+    assert!(system.flush_decommit().is_err());
+}
+
+/// A fake that also reads a device and holds memory past its ledger, as a
+/// VMM source does: a cache of `held` bytes and mappings rounded up to
+/// whole MiB. What `fail_reading` names, the reading fails with.
+struct ChargingSource {
+    fake: crate::fake::FakeSource,
+    held: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    reading: Option<DeviceReading>,
+    fail_reading: Option<crate::backend::SourceError>,
+}
+
+// SAFETY: every memory operation is the fake's, which keeps the contract;
+// the two queries touch no memory.
+unsafe impl crate::backend::MemorySource for ChargingSource {
+    fn info(&self) -> crate::backend::SourceInfo {
+        self.fake.info()
+    }
+
+    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, crate::backend::SourceError> {
+        self.fake.allocate(bytes, align)
+    }
+
+    unsafe fn free(&self, addr: usize, bytes: usize, align: usize) {
+        // SAFETY: passed through from the backend, which keeps the contract.
+        unsafe { self.fake.free(addr, bytes, align) }
+    }
+
+    fn reserve(
+        &self,
+        max_bytes: usize,
+        align: usize,
+    ) -> Result<usize, crate::backend::SourceError> {
+        self.fake.reserve(max_bytes, align)
+    }
+
+    fn commit(
+        &self,
+        base: usize,
+        from: usize,
+        to: usize,
+    ) -> Result<(), crate::backend::SourceError> {
+        self.fake.commit(base, from, to)
+    }
+
+    unsafe fn decommit(
+        &self,
+        base: usize,
+        from: usize,
+        to: usize,
+    ) -> Result<(), crate::backend::SourceError> {
+        // SAFETY: as in `free`.
+        unsafe { self.fake.decommit(base, from, to) }
+    }
+
+    unsafe fn unreserve(&self, base: usize, max_bytes: usize, committed: usize) {
+        // SAFETY: as in `free`.
+        unsafe { self.fake.unreserve(base, max_bytes, committed) }
+    }
+
+    fn addressable(&self) -> bool {
+        self.fake.addressable()
+    }
+
+    fn mem_info(&self) -> Result<Option<DeviceReading>, crate::backend::SourceError> {
+        match &self.fail_reading {
+            Some(err) => Err(err.clone()),
+            None => Ok(self.reading),
+        }
+    }
+
+    fn extra_charges(&self, committed: u64) -> Vec<crate::backend::SourceCharge> {
+        let mapped = committed.div_ceil(MIB) * MIB;
+        vec![
+            crate::backend::SourceCharge {
+                key: "held".into(),
+                label: "kept for reuse".into(),
+                bytes: self.held.load(std::sync::atomic::Ordering::Relaxed),
+            },
+            crate::backend::SourceCharge {
+                key: "rounding".into(),
+                label: "mapped past the ledger".into(),
+                bytes: mapped - committed,
+            },
+        ]
+    }
+}
+
+fn charging(
+    held: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    reading: Option<DeviceReading>,
+    fail_reading: Option<crate::backend::SourceError>,
+) -> Backend {
+    let config = FakeConfig {
+        capacity: GIB_TEST,
+        backed: false,
+        ..FakeConfig::default()
+    };
+    let source = ChargingSource {
+        fake: crate::fake::FakeSource::new(&config),
+        held,
+        reading,
+        fail_reading,
+    };
+    Backend::new(std::sync::Arc::new(source), PhaseMode::Strict, None).unwrap()
+}
+
+#[test]
+fn the_fake_has_no_device_reading_and_no_charges_of_its_own() {
+    let fb = fake(GIB_TEST, false);
+    let system = MemorySystem::open(&fb, &plan(256 * MIB), SystemOptions::default()).unwrap();
+    assert_eq!(fb.mem_info().unwrap(), None);
+    assert!(fb.extra_charges().is_empty());
+    let input = system.report_input(DeviceQuery::Backend, 0).unwrap();
+    assert_eq!(input, ReportInput::default());
+    // A reading passed in is the one used; `Skip` leaves the line out.
+    let given = DeviceReading {
+        free: GIB_TEST / 2,
+        total: GIB_TEST,
+    };
+    let input = system
+        .report_input(DeviceQuery::Given(given), 7 * MIB)
+        .unwrap();
+    assert_eq!(input.device, Some(given));
+    assert_eq!(input.other_processes, 7 * MIB);
+    let r = system.report(&input);
+    assert_eq!(r.device.as_ref().unwrap().other_processes, 7 * MIB);
+    assert_eq!(
+        system.report_input(DeviceQuery::Skip, 0).unwrap().device,
+        None
+    );
+}
+
+#[test]
+fn a_sources_reading_and_charges_are_in_the_report() {
+    let reading = DeviceReading {
+        free: GIB_TEST / 4,
+        total: GIB_TEST,
+    };
+    let held = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(3 * MIB));
+    let backend = charging(held.clone(), Some(reading), None);
+    let p = plan(256 * MIB);
+    let system = MemorySystem::open(&backend, &p, SystemOptions::default()).unwrap();
+    // A fixed region of a size that is not whole MiB: the source maps more.
+    let odd = backend.acquire(MIB + 4096, 256, Tag::Other).unwrap();
+    let committed = backend.stats().total.committed;
+    let rounding = committed.div_ceil(MIB) * MIB - committed;
+    assert!(rounding > 0, "{committed}");
+    let input = system.report_input(DeviceQuery::Backend, 0).unwrap();
+    assert_eq!(input.device, Some(reading));
+    assert_eq!(
+        input.extra,
+        vec![
+            ("held".to_string(), "kept for reuse".to_string(), 3 * MIB),
+            (
+                "rounding".to_string(),
+                "mapped past the ledger".to_string(),
+                rounding
+            ),
+        ]
+    );
+    let r = system.report(&input);
+    let before = r.charges.len() - 2;
+    let line = &r.charges[before];
+    assert_eq!((line.key.as_str(), line.bytes), ("held", 3 * MIB));
+    assert!(line.measured && line.planned.is_none());
+    assert_eq!(r.charges[before + 1].bytes, rounding);
+    let named: u64 = r
+        .charges
+        .iter()
+        .filter(|c| c.measured)
+        .map(|c| c.bytes)
+        .sum();
+    assert_eq!(r.attributed, committed + named);
+    assert!(named >= 3 * MIB + rounding);
+    let d = r.device.as_ref().unwrap();
+    assert_eq!((d.total, d.free), (GIB_TEST, GIB_TEST / 4));
+    assert!(r.text().contains("kept for reuse"), "{}", r.text());
+    // The figures are read at each report: the cache emptied, its line
+    // (0 B) leaves the report, and the rounding follows the ledger.
+    drop(odd);
+    held.store(0, std::sync::atomic::Ordering::Relaxed);
+    let committed = backend.stats().total.committed;
+    let rounding = committed.div_ceil(MIB) * MIB - committed;
+    let r = system.report(&system.report_input(DeviceQuery::Skip, 0).unwrap());
+    assert!(r.device.is_none());
+    let keys: Vec<&str> = r.charges.iter().map(|c| c.key.as_str()).collect();
+    assert!(!keys.contains(&"held"), "{keys:?}");
+    assert_eq!(keys.contains(&"rounding"), rounding > 0, "{keys:?}");
+}
+
+#[test]
+fn a_failed_device_reading_is_the_sources_error() {
+    let backend = charging(
+        Default::default(),
+        None,
+        Some(crate::backend::SourceError::Driver(
+            "cuMemGetInfo failed".into(),
+        )),
+    );
+    let system = MemorySystem::open(&backend, &plan(256 * MIB), SystemOptions::default()).unwrap();
+    let err = system.report_input(DeviceQuery::Backend, 0).unwrap_err();
+    assert!(
+        matches!(&err, MemError::Driver(m) if m == "cuMemGetInfo failed"),
+        "{err:?}"
+    );
+    // A caller's reading, or none, does not read the device.
+    assert!(system.report_input(DeviceQuery::Skip, 0).is_ok());
+    let unavailable = charging(
+        Default::default(),
+        None,
+        Some(crate::backend::SourceError::Unsupported("no device".into())),
+    );
+    assert!(matches!(
+        unavailable.mem_info(),
+        Err(MemError::BackendUnavailable(m)) if m == "no device"
+    ));
+    let oom = charging(
+        Default::default(),
+        None,
+        Some(crate::backend::SourceError::OutOfMemory),
+    );
+    assert!(matches!(oom.mem_info(), Err(MemError::Driver(_))));
 }

@@ -136,6 +136,20 @@ impl MemorySystem {
         first_error.map_or(Ok(bytes), Err)
     }
 
+    /// Waits for every growable pool's pending decommit (its fence) and
+    /// decommits ([`SharedBlockPool::flush_decommit`]); stops at the first
+    /// pool that fails. Returns the bytes decommitted.
+    pub fn flush_decommit(&self) -> Result<u64, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        let mut bytes = 0u64;
+        for pool in self.growable_pools() {
+            bytes += pool.flush_decommit()?;
+        }
+        Ok(bytes)
+    }
+
     /// The [`KvConfig`] the plan implies for [`MemorySystem::kv_manager`]:
     /// the plan's tokens per block, its KV dtype, and the sliding window
     /// when the plan has an SWA pool; everything else at its default.

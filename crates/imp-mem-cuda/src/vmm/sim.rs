@@ -18,6 +18,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::driver::{
     CuError, CuMemHandle, CuResult, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY,
 };
+use imp_mem_core::{DeviceReading, SourceError};
+
 use crate::vmm::VmmDriver;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -161,6 +163,14 @@ unsafe impl VmmDriver for SimDriver {
 
     fn device(&self) -> i32 {
         0
+    }
+
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        let s = self.lock();
+        Ok(Some(DeviceReading {
+            free: s.capacity.saturating_sub(s.physical()),
+            total: s.capacity,
+        }))
     }
 
     fn total_memory(&self) -> u64 {

@@ -145,6 +145,64 @@ fn released_chunks_are_reused_from_a_bounded_cache() {
     );
 }
 
+/// The report's two VMM lines, through the backend, as `(key, bytes)`.
+fn charges(backend: &Backend) -> Vec<(String, u64)> {
+    backend
+        .extra_charges()
+        .into_iter()
+        .map(|c| (c.key, c.bytes))
+        .collect()
+}
+
+#[test]
+fn the_cache_and_the_rounding_are_charged_and_the_device_is_read() {
+    let capacity = 1 << 30;
+    let (sim, source, backend) = setup(2, capacity);
+    let labels: Vec<String> = backend
+        .extra_charges()
+        .into_iter()
+        .map(|c| c.label)
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "VMM handle cache (kept for reuse)",
+            "VMM mapping past the ledger (chunk rounding)"
+        ]
+    );
+    assert_eq!(
+        charges(&backend),
+        [("vmm_handle_cache".into(), 0), ("vmm_rounding".into(), 0)]
+    );
+    let mut region = backend
+        .acquire_growable(64 * MIB as u64, 4 * CHUNK as u64, Tag::KvCache)
+        .unwrap();
+    region.decommit(CHUNK as u64).unwrap();
+    // A fixed region of 1 MiB is mapped as one 2 MiB granule.
+    let fixed = backend.acquire(MIB as u64, 256, Tag::Other).unwrap();
+    assert_eq!(
+        charges(&backend),
+        [
+            ("vmm_handle_cache".into(), 2 * CHUNK as u64),
+            ("vmm_rounding".into(), (GRANULE - MIB) as u64)
+        ]
+    );
+    let reading = backend.mem_info().unwrap().unwrap();
+    assert_eq!(reading.total, capacity);
+    assert_eq!(reading.free, capacity - sim.lock().physical());
+    assert_eq!(
+        reading.free,
+        capacity - source.mapped_bytes() - source.cached_bytes()
+    );
+    drop(fixed);
+    source.trim_cache();
+    assert_eq!(
+        charges(&backend),
+        [("vmm_handle_cache".into(), 0), ("vmm_rounding".into(), 0)]
+    );
+    drop(region);
+}
+
 #[test]
 fn the_budget_leaves_room_for_the_cache() {
     let (_sim, source, backend) = setup(2, 1 << 30);

@@ -23,9 +23,17 @@ use crate::errors::{invalid, IntoPyResult};
 pub struct PyBlockPool {
     pool: SharedBlockPool,
     exportable: bool,
-    /// Python fences (`torch.cuda.Event`-like) a pending decommit may wait
-    /// on. The core never calls Python: it holds a flag, and the binding
-    /// queries these objects (outside the pool's lock) and sets the flags.
+    /// The Python fences a pending decommit of this pool may wait on; a
+    /// `MemorySystem` shares one between its pools' objects and its own
+    /// `step()`.
+    watch: Arc<FenceWatch>,
+}
+
+/// Python fences (`torch.cuda.Event`-like) that pending decommits may wait
+/// on. The core never calls Python: it holds a flag, and the binding
+/// queries these objects (outside every pool's lock) and sets the flags.
+#[derive(Default)]
+pub(crate) struct FenceWatch {
     watched: Mutex<Vec<Watched>>,
 }
 
@@ -57,21 +65,14 @@ impl FenceLike for FlagFence {
     }
 }
 
-type CoreFence = Box<dyn FenceLike + Send>;
+/// A fence as the core takes it (one conversion can serve every pool).
+pub(crate) type CoreFence = Box<dyn FenceLike + Send + Sync>;
 
-impl PyBlockPool {
-    /// Wraps a pool (opened here, or elsewhere by a `MemorySystem`).
-    pub(crate) fn wrap(pool: SharedBlockPool, exportable: bool) -> Self {
-        Self {
-            pool,
-            exportable,
-            watched: Mutex::new(Vec::new()),
-        }
-    }
-
+impl FenceWatch {
     /// `None`, an `imp_mem.Fence`, or an object with `query()` /
-    /// `synchronize()` (torch / CuPy events) or `is_complete()` / `wait()`.
-    fn core_fence(&self, fence: Option<&Bound<'_, PyAny>>) -> PyResult<CoreFence> {
+    /// `synchronize()` (torch / CuPy events) or `is_complete()` / `wait()`;
+    /// a Python fence not yet complete is watched.
+    pub(crate) fn core_fence(&self, fence: Option<&Bound<'_, PyAny>>) -> PyResult<CoreFence> {
         let Some(fence) = fence.filter(|f| !f.is_none()) else {
             return Ok(Box::new(NothingInFlight));
         };
@@ -104,8 +105,8 @@ impl PyBlockPool {
 
     /// Queries (or, with `block`, waits on) the Python fences the core still
     /// holds, sets their flags, and drops those it no longer holds. Runs with
-    /// the GIL and without the pool's lock.
-    fn poll_watched(&self, py: Python<'_>, block: bool, query: bool) -> PyResult<()> {
+    /// the GIL and without any pool's lock.
+    pub(crate) fn poll(&self, py: Python<'_>, block: bool, query: bool) -> PyResult<()> {
         let list = std::mem::take(&mut *lock(&self.watched));
         let mut kept = Vec::with_capacity(list.len());
         let mut failed = None;
@@ -132,6 +133,26 @@ impl PyBlockPool {
         lock(&self.watched).extend(kept);
         failed.map_or(Ok(()), Err)
     }
+}
+
+impl PyBlockPool {
+    /// Wraps a pool opened here, with its own fence watch.
+    pub(crate) fn wrap(pool: SharedBlockPool, exportable: bool) -> Self {
+        Self::wrap_watched(pool, exportable, Arc::default())
+    }
+
+    /// Wraps a pool whose fences `watch` holds (a `MemorySystem`'s).
+    pub(crate) fn wrap_watched(
+        pool: SharedBlockPool,
+        exportable: bool,
+        watch: Arc<FenceWatch>,
+    ) -> Self {
+        Self {
+            pool,
+            exportable,
+            watch,
+        }
+    }
 
     /// Runs a shrink step `op` of the pool without the GIL, under `fence`:
     /// first queries the Python fences still held, then converts `fence`
@@ -143,11 +164,11 @@ impl PyBlockPool {
         fence: Option<&Bound<'_, PyAny>>,
         op: impl FnOnce(&SharedBlockPool, CoreFence) -> Result<u64, MemError> + Send,
     ) -> PyResult<u64> {
-        self.poll_watched(py, false, true)?;
-        let fence = self.core_fence(fence)?;
+        self.watch.poll(py, false, true)?;
+        let fence = self.watch.core_fence(fence)?;
         let pool = &self.pool;
         let done = py.detach(move || op(pool, fence));
-        self.poll_watched(py, false, false)?;
+        self.watch.poll(py, false, false)?;
         done.py()
     }
 }
@@ -240,10 +261,10 @@ impl PyBlockPool {
     /// Waits for a pending decommit's fence and decommits; the bytes
     /// returned (0 when nothing was pending).
     fn flush_decommit(&self, py: Python<'_>) -> PyResult<u64> {
-        self.poll_watched(py, true, true)?;
+        self.watch.poll(py, true, true)?;
         let pool = &self.pool;
         let done = py.detach(move || pool.flush_decommit());
-        self.poll_watched(py, false, false)?;
+        self.watch.poll(py, false, false)?;
         done.py()
     }
 

@@ -29,6 +29,7 @@ mod scratch;
 mod span;
 
 pub use arena::PyArena;
+pub(crate) use block_pool::FenceWatch;
 pub use block_pool::{PyBlockPool, PyBlockRef, PyBlockRefs};
 pub(crate) use pinned::pinned_host_for;
 pub use pinned::PyPinnedBuffer;
