@@ -10,13 +10,20 @@ installed before torch's first CUDA allocation:
 * ``process``: ``imp_mem.torch.install`` (the tier is torch's only
   allocator; every ``empty`` reaches imp-mem's C entry point).
 
-    python benches/bench_torch_alloc.py [--quick] [--json out.json]
+The kinds alternate (``--repeats`` children each, default 3), every child
+pinned to the same core, and each figure is the median of its kind's
+children: unpinned, one kind's time varied 2.2-4.5 us between processes on
+the H200 host, more than the difference measured.
+
+    python benches/bench_torch_alloc.py [--quick] [--repeats N] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +42,10 @@ def _time(fn, n: int, rounds: int) -> float:
 
 
 def child(kind: str, n: int, rounds: int) -> dict:
+    # Every child on the same core: the host's cores differ in speed by up
+    # to 2x from process to process (measured), more than what is compared.
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     import torch
 
     system = None
@@ -94,24 +105,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", choices=["default", "scope", "process"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--repeats", type=int, default=3, help="children of each kind, alternating")
     args = ap.parse_args(argv)
     n, rounds = (2000, 3) if args.quick else (20000, 7)
     if args.child:
         print("RESULT " + json.dumps(child(args.child, n, rounds)), flush=True)
         return 0
-    out = {}
-    for kind in ("default", "scope", "process"):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", kind] + (["--quick"] if args.quick else []),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{kind}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            return 1
-        out[kind] = {str(k): v for k, v in json.loads(line[7:]).items()}
+    # The three kinds alternate, `repeats` children each, pinned to one
+    # core; each kind's figure is the median of its children's.
+    runs: dict[str, list[dict]] = {"default": [], "scope": [], "process": []}
+    for _ in range(args.repeats):
+        for kind in runs:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", kind] + (["--quick"] if args.quick else []),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{kind}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+                return 1
+            runs[kind].append({str(k): v for k, v in json.loads(line[7:]).items()})
+    out = {
+        kind: {
+            **{str(size): statistics.median(r[str(size)] for r in rs) for size in SIZES},
+            "steady_state_allocations": rs[-1].get("steady_state_allocations"),
+        }
+        for kind, rs in runs.items()
+    }
     rows = []
     for size in SIZES:
         d = out["default"][str(size)]
