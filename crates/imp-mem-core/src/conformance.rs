@@ -83,7 +83,9 @@ fn granule(s: &Subject) -> u64 {
     s.backend.info().granularity.max(1) as u64
 }
 
-fn replay(backend: &Backend) -> i128 {
+/// The journal replayed: bytes acquired or committed less bytes released
+/// or decommitted (it must equal what is live).
+pub fn replay(backend: &Backend) -> i128 {
     backend
         .journal()
         .unwrap_or_default()

@@ -4,6 +4,7 @@
 //! Operations are generated as data; a release is `Release(seed)` resolved to
 //! `live[seed % live.len()]` so that every generated sequence is valid.
 
+use imp_mem_core::conformance::replay;
 use imp_mem_core::{
     Backend, FakeBackend, FakeConfig, JournalOp, MemError, Phase, PhaseMode, Region, Tag,
 };
@@ -48,15 +49,6 @@ struct Model {
     fake: FakeBackend,
     regions: Vec<(Region, usize)>, // region, base at acquisition
     live: u64,
-}
-
-fn replay(backend: &Backend) -> i128 {
-    backend
-        .journal()
-        .unwrap_or_default()
-        .iter()
-        .map(|e| e.op.sign() as i128 * e.bytes as i128)
-        .sum()
 }
 
 fn run(ops: Vec<Op>, mode: PhaseMode) -> Result<(), TestCaseError> {
