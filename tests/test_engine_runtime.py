@@ -215,3 +215,16 @@ def test_the_torch_pool_hook_wraps_every_forward_pass(checkpoint):
     engine.generate(prompts(3, seed=9), 3)
     assert seen["entered"] > warm
     engine.close()
+
+
+def test_a_callers_features_keep_their_fields_and_gain_the_engines_blocks(checkpoint):
+    from imp_mem import Features
+
+    _, directory, _ = checkpoint
+    mine = Features(engine_persistent_bytes=8 << 20, scratch_bytes=3 << 20, engine_kv_blocks=2)
+    with open_engine(directory, features=mine) as engine:
+        got = engine.plan_input.features
+        assert (got.engine_persistent_bytes, got.scratch_bytes) == (8 << 20, 3 << 20)
+        assert got.engine_kv_blocks == 2 + engine._engine_blocks[0]
+        assert got.engine_swa_blocks == engine._engine_blocks[1]
+        assert len(engine.generate(prompts(2, seed=9), 3)[0]) == 3

@@ -257,7 +257,6 @@ class Engine:
         self._step_imp_mem = 0.0
 
         # -- 1. the plan -------------------------------------------------------
-        self._plan_args = (budget, block_size, context, library_reserve, features)
         self._open_args = (enable_prefix_caching, buckets, graphs, attention_backend, progress)
         error = None
         try:
@@ -271,10 +270,10 @@ class Engine:
         before = self._nccl_reading()
         self._agree("planning", error)
         self._nccl_bytes = self._nccl_lost(before)
+        # A swap plans with the same arguments, against the same budget (the
+        # backend's shrinks once the system holds its context and reserve).
+        self._plan_args = (self.plan.budget, block_size, context, library_reserve, features)
         context, library_reserve = self._context, self._library_reserve
-        # A swap plans against the same budget (the backend's shrinks once
-        # the system holds its context and reserve).
-        self._plan_args = (self.plan.budget, *self._plan_args[1:])
 
         # -- 2. the memory system ---------------------------------------------
         system_kw = dict(
@@ -921,11 +920,15 @@ class Engine:
     def _drop_model(self) -> None:
         """Drops everything over the model's memory (graphs, weights, KV
         views and manager), so that no export of T1 and no block is alive."""
-        for name in ("graphs", "model", "weights", "kv_views", "scheduler", "kv"):
+        self._drop(_MODEL_ATTRS)
+        self._empty_torch_cache()
+
+    def _drop(self, names: Sequence[str]) -> None:
+        for name in names:
             if hasattr(self, name):
                 delattr(self, name)
+        # Exports held in a reference cycle would keep their tier alive.
         gc.collect()
-        self._empty_torch_cache()
 
     def _reload(self) -> None:
         prefix_caching, buckets, graphs, attention_backend, progress = self._open_args
@@ -964,21 +967,7 @@ class Engine:
         system = getattr(self, "system", None)
         if system is None:
             return None
-        for name in (
-            "graphs",
-            "model",
-            "weights",
-            "kv_views",
-            "t2",
-            "_t2_raw",
-            "staging",
-            "scheduler",
-            "kv",
-        ):
-            if hasattr(self, name):
-                delattr(self, name)
-        # Exports held in a reference cycle would keep their tier alive.
-        gc.collect()
+        self._drop((*_MODEL_ATTRS, "t2", "_t2_raw", "staging"))
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         if self.activation_bytes is not None and self.on_gpu:
@@ -1000,23 +989,23 @@ class Engine:
         self.close()
 
 
+# What holds the model's memory (weights, KV views and manager, graphs): what
+# a model swap drops, and close() with T2's buffers.
+_MODEL_ATTRS = ("graphs", "model", "weights", "kv_views", "scheduler", "kv")
+
+
 def _with_engine_blocks(features: Any, blocks: Sequence[int]) -> Any:
     """`features` (a caller's `imp_mem.Features`) with the engine's own KV
     blocks added to what it already plans for."""
-    names = (
-        "spec_depth",
-        "draft_weights_bytes",
-        "vision_tower_bytes",
-        "lora_slots",
-        "lora_rank",
-        "scratch_bytes",
-        "engine_persistent_bytes",
-        "kv_host_bytes",
-        "activation_bytes",
-    )
-    kw = {n: getattr(features, n) for n in names}
+    # Every field Features has (its getters are its keyword arguments).
+    names = [
+        n
+        for n, v in vars(imp_mem.Features).items()
+        if type(v).__name__ == "getset_descriptor"
+        and n not in ("engine_kv_blocks", "engine_swa_blocks")
+    ]
     return imp_mem.Features(
-        **kw,
+        **{n: getattr(features, n) for n in names},
         engine_kv_blocks=features.engine_kv_blocks + blocks[0],
         engine_swa_blocks=features.engine_swa_blocks + blocks[1],
     )
