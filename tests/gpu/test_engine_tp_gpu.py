@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -38,7 +37,7 @@ CHILD = textwrap.dedent(
     from imp_mem.engine.config import qwen3_0_6b_config
     from imp_mem.engine.runtime import Engine
 
-    port, root = sys.argv[1], sys.argv[2]
+    store, root = sys.argv[1], sys.argv[2]
     config = qwen3_0_6b_config()
     config["num_hidden_layers"] = 4
     ckpt = write_random_checkpoint(root, config)
@@ -48,7 +47,7 @@ CHILD = textwrap.dedent(
     kw = {"max_batch": 8, "max_seq_len": 256}
     with Engine(ckpt, backend=imp_mem.VmmBackend(device=0, strict=True), **kw) as e:
         want = e.generate(prompts, 12)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
     backend = imp_mem.VmmBackend(device=0, strict=True)
     with Engine(ckpt, backend=backend, group=dist.group.WORLD, **kw) as e:
         got = e.generate(prompts, 12)
@@ -63,16 +62,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_group_of_one_on_nccl_serves_the_same_tokens_and_names_nccls_memory(tmp_path):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(free_port()), str(tmp_path / "ckpt")],
+        [sys.executable, "-c", CHILD, str(tmp_path / "store"), str(tmp_path / "ckpt")],
         capture_output=True,
         text=True,
         timeout=600,
