@@ -52,6 +52,17 @@ def load(name: str, path: str) -> ModuleType:
     return module
 
 
+def load_builds(specs: list[str]) -> dict[str, ModuleType]:
+    """Each ``NAME=PATH`` build's ``_core``, loaded under its name."""
+    builds: dict[str, str] = {}
+    for build in specs:
+        name, sep, path = build.partition("=")
+        if not (name and sep and path) or name in builds:
+            raise SystemExit(f"{build!r}: give each build as NAME=PATH, with distinct names")
+        builds[name] = path
+    return {name: load(name, path) for name, path in builds.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", metavar="NAME=PATH")
@@ -61,13 +72,7 @@ def main() -> int:
         "--tokens", choices=["int32", "int64", "list", "array"], default="int32", help="prompt type"
     )
     args = parser.parse_args()
-    builds = {}
-    for build in args.builds:
-        name, sep, path = build.partition("=")
-        if not (name and sep and path) or name in builds:
-            raise SystemExit(f"{build!r}: give each build as NAME=PATH, with distinct names")
-        builds[name] = path
-    modules = {name: load(name, path) for name, path in builds.items()}
+    modules = load_builds(args.builds)
 
     warm = args.size // 3
     reqs = bench_kv.churn_requests(16 + args.slices * args.size * len(modules), 1)

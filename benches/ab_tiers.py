@@ -27,7 +27,7 @@ from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ab_kv import load, paired
+from ab_kv import load_builds, paired
 
 BLOCKS = 10_000
 
@@ -93,13 +93,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=8, help="turns per build and case")
     parser.add_argument("--calls", type=int, default=200_000, help="calls per turn")
     args = parser.parse_args()
-    builds = {}
-    for build in args.builds:
-        name, sep, path = build.partition("=")
-        if not (name and sep and path) or name in builds:
-            raise SystemExit(f"{build!r}: give each build as NAME=PATH, with distinct names")
-        builds[name] = path
-    modules = {name: load(name, path) for name, path in builds.items()}
+    modules = load_builds(args.builds)
     per_build = {name: cases(m) for name, m in modules.items()}
     order = list(modules)
     first = order[0]
