@@ -126,3 +126,15 @@ def test_a_swap_whose_plan_does_not_fit_leaves_the_old_model_serving(checkpoints
         assert str(engine.system.phase) == "SERVING"
         assert engine.generate(ps, 4) == want
         engine.system.check()
+
+
+def test_a_directory_without_a_config_is_refused_naming_model_dir(checkpoints, tmp_path):
+    a, *_ = checkpoints
+    with pytest.raises(InvalidArgument, match="model_dir: cannot read"):
+        engine_on(tmp_path / "nowhere")
+    ps = prompts(2, seed=7)
+    with engine_on(a) as engine:
+        want = engine.generate(ps, 3)
+        with pytest.raises(InvalidArgument, match="model_dir: cannot read"):
+            engine.swap_model(tmp_path)
+        assert engine.generate(ps, 3) == want

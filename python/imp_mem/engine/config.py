@@ -107,6 +107,19 @@ def swa_config(window: int = 256, pattern: int = 6) -> dict[str, Any]:
     return config
 
 
+def read_config_json(path: str | Path, what: str) -> Any:
+    """The JSON of `path`, a ``config.json`` or a checkpoint directory that
+    holds one; a file that cannot be read is `InvalidArgument` naming the
+    argument `what`."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise InvalidArgument(f"{what}: cannot read {path} as JSON: {err}") from err
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the paged model needs to know about a Qwen3-architecture model."""
@@ -132,13 +145,7 @@ class ModelConfig:
         """Reads a ``config.json`` dict, a path to one, or a checkpoint
         directory that holds one."""
         if isinstance(config, (str, Path)):
-            path = Path(config)
-            if path.is_dir():
-                path = path / "config.json"
-            try:
-                config = json.loads(path.read_text())
-            except (OSError, ValueError) as err:
-                raise InvalidArgument(f"config: cannot read {path} as JSON: {err}") from err
+            config = read_config_json(config, "config")
         if not isinstance(config, dict):
             raise TypeError(
                 f"config: expected a config.json dict or path, got {type(config).__name__}"

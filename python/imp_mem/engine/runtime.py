@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
 import time
@@ -91,7 +90,7 @@ import torch
 
 import imp_mem
 from imp_mem._safetensors import load_safetensors, read_header, safetensors_files
-from imp_mem.engine.config import ModelConfig
+from imp_mem.engine.config import ModelConfig, read_config_json
 from imp_mem.engine.model import KvViews, PagedModel
 from imp_mem.engine.scheduler import Prefill, Request, Scheduler
 from imp_mem.engine.tensor_parallel import TensorParallel, plan_shape
@@ -220,7 +219,7 @@ class Engine:
     ) -> None:
         t_open = time.perf_counter()
         self.model_dir = Path(model_dir)
-        self.config_dict = json.loads((self.model_dir / "config.json").read_text())
+        self.config_dict = read_config_json(self.model_dir, "model_dir")
         self.config = ModelConfig.from_hf_config(self.config_dict)
         c = self.config
         self.group = group
@@ -879,7 +878,7 @@ class Engine:
                 "them first"
             )
         new_dir = Path(model_dir)
-        new_dict = json.loads((new_dir / "config.json").read_text())
+        new_dict = read_config_json(new_dir, "model_dir")
         new_config = ModelConfig.from_hf_config(new_dict)
         if self.max_seq_len > new_config.max_position_embeddings:
             raise InvalidArgument(
