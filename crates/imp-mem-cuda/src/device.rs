@@ -128,11 +128,9 @@ unsafe impl MemorySource for CudaSource {
     ) -> Result<(), SourceError> {
         let _scope = self.device.bind().map_err(source_error)?;
         // SAFETY: as in `copy_to_host`, in the other direction: `len` readable
-        // host bytes into a live allocation nothing else uses meanwhile.
-        check("cuMemcpyHtoD_v2", unsafe {
-            (self.device.api().memcpy_htod)(dst as CuDevicePtr, src.cast(), len)
-        })
-        .map_err(source_error)
+        // host bytes into a live allocation nothing else uses meanwhile;
+        // `copy_htod` returns when they are there, from pageable memory too.
+        unsafe { self.device.copy_htod(dst as CuDevicePtr, src, len) }.map_err(source_error)
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {

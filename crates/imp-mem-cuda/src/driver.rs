@@ -43,6 +43,9 @@ pub type CuResult = c_int;
 pub type CuContext = *mut c_void;
 /// `CUstream`.
 pub type CuStream = *mut c_void;
+/// The context's legacy default stream (`CU_STREAM_LEGACY`), named
+/// explicitly so that a per-thread default stream build cannot change it.
+pub const CU_STREAM_LEGACY: CuStream = 0x1 as CuStream;
 /// `CUevent`.
 pub type CuEvent = *mut c_void;
 /// `CUdeviceptr`.
@@ -280,6 +283,7 @@ driver_api! {
     stream_create = "cuStreamCreate": fn(*mut CuStream, c_uint);
     stream_destroy = "cuStreamDestroy_v2": fn(CuStream);
     stream_wait_event = "cuStreamWaitEvent": fn(CuStream, CuEvent, c_uint);
+    stream_synchronize = "cuStreamSynchronize": fn(CuStream);
     memcpy_dtoh_async = "cuMemcpyDtoHAsync_v2": fn(*mut c_void, CuDevicePtr, usize, CuStream);
     memcpy_htod_async = "cuMemcpyHtoDAsync_v2": fn(CuDevicePtr, *const c_void, usize, CuStream);
 }
@@ -725,41 +729,29 @@ impl DeviceContext {
         Ok(DeviceReading { free, total })
     }
 
-    /// Copies `data` to device (or pinned host) address `dst`, synchronously.
+    /// Copies `len` bytes of host memory at `src` to device address `dst`
+    /// and returns when they are there, whatever kind of host memory `src`
+    /// is. From pinned memory `cuMemcpyHtoD` is already synchronous with
+    /// the host; from pageable memory it returns once the bytes are staged,
+    /// with the DMA still in flight on the legacy default stream, which a
+    /// non-blocking stream (torch's side streams) is not ordered after. So
+    /// the legacy stream is synchronised after the copy: for a pinned
+    /// source it has nothing left to wait for.
     ///
     /// # Safety
-    /// `[dst, dst + data.len())` is memory of this device's context that is
-    /// live and that nothing else uses concurrently.
-    pub unsafe fn copy_to_device(&self, dst: u64, data: &[u8]) -> Result<(), MemError> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        let _scope = self.bind()?;
-        // SAFETY: the caller vouches for the destination; the source is a
-        // live slice of `data.len()` bytes.
+    /// `[dst, dst + len)` is live memory of this device's context that
+    /// nothing else uses during the call; `[src, src + len)` is host memory
+    /// this process may read. A context is current (`bind`).
+    pub unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<(), CuError> {
+        // SAFETY: the caller vouches for both ranges and the current context.
         check("cuMemcpyHtoD_v2", unsafe {
-            (self.api().memcpy_htod)(dst, data.as_ptr().cast(), data.len())
+            (self.api().memcpy_htod)(dst, src.cast(), len)
         })?;
-        Ok(())
-    }
-
-    /// Copies `len` bytes from device address `src` to a new vector,
-    /// synchronously.
-    ///
-    /// # Safety
-    /// `[src, src + len)` is live memory of this device's context.
-    pub unsafe fn copy_from_device(&self, src: u64, len: usize) -> Result<Vec<u8>, MemError> {
-        let mut out = vec![0u8; len];
-        if len == 0 {
-            return Ok(out);
-        }
-        let _scope = self.bind()?;
-        // SAFETY: `out` holds `len` writable bytes; the caller vouches for the
-        // source range.
-        check("cuMemcpyDtoH_v2", unsafe {
-            (self.api().memcpy_dtoh)(out.as_mut_ptr().cast(), src, len)
-        })?;
-        Ok(out)
+        // SAFETY: `CU_STREAM_LEGACY` names the context's legacy default
+        // stream, which always exists; the call only waits.
+        check("cuStreamSynchronize", unsafe {
+            (self.api().stream_synchronize)(CU_STREAM_LEGACY)
+        })
     }
 }
 

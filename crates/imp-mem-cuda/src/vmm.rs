@@ -160,7 +160,8 @@ pub unsafe trait VmmDriver: Send + Sync + 'static {
         })
     }
 
-    /// `cuMemcpyHtoD`: `len` bytes of host `src` to device address `dst`.
+    /// `cuMemcpyHtoD`: `len` bytes of host `src` to device address `dst`,
+    /// returning when they are there (from pageable memory too).
     ///
     /// # Safety
     /// `[dst, dst + len)` is mapped with access and unused meanwhile;
@@ -321,10 +322,9 @@ unsafe impl VmmDriver for CudaVmm {
     }
 
     unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: usize) -> Result<(), CuError> {
-        // SAFETY: as above, in the other direction.
-        check("cuMemcpyHtoD_v2", unsafe {
-            (self.device.api().memcpy_htod)(dst, src.cast(), len)
-        })
+        // SAFETY: as above, in the other direction; the copy returns when the
+        // bytes are there from pageable memory too (`copy_htod`'s sync).
+        unsafe { self.device.copy_htod(dst, src, len) }
     }
 }
 
