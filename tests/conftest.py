@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+from _helpers import make_plan
 from hypothesis import settings
 
 import imp_mem
@@ -32,6 +33,12 @@ def pytest_collection_modifyitems(config, items):
 def fake() -> imp_mem.FakeBackend:
     """A 64 MiB backed fake with page granularity."""
     return imp_mem.FakeBackend(capacity=64 << 20, granularity=4096)
+
+
+@pytest.fixture
+def plan() -> imp_mem.MemoryPlan:
+    """The small llama shape's plan (``_helpers.make_plan()``): 1 GiB, KV fit."""
+    return make_plan()
 
 
 @pytest.fixture(params=["direct", "buffer", "copy"])

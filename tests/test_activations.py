@@ -6,9 +6,9 @@ the binding adds."""
 from __future__ import annotations
 
 import pytest
+from _helpers import make_plan
 from hypothesis import given
 from hypothesis import strategies as st
-from test_system import SMALL  # the small llama shape the system tests share
 
 import imp_mem
 
@@ -172,15 +172,13 @@ def test_sequences_through_the_binding_keep_bytes_and_counts(ops):
 
 
 def small_plan(features: imp_mem.Features) -> imp_mem.MemoryPlan:
-    return imp_mem.plan_memory(
-        imp_mem.PlanInput(
-            imp_mem.ModelShape.from_hf_config(SMALL),
-            imp_mem.Limits(2, 512, kv_policy="fit"),
-            features,
-            budget=96 * MIB,
-            context=0,
-            library_reserve=0,
-        )
+    return make_plan(
+        max_batch=2,
+        max_seq_len=512,
+        features=features,
+        budget=96 * MIB,
+        context=0,
+        library_reserve=0,
     )
 
 

@@ -11,36 +11,18 @@ import sys
 import textwrap
 
 import pytest
-from test_system import SMALL
+from _helpers import GIB, MIB, SMALL, make_plan
 
 from imp_mem import (
     FakeBackend,
-    Features,
     InvalidArgument,
-    Limits,
     MemorySystem,
-    ModelShape,
-    PlanInput,
-    plan_memory,
 )
 from imp_mem.distributed import FleetReport, RankFailure
 
-MIB = 1 << 20
-GIB = 1 << 30
-
 
 def rank_plan(tp=2, budget=GIB):
-    return plan_memory(
-        PlanInput(
-            ModelShape.from_hf_config(SMALL),
-            Limits(4, 1024, kv_policy="fit"),
-            Features(),
-            budget=budget,
-            tp=tp,
-            context=8 * MIB,
-            library_reserve=4 * MIB,
-        )
-    )
+    return make_plan(budget=budget, tp=tp)
 
 
 def serving_report(plan, device=None, weights=0):

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from _helpers import TINY
 
 from imp_mem import FakeBackend, Features, Limits, ModelShape, PlanInput, plan_memory
 from imp_mem.engine import journal
@@ -35,19 +36,7 @@ def test_a_recorded_load_replays_within_its_plan(path):
 
 
 def test_the_replay_catches_a_tier_past_its_plan_and_serving_acquisitions():
-    shape = ModelShape.from_hf_config(
-        {
-            "model_type": "llama",
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": 1000,
-            "max_position_embeddings": 1024,
-            "torch_dtype": "bfloat16",
-        }
-    )
+    shape = ModelShape.from_hf_config(TINY)
     plan = plan_memory(
         PlanInput(
             shape, Limits(2, 256), Features(), budget="1GiB", context="8MiB", library_reserve="4MiB"

@@ -7,6 +7,7 @@ tokens, and after draining no block is held by a sequence (criterion 4)."""
 from __future__ import annotations
 
 import pytest
+from _helpers import GIB, MIB, TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,22 +23,8 @@ from imp_mem import (
 )
 from imp_mem.engine import RequestState, Scheduler
 
-MIB = 1 << 20
-GIB = 1 << 30
 VOCAB = 997
 
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 SLIDING = dict(TINY, model_type="gemma2", head_dim=64, sliding_window=32)
 
 

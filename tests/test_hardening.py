@@ -19,6 +19,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+from _helpers import make_plan, open_system
 
 import imp_mem as P
 from imp_mem import InvalidArgument, StaleSpan
@@ -366,8 +367,6 @@ def test_can_append_property_matches_block_arithmetic():
 
 
 def test_a_second_manager_on_one_pool_is_refused_and_so_is_a_direct_allocate():
-    from test_kv_system import make_plan, open_system
-
     _fb, s = open_system(make_plan())
     kv = s.kv_manager()
     with pytest.raises(InvalidArgument, match="already serves a KV manager"):
@@ -545,8 +544,6 @@ def test_range_messages_name_the_range_and_the_value():
 
 
 def test_system_kv_manager_arguments_are_typed():
-    from test_kv_system import make_plan, open_system
-
     _fb, s = open_system(make_plan())
     with pytest.raises(InvalidArgument, match="block_size"):
         s.kv_manager(block_size=-1)

@@ -129,14 +129,6 @@ def test_a_router_replaying_the_events_holds_exactly_the_cached_set(script):
     kv.check_invariants()
 
 
-def test_events_are_off_unless_asked_for():
-    kv = imp_mem.KVCacheManager(8, BS)
-    kv.admit(1, tokens(0, 9))
-    kv.free(1)
-    assert kv.stats()["cached"] == 2
-    assert kv.drain_events() == [] and kv.pending_events() == 0
-
-
 def test_a_batch_names_the_stored_chain_and_the_stats_count_tokens():
     kv = imp_mem.KVCacheManager(8, BS, kv_events=True)
     kv.admit(1, tokens(0, 9), lora_id=3)

@@ -6,7 +6,7 @@ tier). The tier's rules are proven by the Rust state machine
 from __future__ import annotations
 
 import pytest
-from test_system import SMALL  # the small llama shape the system tests share
+from _helpers import make_plan
 
 import imp_mem
 from imp_mem import events as ev
@@ -114,19 +114,8 @@ def test_host_tier_events_and_metrics():
 
 
 def test_the_plan_sizes_the_host_tier_of_a_systems_manager():
-    config = SMALL
-
     def plan(**features):
-        return imp_mem.plan_memory(
-            imp_mem.PlanInput(
-                imp_mem.ModelShape.from_hf_config(config),
-                imp_mem.Limits(4, 1024, kv_policy="fit"),
-                imp_mem.Features(**features),
-                budget=1 << 30,
-                context=8 << 20,
-                library_reserve=4 << 20,
-            )
-        )
+        return make_plan(features=imp_mem.Features(**features))
 
     device_only = plan()
     with_host = plan(kv_host_bytes="8MiB")

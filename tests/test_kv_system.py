@@ -9,54 +9,17 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from test_system import SMALL  # the small llama shape the system tests share
+from _helpers import SMALL, make_plan, open_system
 
 from imp_mem import (
     CapacityError,
-    FakeBackend,
-    Features,
     ImpMemWarning,
     InvalidArgument,
     KVCacheManager,
-    Limits,
-    MemorySystem,
-    ModelShape,
-    PlanInput,
-    plan_memory,
 )
-
-MIB = 1 << 20
-GIB = 1 << 30
-
 
 # Sliding-window layers beside full attention: the plan has an SWA pool.
 SLIDING = dict(SMALL, model_type="gemma2", head_dim=64, sliding_window=128)
-
-
-def make_plan(config=SMALL):
-    return plan_memory(
-        PlanInput(
-            ModelShape.from_hf_config(config),
-            Limits(4, 1024, kv_policy="fit"),
-            Features(),
-            budget=GIB,
-            context=8 * MIB,
-            library_reserve=4 * MIB,
-        )
-    )
-
-
-@pytest.fixture
-def plan():
-    return make_plan()
-
-
-def open_system(plan, backed=True, **kw):
-    """A system whose growable KV pool commits 8 blocks and grows by 8."""
-    fb = FakeBackend(capacity=GIB, backed=backed)
-    kw.setdefault("kv_initial_blocks", 8)
-    kw.setdefault("kv_grow_blocks", 8)
-    return fb, MemorySystem(fb, plan, **kw)
 
 
 def tokens(start: int, n: int) -> list[int]:

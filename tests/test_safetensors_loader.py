@@ -15,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from _helpers import TINY as CONFIG  # noqa: E402
+
 from imp_mem import (  # noqa: E402
     FakeBackend,
     Features,
@@ -30,18 +32,6 @@ from imp_mem._safetensors import load_safetensors, read_header, shard_entry  # n
 from imp_mem.engine.tensor_parallel import Shard  # noqa: E402
 
 MIB = 1 << 20
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 
 def checkpoint(tmp_path, shards=1):

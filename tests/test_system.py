@@ -10,6 +10,8 @@ import re
 import warnings
 
 import pytest
+from _helpers import GIB, HYBRID, MIB, make_plan
+from _helpers import SMALL as SMALL  # tests/gpu/test_kv_system_gpu.py imports it from here
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -34,69 +36,11 @@ from imp_mem import (
 )
 from imp_mem.system import run_demo
 
-MIB = 1 << 20
-GIB = 1 << 30
-
-SMALL = {
-    "model_type": "llama",
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-# A hybrid model: sliding-window layers (an SWA pool) and linear-attention
-# state (a state pool) besides full attention.
-HYBRID = {
-    "model_type": "qwen3_next",
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "full_attention_interval": 4,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 32,
-    "linear_value_head_dim": 32,
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8,
-    # Dense: transformers' Qwen3-Next default is 512 experts.
-    "num_experts": 0,
-    "vocab_size": 4096,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
 TAG_ORDER = ["workspace", "weights", "swa_cache", "state", "scratch", "kv_cache"]
-
-
-def make_plan(config=SMALL, budget=GIB, max_batch=4, max_seq_len=1024, **limits):
-    return plan_memory(
-        PlanInput(
-            ModelShape.from_hf_config(config),
-            Limits(max_batch, max_seq_len, kv_policy="fit", **limits),
-            Features(),
-            budget=budget,
-            context=8 * MIB,
-            library_reserve=4 * MIB,
-        )
-    )
 
 
 def acquired_tags(backend):
     return [row[2] for row in backend.journal() if row[4] == "acquire"]
-
-
-@pytest.fixture
-def plan():
-    return make_plan()
 
 
 @pytest.fixture
