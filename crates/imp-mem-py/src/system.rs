@@ -21,7 +21,7 @@ use crate::activations::{stream_order_for, PyActivationPool};
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
 use crate::errors::{invalid, ImpMemWarning, IntoPyResult};
-use crate::kv::{block_io, PyKVCacheManager};
+use crate::kv::PyKVCacheManager;
 use crate::planner::PyMemoryPlan;
 use crate::tiers::{FenceWatch, PyArena, PyBlockPool, PyScratchStack};
 
@@ -343,9 +343,6 @@ impl PyMemorySystem {
             (system.kv_manager(config).py()?, host_blocks)
         };
         let block_bytes = m.config().block_bytes;
-        if let Some(io) = block_io(self.backend.bind(py).as_any(), block_bytes) {
-            m.set_block_io(io).py()?;
-        }
         if host_blocks > 0 {
             let backend = self.backend.bind(py);
             m.set_host_tier(crate::kv::tier_io(
