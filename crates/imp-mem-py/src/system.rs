@@ -264,9 +264,9 @@ impl PyMemorySystem {
     /// attributes to `kv_cache`. `block_size` and `swa_window` default to
     /// the plan's, `dtype` to the plan's KV dtype, `pin_budget` to a quarter
     /// of the pool's maximum; admission counts the blocks a growable pool
-    /// can still commit. Block contents persist through the backend (a host
-    /// copy on the fake, a pinned staging copy on a GPU). Drop the manager
-    /// before `close()`: it holds the pools.
+    /// can still commit. Block contents persist through the pool's own
+    /// block copies (a memcpy on the fake, a device copy on a GPU). Drop
+    /// the manager before `close()`: it holds the pools.
     #[pyo3(
         signature = (
             block_size = None, *, swa_window = None, enable_prefix_caching = None,
