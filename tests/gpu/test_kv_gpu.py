@@ -1,5 +1,5 @@
 """The KV manager on device memory: prefix-cache persistence copies block
-contents device -> pinned host -> file and back, so a restored prefix serves
+contents device -> host -> file and back, so a restored prefix serves
 the same bytes (issue 6). Skipped where no CUDA device exists."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the manager's blocks are device memory inside the KV pool's reservation,
 the memory report attributes them to the KV tier, the pool grows while
 serving without an acquisition, `system.step()` with a recorded fence
 gives the grown tail back once the blocks are free, and the prefix cache
-persists through the GPU BlockIo (device -> pinned host -> file). Skipped
+persists through the pool's block copies (device -> host -> file). Skipped
 where no CUDA device exists."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_a_kv_manager_serves_device_blocks_from_the_systems_kv_pool(tmp_path):
         m.check_invariants()
         system.check()
 
-        # Persistence through the GPU BlockIo: save, evict, load, hit.
+        # Persistence through the pool's block copies: save, evict, load, hit.
         for i in range(3):
             m.free(i)
         path = tmp_path / "prefix.imp"

@@ -151,12 +151,13 @@ macro_rules! span_parts {
                 self.placement
             }
 
-            /// A sub-range, of the same kind as this span.
-            pub fn subspan(&self, offset: usize, len: usize) -> Result<$span<'a>, MemError> {
-                check_subrange(self.len, offset, len)?;
+            /// A sub-range of `nbytes` at `offset`, of the same kind as this
+            /// span; non-empty and inside it ([`subrange`]).
+            pub fn subspan(&self, offset: usize, nbytes: usize) -> Result<$span<'a>, MemError> {
+                let range = subrange(self.len, offset, Some(nbytes))?;
                 Ok(Self {
-                    addr: self.addr + offset,
-                    len,
+                    addr: self.addr + range.start,
+                    len: range.len(),
                     placement: self.placement,
                     _borrow: PhantomData,
                 })
@@ -168,12 +169,23 @@ macro_rules! span_parts {
 span_parts!(StableSpan);
 span_parts!(DeviceSpan);
 
-fn check_subrange(total: usize, offset: usize, len: usize) -> Result<(), MemError> {
-    match offset.checked_add(len) {
-        Some(end) if end <= total => Ok(()),
+/// The one rule for a sub-range of a span of `total` bytes, which the
+/// core's [`StableSpan::subspan`] / [`DeviceSpan::subspan`] and the
+/// binding's `subspan(offset, nbytes=None)` share: `nbytes` bytes at
+/// `offset` (`None`: the rest of the span from `offset`), not empty — an
+/// empty view has no address that means anything — and inside the span.
+/// Returns the range, relative to the span's start.
+pub fn subrange(
+    total: usize,
+    offset: usize,
+    nbytes: Option<usize>,
+) -> Result<std::ops::Range<usize>, MemError> {
+    let nbytes = nbytes.unwrap_or(total.saturating_sub(offset));
+    match offset.checked_add(nbytes) {
+        Some(end) if end <= total && nbytes > 0 => Ok(offset..end),
         _ => Err(MemError::invalid(format!(
-            "sub-range [{offset}, {offset} + {len}) is outside a span of {total} B; keep offset + \
-             len <= {total}"
+            "subspan [{offset}, {offset} + {nbytes}) is outside a span of {total} B or empty; \
+             keep 0 < nbytes and offset + nbytes <= {total}"
         ))),
     }
 }
@@ -191,6 +203,37 @@ mod tests {
         assert_eq!((sub.addr(), sub.len()), (0x1010, 32));
         assert!(s.subspan(250, 7).is_err());
         assert!(s.subspan(usize::MAX, 2).is_err());
+        assert!(s.subspan(16, 0).is_err(), "an empty subspan is refused");
+        assert_eq!(d.subspan(255, 1).unwrap().addr(), 0x10ff);
         assert_eq!(s.placement().dlpack_device(), (1, 0));
+    }
+
+    #[test]
+    fn a_subrange_is_non_empty_and_inside_and_the_rest_by_default() {
+        assert_eq!(subrange(64, 16, Some(8)).unwrap(), 16..24);
+        assert_eq!(
+            subrange(64, 16, None).unwrap(),
+            16..64,
+            "the rest of the span"
+        );
+        assert_eq!(subrange(64, 0, Some(64)).unwrap(), 0..64);
+        for (offset, nbytes) in [
+            (60, Some(8)),
+            (16, Some(0)),
+            (64, None),
+            (65, None),
+            (usize::MAX, Some(1)),
+            (1, Some(usize::MAX)),
+        ] {
+            let err = subrange(64, offset, nbytes).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                matches!(err, MemError::InvalidArgument(_))
+                    && msg.contains("0 < nbytes and offset + nbytes <= 64"),
+                "{offset} {nbytes:?}: {msg}"
+            );
+        }
+        let msg = subrange(64, 60, Some(8)).unwrap_err().to_string();
+        assert!(msg.contains("[60, 60 + 8)"), "{msg}");
     }
 }

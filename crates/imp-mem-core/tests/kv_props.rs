@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 
 use imp_mem_core::decommit::{DecommitPolicy, NothingInFlight};
-use imp_mem_core::kv::{BlockHash, ExtraKeys, FakeBlockIo, IdSource, KVCacheManager, KvConfig};
+use imp_mem_core::kv::{BlockHash, ExtraKeys, IdSource, KVCacheManager, KvConfig};
 use imp_mem_core::{FakeBackend, FakeConfig, KvStats, MemError, PoolConfig, SharedBlockPool, Tag};
 use proptest::prelude::*;
 
@@ -152,7 +152,7 @@ impl Harness {
             cfg.swa_blocks = 10;
             cfg.swa_window = 6;
         }
-        let mut m = if growable {
+        let m = if growable {
             let pool = SharedBlockPool::new(
                 fake.backend(),
                 &PoolConfig::growable(BYTES, 4, BLOCKS, 4).with_tag(Tag::KvCache),
@@ -171,8 +171,6 @@ impl Harness {
         } else {
             KVCacheManager::new(cfg, Some(fake.backend())).map_err(fail)?
         };
-        m.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), BYTES)))
-            .map_err(fail)?;
         Ok(Self {
             fake,
             m,

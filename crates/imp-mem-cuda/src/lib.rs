@@ -24,7 +24,6 @@
 //!   fingerprint, with the 10 % self-check (pure, CPU-tested).
 #![deny(missing_docs)]
 
-pub mod block_io;
 pub mod device;
 pub mod driver;
 pub mod fence;
@@ -34,7 +33,6 @@ pub mod reserve;
 pub mod stream_order;
 pub mod vmm;
 
-pub use block_io::CudaBlockIo;
 pub use device::{cuda_backend, CudaSource};
 pub use driver::{cuda_available, device_count, DeviceContext, DeviceProps};
 pub use fence::Fence;

@@ -20,11 +20,11 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::tokens::{self as rule, IntLayout};
 use imp_mem_core::kv::{
-    BlockHash, BlockIo, ExtraKeys, FakeBlockIo, FakeTierIo, IdSource, KVCacheManager, KvConfig,
-    KvEvent, KvStats, MmSpan, TierIo, DEFAULT_HASH_SEED,
+    BlockHash, ExtraKeys, FakeTierIo, IdSource, KVCacheManager, KvConfig, KvEvent, KvStats, MmSpan,
+    TierIo, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
-use imp_mem_cuda::{CudaBlockIo, CudaTierIo};
+use imp_mem_cuda::CudaTierIo;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -625,27 +625,6 @@ impl PyKVCacheManager {
     }
 }
 
-/// How block contents travel for persistence on `backend`: a host copy on
-/// the fake, device -> pinned host -> file on a GPU; `None` for a backend
-/// with neither.
-pub(crate) fn block_io(backend: &Bound<'_, PyAny>, block_bytes: usize) -> Option<Box<dyn BlockIo>> {
-    if let Ok(fake) = backend.cast::<PyFakeBackend>() {
-        Some(Box::new(FakeBlockIo::new(
-            fake.get().fake.clone(),
-            block_bytes,
-        )))
-    } else if let Ok(cuda) = backend.cast::<crate::cuda::PyCudaBackend>() {
-        Some(Box::new(CudaBlockIo::new(
-            cuda.get().context(),
-            block_bytes,
-        )))
-    } else if let Ok(vmm) = backend.cast::<crate::cuda::PyVmmBackend>() {
-        Some(Box::new(CudaBlockIo::new(vmm.get().context(), block_bytes)))
-    } else {
-        None
-    }
-}
-
 /// The host tier's copies for a pool on `backend`: host memory copies on
 /// the fake (run as they are enqueued), pinned memory and a copy stream on
 /// a GPU.
@@ -774,11 +753,6 @@ impl PyKVCacheManager {
             None => None,
         };
         let mut m = KVCacheManager::new(cfg, core.as_ref()).py()?;
-        if let (Some(b), true) = (backend, block_bytes > 0) {
-            if let Some(io) = block_io(b, block_bytes) {
-                m.set_block_io(io).py()?;
-            }
-        }
         if host_blocks > 0 {
             m.set_host_tier(tier_io(backend, block_bytes, host_blocks)?)
                 .py()?;

@@ -21,7 +21,7 @@ use crate::activations::{stream_order_for, PyActivationPool};
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
 use crate::errors::{invalid, ImpMemWarning, IntoPyResult};
-use crate::kv::{block_io, PyKVCacheManager};
+use crate::kv::PyKVCacheManager;
 use crate::planner::PyMemoryPlan;
 use crate::tiers::{FenceWatch, PyArena, PyBlockPool, PyScratchStack};
 
@@ -264,9 +264,9 @@ impl PyMemorySystem {
     /// attributes to `kv_cache`. `block_size` and `swa_window` default to
     /// the plan's, `dtype` to the plan's KV dtype, `pin_budget` to a quarter
     /// of the pool's maximum; admission counts the blocks a growable pool
-    /// can still commit. Block contents persist through the backend (a host
-    /// copy on the fake, a pinned staging copy on a GPU). Drop the manager
-    /// before `close()`: it holds the pools.
+    /// can still commit. Block contents persist through the pool's own
+    /// block copies (a memcpy on the fake, a device copy on a GPU). Drop
+    /// the manager before `close()`: it holds the pools.
     #[pyo3(
         signature = (
             block_size = None, *, swa_window = None, enable_prefix_caching = None,
@@ -343,9 +343,6 @@ impl PyMemorySystem {
             (system.kv_manager(config).py()?, host_blocks)
         };
         let block_bytes = m.config().block_bytes;
-        if let Some(io) = block_io(self.backend.bind(py).as_any(), block_bytes) {
-            m.set_block_io(io).py()?;
-        }
         if host_blocks > 0 {
             let backend = self.backend.bind(py);
             m.set_host_tier(crate::kv::tier_io(

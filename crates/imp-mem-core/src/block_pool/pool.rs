@@ -364,6 +364,67 @@ impl PoolCore {
         }
     }
 
+    /// Copies live block `id`'s bytes, all of them, into `dst` through the
+    /// pool's region (its source's host copy: a memcpy on the fake, a
+    /// synchronous device copy on a GPU).
+    pub(super) fn read_block(&self, id: BlockId, dst: &mut [u8]) -> Result<(), MemError> {
+        let (region, offset) = self.block_copy(id, dst.len(), "read")?;
+        region.copy_to_host(offset, dst)
+    }
+
+    /// Copies `src`, one whole block, into live block `id` through the
+    /// pool's region.
+    pub(super) fn write_block(&mut self, id: BlockId, src: &[u8]) -> Result<(), MemError> {
+        let (_, offset) = self.block_copy(id, src.len(), "write")?;
+        match self.region.as_mut() {
+            Some(region) => region.copy_from_host(offset, src),
+            None => Err(slots_have_no_memory()),
+        }
+    }
+
+    /// The rules of a host copy of one block: the pool has memory with
+    /// bytes behind it, the block is live, and the buffer is exactly one
+    /// block. Returns the region and the block's offset in it (the region
+    /// checks that the range is committed).
+    fn block_copy(
+        &self,
+        id: BlockId,
+        len: usize,
+        what: &str,
+    ) -> Result<(&Region, usize), MemError> {
+        let Some(region) = &self.region else {
+            return Err(MemError::invalid(format!(
+                "block pool #{} is an id space only (slots mode): its blocks have no bytes to \
+                 {what}; open the pool with block_bytes over a backend",
+                self.id
+            )));
+        };
+        if !region.backend().addressable() {
+            return Err(MemError::BackendUnavailable(format!(
+                "block pool #{} lies on an unbacked FakeBackend (backed=False), whose addresses \
+                 have no bytes behind them, so there is nothing to {what}; use backed=True",
+                self.id
+            )));
+        }
+        if self.refcount(id) == 0 {
+            return Err(MemError::Invariant(format!(
+                "pool #{}: {what} of block {id}, which is not live",
+                self.id
+            )));
+        }
+        if len != self.stride {
+            return Err(MemError::invalid(format!(
+                "a {what} of block {id} of pool #{} moves the whole block: pass a buffer of its \
+                 {} B, not {len} B",
+                self.id, self.stride
+            )));
+        }
+        let offset = (id as usize).checked_mul(self.stride).ok_or_else(|| {
+            MemError::Invariant(format!("pool #{}: block {id}'s offset overflows", self.id))
+        })?;
+        Ok((region, offset))
+    }
+
     pub(super) fn stats(&self) -> PoolStats {
         PoolStats {
             capacity: self.capacity(),

@@ -432,6 +432,25 @@ impl SharedBlockRef {
         self.pool.refcount(self.id)
     }
 
+    /// Copies the block's bytes into `dst`, which must be exactly one block
+    /// ([`SharedBlockPool::block_bytes`]) long, through the pool's own
+    /// region and its source: a memcpy on the fake, a synchronous device →
+    /// host copy on a GPU (run after the kernels that wrote the block have
+    /// completed). Refused, as an error, in slots mode, on an unbacked fake,
+    /// for a source without host copies, and for a buffer of another length.
+    /// Holds the pool's lock for the copy: the region cannot shrink or sleep
+    /// under it.
+    pub fn read_into(&self, dst: &mut [u8]) -> Result<(), MemError> {
+        self.pool.core().read_block(self.id, dst)
+    }
+
+    /// Copies `src`, exactly one block long, into the block (as
+    /// [`Self::read_into`], the other way). Every ref to the block sees the
+    /// new bytes.
+    pub fn write_from(&self, src: &[u8]) -> Result<(), MemError> {
+        self.pool.core().write_block(self.id, src)
+    }
+
     /// The pool it belongs to.
     pub fn pool(&self) -> &SharedBlockPool {
         &self.pool

@@ -653,3 +653,139 @@ fn bad_configs_say_what_to_change() {
         );
     }
 }
+
+// ------------------------------------------------------- host copies of a block
+
+#[test]
+fn a_block_copies_out_and_in_through_its_pools_region() {
+    let fb = fake();
+    let pool = SharedBlockPool::new(fb.backend(), &PoolConfig::fixed(48, 4)).unwrap();
+    let refs = pool.allocate_many(2).unwrap().into_refs();
+    let (a, b) = (&refs[0], &refs[1]);
+    let bytes: Vec<u8> = (0..48).collect();
+    a.write_from(&bytes).unwrap();
+    b.write_from(&[7; 48]).unwrap();
+    // The bytes landed at the block's own span, and nowhere else.
+    let span = a.span().unwrap();
+    assert_eq!(fb.read(span.addr(), 48).unwrap(), bytes);
+    let mut out = vec![0u8; 48];
+    a.read_into(&mut out).unwrap();
+    assert_eq!(out, bytes);
+    b.read_into(&mut out).unwrap();
+    assert_eq!(out, [7; 48]);
+    // Another ref to the block reads what the first wrote.
+    let again = a.share().unwrap();
+    again.read_into(&mut out).unwrap();
+    assert_eq!(out, bytes);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn a_block_copy_moves_exactly_one_block() {
+    let fb = fake();
+    let pool = SharedBlockPool::new(fb.backend(), &PoolConfig::fixed(48, 4)).unwrap();
+    let a = pool.allocate().unwrap();
+    a.write_from(&[3; 48]).unwrap();
+    for len in [0, 47, 49, 96] {
+        let err = a.write_from(&vec![9; len]).unwrap_err();
+        assert!(
+            matches!(&err, MemError::InvalidArgument(m) if m.contains("48 B") && m.contains(&format!("not {len} B"))),
+            "{len}: {err}"
+        );
+        let err = a.read_into(&mut vec![0; len]).unwrap_err();
+        assert!(matches!(err, MemError::InvalidArgument(_)), "{len}: {err}");
+    }
+    // A refused write changed nothing, in the block or past it.
+    let mut out = vec![0u8; 48];
+    a.read_into(&mut out).unwrap();
+    assert_eq!(out, [3; 48]);
+    let next = a.span().unwrap().addr() + 48;
+    assert!(fb.read(next, 48).unwrap().iter().all(|&x| x != 9));
+}
+
+#[test]
+fn the_last_block_of_a_grown_pool_copies_and_the_refusals_are_errors() {
+    let fb = fake();
+    let pool = SharedBlockPool::new(fb.backend(), &PoolConfig::growable(4096, 1, 3, 1)).unwrap();
+    let refs = pool.allocate_many(3).unwrap().into_refs();
+    let last = &refs[2];
+    last.write_from(&[5; 4096]).unwrap();
+    let mut out = vec![0u8; 4096];
+    last.read_into(&mut out).unwrap();
+    assert!(out.iter().all(|&x| x == 5));
+
+    // Slots mode has no bytes to copy.
+    let slots = SharedBlockPool::slots(2).unwrap();
+    let s = slots.allocate().unwrap();
+    let err = s.read_into(&mut []).unwrap_err();
+    assert!(
+        matches!(&err, MemError::InvalidArgument(m) if m.contains("slots mode")),
+        "{err}"
+    );
+    assert!(s.write_from(&[]).is_err());
+
+    // An unbacked fake has addresses and no bytes: refused, not zeros.
+    let unbacked = FakeBackend::new(FakeConfig {
+        backed: false,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let pool = SharedBlockPool::new(unbacked.backend(), &PoolConfig::fixed(16, 2)).unwrap();
+    let u = pool.allocate().unwrap();
+    let err = u.read_into(&mut [0; 16]).unwrap_err();
+    assert!(
+        matches!(&err, MemError::BackendUnavailable(m) if m.contains("backed=True")),
+        "{err}"
+    );
+    assert!(matches!(
+        u.write_from(&[1; 16]),
+        Err(MemError::BackendUnavailable(_))
+    ));
+}
+
+/// A source that allocates like the fake and has no host copies (the
+/// trait's defaults), as a device source without a copy path would.
+struct NoCopies(Arc<crate::fake::FakeSource>);
+
+// SAFETY: every method that acquires or frees delegates to the fake's
+// source, which keeps the trait's promises; the copies are the refusing
+// defaults.
+unsafe impl crate::backend::MemorySource for NoCopies {
+    fn info(&self) -> crate::backend::SourceInfo {
+        self.0.info()
+    }
+
+    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, crate::backend::SourceError> {
+        self.0.allocate(bytes, align)
+    }
+
+    unsafe fn free(&self, addr: usize, bytes: usize, align: usize) {
+        // SAFETY: the backend passes a live allocation of this source, which
+        // is one of the fake's (every `allocate` above went to it).
+        unsafe { self.0.free(addr, bytes, align) }
+    }
+}
+
+#[test]
+fn a_source_without_host_copies_refuses_a_block_copy() {
+    let fb = fake();
+    let backend = crate::Backend::new(
+        Arc::new(NoCopies(fb.source().clone())),
+        crate::PhaseMode::Strict,
+        None,
+    )
+    .unwrap();
+    let pool = SharedBlockPool::new(&backend, &PoolConfig::fixed(64, 2)).unwrap();
+    let a = pool.allocate().unwrap();
+    let err = a.read_into(&mut [0; 64]).unwrap_err();
+    assert!(
+        matches!(&err, MemError::BackendUnavailable(m) if m.contains("cannot copy")),
+        "{err}"
+    );
+    assert!(matches!(
+        a.write_from(&[0; 64]),
+        Err(MemError::BackendUnavailable(_))
+    ));
+    drop(a);
+    pool.check_invariants().unwrap();
+}

@@ -37,9 +37,11 @@
 //! takes it again to insert. Refs held outside the lock are registered as
 //! lent ([`LentRefs`]), which [`KVCacheManager::check_invariants`] counts.
 //!
-//! Block bytes travel through [`BlockIo`] — device → pinned host → file on a
-//! GPU; a host read/write on [`FakeBackend`](crate::FakeBackend)
-//! ([`FakeBlockIo`]). Pins are run-time policy and are not persisted.
+//! Block bytes travel through [`BlockIo`]; a manager over a pool laid out on
+//! a backend uses [`PoolBlockIo`], which copies each block through its
+//! pool's region and source (device → host buffer → file on a GPU, a memcpy
+//! on the fake). Tests install others to inject faults. Pins are run-time
+//! policy and are not persisted.
 
 use std::fs::{self, File};
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -52,7 +54,6 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::block_pool::{BlockId, SharedBlockRef};
 use crate::error::{KvCapacityReport, MemError};
-use crate::fake::FakeBackend;
 use crate::kv::events::Medium;
 use crate::kv::hash::{BlockHash, HASH_ALGORITHM};
 use crate::kv::manager::KVCacheManager;
@@ -78,43 +79,36 @@ pub trait BlockIo: Send + Sync + std::fmt::Debug {
     fn write_block(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError>;
 }
 
-/// [`BlockIo`] for a pool laid out over a [`FakeBackend`] region: a host
-/// read or write at the block's span.
-#[derive(Debug, Clone)]
-pub struct FakeBlockIo {
-    fake: FakeBackend,
+/// The [`BlockIo`] of every pool laid out over a backend's region, the fake
+/// and a GPU alike: each block is copied through its own pool's region
+/// ([`SharedBlockRef::read_into`] / [`SharedBlockRef::write_from`]), whose
+/// source does the copy — a memcpy on the fake, a synchronous `cuMemcpy`
+/// between the device and this (pageable) host buffer on a GPU. A manager
+/// over such a pool installs it itself.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolBlockIo {
     block_bytes: usize,
 }
 
-impl FakeBlockIo {
-    /// Copies blocks of `block_bytes` through `fake`.
-    pub fn new(fake: FakeBackend, block_bytes: usize) -> Self {
-        Self { fake, block_bytes }
+impl PoolBlockIo {
+    /// Copies blocks of `block_bytes` (the pool's block size; a block of
+    /// another size is refused by the copy).
+    pub fn new(block_bytes: usize) -> Self {
+        Self { block_bytes }
     }
 }
 
-impl BlockIo for FakeBlockIo {
+impl BlockIo for PoolBlockIo {
     fn block_bytes(&self) -> usize {
         self.block_bytes
     }
 
     fn read_block(&self, block: &SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
-        let span = block.span()?;
-        let data = self.fake.read(span.addr(), dst.len().min(span.len()))?;
-        dst[..data.len()].copy_from_slice(&data);
-        Ok(())
+        block.read_into(dst)
     }
 
     fn write_block(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
-        let span = block.span()?;
-        if src.len() > span.len() {
-            return Err(MemError::invalid(format!(
-                "{} bytes do not fit a block of {}",
-                src.len(),
-                span.len()
-            )));
-        }
-        self.fake.write(span.addr(), src)
+        block.write_from(src)
     }
 }
 

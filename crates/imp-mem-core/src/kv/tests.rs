@@ -17,7 +17,8 @@ fn slots(block_size: usize, blocks: u32) -> KVCacheManager {
     KVCacheManager::new(KvConfig::new(block_size, blocks), None).unwrap()
 }
 
-/// A manager over a fake backend, with bytes per block and a BlockIo.
+/// A manager over a fake backend, with bytes per block (and so the
+/// BlockIo it installs itself).
 fn backed(blocks: u32, block_bytes: usize) -> (KVCacheManager, FakeBackend) {
     let fake = FakeBackend::new(FakeConfig::default()).unwrap();
     let mut cfg = KvConfig::new(4, blocks);
@@ -25,9 +26,7 @@ fn backed(blocks: u32, block_bytes: usize) -> (KVCacheManager, FakeBackend) {
     cfg.model_fingerprint = "test-model".into();
     cfg.dtype = "bf16".into();
     cfg.layout = "block-major".into();
-    let mut m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
-    m.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), block_bytes)))
-        .unwrap();
+    let m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
     (m, fake)
 }
 
@@ -394,9 +393,6 @@ fn bad_files_are_refused_and_nothing_is_loaded() {
     let mut cfg = m.config().clone();
     cfg.model_fingerprint = "another-model".into();
     let mut other = KVCacheManager::new(cfg, Some(fake2.backend())).unwrap();
-    other
-        .set_block_io(Box::new(FakeBlockIo::new(fake2.clone(), 32)))
-        .unwrap();
     let err = other.load_prefix_cache(&path).unwrap_err();
     assert!(err.to_string().contains("model_fingerprint"), "{err}");
     assert_eq!(other.stats().cached, 0);
@@ -412,7 +408,7 @@ fn bad_files_are_refused_and_nothing_is_loaded() {
 
 #[derive(Debug)]
 struct FailingIo {
-    inner: FakeBlockIo,
+    inner: PoolBlockIo,
     fail_at: std::sync::atomic::AtomicU32,
 }
 
@@ -442,7 +438,7 @@ fn a_copy_failure_during_load_unwinds_every_ref() {
     m.save_prefix_cache(&path).unwrap();
     m.evict(100);
     m.set_block_io(Box::new(FailingIo {
-        inner: FakeBlockIo::new(fake.clone(), 32),
+        inner: PoolBlockIo::new(32),
         fail_at: 3.into(),
     }))
     .unwrap();
@@ -456,7 +452,7 @@ fn a_copy_failure_during_load_unwinds_every_ref() {
 }
 
 #[derive(Debug)]
-struct FailingRead(FakeBlockIo);
+struct FailingRead(PoolBlockIo);
 
 impl BlockIo for FailingRead {
     fn block_bytes(&self) -> usize {
@@ -481,7 +477,7 @@ fn a_failed_save_leaves_the_previous_file_and_no_temporary() {
     let good = std::fs::read(&path).unwrap();
     m.admit(2, &toks(50..59), none()).unwrap();
     m.free(2, None).unwrap();
-    m.set_block_io(Box::new(FailingRead(FakeBlockIo::new(fake.clone(), 32))))
+    m.set_block_io(Box::new(FailingRead(PoolBlockIo::new(32))))
         .unwrap();
     assert!(matches!(
         m.save_prefix_cache(&path),
@@ -509,9 +505,6 @@ fn a_file_saved_under_another_hash_seed_is_refused() {
     cfg.hash_seed ^= 1;
     cfg.block_size = 8;
     let mut other = KVCacheManager::new(cfg, Some(fake2.backend())).unwrap();
-    other
-        .set_block_io(Box::new(FakeBlockIo::new(fake2.clone(), 32)))
-        .unwrap();
     let err = other.load_prefix_cache(&path).unwrap_err().to_string();
     assert!(
         err.contains("hash_seed") && err.contains("block_size"),
@@ -799,7 +792,7 @@ fn a_leaked_token_panics_in_debug_builds() {
 /// a block is copied in: the file changing between the load's two passes.
 #[derive(Debug)]
 struct FileChangesMidLoad {
-    inner: FakeBlockIo,
+    inner: PoolBlockIo,
     path: PathBuf,
     done: std::sync::atomic::AtomicBool,
 }
@@ -835,7 +828,7 @@ fn a_file_that_changes_between_the_passes_loads_nothing() {
     assert_eq!(m.save_prefix_cache(&path).unwrap(), 4);
     m.evict(100);
     m.set_block_io(Box::new(FileChangesMidLoad {
-        inner: FakeBlockIo::new(fake.clone(), BB),
+        inner: PoolBlockIo::new(BB),
         path: path.clone(),
         done: false.into(),
     }))
@@ -1073,8 +1066,6 @@ fn loading_with_prefix_caching_off_is_refused() {
     cfg.block_bytes = 32;
     cfg.enable_prefix_caching = false;
     let mut off = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
-    off.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), 32)))
-        .unwrap();
     let err = off.load_prefix_cache(&path).unwrap_err();
     assert!(err.to_string().contains("prefix caching off"), "{err}");
     assert_eq!(off.stats().live, 0);
@@ -1122,8 +1113,6 @@ fn lent_refs_and_offloads_in_flight_are_both_counted_and_a_load_leaves_one_tier(
     cfg.block_bytes = 32;
     cfg.kv_events = true;
     let mut m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
-    m.set_block_io(Box::new(FakeBlockIo::new(fake.clone(), 32)))
-        .unwrap();
     // Copies run only when told (or waited for).
     let tier = FakeTierIo::new(fake.clone(), 32, 8, false).unwrap();
     m.set_host_tier(Box::new(tier.clone())).unwrap();

@@ -162,24 +162,15 @@ impl SpanInner {
         // A stale span has no subspans.
         self.locate()?;
         let offset = convert::index(offset, "offset")? as usize;
-        let nbytes = match nbytes.filter(|n| !n.is_none()) {
-            Some(n) => convert::index(n, "nbytes")? as usize,
-            None => self.len.saturating_sub(offset),
-        };
-        match offset.checked_add(nbytes) {
-            Some(end) if end <= self.len && nbytes > 0 => {}
-            _ => {
-                return Err(invalid(format!(
-                    "subspan [{offset}, {offset} + {nbytes}) is outside a span of {} B; keep 0 < \
-                     nbytes and offset + nbytes <= {}",
-                    self.len, self.len
-                )))
-            }
-        }
+        let nbytes = nbytes
+            .filter(|n| !n.is_none())
+            .map(|n| convert::index(n, "nbytes").map(|n| n as usize))
+            .transpose()?;
+        let range = imp_mem_core::span::subrange(self.len, offset, nbytes).py()?;
         Ok(Self {
             owner: self.owner.clone_ref(py),
-            offset: self.offset + offset,
-            len: nbytes,
+            offset: self.offset + range.start,
+            len: range.len(),
             exportable: self.exportable,
         })
     }

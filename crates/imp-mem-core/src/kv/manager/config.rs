@@ -14,7 +14,7 @@ use crate::error::MemError;
 use crate::kv::events::EventLog;
 use crate::kv::hash::{BlockHash, BlockHasher, ExtraKeys, DEFAULT_HASH_SEED};
 use crate::kv::host_tier::{HostTier, TierIo};
-use crate::kv::persist::BlockIo;
+use crate::kv::persist::{BlockIo, PoolBlockIo};
 use crate::kv::prefix::{FastMap, PrefixCache};
 use crate::tag::Tag;
 
@@ -168,6 +168,10 @@ impl KVCacheManager {
             pool.claim()?,
             swa_pool.as_ref().map(SharedBlockPool::claim).transpose()?,
         );
+        // A pool laid out over a region copies its own blocks; an id space
+        // has no bytes to persist.
+        let io = (pool.block_bytes() > 0)
+            .then(|| Arc::new(PoolBlockIo::new(pool.block_bytes())) as Arc<dyn BlockIo>);
         let stats = KvStats {
             capacity: main.capacity,
             swa_capacity: config.swa_blocks,
@@ -183,7 +187,7 @@ impl KVCacheManager {
             swa_pool,
             seqs: FastMap::default(),
             pins: Pins::default(),
-            io: None,
+            io,
             stats,
             spare: Spare::default(),
             _claims: claims,
@@ -191,7 +195,9 @@ impl KVCacheManager {
         })
     }
 
-    /// Installs how block bytes are copied out and in (persistence).
+    /// Replaces how block bytes are copied out and in (persistence). A
+    /// manager over a pool with `block_bytes > 0` starts with
+    /// [`PoolBlockIo`]; tests install others to inject faults.
     pub fn set_block_io(&mut self, io: Box<dyn BlockIo>) -> Result<(), MemError> {
         self.io = Some(Arc::from(io));
         Ok(())
