@@ -69,7 +69,7 @@ bench_rc=${PIPESTATUS[0]}
 # tests/gpu/test_torch_gpu.py, and leaves its figures in $OUT/bench_torch_hf.json).
 "$PYTHON" benches/bench_torch_alloc.py --json "$OUT/bench_torch_alloc.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-for extra in bench_paged_attention bench_engine bench_sleep bench_kv_host; do
+for extra in bench_paged_attention bench_engine bench_sleep bench_kv_host bench_kv_persist; do
     [ -f "benches/$extra.py" ] || continue
     args=()
     # Each script takes --json / --quick only if its --help says so.
