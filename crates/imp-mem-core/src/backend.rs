@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
 use crate::error::{try_reserve, MemError, OomReport};
 use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
+use crate::pinned::PinnedHostOps;
 use crate::tag::Tag;
 use crate::units::{human_bytes, round_up};
 
@@ -215,6 +216,16 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
     fn extra_charges(&self, committed: u64) -> Vec<SourceCharge> {
         let _ = committed;
         Vec::new()
+    }
+
+    /// The pinned host memory that goes with this source: host memory its
+    /// copies ([`MemorySource::copy_to_host`], `copy_from_host`) run at full
+    /// DMA speed to and from, which a copy of many small pieces stages
+    /// through (the prefix cache's block copies). `None`, the default: the
+    /// source has no faster kind of host memory (the fake: a copy is a
+    /// memcpy whatever the buffer).
+    fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        None
     }
 
     /// Copies `len` bytes at `src`, this source's memory, to host memory at
@@ -483,6 +494,11 @@ impl Backend {
     /// never exported.
     pub fn addressable(&self) -> bool {
         self.shared.source.addressable()
+    }
+
+    /// The source's pinned host memory ([`MemorySource::pinned_host`]).
+    pub fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        self.shared.source.pinned_host()
     }
 
     /// Starts recording every acquire / release / commit / decommit.

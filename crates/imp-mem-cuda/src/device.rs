@@ -25,10 +25,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use imp_mem_core::{
-    Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, SourceError, SourceInfo,
+    Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, PinnedHostOps,
+    SourceError, SourceInfo,
 };
 
 use crate::driver::{check, source_error, CuDevicePtr, DeviceContext};
+use crate::pinned::CudaPinnedHost;
 
 /// What `cuMemAlloc` guarantees.
 pub const CU_MEM_ALLOC_ALIGNMENT: usize = 256;
@@ -107,6 +109,10 @@ unsafe impl MemorySource for CudaSource {
 
     fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
         self.device.reading().map(Some)
+    }
+
+    fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        Some(Arc::new(CudaPinnedHost::for_context(self.device.clone())))
     }
 
     unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {

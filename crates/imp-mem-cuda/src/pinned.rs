@@ -226,6 +226,11 @@ impl CudaPinnedHost {
         })
     }
 
+    /// Pinned-host operations for an open device context (a source's own).
+    pub fn for_context(device: Arc<DeviceContext>) -> Self {
+        Self { device }
+    }
+
     /// The device ordinal (DLPack `kDLCUDAHost` memory names one).
     pub fn device(&self) -> i32 {
         self.device.ordinal()

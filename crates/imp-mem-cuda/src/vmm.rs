@@ -51,14 +51,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use imp_mem_core::units::round_up;
 use imp_mem_core::{
-    Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, SourceCharge,
-    SourceError, SourceInfo,
+    Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, PinnedHostOps,
+    SourceCharge, SourceError, SourceInfo,
 };
 
 use crate::driver::{
     check, CtxScope, CuDevicePtr, CuError, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle,
     DeviceContext, CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
 };
+use crate::pinned::CudaPinnedHost;
 
 /// The default chunk: tens of MiB, so that a growth event is one handle.
 pub const DEFAULT_CHUNK_BYTES: usize = 64 << 20;
@@ -143,6 +144,12 @@ pub unsafe trait VmmDriver: Send + Sync + 'static {
     /// driver with no device to read (the default).
     fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
         Ok(None)
+    }
+
+    /// The pinned host memory of this driver's device, or `None` for a
+    /// driver with no device (the default, the simulation).
+    fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        None
     }
 
     /// `cuMemcpyDtoH`: `len` bytes at device address `src` to host `dst`,
@@ -232,6 +239,10 @@ unsafe impl VmmDriver for CudaVmm {
 
     fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
         self.device.reading().map(Some)
+    }
+
+    fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        Some(Arc::new(CudaPinnedHost::for_context(self.device.clone())))
     }
 
     fn granularity(&self) -> Result<(usize, usize), CuError> {
@@ -785,6 +796,10 @@ unsafe impl<D: VmmDriver> MemorySource for VmmCore<D> {
 
     fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
         self.driver.mem_info()
+    }
+
+    fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        self.driver.pinned_host()
     }
 
     /// The handle cache (physical memory no region holds) and the mapping

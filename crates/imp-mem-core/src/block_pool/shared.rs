@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::backend::{Backend, Region};
 use crate::decommit::{DecommitPolicy, FenceLike};
 use crate::error::{try_reserve, MemError};
+use crate::pinned::PinnedHostOps;
 use crate::span::{MintKey, Placement, StableSpan};
 
 use super::config::{PoolConfig, PoolStats};
@@ -304,6 +305,14 @@ impl SharedBlockPool {
     /// Bytes per block (0 in slots mode).
     pub fn block_bytes(&self) -> usize {
         self.inner.stride
+    }
+
+    /// The pinned host memory of the pool's source
+    /// ([`Backend::pinned_host`]), which a copy of its blocks to and from
+    /// the host stages through; `None` in slots mode and for a source
+    /// without one (the fake).
+    pub fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        self.core().region.as_ref()?.backend().pinned_host()
     }
 
     /// Where the memory lives; `None` in slots mode.

@@ -58,6 +58,7 @@ use crate::kv::events::Medium;
 use crate::kv::hash::{BlockHash, HASH_ALGORITHM};
 use crate::kv::manager::KVCacheManager;
 use crate::kv::prefix::{FastMap, Insert};
+use crate::pinned::{PinnedBuffer, PinnedHost};
 
 /// The file's first bytes.
 pub const FILE_MAGIC: &[u8; 8] = b"IMPKVPC\0";
@@ -79,22 +80,47 @@ pub trait BlockIo: Send + Sync + std::fmt::Debug {
     fn write_block(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError>;
 }
 
-/// The [`BlockIo`] of every pool laid out over a backend's region, the fake
-/// and a GPU alike: each block is copied through its own pool's region
-/// ([`SharedBlockRef::read_into`] / [`SharedBlockRef::write_from`]), whose
-/// source does the copy — a memcpy on the fake, a synchronous `cuMemcpy`
-/// between the device and this (pageable) host buffer on a GPU. A manager
-/// over such a pool installs it itself.
-#[derive(Debug, Clone, Copy)]
+/// [`BlockIo`] for a pool laid out over a backend: each block through its
+/// pool's region and source ([`SharedBlockRef::read_into`] / `write_from`),
+/// the fake and a GPU alike. Where the source has pinned host memory
+/// ([`SharedBlockPool::pinned_host`](crate::block_pool::SharedBlockPool::pinned_host):
+/// a GPU), the copies stage through one pinned buffer of a block, made at
+/// the first copy and kept: a device copy to or from pageable memory goes
+/// through the driver's own staging at a fraction of the DMA's speed (the
+/// prefix cache's save took 1.2-1.4x the time without it on the H200). A
+/// manager over such a pool installs it itself.
+#[derive(Debug)]
 pub struct PoolBlockIo {
     block_bytes: usize,
+    /// `None` until the first copy; then the buffer, or `Some(None)` where
+    /// the source has no pinned memory or pinning failed (copied direct).
+    staging: Mutex<Option<Option<PinnedBuffer>>>,
 }
 
 impl PoolBlockIo {
     /// Copies blocks of `block_bytes` (the pool's block size; a block of
     /// another size is refused by the copy).
     pub fn new(block_bytes: usize) -> Self {
-        Self { block_bytes }
+        Self {
+            block_bytes,
+            staging: Mutex::new(None),
+        }
+    }
+
+    /// Runs `f` with the staging buffer for `block`'s pool, made on first
+    /// use, or with `None` when the copies go direct.
+    fn with_staging<T>(
+        &self,
+        block: &SharedBlockRef,
+        f: impl FnOnce(Option<&mut PinnedBuffer>) -> Result<T, MemError>,
+    ) -> Result<T, MemError> {
+        let mut guard = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let staging = guard.get_or_insert_with(|| {
+            let host = block.pool().pinned_host()?;
+            let buffer = PinnedHost::new(host).allocate_or_empty(self.block_bytes);
+            (buffer.len() == self.block_bytes).then_some(buffer)
+        });
+        f(staging.as_mut())
     }
 }
 
@@ -104,11 +130,24 @@ impl BlockIo for PoolBlockIo {
     }
 
     fn read_block(&self, block: &SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
-        block.read_into(dst)
+        self.with_staging(block, |staging| match staging {
+            Some(buffer) if buffer.len() == dst.len() => {
+                block.read_into(buffer.as_mut_slice())?;
+                dst.copy_from_slice(buffer.as_slice());
+                Ok(())
+            }
+            _ => block.read_into(dst),
+        })
     }
 
     fn write_block(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
-        block.write_from(src)
+        self.with_staging(block, |staging| match staging {
+            Some(buffer) if buffer.len() == src.len() => {
+                buffer.as_mut_slice().copy_from_slice(src);
+                block.write_from(buffer.as_slice())
+            }
+            _ => block.write_from(src),
+        })
     }
 }
 

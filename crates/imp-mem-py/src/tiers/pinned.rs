@@ -19,25 +19,21 @@ fn fake_pinned_host() -> &'static PinnedHost {
     HOST.get_or_init(|| PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 40))))
 }
 
-/// The pinned host memory that goes with `backend`: the fake's for the
-/// fake, the driver's for a device backend.
+/// The pinned host memory that goes with `backend`: its source's
+/// (`MemorySource::pinned_host`, the driver's on a device), one
+/// `PinnedHost` per device so that `pinned_stats` counts them together;
+/// ordinary host memory for a source with none (the fake).
 pub(crate) fn pinned_host_for(backend: &imp_mem_core::Backend) -> PyResult<PinnedHost> {
-    if backend.info().name == "fake" {
-        Ok(fake_pinned_host().clone())
-    } else {
-        cuda_pinned_host(backend.info().device)
-    }
-}
-
-/// The driver's pinned host memory for `device`, opened once per device.
-fn cuda_pinned_host(device: i32) -> PyResult<PinnedHost> {
+    let Some(ops) = backend.pinned_host() else {
+        return Ok(fake_pinned_host().clone());
+    };
+    let device = backend.info().device;
     static HOSTS: OnceLock<Mutex<Vec<(i32, PinnedHost)>>> = OnceLock::new();
     let mut hosts = lock(HOSTS.get_or_init(|| Mutex::new(Vec::new())));
     if let Some((_, host)) = hosts.iter().find(|(d, _)| *d == device) {
         return Ok(host.clone());
     }
-    let ops = imp_mem_cuda::CudaPinnedHost::new(device).py()?;
-    let host = PinnedHost::new(Arc::new(ops));
+    let host = PinnedHost::new(ops);
     hosts.push((device, host.clone()));
     Ok(host)
 }
