@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from bench_json import write_json
 
 import imp_mem
 
@@ -342,9 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_growth(chunk, chunks, rounds, peers)
     bench_acquire([4096, MIB, 64 * MIB], 50 if args.quick else 300, raw)
     print_table(ROWS)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ROWS, f, indent=1)
+    write_json(args.json, ROWS)
     return 0
 
 

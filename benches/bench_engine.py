@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import tempfile
 import time
+
+from bench_json import write_json
 
 ROWS: list[dict] = []
 
@@ -277,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{100 * ours['imp_mem_share']:.2f} %   goal <= 2 %; acquisitions while "
                 f"serving: {ours['steady_state']}"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ROWS, f, indent=1)
+    write_json(args.json, ROWS)
     return 0
 
 

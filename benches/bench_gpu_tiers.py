@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import sys
 import time
+
+from bench_json import write_json
 
 import imp_mem
 
@@ -269,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_take_release(torch, args.quick)
     bench_fragmentation(torch, args.quick)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ROWS, f, indent=1)
+    write_json(args.json, ROWS)
     return 0
 
 

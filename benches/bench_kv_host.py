@@ -18,11 +18,12 @@ Usage: ``python benches/bench_kv_host.py [--json out.json] [--quick]``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
+
+from bench_json import write_json
 
 import imp_mem
 
@@ -203,9 +204,7 @@ def main() -> None:
         f"  offload  {bw['offload_gbps']:6.1f} GB/s   raw pinned D2H {bw['raw_d2h_gbps']:6.1f} GB/s"
         f"   ratio {bw['offload_ratio']:.2f}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"workload": rows, "bandwidth": bw}, f, indent=2)
+    write_json(args.json, {"workload": rows, "bandwidth": bw}, indent=2)
 
 
 if __name__ == "__main__":

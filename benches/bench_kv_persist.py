@@ -31,7 +31,6 @@ prints why and measures nothing (exit status 0).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -43,6 +42,7 @@ from types import ModuleType
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab_kv import load_builds, paired
+from bench_json import write_json
 
 BS = 16
 ROWS: list[dict] = []
@@ -205,9 +205,7 @@ def main() -> int:
             for path in [*paths.values(), tmp_dir / "peer.bin"]:
                 path.unlink(missing_ok=True)
             del managers
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ROWS, f, indent=1)
+    write_json(args.json, ROWS)
     return 0
 
 

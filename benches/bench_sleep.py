@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import statistics
 import sys
 import time
+
+from bench_json import write_json
 
 import imp_mem
 
@@ -159,9 +160,7 @@ def main() -> int:
     repeats = 2 if args.quick else 5
     for size in sizes:
         bench_size(torch, size, repeats)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ROWS, f, indent=1)
+    write_json(args.json, ROWS)
     return 0
 
 

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from bench_json import write_json
+
 SIZES = [4096, 1 << 20, 16 << 20]
 
 
@@ -156,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for kind in ("scope", "process"):
         print(f"{kind}: steady-state allocations {out[kind].get('steady_state_allocations')}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    write_json(args.json, rows)
     return 0
 
 

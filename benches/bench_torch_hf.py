@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+from bench_json import write_json
+
 MIB = 1 << 20
 
 QWEN3_0_6B = {
@@ -369,9 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     width = max(len(k) for k in rows)
     for k, v in modes[first].items():
         print(f"{k.ljust(width)}  {v:.4f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    write_json(args.json, rows)
     return 0
 
 

@@ -37,6 +37,7 @@ except (ImportError, ValueError, OSError):
     pass
 
 import numpy as np
+from _helpers import TINY
 
 import imp_mem as P
 
@@ -125,18 +126,7 @@ class World:
         tiered.free(3)
         objs += [tiered, P.ActivationPool(fake, "1MiB")]
         objs += [P.PinnedBuffer(4096)]
-        shape = P.ModelShape.from_hf_config(
-            {
-                "model_type": "llama",
-                "hidden_size": 256,
-                "intermediate_size": 512,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "vocab_size": 1000,
-                "max_position_embeddings": 2048,
-            }
-        )
+        shape = P.ModelShape.from_hf_config(dict(TINY, max_position_embeddings=2048))
         plan = P.plan_memory(
             P.PlanInput(
                 shape,

@@ -42,6 +42,8 @@ pub mod scratch;
 pub mod span;
 pub mod system;
 pub mod tag;
+#[cfg(test)]
+mod test_source;
 pub mod tier;
 pub mod units;
 

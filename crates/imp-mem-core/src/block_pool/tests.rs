@@ -732,60 +732,38 @@ fn the_last_block_of_a_grown_pool_copies_and_the_refusals_are_errors() {
     .unwrap();
     let pool = SharedBlockPool::new(unbacked.backend(), &PoolConfig::fixed(16, 2)).unwrap();
     let u = pool.allocate().unwrap();
-    let err = u.read_into(&mut [0; 16]).unwrap_err();
+    assert_copies_refused(&u, 16, "backed=True");
+}
+
+/// Asserts that a copy of `block` (`len` bytes) is refused both ways as
+/// `BackendUnavailable`, the read's message naming `needle`.
+fn assert_copies_refused(block: &SharedBlockRef, len: usize, needle: &str) {
+    let err = block.read_into(&mut vec![0; len]).unwrap_err();
     assert!(
-        matches!(&err, MemError::BackendUnavailable(m) if m.contains("backed=True")),
+        matches!(&err, MemError::BackendUnavailable(m) if m.contains(needle)),
         "{err}"
     );
     assert!(matches!(
-        u.write_from(&[1; 16]),
+        block.write_from(&vec![1; len]),
         Err(MemError::BackendUnavailable(_))
     ));
-}
-
-/// A source that allocates like the fake and has no host copies (the
-/// trait's defaults), as a device source without a copy path would.
-struct NoCopies(Arc<crate::fake::FakeSource>);
-
-// SAFETY: every method that acquires or frees delegates to the fake's
-// source, which keeps the trait's promises; the copies are the refusing
-// defaults.
-unsafe impl crate::backend::MemorySource for NoCopies {
-    fn info(&self) -> crate::backend::SourceInfo {
-        self.0.info()
-    }
-
-    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, crate::backend::SourceError> {
-        self.0.allocate(bytes, align)
-    }
-
-    unsafe fn free(&self, addr: usize, bytes: usize, align: usize) {
-        // SAFETY: the backend passes a live allocation of this source, which
-        // is one of the fake's (every `allocate` above went to it).
-        unsafe { self.0.free(addr, bytes, align) }
-    }
 }
 
 #[test]
 fn a_source_without_host_copies_refuses_a_block_copy() {
     let fb = fake();
     let backend = crate::Backend::new(
-        Arc::new(NoCopies(fb.source().clone())),
+        Arc::new(crate::test_source::TestSource {
+            copies: false,
+            ..crate::test_source::TestSource::over(fb.source().clone())
+        }),
         crate::PhaseMode::Strict,
         None,
     )
     .unwrap();
     let pool = SharedBlockPool::new(&backend, &PoolConfig::fixed(64, 2)).unwrap();
     let a = pool.allocate().unwrap();
-    let err = a.read_into(&mut [0; 64]).unwrap_err();
-    assert!(
-        matches!(&err, MemError::BackendUnavailable(m) if m.contains("cannot copy")),
-        "{err}"
-    );
-    assert!(matches!(
-        a.write_from(&[0; 64]),
-        Err(MemError::BackendUnavailable(_))
-    ));
+    assert_copies_refused(&a, 64, "cannot copy");
     drop(a);
     pool.check_invariants().unwrap();
 }

@@ -1163,69 +1163,18 @@ fn lent_refs_and_offloads_in_flight_are_both_counted_and_a_load_leaves_one_tier(
     assert_eq!(count(Medium::Host, false), 2, "{events:?}");
 }
 
-/// A fake source that has pinned host memory, as a device source has, and
-/// records the host address of every copy it is asked for.
-struct PinnedFake {
-    fake: Arc<crate::fake::FakeSource>,
-    pinned: Arc<crate::pinned::FakePinnedHost>,
-    hosts: std::sync::Mutex<Vec<usize>>,
-}
-
-// SAFETY: acquisitions, frees and copies are delegated to the fake's source,
-// which keeps the trait's promises; the recording touches no memory.
-unsafe impl crate::backend::MemorySource for PinnedFake {
-    fn info(&self) -> crate::backend::SourceInfo {
-        self.fake.info()
-    }
-
-    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, crate::backend::SourceError> {
-        self.fake.allocate(bytes, align)
-    }
-
-    unsafe fn free(&self, addr: usize, bytes: usize, align: usize) {
-        // SAFETY: every allocation of this source is one of the fake's.
-        unsafe { self.fake.free(addr, bytes, align) }
-    }
-
-    fn pinned_host(&self) -> Option<Arc<dyn crate::pinned::PinnedHostOps>> {
-        Some(self.pinned.clone())
-    }
-
-    unsafe fn copy_to_host(
-        &self,
-        src: usize,
-        dst: *mut u8,
-        len: usize,
-    ) -> Result<(), crate::backend::SourceError> {
-        self.hosts.lock().unwrap().push(dst as usize);
-        // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.fake.copy_to_host(src, dst, len) }
-    }
-
-    unsafe fn copy_from_host(
-        &self,
-        dst: usize,
-        src: *const u8,
-        len: usize,
-    ) -> Result<(), crate::backend::SourceError> {
-        self.hosts.lock().unwrap().push(src as usize);
-        // SAFETY: the caller's contract, passed on unchanged.
-        unsafe { self.fake.copy_from_host(dst, src, len) }
-    }
-}
-
 #[test]
 fn block_copies_stage_through_one_pinned_buffer_where_the_source_has_one() {
     use crate::backend::MemorySource;
     for pin_fails in [false, true] {
         let fb = FakeBackend::new(FakeConfig::default()).unwrap();
-        let source = Arc::new(PinnedFake {
-            fake: fb.source().clone(),
-            pinned: Arc::new(crate::pinned::FakePinnedHost::new(1 << 20)),
-            hosts: Default::default(),
+        // The fake with pinned host memory, as a device source has.
+        let source = Arc::new(crate::test_source::TestSource {
+            pinned: Some(Arc::new(crate::pinned::FakePinnedHost::new(1 << 20))),
+            ..crate::test_source::TestSource::over(fb.source().clone())
         });
         if pin_fails {
-            source.pinned.fail_nth(Some(1));
+            source.pinned.as_ref().unwrap().fail_nth(Some(1));
         }
         let backend = crate::Backend::new(source.clone(), crate::PhaseMode::Strict, None).unwrap();
         let pool = SharedBlockPool::new(&backend, &crate::PoolConfig::fixed(64, 4)).unwrap();
@@ -1247,17 +1196,17 @@ fn block_copies_stage_through_one_pinned_buffer_where_the_source_has_one() {
         if pin_fails {
             // Pinning failed once: every copy went straight to the caller's
             // buffers, and no staging buffer was kept.
-            assert_eq!(source.pinned.live_allocations(), 0);
+            assert_eq!(source.pinned.as_ref().unwrap().live_allocations(), 0);
             assert!(distinct.len() > 1, "{hosts:?}");
         } else {
             // One pinned buffer, made at the first copy, served all eight.
-            assert_eq!(source.pinned.live_allocations(), 1);
+            assert_eq!(source.pinned.as_ref().unwrap().live_allocations(), 1);
             assert_eq!(distinct.len(), 1, "{hosts:?}");
             assert_eq!(source.pinned_host().map(|_| ()), Some(()));
         }
         drop(io);
         assert_eq!(
-            source.pinned.live_allocations(),
+            source.pinned.as_ref().unwrap().live_allocations(),
             0,
             "the buffer goes with the io"
         );

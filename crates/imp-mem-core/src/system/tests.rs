@@ -804,92 +804,6 @@ fn kv_manager_refuses_what_does_not_match_the_plan() {
     assert!(system.flush_decommit().is_err());
 }
 
-/// A fake that also reads a device and holds memory past its ledger, as a
-/// VMM source does: a cache of `held` bytes and mappings rounded up to
-/// whole MiB. What `fail_reading` names, the reading fails with.
-struct ChargingSource {
-    fake: crate::fake::FakeSource,
-    held: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    reading: Option<DeviceReading>,
-    fail_reading: Option<crate::backend::SourceError>,
-}
-
-// SAFETY: every memory operation is the fake's, which keeps the contract;
-// the two queries touch no memory.
-unsafe impl crate::backend::MemorySource for ChargingSource {
-    fn info(&self) -> crate::backend::SourceInfo {
-        self.fake.info()
-    }
-
-    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, crate::backend::SourceError> {
-        self.fake.allocate(bytes, align)
-    }
-
-    unsafe fn free(&self, addr: usize, bytes: usize, align: usize) {
-        // SAFETY: passed through from the backend, which keeps the contract.
-        unsafe { self.fake.free(addr, bytes, align) }
-    }
-
-    fn reserve(
-        &self,
-        max_bytes: usize,
-        align: usize,
-    ) -> Result<usize, crate::backend::SourceError> {
-        self.fake.reserve(max_bytes, align)
-    }
-
-    fn commit(
-        &self,
-        base: usize,
-        from: usize,
-        to: usize,
-    ) -> Result<(), crate::backend::SourceError> {
-        self.fake.commit(base, from, to)
-    }
-
-    unsafe fn decommit(
-        &self,
-        base: usize,
-        from: usize,
-        to: usize,
-    ) -> Result<(), crate::backend::SourceError> {
-        // SAFETY: as in `free`.
-        unsafe { self.fake.decommit(base, from, to) }
-    }
-
-    unsafe fn unreserve(&self, base: usize, max_bytes: usize, committed: usize) {
-        // SAFETY: as in `free`.
-        unsafe { self.fake.unreserve(base, max_bytes, committed) }
-    }
-
-    fn addressable(&self) -> bool {
-        self.fake.addressable()
-    }
-
-    fn mem_info(&self) -> Result<Option<DeviceReading>, crate::backend::SourceError> {
-        match &self.fail_reading {
-            Some(err) => Err(err.clone()),
-            None => Ok(self.reading),
-        }
-    }
-
-    fn extra_charges(&self, committed: u64) -> Vec<crate::backend::SourceCharge> {
-        let mapped = committed.div_ceil(MIB) * MIB;
-        vec![
-            crate::backend::SourceCharge {
-                key: "held".into(),
-                label: "kept for reuse".into(),
-                bytes: self.held.load(std::sync::atomic::Ordering::Relaxed),
-            },
-            crate::backend::SourceCharge {
-                key: "rounding".into(),
-                label: "mapped past the ledger".into(),
-                bytes: mapped - committed,
-            },
-        ]
-    }
-}
-
 fn charging(
     held: std::sync::Arc<std::sync::atomic::AtomicU64>,
     reading: Option<DeviceReading>,
@@ -900,11 +814,16 @@ fn charging(
         backed: false,
         ..FakeConfig::default()
     };
-    let source = ChargingSource {
-        fake: crate::fake::FakeSource::new(&config),
-        held,
-        reading,
-        fail_reading,
+    // A fake that also reads a device and holds memory past its ledger, as
+    // a VMM source does: a cache of `held` bytes and mappings rounded up to
+    // whole MiB.
+    let mut source = crate::test_source::TestSource::over(std::sync::Arc::new(
+        crate::fake::FakeSource::new(&config),
+    ));
+    source.held = Some(held);
+    source.reading = match fail_reading {
+        Some(err) => Err(err),
+        None => Ok(reading),
     };
     Backend::new(std::sync::Arc::new(source), PhaseMode::Strict, None).unwrap()
 }

@@ -1,0 +1,141 @@
+//! One source for the core's unit tests that need what a device source has
+//! and the fake lacks: the fake's memory underneath, with a device reading,
+//! charges past the ledger, pinned host memory or no host copies switched on
+//! per test, and the host address of every copy recorded.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::backend::{DeviceReading, MemorySource, SourceCharge, SourceError, SourceInfo};
+use crate::fake::FakeSource;
+use crate::pinned::{FakePinnedHost, PinnedHostOps};
+
+/// The fake's source with device traits added; [`TestSource::over`] gives
+/// one that behaves as the fake does.
+pub(crate) struct TestSource {
+    pub fake: Arc<FakeSource>,
+    /// False: the copies are the trait's refusing defaults.
+    pub copies: bool,
+    pub pinned: Option<Arc<FakePinnedHost>>,
+    /// The host address of each copy, in order.
+    pub hosts: Mutex<Vec<usize>>,
+    /// What `mem_info` reads, or fails with.
+    pub reading: Result<Option<DeviceReading>, SourceError>,
+    /// `Some`: `extra_charges` names these bytes "held" and the rounding of
+    /// the committed bytes up to whole `MiB` "rounding", as a VMM does.
+    pub held: Option<Arc<AtomicU64>>,
+}
+
+impl TestSource {
+    pub fn over(fake: Arc<FakeSource>) -> Self {
+        Self {
+            fake,
+            copies: true,
+            pinned: None,
+            hosts: Mutex::new(Vec::new()),
+            reading: Ok(None),
+            held: None,
+        }
+    }
+
+    fn record(&self, host: usize) {
+        self.hosts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(host);
+    }
+
+    fn refused(&self) -> SourceError {
+        SourceError::Unsupported("the test source cannot copy its memory".into())
+    }
+}
+
+// SAFETY: every memory operation is the fake's, which keeps the contract,
+// passed the backend's arguments unchanged; the queries and the recording
+// touch no memory.
+unsafe impl MemorySource for TestSource {
+    fn info(&self) -> SourceInfo {
+        self.fake.info()
+    }
+
+    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {
+        self.fake.allocate(bytes, align)
+    }
+
+    unsafe fn free(&self, addr: usize, bytes: usize, align: usize) {
+        // SAFETY: the backend's contract, passed on.
+        unsafe { self.fake.free(addr, bytes, align) }
+    }
+
+    fn reserve(&self, max_bytes: usize, align: usize) -> Result<usize, SourceError> {
+        self.fake.reserve(max_bytes, align)
+    }
+
+    fn commit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        self.fake.commit(base, from, to)
+    }
+
+    unsafe fn decommit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        // SAFETY: as in `free`.
+        unsafe { self.fake.decommit(base, from, to) }
+    }
+
+    unsafe fn unreserve(&self, base: usize, max_bytes: usize, committed: usize) {
+        // SAFETY: as in `free`.
+        unsafe { self.fake.unreserve(base, max_bytes, committed) }
+    }
+
+    fn addressable(&self) -> bool {
+        self.fake.addressable()
+    }
+
+    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
+        self.reading.clone()
+    }
+
+    fn extra_charges(&self, committed: u64) -> Vec<SourceCharge> {
+        const MIB: u64 = 1 << 20;
+        let Some(held) = &self.held else {
+            return Vec::new();
+        };
+        vec![
+            SourceCharge {
+                key: "held".into(),
+                label: "kept for reuse".into(),
+                bytes: held.load(Ordering::Relaxed),
+            },
+            SourceCharge {
+                key: "rounding".into(),
+                label: "mapped past the ledger".into(),
+                bytes: committed.div_ceil(MIB) * MIB - committed,
+            },
+        ]
+    }
+
+    fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
+        self.pinned.clone().map(|p| p as Arc<dyn PinnedHostOps>)
+    }
+
+    unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
+        if !self.copies {
+            return Err(self.refused());
+        }
+        self.record(dst as usize);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.fake.copy_to_host(src, dst, len) }
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        dst: usize,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), SourceError> {
+        if !self.copies {
+            return Err(self.refused());
+        }
+        self.record(src as usize);
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.fake.copy_from_host(dst, src, len) }
+    }
+}
