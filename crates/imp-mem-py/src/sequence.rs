@@ -10,10 +10,11 @@
 //!   (the header is the signed digit count up to 3.11, `lv_tag` — the
 //!   count over three flag bits — from 3.12). None of that is in the
 //!   limited API, but none of it changes within a CPython version, so the
-//!   loop is turned on only for CPython 3.9–3.14 with 30-bit digits, and
-//!   only after a self-check on objects it builds agrees with what the API
-//!   reads (the scheme of `ndarray.rs`). An int of one digit (below 2^30:
-//!   every real vocabulary) is read in place, any other through
+//!   loop is turned on only for CPython 3.11 (the wheel's floor) to 3.14
+//!   with 30-bit digits, and only after a self-check on objects it builds
+//!   agrees with what the API reads (the scheme of `ndarray.rs`). An int
+//!   of one digit (below 2^30: every real vocabulary) is read in place, any
+//!   other through
 //!   `PyLong_AsLongLongAndOverflow`. `_core._set_list_direct(False)` turns
 //!   the loop off, so the tests run it and the next;
 //! * the API loop takes the items by index (`PyList_GetItem` /
@@ -124,7 +125,7 @@ fn layout(py: Python<'_>) -> Option<Layout> {
     *LAYOUT.get_or_init(py, || build(py).ok().flatten())
 }
 
-/// The layout for this interpreter, if it is CPython 3.9–3.14 with 30-bit
+/// The layout for this interpreter, if it is CPython 3.11–3.14 with 30-bit
 /// digits and the self-check passes.
 fn build(py: Python<'_>) -> PyResult<Option<Layout>> {
     let sys = py.import("sys")?;
@@ -137,7 +138,7 @@ fn build(py: Python<'_>) -> PyResult<Option<Layout>> {
     let info = sys.getattr("int_info")?;
     let bits: u32 = info.getattr("bits_per_digit")?.extract()?;
     let digit: u32 = info.getattr("sizeof_digit")?.extract()?;
-    if name != "cpython" || major != 3 || !(9..=14).contains(&minor) || bits != 30 || digit != 4 {
+    if name != "cpython" || major != 3 || !(11..=14).contains(&minor) || bits != 30 || digit != 4 {
         return Ok(None);
     }
     self_check(py, minor >= 12)
