@@ -576,7 +576,7 @@ impl PyMemorySystem {
             ),
         };
         let backend = self.backend.get().inner.clone();
-        let host = crate::tiers::pinned_host_for(&backend)?;
+        let host = crate::tiers::pinned_host_for(&backend);
         let report = {
             let system = self.open()?;
             let refs: Option<Vec<&str>> = names

@@ -23,19 +23,19 @@ fn fake_pinned_host() -> &'static PinnedHost {
 /// (`MemorySource::pinned_host`, the driver's on a device), one
 /// `PinnedHost` per device so that `pinned_stats` counts them together;
 /// ordinary host memory for a source with none (the fake).
-pub(crate) fn pinned_host_for(backend: &imp_mem_core::Backend) -> PyResult<PinnedHost> {
+pub(crate) fn pinned_host_for(backend: &imp_mem_core::Backend) -> PinnedHost {
     let Some(ops) = backend.pinned_host() else {
-        return Ok(fake_pinned_host().clone());
+        return fake_pinned_host().clone();
     };
     let device = backend.info().device;
     static HOSTS: OnceLock<Mutex<Vec<(i32, PinnedHost)>>> = OnceLock::new();
     let mut hosts = lock(HOSTS.get_or_init(|| Mutex::new(Vec::new())));
     if let Some((_, host)) = hosts.iter().find(|(d, _)| *d == device) {
-        return Ok(host.clone());
+        return host.clone();
     }
     let host = PinnedHost::new(ops);
     hosts.push((device, host.clone()));
-    Ok(host)
+    host
 }
 
 /// Pinned host memory (T5b): move-only, freed exactly once. With
@@ -61,7 +61,7 @@ impl PyPinnedBuffer {
         let len = size(nbytes, "nbytes")?;
         let host = match &backend {
             None => fake_pinned_host().clone(),
-            Some(b) => pinned_host_for(&b.inner)?,
+            Some(b) => pinned_host_for(&b.inner),
         };
         let buf = if or_empty {
             host.allocate_or_empty(len)
