@@ -108,7 +108,7 @@ def our_side(directory, prompts, new_tokens, max_seq_len):
     import torch
 
     import imp_mem
-    from imp_mem.engine.runtime import Engine, EngineStats
+    from imp_mem.engine.llm_engine import Engine, EngineStats
 
     torch.cuda.reset_peak_memory_stats()
     batch = len(prompts)

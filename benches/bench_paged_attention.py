@@ -23,8 +23,8 @@ import itertools
 
 import torch
 
-from imp_mem.engine import _paged_kernel
-from imp_mem.engine.attention import contiguous_decode_sdpa, paged_decode_attention
+from imp_mem.engine.model import _paged_kernel
+from imp_mem.engine.model.attention import contiguous_decode_sdpa, paged_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 

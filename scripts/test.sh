@@ -20,6 +20,15 @@ rm -rf "$VENV"
     "maturin>=1.5,<2" "pytest>=7" "hypothesis>=6.100" "numpy>=1.22" "ruff==0.17.6" \
     "msgpack>=1.0" "msgspec>=0.18" "pyzmq>=25" "prometheus_client>=0.17" \
     "transformers>=4.46" "matplotlib>=3.5" "mypy>=1.18"
+# torch runs the reference engine, tensor parallelism (gloo), model swap,
+# sleep / wake / weight updates and the torch hooks on the CPU. The wheel
+# the registry serves is the CUDA build (about 3 GiB with its NVIDIA
+# libraries, some minutes to fetch), and it runs on a CPU. Set
+# IMP_MEM_SKIP_TORCH=1 to skip it locally: those modules are then skipped.
+if [ "${IMP_MEM_SKIP_TORCH:-0}" != "1" ]; then
+    step "torch (CPU tests of the engine; IMP_MEM_SKIP_TORCH=1 skips)"
+    "$VENV/bin/python" -m pip install -q "torch==2.15.0" "safetensors>=0.4"
+fi
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

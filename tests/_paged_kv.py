@@ -13,9 +13,9 @@ import random
 
 import torch
 
-from imp_mem.engine.attention import cdiv
 from imp_mem.engine.config import ModelConfig
 from imp_mem.engine.model import KvViews
+from imp_mem.engine.model.attention import cdiv
 
 
 class PagedCache:

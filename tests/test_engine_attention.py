@@ -21,13 +21,16 @@ if torch.cuda.is_available():
     # The interpreter would also take over the GPU tests' kernels in this
     # process; there the GPU test compares the compiled kernel instead.
     pytest.skip("a CUDA device is present: tests/gpu covers the kernel", allow_module_level=True)
-if "imp_mem.engine._paged_kernel" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+if (
+    "imp_mem.engine.model._paged_kernel" in sys.modules
+    and os.environ.get("TRITON_INTERPRET") != "1"
+):
     pytest.skip("the kernel was already compiled without the interpreter", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")
 
-from imp_mem.engine import _paged_kernel  # noqa: E402, F401
-from imp_mem.engine.attention import (  # noqa: E402
+from imp_mem.engine.model import _paged_kernel  # noqa: E402, F401
+from imp_mem.engine.model.attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
     slots,

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from imp_mem.engine import _paged_kernel as K
+    from imp_mem.engine.model import _paged_kernel as K
 
     target = GPUTarget("cuda", 90, 32)
     try:

@@ -30,10 +30,10 @@ transformers = pytest.importorskip("transformers")
 
 from _paged_kv import PagedCache  # noqa: E402
 
-from imp_mem.engine.attention import paged_decode_attention_reference  # noqa: E402
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
 from imp_mem.engine.config import ModelConfig, swa_config  # noqa: E402
 from imp_mem.engine.model import PagedModel  # noqa: E402
+from imp_mem.engine.model.attention import paged_decode_attention_reference  # noqa: E402
 
 BLOCK = 4
 WINDOW = 7
@@ -144,11 +144,11 @@ def _backend(name: str) -> str:
         import os
         import sys
 
-        kernel = sys.modules.get("imp_mem.engine._paged_kernel")
+        kernel = sys.modules.get("imp_mem.engine.model._paged_kernel")
         if kernel is None and not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
             pytest.importorskip("triton")
-            from imp_mem.engine import _paged_kernel as kernel
+            from imp_mem.engine.model import _paged_kernel as kernel
         if kernel is None or not kernel._INTERPRETING:
             pytest.skip("the Triton path is tested on the GPU (tests/gpu)")
     return name

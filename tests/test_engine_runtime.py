@@ -225,6 +225,6 @@ def test_a_callers_features_keep_their_fields_and_gain_the_engines_blocks(checkp
     with open_engine(directory, features=mine) as engine:
         got = engine.plan_input.features
         assert (got.engine_persistent_bytes, got.scratch_bytes) == (8 << 20, 3 << 20)
-        assert got.engine_kv_blocks == 2 + engine._engine_blocks[0]
-        assert got.engine_swa_blocks == engine._engine_blocks[1]
+        assert got.engine_kv_blocks == 2 + engine.runner.engine_blocks[0]
+        assert got.engine_swa_blocks == engine.runner.engine_blocks[1]
         assert len(engine.generate(prompts(2, seed=9), 3)[0]) == 3

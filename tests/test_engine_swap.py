@@ -60,7 +60,7 @@ def engine_on(directory, **kw) -> Engine:
 
 
 def t2_addresses(engine: Engine) -> dict[str, int]:
-    return {name: t.data_ptr() for name, t in engine._t2_raw.items()}
+    return {name: t.data_ptr() for name, t in engine.runner.t2_raw.items()}
 
 
 def test_a_swapped_engine_serves_the_new_checkpoint_as_a_fresh_one_does(checkpoints):

@@ -831,6 +831,15 @@ class ModelShape:
         Safetensors beside a path give the real weight bytes.
         """
     def with_weights_bytes(self, nbytes: ByteCount) -> ModelShape: ...
+    def rank_weights_line(self, tp: int) -> int:
+        """The planner's weights line for one of `tp` ranks: ``ceil(weights /
+        tp)`` rounded up to a MiB."""
+    def for_rank_layout(self, tp: int, largest_rank: ByteCount) -> ModelShape:
+        """The shape `tp` ranks plan with when the largest rank's load lays
+        out `largest_rank` bytes (raised to ``tp * largest_rank`` when the
+        per-rank line is short)."""
+    def check_tp(self, tp: int) -> None:
+        """Raise InvalidArgument when the heads do not split over `tp` ranks."""
     def kv_bytes_per_token(
         self, kv_dtype: str | None = None, tp: int | None = None
     ) -> dict[str, int]:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from imp_mem.engine.attention import (  # noqa: E402
+from imp_mem.engine.model.attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
     slots,

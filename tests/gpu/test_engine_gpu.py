@@ -47,7 +47,7 @@ pytest.importorskip("safetensors")
 from imp_mem.engine import journal  # noqa: E402
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
 from imp_mem.engine.config import qwen3_0_6b_config, swa_config  # noqa: E402
-from imp_mem.engine.runtime import Engine  # noqa: E402
+from imp_mem.engine.llm_engine import Engine  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 THRESHOLDS = HERE / "engine_peak_thresholds.json"
@@ -259,7 +259,7 @@ CHILD = r"""
 import json, sys
 import torch
 import imp_mem
-from imp_mem.engine.runtime import Engine
+from imp_mem.engine.llm_engine import Engine
 
 torch.zeros(1, device="cuda")  # this process's context, and torch's CUDA state
 backend = imp_mem.VmmBackend(device=0, strict=True)
@@ -314,7 +314,7 @@ def test_engine_on_the_imp_mem_torch_pool_allocates_nothing_while_serving(checkp
     nothing acquired while serving, and the same greedy tokens as the engine
     on torch's own allocator."""
     import imp_mem.torch as imt
-    from imp_mem.engine.runtime import measure_torch_high_water
+    from imp_mem.engine.memory import measure_torch_high_water
 
     path = checkpoints["qwen3_0_6b"]
     high = measure_torch_high_water(path, requests=48, **ENGINE)
@@ -399,11 +399,11 @@ def test_the_engine_swaps_between_two_shapes_and_serves_each_as_a_fresh_one(tmp_
     backend = imp_mem.VmmBackend(device=0, strict=True)
     with Engine(a, backend=backend, **kw) as e:
         assert e.generate(prompts, 16) == want_a
-        t2 = {k: t.data_ptr() for k, t in e._t2_raw.items()}
+        t2 = {k: t.data_ptr() for k, t in e.runner.t2_raw.items()}
         report = e.swap_model(b)
         assert report["t1_in_place"] and report["t1_base"][0] == report["t1_base"][1], report
         assert "kv_pool" in report["relaid"], report
-        assert {k: t.data_ptr() for k, t in e._t2_raw.items()} == t2
+        assert {k: t.data_ptr() for k, t in e.runner.t2_raw.items()} == t2
         assert e.generate(prompts, 16) == want_b
         e.swap_model(a)
         assert e.generate(prompts, 16) == want_a

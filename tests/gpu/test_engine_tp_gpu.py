@@ -35,7 +35,7 @@ CHILD = textwrap.dedent(
     import imp_mem
     from imp_mem.engine.checkpoint import write_random_checkpoint
     from imp_mem.engine.config import qwen3_0_6b_config
-    from imp_mem.engine.runtime import Engine
+    from imp_mem.engine.llm_engine import Engine
 
     store, root = sys.argv[1], sys.argv[2]
     config = qwen3_0_6b_config()

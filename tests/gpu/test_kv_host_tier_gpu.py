@@ -167,7 +167,7 @@ def test_onboarded_blocks_serve_the_same_paged_attention():
     """The engine's paged decode attention over a prefix, before its blocks
     were evicted to the host tier and after they were onboarded into other
     device blocks: the same output."""
-    attention = pytest.importorskip("imp_mem.engine.attention")
+    attention = pytest.importorskip("imp_mem.engine.model.attention")
     layers, kv_heads, head_dim, heads = 2, 8, 128, 16
     shape = (layers, 2, BS, kv_heads, head_dim)
     block_bytes = 2 * layers * 2 * BS * kv_heads * head_dim

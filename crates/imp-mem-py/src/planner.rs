@@ -134,6 +134,36 @@ impl PyModelShape {
         })
     }
 
+    /// The planner's weights line for one of `tp` ranks: `ceil(weights /
+    /// tp)` rounded up to a MiB.
+    fn rank_weights_line(&self, tp: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let tp = to_u32(positive(tp, "tp")?, "tp")?;
+        Ok(self.inner.rank_weights_line(tp))
+    }
+
+    /// The shape `tp` ranks plan with when the largest rank's load lays out
+    /// `largest_rank` bytes: this one while its per-rank line covers them,
+    /// else one whose weights are `tp * largest_rank`.
+    fn for_rank_layout(
+        &self,
+        tp: &Bound<'_, PyAny>,
+        largest_rank: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let tp = to_u32(positive(tp, "tp")?, "tp")?;
+        let need = size(largest_rank, "largest_rank")?;
+        Ok(Self {
+            inner: self.inner.clone().for_rank_layout(tp, need),
+        })
+    }
+
+    /// Raises InvalidArgument when the attention heads do not split evenly
+    /// over `tp` ranks (the planner's rule; the message names the nearest
+    /// degrees that do).
+    fn check_tp(&self, tp: &Bound<'_, PyAny>) -> PyResult<()> {
+        let tp = to_u32(positive(tp, "tp")?, "tp")?;
+        self.inner.check_tp(tp).py()
+    }
+
     /// KV bytes one token costs on one of `tp` ranks:
     /// `{"full": ..., "sliding": ..., "total": ...}`.
     #[pyo3(signature = (kv_dtype = None, tp = None))]

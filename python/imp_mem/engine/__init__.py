@@ -3,6 +3,12 @@ KV pool, weights in T1, decode in CUDA graphs over T2 buffers; at TP = 1, or
 tensor-parallel over a ``torch.distributed`` group (``Engine(group=...)``,
 `TensorParallel`: one process per device, each serving its rank's slices).
 
+The rooms: `llm_engine` (the serving loop, `Engine`), `model_runner` (T2
+buffers, staging, warm-up, graphs), `memory` (plan, open, load, charges),
+`scheduler` (continuous batching over the KV manager), `model/` (one file
+per family over shared layers), `tensor_parallel` (the weight split and the
+collectives).
+
 `imp_mem.engine` imports without torch: the scheduler is pure Python over a
 `KVCacheManager`, and the names that run a model (`Engine`, `KvViews`,
 `PagedModel`, `ModelConfig`'s checkpoint writer) import torch only when first
@@ -23,9 +29,11 @@ from imp_mem.engine.scheduler import (
 
 __all__ = [
     "Engine",
+    "EngineMemory",
     "EngineStats",
     "KvViews",
     "ModelConfig",
+    "ModelRunner",
     "PagedModel",
     "Prefill",
     "Request",
@@ -40,9 +48,11 @@ __all__ = [
 
 # Names that need torch, and the module each lives in.
 _LAZY = {
-    "Engine": "imp_mem.engine.runtime",
-    "EngineStats": "imp_mem.engine.runtime",
+    "Engine": "imp_mem.engine.llm_engine",
+    "EngineStats": "imp_mem.engine.llm_engine",
     "KvViews": "imp_mem.engine.model",
+    "ModelRunner": "imp_mem.engine.model_runner",
+    "EngineMemory": "imp_mem.engine.memory",
     "PagedModel": "imp_mem.engine.model",
     "TensorParallel": "imp_mem.engine.tensor_parallel",
     "ModelConfig": "imp_mem.engine.config",

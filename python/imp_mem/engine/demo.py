@@ -36,7 +36,7 @@ def run_engine_demo(
     correct only if no context exists yet). Returns 0."""
     from imp_mem.engine.checkpoint import write_random_checkpoint
     from imp_mem.engine.config import qwen3_0_6b_config
-    from imp_mem.engine.runtime import Engine
+    from imp_mem.engine.llm_engine import Engine
 
     try:
         from tqdm import tqdm
@@ -50,7 +50,7 @@ def run_engine_demo(
         import torch
 
         import imp_mem
-        from imp_mem.engine.runtime import measure_torch_high_water
+        from imp_mem.engine.memory import measure_torch_high_water
         from imp_mem.reserve import device_used_by_all_processes
 
         pooled: dict[str, Any] = {}

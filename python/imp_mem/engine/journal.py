@@ -107,7 +107,7 @@ def record_engine_load(backend: Any, directory: str | Path, **engine_kw: Any) ->
     serves two short requests, and returns `(rows, plan, granularity)`: the
     journal of the whole load (plan, tiers, weights, warm-up, capture) and of
     serving, taken before the engine closes. Needs torch."""
-    from imp_mem.engine.runtime import Engine
+    from imp_mem.engine.llm_engine import Engine
 
     backend.enable_journal()
     with Engine(directory, backend=backend, **engine_kw) as engine:

@@ -62,7 +62,6 @@ class Shard:
 
 
 _KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
-_MIB = 1 << 20
 
 
 def rank_layout_bytes(model_dir: Any, config: ModelConfig, tp: int) -> int:
@@ -85,27 +84,23 @@ def rank_layout_bytes(model_dir: Any, config: ModelConfig, tp: int) -> int:
 
 def plan_shape(model_dir: Any, config: ModelConfig, tp: int) -> tuple[Any, int]:
     """``(shape, need)``: the `ModelShape` to plan `tp` ranks with, and the
-    largest rank's weight layout (`rank_layout_bytes`). The shape is the
-    checkpoint's own unless the planner's per-rank line for it (its bytes
-    over `tp`, rounded up to a MiB) is below `need`; then its weights are
-    ``tp * need``, so every rank's load fits."""
+    largest rank's weight layout (`rank_layout_bytes`; 0 at TP = 1). The
+    planner owns the rule (`ModelShape.for_rank_layout`): the checkpoint's
+    own shape while its per-rank line covers `need`, else one whose weights
+    are ``tp * need``, so every rank's load fits."""
     from imp_mem import ModelShape
 
     shape = ModelShape.from_hf_config(model_dir)
     if tp == 1:
         return shape, 0
     need = rank_layout_bytes(model_dir, config, tp)
-    share = -(-shape.weights_bytes // tp)
-    line = -(-share // _MIB) * _MIB  # the planner's per-rank weights line
-    if line < need:
-        shape = shape.with_weights_bytes(tp * need)
-    return shape, need
+    return shape.for_rank_layout(tp, need), need
 
 
-def _refuse_tp(config: ModelConfig, tp: int) -> None:
-    """Raises the planner's refusal of `tp` for this model's heads: one rule
-    and one message (which names the nearest valid degrees), the planner's."""
-    shape = imp_mem.ModelShape(
+def _check_tp(config: ModelConfig, tp: int) -> None:
+    """The planner's refusal of `tp` for this model's heads: one rule and one
+    message (which names the nearest valid degrees), the planner's."""
+    imp_mem.ModelShape(
         model_type="llama",
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -114,12 +109,7 @@ def _refuse_tp(config: ModelConfig, tp: int) -> None:
         num_key_value_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         vocab_size=config.vocab_size,
-    )
-    imp_mem.PlanInput(shape, imp_mem.Limits(1, 16), imp_mem.Features(), budget=1 << 40, tp=tp)
-    raise InvalidArgument(  # the planner accepted what this engine cannot split
-        f"tp={tp}: the model's {config.num_heads} attention heads and {config.num_kv_heads} "
-        "KV heads do not split evenly over the ranks; use a tp that divides the heads"
-    )
+    ).check_tp(tp)
 
 
 class TensorParallel:
@@ -146,8 +136,7 @@ class TensorParallel:
             self.tp, self.rank = tp, rank
         tp, rank = self.tp, self.rank
         heads, kv = config.num_heads, config.num_kv_heads
-        if heads % tp or not (kv % tp == 0 or tp % kv == 0):
-            _refuse_tp(config, tp)
+        _check_tp(config, tp)
         if config.intermediate_size % tp:
             raise InvalidArgument(
                 f"tp={tp} does not divide intermediate_size ({config.intermediate_size}); "

@@ -310,7 +310,7 @@ pub fn parse_size(text: &str, field: &str) -> Result<u64, MemError> {
 /// evenly: every rank must get the same number of query heads, and the KV
 /// heads must split evenly (`tp` divides them) or be replicated (they
 /// divide `tp`). Names the nearest degrees that do.
-fn check_tp(m: &ModelShape, tp: u32) -> Result<(), MemError> {
+pub(super) fn check_tp(m: &ModelShape, tp: u32) -> Result<(), MemError> {
     let heads = m.num_attention_heads;
     let kv = match m.attention {
         Attention::Gqa { num_kv_heads, .. } => Some(num_kv_heads),

@@ -317,7 +317,7 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
     let state = w(u128::from(state_per_slot) * u128::from(batch));
 
     let d = Demand {
-        weights: mib(m.weights_bytes().div_ceil(tp)),
+        weights: m.rank_weights_line(input.tp),
         vision: mib(f.vision_tower_bytes.div_ceil(tp)),
         draft: mib(f.draft_weights_bytes.div_ceil(tp)),
         workspaces: mib(workspaces),

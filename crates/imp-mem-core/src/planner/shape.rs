@@ -220,6 +220,31 @@ impl ModelShape {
         self
     }
 
+    /// The planner's weights line for one of `tp` ranks: an even share of
+    /// the weights, `ceil(weights / tp)`, rounded up to a MiB.
+    pub fn rank_weights_line(&self, tp: u32) -> u64 {
+        let share = self.weights_bytes().div_ceil(u64::from(tp.max(1)));
+        share.div_ceil(1 << 20).saturating_mul(1 << 20)
+    }
+
+    /// The shape `tp` ranks plan with when the largest rank's load lays out
+    /// `largest_rank` bytes of T1 (its slices, replicated tensors and
+    /// alignment): this shape while its even per-rank line covers that,
+    /// else one whose weights are `tp` times `largest_rank`, so that every
+    /// rank's load fits its line.
+    pub fn for_rank_layout(self, tp: u32, largest_rank: u64) -> Self {
+        if tp <= 1 || self.rank_weights_line(tp) >= largest_rank {
+            return self;
+        }
+        self.with_measured_weights(u64::from(tp).saturating_mul(largest_rank))
+    }
+
+    /// Refuses a tensor-parallel degree this model's attention heads do not
+    /// split over evenly; the error names the nearest degrees that do.
+    pub fn check_tp(&self, tp: u32) -> Result<(), MemError> {
+        super::input::check_tp(self, tp)
+    }
+
     /// Reads a Hugging Face `config.json` already parsed to JSON.
     pub fn from_hf_config(config: &Value) -> Result<ModelShape, MemError> {
         let top = config.as_object().ok_or_else(|| {

@@ -1069,6 +1069,32 @@ fn a_tp_degree_the_heads_do_not_split_over_is_refused_naming_the_nearest() {
 }
 
 #[test]
+fn the_per_rank_weights_line_is_the_plans_and_a_larger_rank_layout_raises_it() {
+    let s = shape(&llama3_8b());
+    for tp in [1, 2, 4, 8] {
+        let mut i = input(s.clone(), 8, 4096, 200 * GIB);
+        i.tp = tp;
+        let plan = plan_memory(&i).unwrap();
+        assert_eq!(plan.weights, s.rank_weights_line(tp), "tp={tp}");
+        assert_eq!(s.rank_weights_line(tp) % MIB, 0);
+        assert!(s.rank_weights_line(tp) * u64::from(tp) >= s.weights_bytes());
+    }
+    // A rank layout within the line keeps the shape; one past it raises the
+    // weights to tp times that layout, and the new line covers it.
+    let line = s.rank_weights_line(4);
+    assert_eq!(s.clone().for_rank_layout(4, line), s);
+    let raised = s.clone().for_rank_layout(4, line + 1);
+    assert_eq!(raised.weights_bytes(), 4 * (line + 1));
+    assert!(raised.rank_weights_line(4) > line);
+    // TP = 1 never raises: the loader checks the one layout against the line.
+    assert_eq!(s.clone().for_rank_layout(1, u64::MAX), s);
+    // The shape refuses the same degrees the planner does, with its message.
+    let err = s.check_tp(3).unwrap_err().to_string();
+    assert!(err.contains("use tp 2 or 4"), "{err}");
+    assert!(s.check_tp(16).is_ok() && s.check_tp(4).is_ok());
+}
+
+#[test]
 fn engine_blocks_add_to_the_kv_targets_and_name_themselves() {
     let base = input(shape(&gemma3_27b()), 8, 4096, 200 * GIB);
     let plain = plan_memory(&base).unwrap();

@@ -16,7 +16,7 @@ Query head ``h`` reads KV head ``h // (heads / kv_heads)``.
 
 Decode attention has two implementations with one signature:
 
-* ``backend="triton"``: the split-K kernel of `imp_mem.engine._paged_kernel`,
+* ``backend="triton"``: the split-K kernel of `imp_mem.engine.model._paged_kernel`,
   reading the pages in place (the GPU path);
 * ``backend="torch"``: a gather of every table entry into a contiguous
   ``[B, M * block_size]`` key range, masked, softmax in float32 (the CPU path
@@ -150,7 +150,7 @@ def paged_decode_attention(
         )
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
-    from imp_mem.engine import _paged_kernel
+    from imp_mem.engine.model import _paged_kernel
 
     return _paged_kernel.paged_decode(
         q,

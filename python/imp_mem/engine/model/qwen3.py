@@ -1,4 +1,4 @@
-"""`PagedModel`: the Qwen3 architecture over paged KV, weights by their
+"""The Qwen3 family (`PagedModel`): the Qwen3 architecture over paged KV, weights by their
 Hugging Face names.
 
 The forward pass mirrors transformers 5.17's ``Qwen3ForCausalLM`` operation
@@ -9,7 +9,7 @@ computed in float32 from ``1 / theta^(2i/d)`` and cast to the model dtype,
 applied as ``x * cos + rotate_half(x) * sin``; SwiGLU; the output head tied to
 the embeddings when the config says so; logits in the model dtype, returned
 as float32. Attention is the one deliberate difference: it reads K/V from
-the pages (`imp_mem.engine.attention`), accumulating in float32.
+the pages (`imp_mem.engine.model.attention`), accumulating in float32.
 
 The weights are used as given (views of imp-mem's T1 arena in the engine):
 nothing is copied, registered or re-laid out. The only tensors the model
@@ -39,25 +39,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from imp_mem.engine.attention import (
+from imp_mem.engine.config import FULL, ModelConfig
+from imp_mem.engine.model.attention import (
     paged_decode_attention,
     prefill_attention,
     slots,
     store_kv,
 )
-from imp_mem.engine.config import FULL, ModelConfig
+from imp_mem.engine.model.layers import KvViews, rms_norm, rope_tables, rotate_half
 from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.errors import InvalidArgument
-
-
-@dataclass
-class KvViews:
-    """The KV pools as the model reads them (layout in the module doc of
-    `imp_mem.engine.attention`)."""
-
-    full: torch.Tensor | None
-    swa: torch.Tensor | None
-    block_size: int
 
 
 def weight_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -88,33 +79,6 @@ def weight_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     return names
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3RMSNorm, rounding for rounding."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_tables(
-    config: ModelConfig, positions: int, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)``, each ``[positions, head_dim]`` in `dtype`, computed as
-    transformers computes them: the inverse frequencies in float32 on the
-    CPU, the angles and their cos/sin in float32 on `device`."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    pos = torch.arange(positions, device=device, dtype=torch.float)
-    freqs = torch.outer(pos, inv_freq.to(device))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class PagedModel:

@@ -1,0 +1,572 @@
+"""The reference engine: a model served entirely from imp-mem's memory.
+
+Three rooms. This file is the serving loop and the engine's public face
+(`Engine`: submit, step, generate, swap, report, close); the model runner
+(`model_runner.ModelRunner`: T2 buffers, pinned staging, KV views,
+warm-up, graphs, the prefill and decode calls) runs the model; the memory
+side (`memory.EngineMemory`: plan, open, load, charges) owns every byte.
+The model itself is `imp_mem.engine.model`, layers composed.
+
+Order (seed A4.2). `Engine(model_dir)`:
+
+1. reads ``config.json`` (`ModelConfig`; `ModelShape.from_hf_config`
+   takes the real weight bytes from the safetensors beside it) and plans
+   with the engine's limits (`max_batch`, `max_seq_len`);
+2. opens a `MemorySystem` on the backend (`VmmBackend` on a GPU,
+   `FakeBackend` otherwise): T2, T1, the KV pools, T4;
+3. loads the weights into T1 (tensors viewing the arena);
+4. takes the static decode buffers from T2 and types the KV pools as
+   tensors (the runner);
+5. warms up, captures decode in one CUDA graph per batch bucket, and
+   enters SERVING (`begin_serving`) before the first request.
+
+Serving. A `Scheduler` batches continuously over the system's
+`KVCacheManager`. Each `step()` admits what fits and prefills it (from the
+first uncached token, in chunks of `prefill_chunk` tokens), then decodes
+every running sequence once: the pending tokens are appended to the
+manager, the runner writes the batch's block tables into pinned staging,
+copies them into T2, replays the bucket's graph and reads the greedy
+tokens (argmax inside the graph) back.
+
+Accounting. `EngineStats` counts the time of every imp-mem call a step
+makes (admission, appends, frees: `Scheduler.kv_seconds`; block tables:
+the runner) against the step's time, so a benchmark can report the share.
+
+Tensor parallelism. `Engine(..., group=g)` serves one rank's shard of the
+model over the ``torch.distributed`` group `g` (one process per device;
+NCCL on GPUs, gloo on the CPU), every rank constructing its own engine
+with the same arguments and submitting the same requests in the same
+order. The plan is the planner's per-rank plan; the memory system opens
+collectively; the loader reads only the rank's slice of each tensor
+(`imp_mem.engine.tensor_parallel`), and after the load all ranks agree:
+when one failed (planning, opening or loading), every rank closes what it
+opened and raises the same `imp_mem.distributed.RankFailure`. A failure
+after that (warm-up, serving) leaves the peers waiting in a collective
+until the group's timeout. The model all-reduces twice a layer and
+gathers the logits, so every rank samples the same greedy token and the
+deterministic scheduler keeps the ranks in step. `fleet_report()` gathers
+every rank's report.
+
+Thread safety: none; one thread drives an engine.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import imp_mem
+from imp_mem.engine.config import ModelConfig, read_config_json
+from imp_mem.engine.memory import EngineMemory, measure_torch_high_water
+from imp_mem.engine.model_runner import ModelRunner, default_buckets, t2_bytes
+from imp_mem.engine.scheduler import Request, Scheduler
+from imp_mem.engine.tensor_parallel import TensorParallel
+from imp_mem.errors import InvalidArgument
+
+__all__ = ["Engine", "EngineStats", "default_buckets", "measure_torch_high_water"]
+
+
+@dataclass
+class EngineStats:
+    """What the engine did since it started serving."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    step_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    # Time inside imp-mem calls (admission, appends, frees, block tables).
+    imp_mem_seconds: float = 0.0
+    # The same, during the decode part of the steps only.
+    decode_imp_mem_seconds: float = 0.0
+    bucket_steps: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def imp_mem_share(self) -> float:
+        """imp-mem's share of the decode part of the steps."""
+        return self.decode_imp_mem_seconds / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class Engine:
+    """A continuous-batching greedy decoder over one model directory (HF
+    ``config.json`` + safetensors), all of whose memory is imp-mem's.
+
+    `backend`: default `VmmBackend` when CUDA is there (torch too), else a
+    backed `FakeBackend` of `budget` (CPU tensors over its host memory).
+    `budget`: the plan's budget (default: the backend's). `graphs`: capture
+    decode in CUDA graphs (default: on a GPU). `buckets`: the batch sizes
+    captured. `torch_pool`: where torch's own allocations go
+    (`imp_mem.engine.memory`). `prefill_chunk`: tokens per prefill call
+    (default 512; a sliding model's window). `features` replaces the plan's
+    `Features` (default: T2 sized to the engine's buffers, T4 at 1 MiB
+    unless `torch_pool` or `scratch_bytes` is given). The plan serves
+    `max_batch` sequences of `max_seq_len` plus the blocks the engine holds
+    itself (the padding block; a sliding model's ring), planned as
+    `Features.engine_kv_blocks`. `swap_model` serves another checkpoint in
+    place (T2 and every address kept).
+    `group`: a ``torch.distributed`` process group to serve a tensor-parallel
+    shard over (module doc); default None, TP = 1. With a group, the default
+    backend is `VmmBackend` on device ``LOCAL_RANK`` (else the group rank).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_batch: int = 32,
+        max_seq_len: int = 2048,
+        backend: Any = None,
+        budget: int | str | None = None,
+        block_size: int | None = None,
+        prefill_chunk: int | None = None,
+        buckets: Sequence[int] | None = None,
+        graphs: bool | None = None,
+        attention_backend: str | None = None,
+        torch_pool: Any = None,
+        enable_prefix_caching: bool = True,
+        kv_growable: bool = False,
+        context: int | None = None,
+        library_reserve: int | None = None,
+        keep_logits: bool = True,
+        progress: bool | None = None,
+        features: Any = None,
+        scratch_bytes: int | None = None,
+        activation_bytes: int | None = None,
+        group: Any = None,
+    ) -> None:
+        t_open = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        self.config_dict = read_config_json(self.model_dir, "model_dir")
+        self.config = ModelConfig.from_hf_config(self.config_dict)
+        c = self.config
+        self.group = group
+        self.tp = TensorParallel(c, group) if group is not None else TensorParallel(c, tp=1)
+        if max_seq_len > c.max_position_embeddings:
+            raise InvalidArgument(
+                f"max_seq_len={max_seq_len} is above the model's max_position_embeddings "
+                f"({c.max_position_embeddings})"
+            )
+        if prefill_chunk is None:
+            # A sliding model's ring grows with the chunk: keep it a window.
+            prefill_chunk = c.sliding_window if c.sliding_layers else 512
+        if prefill_chunk < 1:
+            raise InvalidArgument(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = min(prefill_chunk, max_seq_len)
+        self.keep_logits = keep_logits
+        self.kv_growable = kv_growable
+        self.activation_bytes = activation_bytes
+        self.memory = EngineMemory(
+            group=group,
+            torch_pool=torch_pool,
+            activation_bytes=activation_bytes,
+            scratch_bytes=scratch_bytes,
+            kv_growable=kv_growable,
+        )
+        self.stats = EngineStats()
+
+        # -- 1. the plan -------------------------------------------------------
+        self._open_args = (enable_prefix_caching, buckets, graphs, attention_backend, progress)
+        memory = self.memory
+        error = None
+        try:
+            memory.resolve_backend(backend, budget, self.tp)
+            self.runner = ModelRunner(
+                memory,
+                max_batch=max_batch,
+                max_seq_len=max_seq_len,
+                prefill_chunk=self.prefill_chunk,
+                keep_logits=keep_logits,
+            )
+            self._plan(budget, block_size, context, library_reserve, features)
+            if memory.on_gpu:
+                # Before the first collective: NCCL binds its communicator
+                # to the current device.
+                torch.cuda.set_device(memory.device)
+        except Exception as e:  # every rank must reach the agreement below
+            error = e
+        before = memory.nccl_reading()
+        memory.agree("planning", error)
+        memory.nccl_bytes = memory.nccl_lost(before)
+        # A swap plans with the same arguments, against the same budget (the
+        # backend's shrinks once the system holds its context and reserve).
+        self._plan_args = (self.plan.budget, block_size, context, library_reserve, features)
+
+        # -- 2. the memory system ---------------------------------------------
+        memory.open()
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        self.open_seconds = time.perf_counter() - t_open
+
+    # ------------------------------------------------- what the rooms hold
+
+    @property
+    def backend(self) -> Any:
+        return self.memory.backend
+
+    @property
+    def system(self) -> Any:
+        return self.memory.system
+
+    @property
+    def plan(self) -> Any:
+        return self.memory.plan
+
+    @property
+    def plan_input(self) -> Any:
+        return self.memory.plan_input
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.memory.on_gpu
+
+    @property
+    def device(self) -> torch.device:
+        return self.memory.device
+
+    @property
+    def load_seconds(self) -> float:
+        return self.memory.load_seconds
+
+    @property
+    def weights_over_share(self) -> int:
+        return self.memory.weights_over_share
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    @property
+    def sliding(self) -> bool:
+        return bool(self.config.sliding_layers)
+
+    @property
+    def model(self) -> Any:
+        return self.runner.model
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.runner.weights
+
+    @property
+    def kv_views(self) -> Any:
+        return self.runner.kv_views
+
+    @property
+    def graphs(self) -> dict[int, Any]:
+        return self.runner.graphs
+
+    @property
+    def buckets(self) -> list[int]:
+        return self.runner.buckets
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.runner.use_graphs
+
+    @property
+    def engine_seqs(self) -> list[int]:
+        """The sequence ids the engine holds blocks through (padding, ring)."""
+        return self.runner.engine_seqs
+
+    # --------------------------------------------------------------- setup
+
+    def _plan(self, budget, block_size, context, library_reserve, features) -> None:
+        c, memory, runner = self.config, self.memory, self.runner
+        probe_bs = block_size or imp_mem.Limits(1, 16).block_size
+        runner.set_model(c, probe_bs)
+        limits = imp_mem.Limits(self.max_batch, self.max_seq_len, block_size=block_size)
+        default = None
+        if features is None:
+            default = memory.features(t2_bytes(runner.groups(probe_bs)), runner.engine_blocks)
+        memory.make_plan(
+            self.model_dir,
+            c,
+            self.tp,
+            limits=limits,
+            budget=budget,
+            context=context,
+            library_reserve=library_reserve,
+            features=features,
+            default_features=default,
+            engine_blocks=runner.engine_blocks,
+        )
+        runner.set_model(c, int(self.plan.kv["block_size"]))
+
+    def _open(self) -> None:
+        prefix_caching, buckets, graphs, attention_backend, progress = self._open_args
+        error = None
+        try:
+            self._load(prefix_caching, attention_backend, progress)
+        except Exception as e:  # every rank must reach the agreement below
+            error = e
+        # Past here the ranks run collectives: none may be missing.
+        self.memory.agree("loading the weights", error)
+        self._serve(buckets, graphs)
+
+    def _load(self, prefix_caching, attention_backend, progress) -> None:
+        memory, c = self.memory, self.config
+        memory.make_torch_pool()
+        weights = memory.load_weights(self.model_dir, self.tp, progress)
+        self.kv = memory.kv_manager(
+            prefix_caching=prefix_caching and not self.sliding,
+            swa_window=c.sliding_window if self.sliding else None,
+            fingerprint=str(self.model_dir.name),
+        )
+        self.runner.load(weights, self.kv, attention_backend=attention_backend, tp=self.tp)
+        self.scheduler = Scheduler(self.kv, max_batch=self.max_batch, max_seq_len=self.max_seq_len)
+
+    def _serve(self, buckets, graphs, *, begin: bool = True) -> None:
+        self.runner.serve(buckets, graphs)
+        if begin:
+            self.system.begin_serving()
+        self.stats = EngineStats()  # serving starts here
+
+    # ------------------------------------------------------------ the loop
+
+    def step(self) -> list[tuple[int, int]]:
+        """One engine step: admissions and their prefills, then one decode
+        of every running sequence. Returns the `(seq_id, token)` pairs
+        produced, in order."""
+        sched, stats, runner = self.scheduler, self.stats, self.runner
+        t_step = time.perf_counter()
+        kv0 = sched.kv_seconds
+        imp0 = runner.imp_mem_seconds
+        out: list[tuple[int, int]] = []
+        with torch.inference_mode(), runner.on_stream(), self.memory.torch_ctx():
+            prefills = sched.admit_waiting()
+            t0 = time.perf_counter()
+            for p in prefills:
+                tok, n = runner.prefill(p)
+                stats.prefill_tokens += n
+                sched.prefilled(p, tok)
+                out.append((p.request.seq_id, tok))
+            if prefills:
+                stats.prefill_seconds += time.perf_counter() - t0
+            t_dec = time.perf_counter()
+            kv_dec = sched.kv_seconds
+            imp_dec = runner.imp_mem_seconds
+            batch = sched.prepare_decode()
+            if batch:
+                tokens, b = runner.decode(batch)
+                stats.bucket_steps[b] = stats.bucket_steps.get(b, 0) + 1
+                sched.decoded(batch, tokens)
+                out.extend((r.seq_id, t) for r, t in zip(batch, tokens, strict=True))
+                stats.decode_seconds += time.perf_counter() - t_dec
+                stats.decode_steps += 1
+                stats.decode_tokens += len(batch)
+                stats.decode_imp_mem_seconds += (
+                    sched.kv_seconds - kv_dec + runner.imp_mem_seconds - imp_dec
+                )
+        if self.kv_growable:
+            # The growable pool's hysteretic shrink, fenced after this step.
+            fence = None
+            if self.on_gpu:
+                fence = torch.cuda.Event()
+                fence.record(runner.stream)
+            t0 = time.perf_counter()
+            self.system.step(fence)
+            runner.imp_mem_seconds += time.perf_counter() - t0
+        stats.imp_mem_seconds += sched.kv_seconds - kv0 + runner.imp_mem_seconds - imp0
+        stats.steps += 1
+        stats.step_seconds += time.perf_counter() - t_step
+        return out
+
+    # -------------------------------------------------------------- requests
+
+    def submit(
+        self, prompt: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None
+    ) -> Request:
+        """Queues a request (served by the next `step()` calls)."""
+        return self.scheduler.submit(prompt, max_new_tokens, eos_token_id=eos_token_id)
+
+    def cancel(self, seq_id: int) -> bool:
+        """Cancels a request at any point; False if it already ended."""
+        return self.scheduler.cancel(seq_id)
+
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+    ) -> Iterator[tuple[int, int]]:
+        """Serves `prompts` to the end, yielding `(prompt index, token)` as
+        the tokens are produced."""
+        index = {}
+        for i, p in enumerate(prompts):
+            index[self.submit(p, max_new_tokens, eos_token_id=eos_token_id).seq_id] = i
+        live = set(index)
+        while live:
+            for sid, tok in self.step():
+                if sid in index:
+                    yield index[sid], tok
+            for sid in [s for s in live if self.scheduler.requests[s].done]:
+                live.discard(sid)
+                self.scheduler.reap(sid)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+    ) -> list[list[int]]:
+        """Greedy continuations of `prompts` (token ids), continuously batched."""
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, tok in self.stream(prompts, max_new_tokens, eos_token_id=eos_token_id):
+            out[i].append(tok)
+        return out
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Steps until nothing is waiting or running (or `until()` says stop)."""
+        while self.scheduler.has_work and not (until and until()):
+            self.step()
+
+    # ------------------------------------------------------------ model swap
+
+    def swap_model(self, model_dir: str | Path) -> dict[str, Any]:
+        """Serves the checkpoint in `model_dir` in place of this one without
+        closing the memory system (issue 19). Inside the backend's
+        replanning bracket it drops the model's graphs, views and KV
+        manager, plans the new config with this engine's arguments, swaps
+        the system's model (`MemorySystem.swap_model`: T2 kept at its
+        address, T1 reset and resized at its base on a VMM backend, the KV
+        pool re-laid when its geometry changes, the prefix cache dropped),
+        loads the new weights into T1, warms up and captures again. Returns
+        the swap's report.
+
+        Refused with `InvalidArgument`, changing nothing, while requests are
+        waiting or running, on a tensor-parallel engine, or when the new
+        model needs T2 laid out differently (another vocabulary while
+        logits are kept, sliding layers where there were none). When the
+        swap itself fails, the old checkpoint is loaded again and serves
+        on, and the error is raised."""
+        if self.group is not None:
+            raise InvalidArgument(
+                "swap_model: a tensor-parallel engine cannot swap its model; close it and "
+                "open an engine on the new checkpoint"
+            )
+        if self.scheduler.has_work:
+            raise InvalidArgument(
+                "swap_model: requests are waiting or running; finish them (run()) or cancel "
+                "them first"
+            )
+        new_dir = Path(model_dir)
+        new_dict = read_config_json(new_dir, "model_dir")
+        new_config = ModelConfig.from_hf_config(new_dict)
+        if self.max_seq_len > new_config.max_position_embeddings:
+            raise InvalidArgument(
+                f"swap_model: max_seq_len={self.max_seq_len} is above {new_dir.name}'s "
+                f"max_position_embeddings ({new_config.max_position_embeddings})"
+            )
+        old = (self.model_dir, self.config_dict, self.config)
+        t2 = self.runner.groups()
+        self._set_model(new_dir, new_dict, new_config)
+        if self.runner.groups() != t2:
+            self._set_model(*old)
+            raise InvalidArgument(
+                f"swap_model: {new_dir.name} needs engine buffers (T2) laid out differently "
+                "(its vocabulary or its sliding layers differ), and a swap keeps T2; open a "
+                "new engine for it"
+            )
+        self._drop_model()
+        with self.backend.replanning(f"model swap to {new_dir.name}"):
+            try:
+                self._plan(*self._plan_args)
+                report = self.system.swap_model(self.plan)
+            except BaseException:
+                # The old model serves on: its plan again, its weights read
+                # again into the (reset) T1, its KV manager and graphs.
+                self._set_model(*old)
+                self._plan(*self._plan_args)
+                self.system.weights_arena.reset()
+                self._reload()
+                raise
+            self._reload()
+        return report
+
+    def _set_model(self, model_dir: Path, config_dict: dict, config: ModelConfig) -> None:
+        self.model_dir, self.config_dict, self.config = model_dir, config_dict, config
+        self.tp = TensorParallel(config, tp=1)
+        self.runner.set_model(config, self.runner.block_size)
+
+    def _drop_model(self) -> None:
+        """Drops everything over the model's memory (graphs, weights, KV
+        views and manager), so that no export of T1 and no block is alive."""
+        self.runner.drop_model()
+        for name in ("scheduler", "kv"):
+            if hasattr(self, name):
+                delattr(self, name)
+        if hasattr(self.runner, "kv"):
+            del self.runner.kv
+        # Exports held in a reference cycle would keep their tier alive.
+        gc.collect()
+        self.memory.empty_torch_cache()
+
+    def _reload(self) -> None:
+        prefix_caching, buckets, graphs, attention_backend, progress = self._open_args
+        self._load(prefix_caching, attention_backend, progress)
+        self._serve(buckets, graphs, begin=False)
+
+    # ----------------------------------------------------------------- report
+
+    def mem_report(self, other_processes: int | None = None) -> dict[str, Any]:
+        """The memory system's report (torch's reserved bytes named when
+        torch's allocator holds any); `other_processes` is device memory
+        other processes use, left out of the attribution."""
+        self.memory.charge_torch()
+        return self.system.mem_report(other_processes=other_processes)
+
+    def fleet_report(self, *, dst: int = 0, other_processes: int | None = None) -> Any:
+        """Every rank's `mem_report` gathered on rank `dst` of the group as a
+        `imp_mem.distributed.FleetReport` (None on the other ranks; every
+        rank must call it). At TP = 1, this engine's report alone."""
+        from imp_mem.distributed import FleetReport, gather_reports
+
+        self.memory.charge_torch()
+        if self.group is None:
+            return FleetReport([self.system.mem_report(other_processes=other_processes)])
+        return gather_reports(
+            self.system, group=self.group, dst=dst, other_processes=other_processes
+        )
+
+    def mem_report_text(self, other_processes: int | None = None) -> str:
+        """`mem_report` as the text table."""
+        self.memory.charge_torch()
+        return self.system.mem_report_text(other_processes=other_processes)
+
+    def close(self) -> dict[str, Any] | None:
+        """Drops every tensor over imp-mem's memory, then closes the system."""
+        if getattr(self.memory, "system", None) is None:
+            return None
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.drop_model()
+            runner.drop_buffers()
+            if hasattr(runner, "kv"):
+                del runner.kv
+        for name in ("scheduler", "kv"):
+            if hasattr(self, name):
+                delattr(self, name)
+        # Exports held in a reference cycle would keep their tier alive.
+        gc.collect()
+        return self.memory.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.close()

@@ -1,0 +1,497 @@
+"""The model runner: what runs a model over imp-mem's memory, one batch at
+a time. The serving loop (`llm_engine`) hands it a prefill or a decode
+batch; the memory side (`memory`) has planned and opened what it uses.
+
+Buffers. The static decode buffers live in T2 (token ids, positions, block
+tables, next tokens, logits): tensors over `StableSpan`s, whose addresses
+never change, so CUDA graphs may bake them in. Three regions (a step's
+inputs, a prefill chunk's inputs, the outputs), each staged in a pinned
+host region of the same layout (`PinnedBuffer`), so a step costs one
+host-to-device copy of its inputs. `t2_groups` is the layout; the plan
+sizes T2 from it (`t2_bytes`), to the byte. The KV pools are typed as
+tensors in the attention's layout (`BlockPool.view`, the whole
+reservation), their block bytes checked against that layout.
+
+Warm-up and graphs. `serve` warms up (a prefill of the longest chunk over
+the longest context, the decode at every batch bucket), then captures
+decode in one CUDA graph per bucket over the T2 tensors only (no graphs on
+the CPU). Padding rows of a bucket feed position 0 through a table whose
+only block is a scratch block the runner holds, so they write only there.
+
+Sliding-window layers. The KV manager keeps SWA blocks only for each
+sequence's trailing window, while a prefill's early queries need the
+window before *them*. The runner holds a ring of scratch SWA blocks and,
+for each prefill chunk, maps the logical blocks the manager has not given
+(below the trailing window) onto the ring (logical block ``j`` on ring
+slot ``j % len(ring)``, the ring longer than any chunk's reach), so every
+query sees its whole window; the K/V written there are dropped after the
+prefill, as the manager would drop them. The prefix cache holds only
+full-attention blocks, so a prefix hit would leave the window's SWA K/V
+uncomputed: models with sliding layers run with prefix caching off, and are
+planned for `max_batch` plus the ring's sequences' worth of SWA blocks
+(`engine_blocks`).
+
+Thread safety: none; one thread drives the runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import imp_mem
+from imp_mem.engine.config import ModelConfig
+from imp_mem.engine.model import KvViews, PagedModel
+from imp_mem.engine.scheduler import Prefill, Request
+from imp_mem.errors import InvalidArgument
+
+# Sequence ids of the runner's own (a scheduler counts from 0).
+PAD_SEQ = (1 << 63) - 2
+WARM_SEQ = (1 << 63) - 1
+RING_SEQ = 1 << 62
+
+# The plan's KV dtype names -> torch's.
+_KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """Batch sizes captured as graphs: powers of two up to `max_batch`, and it."""
+    out = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
+    return [*out, max_batch]
+
+
+def engine_blocks(config: ModelConfig, prefill_chunk: int, block_size: int) -> tuple[int, list]:
+    """``(ring_blocks, [full, swa])``: the SWA ring's length and the blocks
+    the runner holds through sequences of its own (`reserve_blocks`), planned
+    as blocks beyond max_batch sequences: the padding rows' block in each
+    pool and, for a sliding model, the ring, which must be longer than a
+    chunk's reach (chunk + window); each ring sequence holds a window's
+    blocks in both pools."""
+    if not config.sliding_layers:
+        return 0, [1, 0]
+    ring = math.ceil((prefill_chunk + config.sliding_window) / block_size) + 2
+    per_seq = math.ceil(config.sliding_window / block_size)
+    held = math.ceil(ring / per_seq) * per_seq
+    return ring, [1 + held, 1 + held]
+
+
+def t2_groups(
+    config: ModelConfig,
+    *,
+    max_batch: int,
+    max_seq_len: int,
+    prefill_chunk: int,
+    block_size: int,
+    keep_logits: bool,
+) -> dict[str, dict[str, tuple]]:
+    """The static buffers in T2, by region: name -> (shape, dtype)."""
+    B, C = max_batch, prefill_chunk
+    W = math.ceil(max_seq_len / block_size)
+    decode_in = {
+        "ids": ((B,), torch.int64),
+        "pos": ((B,), torch.int64),
+        "tables": ((B, W), torch.int32),
+    }
+    prefill_in = {"prefill_ids": ((C,), torch.int64), "prefill_table": ((W,), torch.int32)}
+    out = {"next": ((B,), torch.int64)}
+    if config.sliding_layers:
+        decode_in["swa_tables"] = ((B, W), torch.int32)
+        prefill_in["prefill_swa"] = ((W,), torch.int32)
+    if keep_logits:
+        out["logits"] = ((B, config.vocab_size), torch.float32)
+    return {"decode_in": decode_in, "prefill_in": prefill_in, "out": out}
+
+
+def t2_bytes(groups: dict[str, dict[str, tuple]]) -> int:
+    """T2 as the runner uses it: its regions, each 256-byte aligned."""
+    return sum(_layout(specs)[1] for specs in groups.values())
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _layout(specs: dict[str, tuple[tuple, torch.dtype]]) -> tuple[dict[str, tuple], int]:
+    """Offsets of a group of buffers in one region, each 256-byte aligned:
+    `{name: (offset, nbytes, shape, dtype)}` and the region's bytes."""
+    out, off = {}, 0
+    for name, (shape, dtype) in specs.items():
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        out[name] = (off, nbytes, shape, dtype)
+        off = -(-(off + nbytes) // 256) * 256
+    return out, max(off, 256)
+
+
+def _carve(raw: torch.Tensor, layout: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Typed views of a uint8 region at `layout`'s offsets."""
+    return {
+        name: raw[off : off + n].view(dtype).view(shape)
+        for name, (off, n, shape, dtype) in layout.items()
+    }
+
+
+class _Staging:
+    """A group of host staging arrays in one pinned region (imp-mem's
+    `PinnedBuffer`): `raw` (uint8), and per name a torch view (`t[name]`)
+    and a NumPy view (`np[name]`) of the same bytes."""
+
+    def __init__(self, backend: Any, specs: dict[str, tuple[tuple, torch.dtype]]) -> None:
+        layout, total = _layout(specs)
+        self.buffer = imp_mem.PinnedBuffer(total, backend=backend)
+        self.raw = torch.from_dlpack(self.buffer.span())[:total]
+        self.t = _carve(self.raw, layout)
+        self.np = {name: t.numpy() for name, t in self.t.items()}
+
+
+def _pad_row(width: int, block: int):
+    import numpy as np
+
+    row = np.full(width, -1, dtype=np.int32)
+    row[0] = block
+    return row
+
+
+# What holds the model's memory (weights, KV views, graphs): what a model
+# swap or a sleep drops, and close() with T2's buffers.
+MODEL_ATTRS = ("graphs", "model", "weights", "kv_views")
+
+
+class ModelRunner:
+    """Runs one model's prefills and decodes over T2 buffers, the KV pools
+    and (on a GPU) CUDA graphs. `memory` is the engine's `EngineMemory`
+    (the system, the torch pool, the charges)."""
+
+    def __init__(
+        self,
+        memory: Any,
+        *,
+        max_batch: int,
+        max_seq_len: int,
+        prefill_chunk: int,
+        keep_logits: bool,
+    ) -> None:
+        self.memory = memory
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.keep_logits = keep_logits
+        self.device = memory.device
+        self.on_gpu = memory.on_gpu
+        self._stream: Any = None
+        self.graphs: dict[int, Any] = {}
+        # Seconds spent in imp-mem calls (block tables), for EngineStats.
+        self.imp_mem_seconds = 0.0
+
+    # ---------------------------------------------------------------- setup
+
+    def set_model(self, config: ModelConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.sliding = bool(config.sliding_layers)
+        self.ring_blocks, self.engine_blocks = engine_blocks(config, self.prefill_chunk, block_size)
+
+    def groups(self, block_size: int | None = None) -> dict[str, dict[str, tuple]]:
+        """`t2_groups` for this runner's model and limits."""
+        return t2_groups(
+            self.config,
+            max_batch=self.max_batch,
+            max_seq_len=self.max_seq_len,
+            prefill_chunk=self.prefill_chunk,
+            block_size=block_size or self.block_size,
+            keep_logits=self.keep_logits,
+        )
+
+    def load(
+        self, weights: dict[str, torch.Tensor], kv: Any, *, attention_backend: str | None, tp: Any
+    ) -> None:
+        """The model over `weights`, the KV pools as tensors, the runner's
+        own blocks from `kv` (the manager), T2 carved (once: a model swap
+        keeps T2, whose layout it checks to be the same) and its inputs
+        reset to padding."""
+        c = self.config
+        system = self.memory.system
+        self.weights = weights
+        self.model = PagedModel(
+            c,
+            weights,
+            attention_backend=attention_backend,
+            max_positions=self.max_seq_len,
+            tp=tp,
+        )
+        kv_dtype = getattr(torch, _KV_DTYPES[self.memory.plan.kv["dtype"]])
+        geometry = (self.block_size, tp.kv_heads, c.head_dim)
+        full = self._pool_view(system.kv_pool, len(c.full_layers), geometry, kv_dtype, "kv")
+        swa = None
+        if self.sliding:
+            if system.swa_pool is None:
+                raise InvalidArgument("the model has sliding layers but the plan has no SWA pool")
+            swa = self._pool_view(system.swa_pool, len(c.sliding_layers), geometry, kv_dtype, "swa")
+        self.kv_views = KvViews(full=full, swa=swa, block_size=self.block_size)
+        self.kv = kv
+        self.reserve_blocks()
+        if not hasattr(self, "t2"):
+            self._carve_t2()
+        self.reset_inputs()
+
+    def reserve_blocks(self) -> None:
+        """Blocks the runner holds while serving, through sequences of its
+        own in the manager (which accounts for every block of its pools):
+        the padding rows' block in each pool, and the SWA prefill ring."""
+        kv = self.kv
+        kv.admit(PAD_SEQ, [0])
+        self.engine_seqs = [PAD_SEQ]
+        self._pad_full = kv.block_table(PAD_SEQ)[0]
+        self._pad_swa = kv.swa_table(PAD_SEQ)[0] if self.sliding else -1
+        self._ring: list[int] = []
+        while len(self._ring) < self.ring_blocks:
+            sid = RING_SEQ + len(self.engine_seqs)
+            kv.admit(sid, [1] * self.config.sliding_window)
+            self.engine_seqs.append(sid)
+            self._ring.extend(b for b in kv.swa_table(sid) if b >= 0)
+
+    def release_blocks(self) -> None:
+        """Gives the runner's own blocks back to the manager (the padding
+        block, the ring): a pool that sleeps must hold no live block."""
+        for sid in getattr(self, "engine_seqs", ()):
+            self.kv.abort(sid)
+        self.engine_seqs = []
+
+    def reset_inputs(self) -> None:
+        """Every row of the step's inputs on the padding block (position 0),
+        staged and copied into T2."""
+        W = self.width
+        self._pad_row = _pad_row(W, self._pad_full)
+        self._pad_swa_row = _pad_row(W, self._pad_swa)
+        step_in = self.staging["decode_in"].np
+        step_in["tables"][:] = self._pad_row
+        step_in["ids"][:] = 0
+        step_in["pos"][:] = 0
+        if self.sliding:
+            step_in["swa_tables"][:] = self._pad_swa_row
+        self.t2_raw["decode_in"].copy_(self.staging["decode_in"].raw)
+
+    def _carve_t2(self) -> None:
+        self.width = math.ceil(self.max_seq_len / self.block_size)
+        self.t2: dict[str, torch.Tensor] = {}
+        self.t2_raw: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, _Staging] = {}
+        groups = self.groups()
+        for group, specs in groups.items():
+            layout, total = _layout(specs)
+            raw = torch.from_dlpack(self.memory.system.engine_arena.take(total, 256))
+            self.t2_raw[group] = raw
+            self.t2.update(_carve(raw, layout))
+            if group != "out":
+                self.staging[group] = _Staging(self.memory.backend, specs)
+        self.staging["next"] = _Staging(self.memory.backend, {"next": groups["out"]["next"]})
+
+    def _pool_view(self, pool, layers, geometry, dtype, what) -> torch.Tensor:
+        shape = (layers, 2, *geometry)
+        want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if pool.block_bytes != want:
+            raise InvalidArgument(
+                f"the {what} pool's blocks are {pool.block_bytes} B; the layout "
+                f"[{layers}, 2, {geometry[0]}, {geometry[1]}, {geometry[2]}] x {dtype} is {want} B"
+            )
+        name = str(dtype).removeprefix("torch.")
+        view = torch.from_dlpack(pool.view(name, shape))
+        assert view.is_contiguous() and view.shape[1:] == shape
+        return view
+
+    def drop_model(self) -> None:
+        """Drops everything over the model's memory (graphs, weights, KV
+        views), so that no export of T1 or of a pool is alive."""
+        for name in MODEL_ATTRS:
+            if hasattr(self, name):
+                delattr(self, name)
+        self.graphs = {}
+
+    def drop_buffers(self) -> None:
+        """Drops T2's tensors and the staging (before the system closes)."""
+        for name in ("t2", "t2_raw", "staging"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+    # ------------------------------------------------- warm-up and graphs
+
+    def on_stream(self) -> Any:
+        """The runner's stream: every kernel it runs, eager or captured, goes
+        there, so cuBLAS keeps one workspace for it (a workspace is per
+        stream) rather than one for the current stream and one for capture."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    @property
+    def stream(self) -> Any:
+        return self._stream
+
+    def serve(self, buckets: Sequence[int] | None, graphs: bool | None) -> None:
+        """Warms up and captures the decode graphs (module doc)."""
+        memory = self.memory
+        if self.on_gpu:
+            if self._stream is None:  # kept across a model swap
+                self._stream = torch.cuda.Stream(self.device)
+            # The weights and T2 were written on the current stream.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        else:
+            self._stream = None
+        self.use_graphs = self.on_gpu if graphs is None else graphs
+        if self.use_graphs and not self.on_gpu:
+            raise InvalidArgument("graphs=True needs a GPU backend")
+        self.buckets = sorted(set(buckets or default_buckets(self.max_batch)))
+        if self.buckets[-1] < self.max_batch or self.buckets[0] < 1:
+            raise InvalidArgument(
+                f"buckets {self.buckets} must be at least 1 and cover max_batch={self.max_batch}"
+            )
+        with self.on_stream():
+            self._warm_up()
+        # The warm-up's transients go back to the device before the capture
+        # takes its pool, so torch's peak is the larger of the two, not the sum.
+        memory.empty_torch_cache()
+        self.graphs = {}
+        if self.use_graphs:
+            self._capture()
+            memory.empty_torch_cache()
+        memory.charge_torch()
+
+    def _warm_up(self) -> None:
+        """Prefills of the longest chunk at the end of the longest context,
+        of a full chunk from the start and of one token, then the decode at
+        every bucket: torch's allocator (or the activation pool) holds the
+        prefill's working set before serving, and every kernel is compiled
+        before any capture."""
+        kv = self.kv
+        sid = WARM_SEQ
+        n = self.max_seq_len - 1
+        tokens = [0] * n
+        if kv.can_admit(tokens):
+            kv.admit(sid, tokens)
+            try:
+                chunk = min(self.prefill_chunk, n)
+                with torch.inference_mode(), self.memory.torch_ctx():
+                    for start, end in ((n - chunk, n), (0, chunk), (0, 1)):
+                        self.prefill_chunk_logits(sid, tokens, start, end)
+            finally:
+                kv.abort(sid)
+        with torch.inference_mode(), self.memory.torch_ctx():
+            for b in sorted(self.buckets, reverse=True):
+                self.decode_body(b)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+
+    def _capture(self) -> None:
+        # On the stream the warm-up ran on (its library handles and
+        # workspaces exist already, as torch's graph recipe needs).
+        pool, stream = self.memory.graph_pool(), self._stream
+        with torch.inference_mode():
+            for b in sorted(self.buckets, reverse=True):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    self.decode_body(b)
+                self.graphs[b] = g
+        torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------ the steps
+
+    def decode_body(self, b: int) -> None:
+        """The decode of bucket `b` over the T2 buffers (what a graph holds)."""
+        t2 = self.t2
+        logits = self.model.decode(
+            t2["ids"][:b],
+            t2["pos"][:b],
+            t2["tables"][:b],
+            t2["swa_tables"][:b] if self.sliding else None,
+            self.kv_views,
+        )
+        t2["next"][:b].copy_(logits.argmax(-1))
+        if self.keep_logits:
+            t2["logits"][:b].copy_(logits)
+
+    def prefill(self, p: Prefill) -> tuple[int, int]:
+        """Prefills a request from its first uncached token, in chunks;
+        returns ``(greedy token, tokens prefilled)``."""
+        tokens, n = p.tokens, len(p.tokens)
+        sid = p.request.seq_id
+        start = p.start
+        logits = None
+        while start < n:
+            end = min(n, start + self.prefill_chunk)
+            logits = self.prefill_chunk_logits(sid, tokens, start, end)
+            start = end
+        nxt = self.staging["next"]
+        nxt.t["next"][:1].copy_(logits[0].argmax(-1, keepdim=True))
+        return int(nxt.np["next"][0]), n - p.start
+
+    def decode(self, batch: list[Request]) -> tuple[list[int], int]:
+        """One decode of every sequence of `batch`; returns the greedy
+        tokens and the bucket replayed."""
+        n = len(batch)
+        b = next(x for x in self.buckets if x >= n)
+        staged = self.staging["decode_in"]
+        host = staged.np
+        host["ids"][:n] = [r.output[-1] for r in batch]
+        host["pos"][:n] = [r.computed for r in batch]
+        host["ids"][n:b] = 0
+        host["pos"][n:b] = 0
+        seqs = [r.seq_id for r in batch]
+        t0 = time.perf_counter()
+        self.kv.block_tables(seqs, host["tables"][:n])
+        if self.sliding:
+            self.kv.block_tables(seqs, host["swa_tables"][:n], pool="swa")
+        self.imp_mem_seconds += time.perf_counter() - t0
+        host["tables"][n:b] = self._pad_row
+        if self.sliding:
+            host["swa_tables"][n:b] = self._pad_swa_row
+        # One copy of the whole input region (tens of KiB); it is complete
+        # before the next step rewrites the staging, which the blocking
+        # read of the tokens below guarantees.
+        self.t2_raw["decode_in"].copy_(staged.raw, non_blocking=True)
+        if self.use_graphs:
+            self.graphs[b].replay()
+        else:
+            self.decode_body(b)
+        nxt = self.staging["next"]
+        nxt.t["next"][:b].copy_(self.t2["next"][:b])  # blocking: waits for the step
+        return nxt.np["next"][:n].tolist(), b
+
+    def prefill_chunk_logits(self, sid: int, tokens, start: int, end: int) -> torch.Tensor:
+        """Prefills positions [start, end) of sequence `sid`; the last
+        token's logits."""
+        staged, t2 = self.staging["prefill_in"], self.t2
+        host = staged.np
+        n = end - start
+        host["prefill_ids"][:n] = tokens[start:end]
+        t0 = time.perf_counter()
+        self.kv.block_tables([sid], host["prefill_table"].reshape(1, -1))
+        if self.sliding:
+            swa = host["prefill_swa"]
+            self.kv.block_tables([sid], swa.reshape(1, -1), pool="swa")
+        self.imp_mem_seconds += time.perf_counter() - t0
+        if self.sliding:
+            self._fill_ring(swa, start, end)
+        # One blocking copy: the next chunk rewrites the staging region.
+        self.t2_raw["prefill_in"].copy_(staged.raw)
+        return self.model.prefill(
+            t2["prefill_ids"][:n],
+            start,
+            t2["prefill_table"],
+            t2["prefill_swa"] if self.sliding else None,
+            self.kv_views,
+            last_only=True,
+        )
+
+    def _fill_ring(self, swa, start: int, end: int) -> None:
+        """Maps the logical SWA blocks a prefill of [start, end) reads and
+        the manager has not given onto the scratch ring."""
+        bs, ring = self.block_size, self._ring
+        first = max(0, start + 1 - self.config.sliding_window) // bs
+        last = (end - 1) // bs
+        for j in range(first, last + 1):
+            if swa[j] < 0:
+                swa[j] = ring[j % len(ring)]
