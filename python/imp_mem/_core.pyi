@@ -1085,12 +1085,27 @@ class MemorySystem:
         host memory, level 2 drops it; the KV pool is dropped at both. Every
         address is the same after ``wake()``. Returns ``level``, ``released``,
         ``host_bytes`` and ``tiers``."""
-    def wake(self) -> list[str]:
-        """Recommit every sleeping tier at its addresses and restore T1's bytes
-        after a level-1 sleep; returns the keys woken."""
+    def wake(self, tiers: str | Iterable[str] | None = None) -> list[str]:
+        """Recommit sleeping tiers at their addresses and restore T1's bytes
+        after a level-1 sleep; returns the keys woken. ``tiers`` names keys
+        or tags as ``sleep`` takes them (default: every sleeping tier), so a
+        wake can be staged (``"weights"``, the update, then ``"kv_cache"``);
+        an awake tier is skipped, a name that is no tier (or T2, scratch)
+        raises InvalidArgument. When the device has no room it raises
+        OutOfMemory with ``needed``, ``device_free``, ``budget_free``,
+        ``woken`` and ``still_asleep``; those tiers still sleep and a later
+        ``wake()`` retries them."""
+    def pin_sleep_host(self, nbytes: ByteCount | None = None) -> int:
+        """Pin T1's level-1 host buffer now (T5b), so the first sleep copies at
+        the line rate instead of pinning. ``nbytes`` defaults to the plan's
+        T1 weights bytes (``plan.sleep_host``, or what T1 holds if more);
+        exactly that is held. Releases the GIL and holds no lock while
+        pinning: run it on a background thread during the weight load.
+        Returns the bytes held; ``release_sleep_host()`` frees them."""
     def release_sleep_host(self) -> int:
-        """Free the pinned buffer a level-1 sleep keeps after ``wake()`` for the
-        next sleep (T5b); returns the bytes freed."""
+        """Free the pinned buffer kept for the next level-1 sleep (pinned by
+        ``pin_sleep_host`` or kept after ``wake()``); returns the bytes
+        freed."""
     @property
     def asleep(self) -> dict[str, int]:
         """The tiers asleep now, ``{key: level}``."""
