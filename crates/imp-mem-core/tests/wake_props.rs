@@ -509,3 +509,35 @@ fn pinning_holds_no_lock_so_the_weight_load_goes_on() {
     assert_eq!(h.t1.stats().takes, 1);
     ops.arena.lock().unwrap().take();
 }
+
+#[test]
+fn the_report_while_asleep_names_what_stays_on_the_device() {
+    let mut h = Harness::new();
+    h.system
+        .set_charge("nccl", "NCCL buffers", 3 * MIB)
+        .unwrap();
+    h.write_t1(4000);
+    let awake = h.system.report(&Default::default());
+    assert!(awake.asleep_stays.is_empty());
+    h.sleep(1, &["weights", "activations", "kv_cache"]);
+    let report = h.system.report(&Default::default());
+    let keys: Vec<&str> = report.asleep_stays.iter().map(|s| s.key.as_str()).collect();
+    for key in ["engine_persistent", "scratch", "context", "nccl"] {
+        assert!(keys.contains(&key), "{key} missing from {keys:?}");
+    }
+    for key in ["model_resident", "activations", "kv_pool"] {
+        assert!(!keys.contains(&key), "{key} sleeps: {keys:?}");
+    }
+    let total: u64 = report.asleep_stays.iter().map(|s| s.bytes).sum();
+    assert_eq!(
+        total,
+        report.attributed + report.planned_unclaimed,
+        "the lines add up to what is attributed and estimated"
+    );
+    let text = report.text();
+    assert!(text.contains("stays on the device while asleep"), "{text}");
+    assert!(text.contains("NCCL buffers"), "{text}");
+    assert!(text.contains("given back"), "{text}");
+    h.wake(None, false);
+    h.check();
+}
