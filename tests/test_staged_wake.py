@@ -88,7 +88,7 @@ def test_a_staged_wake_wakes_the_weights_then_the_kv_cache(system):
 
 
 def test_wake_arguments_are_checked_and_change_nothing(system):
-    fb, s = system
+    _fb, s = system
     s.sleep(2)
     with pytest.raises(InvalidArgument, match="tiers") as info:
         s.wake(tiers="nope")
@@ -157,7 +157,7 @@ def test_pin_sleep_host_runs_on_a_thread_without_the_gil(system):
 
 
 def test_pin_sleep_host_arguments_are_checked(system):
-    fb, s = system
+    _fb, s = system
     for bad in (0, -1, 1 << 40):
         with pytest.raises(InvalidArgument, match="nbytes"):
             s.pin_sleep_host(bad)

@@ -624,6 +624,7 @@ class ActivationPool:
         *,
         strict: bool | None = None,
         align: int | None = None,
+        growable: bool | None = None,
     ) -> None: ...
     def allocate(self, nbytes: ByteCount, stream: int | None = None) -> int:
         """An address of at least ``nbytes`` for work on ``stream`` (a raw
@@ -640,6 +641,23 @@ class ActivationPool:
     def check_invariants(self) -> None: ...
     def install(self, device: int | None = None, weights_arena: Arena | None = None) -> None:
         """Routes the C hooks to this pool for ``device`` (replacing any)."""
+    def pause(self, cpu_backup: bool = True) -> int:
+        """Give the region's physical memory back, its addresses kept; with
+        ``cpu_backup`` the live blocks' bytes are copied to pinned host memory
+        first and ``resume()`` restores them. Allocations raise ``Asleep``
+        (the hooks return null) until ``resume()``. Synchronise first. Needs
+        ``growable=True`` on a VMM backend. Returns the bytes copied."""
+    def resume(self) -> None:
+        """Recommit at the same addresses (and restore the bytes after a
+        ``cpu_backup`` pause); on failure it stays paused and can retry."""
+    @property
+    def asleep(self) -> int | None: ...
+    @property
+    def host_bytes(self) -> int: ...
+    def release_host_copy(self) -> int:
+        """Free the pinned buffer kept after a resume; the bytes freed."""
+    @property
+    def id(self) -> int: ...
     @property
     def installed(self) -> bool: ...
     @property
@@ -689,6 +707,18 @@ def set_hook_route(route: Literal["activations", "weights"]) -> None:
     installed T1 arena, whose frees are counted as stranded."""
 
 def hook_route() -> str: ...
+def add_hook_region(pool: ActivationPool, device: int | None = None) -> None:
+    """Add ``pool`` as a region of the hooks: mallocs of a thread that selects
+    it (``set_hook_region``) go to it, frees of its addresses come back to it
+    from any thread (``imp_mem.torch.region``)."""
+
+def remove_hook_region(pool: ActivationPool) -> bool:
+    """Remove ``pool``'s region; True if it was one."""
+
+def set_hook_region(pool: ActivationPool | None) -> None:
+    """Route this thread's mallocs to ``pool``'s region (None: the installed
+    pool)."""
+
 def hook_library_path() -> str:
     """The shared library exporting the hooks (this module's file)."""
 
