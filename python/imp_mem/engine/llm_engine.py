@@ -417,6 +417,7 @@ class Engine:
     ) -> Iterator[tuple[int, int]]:
         """Serves `prompts` to the end, yielding `(prompt index, token)` as
         the tokens are produced."""
+        self._check_awake("generate")
         index = {}
         for i, p in enumerate(prompts):
             index[self.submit(p, max_new_tokens, eos_token_id=eos_token_id).seq_id] = i
@@ -673,12 +674,16 @@ class Engine:
         except imp_mem.OutOfMemory as e:
             cached = self._torch_cached()
             if not (empty_torch_cache and cached):
-                raise imp_mem.OutOfMemory(
-                    f"wake({tag!r}): {e}; torch's caching allocator holds {cached / 2**20:.0f} "
-                    "MiB reserved but unused on this device: call torch.cuda.empty_cache() (or "
-                    "wake(..., empty_torch_cache=True)), or free the trainer's tensors, then "
-                    "wake again. The engine still sleeps."
-                ) from e
+                # The same error (its arithmetic kept), with what holds the
+                # device on torch's side and what to do.
+                e.torch_cached = cached
+                e.args = (
+                    f"wake({tag!r}): {e}; torch's caching allocator holds "
+                    f"{cached / 2**20:.0f} MiB reserved but unused on this device: call "
+                    "torch.cuda.empty_cache() (or wake(..., empty_torch_cache=True)) or free the "
+                    f"trainer's tensors, then wake again; {tag} still sleeps",
+                )
+                raise
         torch.cuda.empty_cache()
         self.system.wake(tiers)
 

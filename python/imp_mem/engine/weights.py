@@ -75,8 +75,8 @@ class FileTensor:
     def load(self) -> torch.Tensor:
         e = self.entry
         with open(e.file, "rb") as f:
-            f.seek(e.start)
-            data = bytearray(f.read(e.end - e.start))
+            f.seek(e.begin)
+            data = bytearray(f.read(e.end - e.begin))
         if not data:
             return torch.empty(self.shape, dtype=self.dtype)
         return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).view(self.shape)

@@ -357,13 +357,9 @@ impl MemorySystem {
             let (open, layout, cost) = if sleepable {
                 spare -= rounded.saturating_sub(swa.bytes);
                 let blocks = to_u32(swa.blocks, "SWA pool")?;
-                let config = PoolConfig::growable(
-                    to_usize(swa.block_bytes, "SWA pool")?,
-                    blocks,
-                    blocks,
-                    blocks,
-                )
-                .with_tag(Tag::SwaCache);
+                let config = PoolConfig::fixed(to_usize(swa.block_bytes, "SWA pool")?, blocks)
+                    .sleepable()
+                    .with_tag(Tag::SwaCache);
                 let layout = format!("{config:?}");
                 let open: Opener =
                     Box::new(move |b: &Backend| SharedBlockPool::new(b, &config).map(Handle::Pool));
@@ -481,7 +477,7 @@ impl MemorySystem {
                 exact
             };
             let config = if sleepable {
-                PoolConfig::growable(block_bytes, blocks, blocks, blocks)
+                PoolConfig::fixed(block_bytes, blocks).sleepable()
             } else if growable {
                 let per_seq = to_u32(kv.blocks_per_sequence.max(1), "KV pool")?;
                 let initial = options
