@@ -750,7 +750,9 @@ class PinnedBuffer:
     def __exit__(self, *args: Any) -> bool: ...
 
 def pinned_stats() -> dict[str, int]:
-    """Live bytes, buffers and failures of the host-memory pinned allocator."""
+    """Live bytes, buffers and failures of the pinned allocators (the fake's
+    and every device's, sleep host buffers included); ``peak_bytes`` sums
+    each one's peak."""
 
 @disjoint_base
 class DeviceBackend(Backend):
