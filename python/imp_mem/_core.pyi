@@ -1127,6 +1127,9 @@ class MemorySystem:
         OutOfMemory with ``needed``, ``device_free``, ``budget_free``,
         ``woken`` and ``still_asleep``; those tiers still sleep and a later
         ``wake()`` retries them."""
+    def wake_needs(self, tiers: str | Iterable[str] | None = None) -> int:
+        """Device bytes ``wake(tiers)`` would commit now (the named tiers that
+        sleep; default: every sleeping tier), to make room before waking."""
     def pin_sleep_host(self, nbytes: ByteCount | None = None) -> int:
         """Pin T1's level-1 host buffer now (T5b), so the first sleep copies at
         the line rate instead of pinning. ``nbytes`` defaults to the plan's
