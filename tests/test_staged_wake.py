@@ -106,6 +106,10 @@ def test_a_wake_the_device_refuses_says_what_it_needs_and_can_be_retried(system)
     fb, s = system
     address, data = write_t1(fb, s)
     out = s.sleep(1)
+    assert s.wake_needs() == out["released"]
+    assert s.wake_needs("weights") == out["tiers"][0]["released"]
+    with pytest.raises(InvalidArgument, match="tiers"):
+        s.wake_needs("nope")
     free = fb.stats()["capacity"] - fb.device_used
     fb.set_external_usage(free - 1024)
     with pytest.raises(OutOfMemory) as info:

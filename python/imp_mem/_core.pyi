@@ -750,7 +750,9 @@ class PinnedBuffer:
     def __exit__(self, *args: Any) -> bool: ...
 
 def pinned_stats() -> dict[str, int]:
-    """Live bytes, buffers and failures of the host-memory pinned allocator."""
+    """Live bytes, buffers and failures of the pinned allocators (the fake's
+    and every device's, sleep host buffers included); ``peak_bytes`` sums
+    each one's peak."""
 
 @disjoint_base
 class DeviceBackend(Backend):
@@ -1134,6 +1136,9 @@ class MemorySystem:
         OutOfMemory with ``needed``, ``device_free``, ``budget_free``,
         ``woken`` and ``still_asleep``; those tiers still sleep and a later
         ``wake()`` retries them."""
+    def wake_needs(self, tiers: str | Iterable[str] | None = None) -> int:
+        """Device bytes ``wake(tiers)`` would commit now (the named tiers that
+        sleep; default: every sleeping tier), to make room before waking."""
     def pin_sleep_host(self, nbytes: ByteCount | None = None) -> int:
         """Pin T1's level-1 host buffer now (T5b), so the first sleep copies at
         the line rate instead of pinning. ``nbytes`` defaults to the plan's

@@ -183,6 +183,7 @@ impl Harness {
             .map(|(k, _)| k.to_string())
             .filter(|k| keys.contains(&k.as_str()) && self.asleep.contains_key(k))
             .collect();
+        let needs = self.system.wake_needs(names).unwrap();
         if fail {
             self.fb.fail_commits(1);
         }
@@ -199,6 +200,9 @@ impl Harness {
                 assert!(err.needed > 0, "{err}");
                 // Those woken before the refused commit are the first asked.
                 assert_eq!(err.woken[..], wanted[..err.woken.len()], "{err}");
+                if err.woken.is_empty() {
+                    assert_eq!(err.needed, needs, "wake_needs said otherwise");
+                }
                 let still: Vec<&String> = self
                     .asleep
                     .keys()
@@ -337,6 +341,9 @@ fn a_wake_the_device_refuses_says_what_it_needs_and_retries_later() {
     h.write_t1(4000);
     h.sleep(1, &["weights", "activations", "kv_cache"]);
     let needed: u64 = h.system.report(&Default::default()).asleep_released;
+    assert_eq!(h.system.wake_needs(None).unwrap(), needed);
+    let t1 = h.t1.sleeping_committed() as u64;
+    assert_eq!(h.system.wake_needs(Some(&["weights"])).unwrap(), t1);
     // Something outside the backend (a trainer) holds all but 1 KiB.
     let free = h.fb.stats().capacity - h.fb.device_used();
     h.fb.set_external_usage(free - 1024);

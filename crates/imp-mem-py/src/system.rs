@@ -634,6 +634,17 @@ impl PyMemorySystem {
         result.map_err(|e| crate::errors::wake_error(*e))
     }
 
+    /// Device bytes `wake(tiers)` would commit now (the named tiers that
+    /// sleep; default: every sleeping tier), to make room before waking.
+    #[pyo3(signature = (tiers = None))]
+    fn wake_needs(&self, tiers: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let names = tier_names(tiers)?;
+        let refs: Option<Vec<&str>> = names
+            .as_ref()
+            .map(|v| v.iter().map(String::as_str).collect());
+        self.open()?.wake_needs(refs.as_deref()).py()
+    }
+
     /// Pins T1's level-1 host buffer now, ahead of the first sleep, so that
     /// sleep copies at the line rate instead of pinning first (pinning
     /// 16 GiB takes seconds). `nbytes` defaults to the plan's T1 weights

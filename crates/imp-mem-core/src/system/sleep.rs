@@ -351,6 +351,25 @@ impl MemorySystem {
         Ok(woken)
     }
 
+    /// Device bytes a [`MemorySystem::wake`] of `tiers` would commit now
+    /// (the named tiers that sleep; `None`: every sleeping tier), so a
+    /// caller can make room first (an engine: empty torch's cache). Names
+    /// are checked as `wake` checks them.
+    pub fn wake_needs(&self, tiers: Option<&[&str]>) -> Result<u64, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        let chosen: Vec<&Slot> = match tiers {
+            None => self.slots.iter().collect(),
+            Some(_) => self.sleep_selection(tiers)?,
+        };
+        Ok(chosen
+            .into_iter()
+            .filter(|s| slot_level(s) > 0)
+            .map(sleeping_of)
+            .sum())
+    }
+
     /// Checks a request to pin T1's level-1 host buffer ahead of the first
     /// sleep and names what to pin: `bytes`, by default the larger of the
     /// plan's [`sleep_host`](crate::planner::MemoryPlan::sleep_host) (T1's
