@@ -69,7 +69,10 @@ bench_rc=${PIPESTATUS[0]}
 # tests/gpu/test_torch_gpu.py, and leaves its figures in $OUT/bench_torch_hf.json).
 "$PYTHON" benches/bench_torch_alloc.py --json "$OUT/bench_torch_alloc.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
-for extra in bench_paged_attention bench_engine bench_sleep bench_kv_host bench_kv_persist; do
+# IMP_MEM_BENCHES names the scripts to run (default: all of them); the RL
+# cycle writes two 16 GiB checkpoints and takes about two minutes.
+extras=${IMP_MEM_BENCHES:-bench_paged_attention bench_engine bench_sleep bench_kv_host bench_kv_persist bench_rl_colocate}
+for extra in $extras; do
     [ -f "benches/$extra.py" ] || continue
     args=()
     # Each script takes --json / --quick only if its --help says so.
@@ -119,6 +122,14 @@ try:
                      f"{r['ours_us']} us / {r['peer_us']} us = {r['ratio']}x", r["goal"]))
 except (OSError, ValueError) as exc:
     rows.append(("benchmarks", f"no results ({exc})", "rc=%d" % bench_rc))
+rl = out / "bench_rl_colocate.json"
+if rl.exists():
+    for r in json.loads(rl.read_text()):
+        if "ratio" in r:
+            rows.append((f"RL cycle: {r['benchmark']} vs {r['peer']}",
+                         f"{r['ours']} / {r['peer_value']} {r['unit']} = {r['ratio']}x", r["goal"]))
+        elif isinstance(r.get("value"), bool):
+            rows.append((f"RL cycle: {r['benchmark']}", str(r["value"]), "True"))
 hf = out / "bench_torch_hf.json"
 if hf.exists():
     data = json.loads(hf.read_text())

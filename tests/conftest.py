@@ -19,6 +19,12 @@ settings.register_profile("ci", max_examples=1000, deadline=None, derandomize=Fa
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("IMP_MEM_HYPOTHESIS", "ci"))
 
+# Without a CUDA device the paged kernel's tests run Triton's interpreter.
+# Triton reads the flag when it is first imported, and the GPU test modules
+# (collected before the CPU ones) import it, so it is set here, first.
+if not imp_mem.cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if imp_mem.cuda_available():

@@ -72,6 +72,9 @@ RANK = textwrap.dedent(
         result["message"] = str(e)
     else:
         result["plan"] = json.loads(engine.plan.to_json())
+        if fail.startswith("update:"):  # each rank takes its slices of another checkpoint
+            engine.generate(prompts, new)
+            engine.reload_weights(fail[len("update:"):])
         result["tokens"] = engine.generate(prompts, new)
         stats = backend.stats()
         result["allocations"] = sum(stats["steady_state_allocations_total"].values())
@@ -230,3 +233,15 @@ def test_replication_past_the_even_split_raises_the_planned_weights(tmp_path):
     roomy = write_random_checkpoint(tmp_path / "roomy", tp_config("full", 2))
     own = plan_shape(roomy, config, 1)[0].weights_bytes
     assert plan_shape(roomy, config, 2)[0].weights_bytes == own
+
+
+def test_tp2_ranks_take_their_slices_of_a_weight_update(tmp_path, checkpoint):
+    _, directory = checkpoint
+    config = json.loads((directory / "config.json").read_text())
+    other = write_random_checkpoint(tmp_path / "other", config, seed=6, scale=0.1)
+    ps = prompts(4, seed=8)
+    results = run_ranks(tmp_path, directory, ps, fail=f"update:{other}")
+    with Engine(other, backend=FakeBackend(capacity="2GiB"), **ENGINE_KW) as single:
+        want = single.generate(ps, NEW_TOKENS)
+    assert [r["tokens"] for r in results] == [want, want]
+    assert all(r["allocations"] == 0 for r in results)

@@ -624,6 +624,7 @@ class ActivationPool:
         *,
         strict: bool | None = None,
         align: int | None = None,
+        growable: bool | None = None,
     ) -> None: ...
     def allocate(self, nbytes: ByteCount, stream: int | None = None) -> int:
         """An address of at least ``nbytes`` for work on ``stream`` (a raw
@@ -640,6 +641,23 @@ class ActivationPool:
     def check_invariants(self) -> None: ...
     def install(self, device: int | None = None, weights_arena: Arena | None = None) -> None:
         """Routes the C hooks to this pool for ``device`` (replacing any)."""
+    def pause(self, cpu_backup: bool = True) -> int:
+        """Give the region's physical memory back, its addresses kept; with
+        ``cpu_backup`` the live blocks' bytes are copied to pinned host memory
+        first and ``resume()`` restores them. Allocations raise ``Asleep``
+        (the hooks return null) until ``resume()``. Synchronise first. Needs
+        ``growable=True`` on a VMM backend. Returns the bytes copied."""
+    def resume(self) -> None:
+        """Recommit at the same addresses (and restore the bytes after a
+        ``cpu_backup`` pause); on failure it stays paused and can retry."""
+    @property
+    def asleep(self) -> int | None: ...
+    @property
+    def host_bytes(self) -> int: ...
+    def release_host_copy(self) -> int:
+        """Free the pinned buffer kept after a resume; the bytes freed."""
+    @property
+    def id(self) -> int: ...
     @property
     def installed(self) -> bool: ...
     @property
@@ -689,6 +707,18 @@ def set_hook_route(route: Literal["activations", "weights"]) -> None:
     installed T1 arena, whose frees are counted as stranded."""
 
 def hook_route() -> str: ...
+def add_hook_region(pool: ActivationPool, device: int | None = None) -> None:
+    """Add ``pool`` as a region of the hooks: mallocs of a thread that selects
+    it (``set_hook_region``) go to it, frees of its addresses come back to it
+    from any thread (``imp_mem.torch.region``)."""
+
+def remove_hook_region(pool: ActivationPool) -> bool:
+    """Remove ``pool``'s region; True if it was one."""
+
+def set_hook_region(pool: ActivationPool | None) -> None:
+    """Route this thread's mallocs to ``pool``'s region (None: the installed
+    pool)."""
+
 def hook_library_path() -> str:
     """The shared library exporting the hooks (this module's file)."""
 
@@ -720,7 +750,9 @@ class PinnedBuffer:
     def __exit__(self, *args: Any) -> bool: ...
 
 def pinned_stats() -> dict[str, int]:
-    """Live bytes, buffers and failures of the host-memory pinned allocator."""
+    """Live bytes, buffers and failures of the pinned allocators (the fake's
+    and every device's, sleep host buffers included); ``peak_bytes`` sums
+    each one's peak."""
 
 @disjoint_base
 class DeviceBackend(Backend):
@@ -1094,12 +1126,30 @@ class MemorySystem:
         host memory, level 2 drops it; the KV pool is dropped at both. Every
         address is the same after ``wake()``. Returns ``level``, ``released``,
         ``host_bytes`` and ``tiers``."""
-    def wake(self) -> list[str]:
-        """Recommit every sleeping tier at its addresses and restore T1's bytes
-        after a level-1 sleep; returns the keys woken."""
+    def wake(self, tiers: str | Iterable[str] | None = None) -> list[str]:
+        """Recommit sleeping tiers at their addresses and restore T1's bytes
+        after a level-1 sleep; returns the keys woken. ``tiers`` names keys
+        or tags as ``sleep`` takes them (default: every sleeping tier), so a
+        wake can be staged (``"weights"``, the update, then ``"kv_cache"``);
+        an awake tier is skipped, a name that is no tier (or T2, scratch)
+        raises InvalidArgument. When the device has no room it raises
+        OutOfMemory with ``needed``, ``device_free``, ``budget_free``,
+        ``woken`` and ``still_asleep``; those tiers still sleep and a later
+        ``wake()`` retries them."""
+    def wake_needs(self, tiers: str | Iterable[str] | None = None) -> int:
+        """Device bytes ``wake(tiers)`` would commit now (the named tiers that
+        sleep; default: every sleeping tier), to make room before waking."""
+    def pin_sleep_host(self, nbytes: ByteCount | None = None) -> int:
+        """Pin T1's level-1 host buffer now (T5b), so the first sleep copies at
+        the line rate instead of pinning. ``nbytes`` defaults to the plan's
+        T1 weights bytes (``plan.sleep_host``, or what T1 holds if more);
+        exactly that is held. Releases the GIL and holds no lock while
+        pinning: run it on a background thread during the weight load.
+        Returns the bytes held; ``release_sleep_host()`` frees them."""
     def release_sleep_host(self) -> int:
-        """Free the pinned buffer a level-1 sleep keeps after ``wake()`` for the
-        next sleep (T5b); returns the bytes freed."""
+        """Free the pinned buffer kept for the next level-1 sleep (pinned by
+        ``pin_sleep_host`` or kept after ``wake()``); returns the bytes
+        freed."""
     @property
     def asleep(self) -> dict[str, int]:
         """The tiers asleep now, ``{key: level}``."""

@@ -199,6 +199,7 @@ def load_safetensors(
     chunk_bytes: int = CHUNK_BYTES,
     progress: bool | None = None,
     shards: Mapping[str, Any] | None = None,
+    on_layout: Any = None,
 ) -> dict[str, Any]:
     """Loads a safetensors checkpoint (a file or a directory of shards) into
     `system`'s weights arena and returns `{name: torch.Tensor}` viewing it.
@@ -211,7 +212,10 @@ def load_safetensors(
     MiB or more, when tqdm is installed). `shards`: name -> an object with
     ``dim``, ``start`` and ``stop`` (`imp_mem.engine.tensor_parallel.Shard`):
     only that slice of the tensor is loaded (module doc); a name the
-    checkpoint lacks is refused."""
+    checkpoint lacks is refused. `on_layout`: called with the bytes the
+    load lays out in T1 once they are known, before any is copied (the
+    engine starts pinning the sleep buffer of exactly that size there, so
+    the pinning overlaps the copies)."""
     import torch
 
     entries = [t for f in safetensors_files(path) for t in read_header(f)]
@@ -229,6 +233,8 @@ def load_safetensors(
     # Checked before the arena is held here, so a refusal's traceback keeps
     # no tier object alive.
     placed, total = plan_layout(entries, _weights_room(system))
+    if on_layout is not None:
+        on_layout(total)
     arena = system.weights_arena
 
     out: dict[str, Any] = {}

@@ -33,7 +33,10 @@ class OutOfMemory(ImpMemError, MemoryError):
 
     Attributes ``asked``, ``live``, ``budget`` and ``capacity`` (bytes) and
     ``tag`` carry the arithmetic; ``device_refused`` is True when the device
-    itself, not the budget, said no.
+    itself, not the budget, said no. Raised by ``MemorySystem.wake`` it also
+    carries ``needed`` (bytes the tiers not woken need), ``device_free``
+    (``None`` where the backend cannot read its device), ``budget_free``,
+    ``woken`` and ``still_asleep`` (those tiers still sleep; wake again).
     """
 
     asked: int

@@ -23,6 +23,16 @@ Two ways to route torch, both over the same tier:
   tier torch's only allocator. It must run before torch's first CUDA
   allocation; every tensor then reaches imp-mem directly (no caching layer).
 
+Regions (:func:`region`, :func:`pause`, :func:`resume`; the trainer's side of
+RL colocation, issue 24): ``with region(backend, "train", capacity=...):``
+routes that code's torch allocations to a tier of its own (a growable
+activation pool, one per tag, in a ``MemPool`` of its own);
+``pause("train")`` gives its physical memory back, copying the live
+segments to pinned host memory first when ``cpu_backup``, and
+``resume("train")`` recommits it at the same addresses and copies them back,
+so every tensor made inside is where and what it was. While paused, run no
+torch code inside the region and touch none of its tensors.
+
 Weights: :func:`to_arena` moves a module's parameters and buffers into T1
 (tensors viewing the weights arena), and :meth:`Pool.loading` routes the
 allocations of a loading scope into T1 as well (a later free of such a
@@ -71,7 +81,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
 
 from imp_mem import _core
 from imp_mem._frameworks import activations_of as _activations_of
-from imp_mem.errors import InvalidArgument, PhaseViolation
+from imp_mem.errors import BackendUnavailable, InvalidArgument, PhaseViolation
 
 __all__ = [
     "MALLOC_SYMBOL",
@@ -84,11 +94,17 @@ __all__ = [
     "measure_outside_charge",
     "measure_step_high_water",
     "memory_stats",
+    "pause",
     "pluggable_allocator",
     "pool",
+    "region",
+    "regions",
+    "release_region",
+    "resume",
     "arena_tensor",
     "to_arena",
     "use_pool",
+    "Region",
 ]
 
 MALLOC_SYMBOL = "imp_mem_torch_malloc"
@@ -406,3 +422,185 @@ def measure_outside_charge(
 
 
 _outside_charges: dict[tuple[int, str], int] = {}
+
+
+class Region:
+    """One tag's tier for any torch code (:func:`region`): a growable, strict
+    activation pool on ``backend`` (``capacity`` bytes, committed while
+    awake), routed to by the allocator hooks on the threads inside a
+    :meth:`scope`, in a ``torch.cuda.MemPool`` of its own."""
+
+    def __init__(
+        self, backend: Any, tag: str, capacity: Any, *, cpu_backup: bool, device: Any
+    ) -> None:
+        self.tag = tag
+        self.cpu_backup = cpu_backup
+        self.backend = backend
+        self.device = 0 if device is None else _device_index(device)
+        self.capacity = capacity
+        self.activations: Any = _core.ActivationPool(backend, capacity, strict=True, growable=True)
+        _core.add_hook_region(self.activations, device=self.device)
+        self.mempool: Any = None
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Region]:
+        """Routes torch's allocations in the block (on this thread) to the
+        region."""
+        if self.activations.asleep is not None:
+            raise InvalidArgument(
+                f"tag: region {self.tag!r} is paused; resume({self.tag!r}) before running torch "
+                "code in it"
+            )
+        if self.mempool is None:
+            if not torch.cuda.is_available():
+                raise BackendUnavailable(
+                    "imp_mem.torch.region routes torch's CUDA allocations; torch sees no CUDA "
+                    "device here"
+                )
+            self.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
+        stack = _region_stack()
+        stack.append(self.activations)
+        _core.set_hook_region(self.activations)
+        try:
+            with torch.cuda.use_mem_pool(self.mempool, device=self.device):
+                yield self
+        finally:
+            stack.pop()
+            _core.set_hook_region(stack[-1] if stack else None)
+
+    def pause(self) -> int:
+        """See :func:`pause`."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+        return self.activations.pause(cpu_backup=self.cpu_backup)
+
+    def resume(self) -> None:
+        """See :func:`resume`."""
+        self.activations.resume()
+
+    def __repr__(self) -> str:
+        state = "paused" if self.activations.asleep is not None else "awake"
+        return (
+            f"imp_mem.torch.Region(tag={self.tag!r}, capacity={self.activations.capacity}, "
+            f"cpu_backup={self.cpu_backup}, {state})"
+        )
+
+
+_regions: dict[str, Region] = {}
+_thread_regions = threading.local()
+
+
+def _region_stack() -> list[Any]:
+    stack = getattr(_thread_regions, "stack", None)
+    if stack is None:
+        stack = _thread_regions.stack = []
+    return stack
+
+
+def _check_tag(tag: Any) -> str:
+    if not isinstance(tag, str) or not tag:
+        raise InvalidArgument(f"tag: expected a non-empty str naming the region, got {tag!r}")
+    return tag
+
+
+def _region_of(tag: Any) -> Region:
+    found = _regions.get(_check_tag(tag))
+    if found is None:
+        raise InvalidArgument(
+            f"tag: {tag!r} is no region; open it with imp_mem.torch.region(backend, {tag!r}, "
+            f"capacity=...) (regions now: {sorted(_regions)})"
+        )
+    return found
+
+
+def region(
+    target: Any,
+    tag: str,
+    *,
+    capacity: Any = None,
+    cpu_backup: bool = True,
+    device: Any = None,
+) -> contextlib.AbstractContextManager[Region]:
+    """``with imp_mem.torch.region(backend, "train", capacity="8GiB"): ...``
+    routes the block's torch allocations (on this thread) to the region of
+    ``tag``, made on first use: ``capacity`` bytes of a growable tier on
+    ``target`` (a VMM backend, or a MemorySystem's), committed while awake.
+    ``cpu_backup`` (fixed at first use): whether :func:`pause` keeps the
+    bytes in pinned host memory (True) or drops them (False: the tensors
+    hold garbage after :func:`resume`). Later uses of the tag take the same
+    region; ``capacity`` and ``cpu_backup`` must then match or be left out."""
+    tag = _check_tag(tag)
+    if not isinstance(cpu_backup, bool):
+        raise InvalidArgument(f"cpu_backup: expected True or False, got {cpu_backup!r}")
+    found = _regions.get(tag)
+    if found is None:
+        if capacity is None:
+            raise InvalidArgument(
+                f"capacity: region {tag!r} is new, so it needs a size; pass capacity= (bytes, "
+                'or a string such as "8GiB")'
+            )
+        backend = getattr(target, "backend", target)
+        if not isinstance(backend, _core.Backend):
+            raise InvalidArgument(
+                f"target: expected a Backend (a VmmBackend) or a MemorySystem, got "
+                f"{type(target).__name__}"
+            )
+        found = Region(backend, tag, capacity, cpu_backup=cpu_backup, device=device)
+        _regions[tag] = found
+    else:
+        if capacity is not None and capacity not in (found.capacity, found.activations.capacity):
+            raise InvalidArgument(
+                f"capacity: region {tag!r} already holds {found.activations.capacity} bytes; "
+                "leave capacity out to use it"
+            )
+        if cpu_backup != found.cpu_backup:
+            raise InvalidArgument(
+                f"cpu_backup: region {tag!r} was made with cpu_backup={found.cpu_backup}; it "
+                "is fixed at first use"
+            )
+    return found.scope()
+
+
+def regions() -> dict[str, Region]:
+    """The regions made so far, by tag."""
+    return dict(_regions)
+
+
+def pause(tag: str) -> int:
+    """Gives region ``tag``'s physical memory back after synchronising the
+    device: with ``cpu_backup`` its live segments are copied to pinned host
+    memory first (the buffer of the last pause is reused, so every pause but
+    the first runs at the line rate). Its addresses stay reserved. Returns
+    the bytes copied."""
+    return _region_of(tag).pause()
+
+
+def resume(tag: str) -> None:
+    """Recommits region ``tag`` at the same addresses and copies its bytes back
+    (``cpu_backup``). If the device has no room it raises OutOfMemory and the
+    region stays paused; call it again later."""
+    _region_of(tag).resume()
+
+
+def release_region(tag: str) -> None:
+    """Drops region ``tag``: its MemPool (torch gives the free segments back),
+    its pinned buffer and its tier. Refused while tensors made in it are
+    alive (their memory would go with it)."""
+    found = _region_of(tag)
+    if found.activations.asleep is not None:
+        found.resume()
+    if found.mempool is not None:
+        found.mempool = None
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize(found.device)
+        torch.cuda.empty_cache()
+    live = found.activations.stats()["live"]
+    if live:
+        raise InvalidArgument(
+            f"tag: region {tag!r} still holds {live} segment(s) of live tensors; drop them first"
+        )
+    _core.remove_hook_region(found.activations)
+    found.activations.release_host_copy()
+    del _regions[tag]

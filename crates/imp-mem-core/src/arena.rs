@@ -284,7 +284,12 @@ impl ArenaCore {
             None => self.region.commit(sleep.committed as u64)?,
         }
         if let Some(sleep) = self.sleep.take() {
-            self.spare_copy = sleep.copy;
+            // The larger buffer stays for the next sleep (a pin may have
+            // installed one while this arena slept).
+            let spare = self.spare_copy.as_ref().map_or(0, PinnedBuffer::len);
+            if sleep.copy.as_ref().map_or(0, PinnedBuffer::len) >= spare {
+                self.spare_copy = sleep.copy;
+            }
         }
         Ok(())
     }
@@ -592,13 +597,47 @@ impl SharedArena {
     }
 
     /// Bytes of pinned host memory the arena holds for sleeping: the copy
-    /// of a sleeping arena, or the buffer kept after a wake for the next
-    /// sleep.
+    /// of a sleeping arena, and the buffer kept for the next sleep (after a
+    /// wake, or pinned ahead by [`SharedArena::pin_host_copy`]).
     pub fn host_bytes(&self) -> u64 {
         let core = self.core();
         let copy = core.sleep.as_ref().and_then(|s| s.copy.as_ref());
-        copy.or(core.spare_copy.as_ref())
-            .map_or(0, |c| c.len() as u64)
+        let spare = core.spare_copy.as_ref();
+        (copy.map_or(0, PinnedBuffer::len) + spare.map_or(0, PinnedBuffer::len)) as u64
+    }
+
+    /// Pins `bytes` of host memory from `host` and keeps it as the buffer
+    /// the next level-1 sleep copies into, so that sleep does not pin.
+    /// Pinning takes seconds for gigabytes, so it runs outside the arena's
+    /// lock (takes go on meanwhile: a weight load); only the install takes
+    /// it. A buffer already held (a spare, or a sleeping copy) of at least
+    /// `bytes` is kept and nothing is pinned; a smaller spare is replaced.
+    /// Returns the bytes now held.
+    pub fn pin_host_copy(&self, bytes: usize, host: &PinnedHost) -> Result<u64, MemError> {
+        let held = |core: &ArenaCore| {
+            let copy = core.sleep.as_ref().and_then(|s| s.copy.as_ref());
+            let spare = core.spare_copy.as_ref();
+            copy.map_or(0, PinnedBuffer::len)
+                .max(spare.map_or(0, PinnedBuffer::len))
+        };
+        let before = held(&self.core());
+        if before >= bytes {
+            return Ok(before as u64);
+        }
+        let buffer = host.allocate(bytes)?;
+        let mut core = self.core();
+        let now = held(&core);
+        // A sleep may have pinned its own meanwhile; the larger one stays.
+        let dropped = if now >= bytes {
+            Some(buffer)
+        } else {
+            core.spare_copy.replace(buffer)
+        };
+        let kept = held(&core) as u64;
+        drop(core);
+        // Freed outside the lock too: unpinning is not free either.
+        drop(dropped);
+        Ok(kept)
     }
 
     /// Frees the pinned buffer kept after a wake (a no-op while asleep:

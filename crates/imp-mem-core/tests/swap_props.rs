@@ -334,7 +334,7 @@ impl Harness {
     }
 
     fn wake(&mut self) {
-        let woken = self.system.wake().unwrap();
+        let woken = self.system.wake(None).unwrap();
         let Some((level, bases)) = self.asleep.take() else {
             assert!(woken.is_empty());
             return;
@@ -658,7 +658,7 @@ fn the_activation_pool_sleeps_and_wakes_at_the_same_addresses() {
     );
     assert!(matches!(pool.allocate(512, 0), Err(MemError::Asleep(_))));
     system.check().unwrap();
-    system.wake().unwrap();
+    system.wake(None).unwrap();
     assert!(pool.committed() >= plan.activations);
     let again = pool.allocate(4096, 0).unwrap();
     assert!(again != live, "the live block kept its place");

@@ -60,20 +60,23 @@ impl PyActivationPool {
 #[pymethods]
 impl PyActivationPool {
     #[new]
-    #[pyo3(signature = (backend, capacity, *, strict = None, align = None))]
+    #[pyo3(signature = (backend, capacity, *, strict = None, align = None, growable = None))]
     fn new(
         backend: &Bound<'_, PyBackend>,
         capacity: &Bound<'_, PyAny>,
         strict: Option<&Bound<'_, PyAny>>,
         align: Option<&Bound<'_, PyAny>>,
+        growable: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let strict = convert::opt(strict, "strict", convert::flag)?;
+        let growable = convert::opt(growable, "growable", convert::flag)?;
         let capacity = convert::bytes(capacity, "capacity")?;
         let mut config = ActivationConfig::new(capacity);
         if let Some(a) = align.filter(|a| !a.is_none()) {
             config.align = convert::index(a, "align")?;
         }
         config.strict = strict;
+        config.growable = growable.unwrap_or(false);
         let core = &backend.get().inner;
         let order = stream_order_for(core).py()?;
         let pool = ActivationPool::new(core, &config, order).py();
@@ -251,6 +254,59 @@ impl PyActivationPool {
         // need the GIL; release it so none of them can wait on this thread.
         py.detach(move || hooks::install(pool, device, weights));
         Ok(())
+    }
+
+    /// Gives the region's physical memory back, its addresses kept: with
+    /// `cpu_backup` the live blocks' bytes are first copied to pinned host
+    /// memory (the buffer of the last pause when it is large enough) and
+    /// `resume()` copies them back; without it they are dropped.
+    /// Allocations are refused (`Asleep`; the hooks return null) until
+    /// `resume()`. The caller synchronises first: nothing may still use the
+    /// memory. Needs a growable pool (`growable=True`, a VMM backend);
+    /// nothing changes on a refusal. Returns the bytes copied.
+    #[pyo3(signature = (cpu_backup = None), text_signature = "($self, cpu_backup=True)")]
+    fn pause(&self, py: Python<'_>, cpu_backup: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let cpu_backup = convert::opt(cpu_backup, "cpu_backup", convert::flag)?.unwrap_or(true);
+        let pool = self.pool.clone();
+        if !cpu_backup {
+            return py.detach(move || pool.sleep(2)).py().map(|_| 0);
+        }
+        let host = crate::tiers::pinned_host_for(&self.backend.get().inner);
+        py.detach(move || pool.sleep_keeping(&host)).py()
+    }
+
+    /// Recommits the region at the same addresses and, after
+    /// `pause(cpu_backup=True)`, copies the live blocks' bytes back. A no-op
+    /// when awake; on failure (the device has no room) it stays paused and
+    /// a later call retries.
+    fn resume(&self, py: Python<'_>) -> PyResult<()> {
+        let pool = self.pool.clone();
+        py.detach(move || pool.wake()).py()
+    }
+
+    /// The sleep level while paused (1: bytes kept in host memory, 2:
+    /// dropped), None when awake.
+    #[getter]
+    fn asleep(&self) -> Option<u8> {
+        self.pool.asleep()
+    }
+
+    /// Pinned host bytes held for pausing (a paused pool's copy and the
+    /// buffer kept for the next pause).
+    #[getter]
+    fn host_bytes(&self) -> u64 {
+        self.pool.host_bytes()
+    }
+
+    /// Frees the pinned buffer kept after a resume; returns the bytes freed.
+    fn release_host_copy(&self) -> u64 {
+        self.pool.release_host_copy()
+    }
+
+    /// The pool's process-unique id.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.pool.id()
     }
 
     /// Whether the C hooks route to this pool now.

@@ -7,7 +7,7 @@
 //! they can also derive from `MemoryError` / `ValueError`; Rust imports them.
 
 use imp_mem_core::planner::{FailureKind, PlanError, PlanFailure as CorePlanFailure};
-use imp_mem_core::system::{OpenError, SwapError};
+use imp_mem_core::system::{OpenError, SwapError, WakeError};
 use imp_mem_core::MemError;
 use pyo3::prelude::*;
 use pyo3::IntoPyObjectExt;
@@ -158,6 +158,28 @@ pub fn swap_error(err: SwapError) -> PyErr {
         vec![
             ("old_model_kept", Attr::Flag(err.old_model_kept)),
             ("missing", Attr::Texts(err.missing)),
+        ],
+    )
+}
+
+/// A failed or refused wake: the error's exception (`OutOfMemory` when the
+/// device had no room) with `needed`, `device_free` (None where the backend
+/// cannot read its device), `budget_free`, `woken` and `still_asleep`.
+pub fn wake_error(err: WakeError) -> PyErr {
+    let message = err.to_string();
+    let device_free = match err.device_free {
+        Some(free) => Attr::Int(free),
+        None => Attr::Json("null".into()),
+    };
+    to_py_with(
+        err.error,
+        message,
+        vec![
+            ("needed", Attr::Int(err.needed)),
+            ("device_free", device_free),
+            ("budget_free", Attr::Int(err.budget_free)),
+            ("woken", Attr::Texts(err.woken)),
+            ("still_asleep", Attr::Texts(err.still_asleep)),
         ],
     )
 }

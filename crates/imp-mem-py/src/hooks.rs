@@ -27,7 +27,8 @@ use imp_mem_core::activations::hooks::{self as routing, Route};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::invalid;
+use crate::activations::PyActivationPool;
+use crate::errors::{invalid, IntoPyResult};
 
 /// The symbol names, as the frameworks' loaders want them.
 pub const TORCH_MALLOC: &str = "imp_mem_torch_malloc";
@@ -146,6 +147,42 @@ fn set_hook_route(route: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// Adds `pool` as a region of the hooks for device `device` (default 0):
+/// mallocs of a thread that selects it (`set_hook_region`) go to it, and
+/// frees of its addresses come back to it from any thread. The installed
+/// pool serves every other thread (`imp_mem.torch.region`).
+#[pyfunction]
+#[pyo3(signature = (pool, device = None))]
+fn add_hook_region(
+    py: Python<'_>,
+    pool: PyRef<'_, PyActivationPool>,
+    device: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let device = device.map_or(Ok(0), |d| crate::convert::index(d, "device"))?;
+    let device = i32::try_from(device)
+        .map_err(|_| invalid(format!("device {device} is not a device ordinal")))?;
+    let pool = pool.pool.clone();
+    // The write lock waits for hook calls, which never need the GIL.
+    py.detach(move || routing::add_region(pool, device));
+    Ok(())
+}
+
+/// Removes `pool`'s region; returns whether it was one.
+#[pyfunction]
+fn remove_hook_region(py: Python<'_>, pool: PyRef<'_, PyActivationPool>) -> bool {
+    let id = pool.pool.id();
+    py.detach(move || routing::remove_region(id))
+}
+
+/// Routes the calling thread's mallocs to `pool`'s region (`None`: back to
+/// the installed pool). A pool that is no region raises InvalidArgument.
+#[pyfunction]
+#[pyo3(signature = (pool))]
+fn set_hook_region(pool: Option<PyRef<'_, PyActivationPool>>) -> PyResult<()> {
+    routing::set_region(pool.map(|p| p.pool.id())).py()?;
+    Ok(())
+}
+
 /// The route now.
 #[pyfunction]
 fn hook_route() -> &'static str {
@@ -182,6 +219,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(uninstall_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(set_hook_route, m)?)?;
     m.add_function(wrap_pyfunction!(hook_route, m)?)?;
+    m.add_function(wrap_pyfunction!(add_hook_region, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_hook_region, m)?)?;
+    m.add_function(wrap_pyfunction!(set_hook_region, m)?)?;
     m.add_function(wrap_pyfunction!(hook_library_path, m)?)?;
     m.add_function(wrap_pyfunction!(hook_addresses, m)?)?;
     Ok(())

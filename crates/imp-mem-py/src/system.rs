@@ -35,6 +35,31 @@ fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>
         .transpose()
 }
 
+/// The `tiers` argument of `sleep` and `wake`: a tier key or tag, an
+/// iterable of them, or None (the default selection).
+fn tier_names(tiers: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<String>>> {
+    Ok(match tiers.filter(|t| !t.is_none()) {
+        None => None,
+        Some(t) if t.is_instance_of::<pyo3::types::PyString>() => Some(vec![t.extract()?]),
+        Some(t) => Some(
+            t.try_iter()
+                .map_err(|_| {
+                    pyo3::exceptions::PyTypeError::new_err(
+                        "tiers: expected a tier name or an iterable of tier names (str)",
+                    )
+                })?
+                .map(|n| {
+                    n.and_then(|n| n.extract::<String>()).map_err(|_| {
+                        pyo3::exceptions::PyTypeError::new_err(
+                            "tiers: every tier name must be a str",
+                        )
+                    })
+                })
+                .collect::<PyResult<Vec<String>>>()?,
+        ),
+    })
+}
+
 /// The tiers of one `MemoryPlan`, opened on one backend in the plan's
 /// order, with the phases, the memory report and the metrics.
 #[pyclass(frozen, name = "MemorySystem", module = "imp_mem._core")]
@@ -555,26 +580,7 @@ impl PyMemorySystem {
                      cache dropped) or 2 (both dropped)"
                 ))
             })?;
-        let names: Option<Vec<String>> = match tiers.filter(|t| !t.is_none()) {
-            None => None,
-            Some(t) if t.is_instance_of::<pyo3::types::PyString>() => Some(vec![t.extract()?]),
-            Some(t) => Some(
-                t.try_iter()
-                    .map_err(|_| {
-                        pyo3::exceptions::PyTypeError::new_err(
-                            "tiers: expected a tier name or an iterable of tier names (str)",
-                        )
-                    })?
-                    .map(|n| {
-                        n.and_then(|n| n.extract::<String>()).map_err(|_| {
-                            pyo3::exceptions::PyTypeError::new_err(
-                                "tiers: every tier name must be a str",
-                            )
-                        })
-                    })
-                    .collect::<PyResult<Vec<String>>>()?,
-            ),
-        };
+        let names = tier_names(tiers)?;
         let backend = self.backend.get().inner.clone();
         let host = crate::tiers::pinned_host_for(&backend);
         let report = {
@@ -602,16 +608,65 @@ impl PyMemorySystem {
         Ok(out)
     }
 
-    /// Wakes every sleeping tier at its old addresses and restores T1's
-    /// bytes after a level-1 sleep; returns the keys woken (none when
-    /// nothing slept). On failure the tiers not woken still sleep.
-    fn wake(&self) -> PyResult<Vec<String>> {
-        let system = self.open()?;
-        system.wake().py()
+    /// Wakes sleeping tiers at their old addresses and restores T1's bytes
+    /// after a level-1 sleep; returns the keys woken (none when nothing
+    /// named slept). `tiers` names tier keys or tags as `sleep` takes them
+    /// (`"weights"`, `"kv_cache"`, ...; default: every sleeping tier), so a
+    /// wake can be staged: the weights, then their update, then the KV
+    /// cache. A named tier that is awake is skipped; a name that is no tier,
+    /// or T2 / scratch (which never sleep), raises InvalidArgument and
+    /// nothing changes. When the device has no room, it raises OutOfMemory
+    /// with `needed` (bytes the tiers not woken need), `device_free`,
+    /// `budget_free`, `woken` and `still_asleep`: those tiers still sleep,
+    /// their host copies kept, and a later wake retries them.
+    #[pyo3(signature = (tiers = None))]
+    fn wake(&self, py: Python<'_>, tiers: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
+        let names = tier_names(tiers)?;
+        let result = {
+            let system = self.open()?;
+            let refs: Option<Vec<&str>> = names
+                .as_ref()
+                .map(|v| v.iter().map(String::as_str).collect());
+            // The copy back of T1 runs without the GIL (seconds for gigabytes).
+            py.detach(|| system.wake(refs.as_deref()))
+        };
+        self.emit(py)?;
+        result.map_err(|e| crate::errors::wake_error(*e))
     }
 
-    /// Frees the pinned host buffer a level-1 sleep keeps after the wake
-    /// for the next sleep (T5b); returns the bytes freed.
+    /// Device bytes `wake(tiers)` would commit now (the named tiers that
+    /// sleep; default: every sleeping tier), to make room before waking.
+    #[pyo3(signature = (tiers = None))]
+    fn wake_needs(&self, tiers: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let names = tier_names(tiers)?;
+        let refs: Option<Vec<&str>> = names
+            .as_ref()
+            .map(|v| v.iter().map(String::as_str).collect());
+        self.open()?.wake_needs(refs.as_deref()).py()
+    }
+
+    /// Pins T1's level-1 host buffer now, ahead of the first sleep, so that
+    /// sleep copies at the line rate instead of pinning first (pinning
+    /// 16 GiB takes seconds). `nbytes` defaults to the plan's T1 weights
+    /// bytes (`plan.sleep_host`), or what T1 holds if that is more; the host
+    /// memory held is exactly that (no power-of-two rounding). It releases
+    /// the GIL and holds no lock while pinning, so it can run on a
+    /// background thread while the weights load; a later level-1 sleep copies
+    /// into it when it holds T1's used bytes. A buffer already held of at
+    /// least `nbytes` is kept. Returns the bytes held. `release_sleep_host()`
+    /// frees it.
+    #[pyo3(signature = (nbytes = None))]
+    fn pin_sleep_host(&self, py: Python<'_>, nbytes: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let nbytes = convert::opt_bytes(nbytes, "nbytes")?;
+        let pin = self.open()?.sleep_host_pin(nbytes).py()?;
+        let backend = self.backend.get().inner.clone();
+        let host = crate::tiers::pinned_host_for(&backend);
+        py.detach(|| pin.pin(&host)).py()
+    }
+
+    /// Frees the pinned host buffer kept for the next level-1 sleep (T5b:
+    /// pinned ahead by `pin_sleep_host`, or kept after a wake); returns the
+    /// bytes freed. A sleeping T1's copy is not freed.
     fn release_sleep_host(&self) -> PyResult<u64> {
         Ok(self.open()?.release_sleep_host())
     }

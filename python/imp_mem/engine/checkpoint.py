@@ -47,23 +47,31 @@ NORM_JITTER = 0.1
 
 
 def random_weights(
-    config_dict: dict[str, Any], *, seed: int = 0, scale: float = DEFAULT_SCALE
+    config_dict: dict[str, Any],
+    *,
+    seed: int = 0,
+    scale: float = DEFAULT_SCALE,
+    device: Any = None,
 ) -> dict[str, Any]:
-    """The tensors `write_random_checkpoint` writes, on the CPU, in the
-    config's dtype."""
+    """The tensors `write_random_checkpoint` writes, in the config's dtype,
+    made on `device` (default the CPU; a GPU makes an 8B model's in
+    seconds where the CPU takes over a minute; the values differ between
+    devices, not between runs on one)."""
     import torch
 
     from imp_mem.engine.model import weight_names
 
     config = ModelConfig.from_hf_config(config_dict)
     dtype = getattr(torch, config.dtype)
-    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device or "cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in weight_names(config).items():
+        t = torch.randn(shape, generator=gen, device=device)
         if name.endswith("norm.weight"):
-            t = 1.0 + NORM_JITTER * torch.randn(shape, generator=gen)
+            t = 1.0 + NORM_JITTER * t
         else:
-            t = scale * torch.randn(shape, generator=gen)
+            t = scale * t
         out[name] = t.to(dtype)
     return out
 
@@ -74,9 +82,11 @@ def write_random_checkpoint(
     *,
     seed: int = 0,
     scale: float = DEFAULT_SCALE,
+    device: Any = None,
 ) -> Path:
     """Writes ``config.json`` and ``model.safetensors`` of a random-weight
-    model into `directory` (created if needed); returns the directory."""
+    model into `directory` (created if needed); returns the directory.
+    `device`: where the values are made (`random_weights`)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -84,7 +94,8 @@ def write_random_checkpoint(
     config_dict = dict(config_dict)
     config_dict.setdefault("torch_dtype", "bfloat16")
     config_dict.setdefault("architectures", ["Qwen3ForCausalLM"])
-    weights = random_weights(config_dict, seed=seed, scale=scale)
+    weights = random_weights(config_dict, seed=seed, scale=scale, device=device)
+    weights = {name: t.cpu() for name, t in weights.items()}
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     return directory

@@ -67,6 +67,7 @@ from imp_mem.engine.memory import EngineMemory, measure_torch_high_water
 from imp_mem.engine.model_runner import ModelRunner, default_buckets, t2_bytes
 from imp_mem.engine.scheduler import Request, Scheduler
 from imp_mem.engine.tensor_parallel import TensorParallel
+from imp_mem.engine.weights import FileTensor
 from imp_mem.errors import InvalidArgument
 
 __all__ = ["Engine", "EngineStats", "default_buckets", "measure_torch_high_water"]
@@ -141,6 +142,7 @@ class Engine:
         scratch_bytes: int | None = None,
         activation_bytes: int | None = None,
         group: Any = None,
+        pin_sleep_host: bool | None = None,
     ) -> None:
         t_open = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -173,6 +175,12 @@ class Engine:
             kv_growable=kv_growable,
         )
         self.stats = EngineStats()
+        self._pin_sleep_host = pin_sleep_host
+        # The lifecycle: tag -> the level it sleeps at; whether a level-2
+        # sleep dropped the weights (they must be updated or reloaded).
+        self._asleep: dict[str, int] = {}
+        self._weights_dropped = False
+        self.weights_version = 0
 
         # -- 1. the plan -------------------------------------------------------
         self._open_args = (enable_prefix_caching, buckets, graphs, attention_backend, progress)
@@ -319,7 +327,10 @@ class Engine:
     def _load(self, prefix_caching, attention_backend, progress) -> None:
         memory, c = self.memory, self.config
         memory.make_torch_pool()
-        weights = memory.load_weights(self.model_dir, self.tp, progress)
+        pin = self._pin_sleep_host
+        if pin is None:  # on a backend whose T1 can sleep, for its first load
+            pin = bool(getattr(self.backend, "growable", False)) and not hasattr(self, "kv")
+        weights = memory.load_weights(self.model_dir, self.tp, progress, pin=pin)
         self.kv = memory.kv_manager(
             prefix_caching=prefix_caching and not self.sliding,
             swa_window=c.sliding_window if self.sliding else None,
@@ -340,6 +351,7 @@ class Engine:
         """One engine step: admissions and their prefills, then one decode
         of every running sequence. Returns the `(seq_id, token)` pairs
         produced, in order."""
+        self._check_awake("step")
         sched, stats, runner = self.scheduler, self.stats, self.runner
         t_step = time.perf_counter()
         kv0 = sched.kv_seconds
@@ -405,6 +417,7 @@ class Engine:
     ) -> Iterator[tuple[int, int]]:
         """Serves `prompts` to the end, yielding `(prompt index, token)` as
         the tokens are produced."""
+        self._check_awake("generate")
         index = {}
         for i, p in enumerate(prompts):
             index[self.submit(p, max_new_tokens, eos_token_id=eos_token_id).seq_id] = i
@@ -434,6 +447,306 @@ class Engine:
         """Steps until nothing is waiting or running (or `until()` says stop)."""
         while self.scheduler.has_work and not (until and until()):
             self.step()
+
+    # ------------------------------------------------------------- lifecycle
+
+    @property
+    def asleep(self) -> dict[str, int]:
+        """The engine's tags asleep now, ``{tag: level}``."""
+        return dict(self._asleep)
+
+    @property
+    def sleep_tags(self) -> tuple[str, ...]:
+        """The tags this engine can sleep: ``weights`` (T1), ``kv_cache``
+        (the KV pools) and, when torch's allocations are routed into the
+        activations tier, ``activations`` (its graph pools)."""
+        tags = ["weights", "kv_cache"]
+        if self.system.activations is not None:
+            tags.append("activations")
+        return tuple(tags)
+
+    def sleep(
+        self, level: int = 1, tags: str | Sequence[str] | None = None, *, drain: str = "refuse"
+    ) -> dict[str, Any]:
+        """Gives the device memory of `tags` back (default: every tag of
+        `sleep_tags`), keeping every address: captured graphs replay after
+        `wake` without re-capture.
+
+        `level` 1 keeps the weights in pinned host memory (pinned at load,
+        `pin_sleep_host`); 2 drops them (`update_weights` or
+        `reload_weights` after the wake). The KV cache is dropped at either
+        level; its prefix cache goes to the KV host tier when there is one,
+        else it is emptied. `drain`: what to do with requests waiting or
+        running — ``"refuse"`` (InvalidArgument naming them; nothing
+        changes), ``"abort"`` (cancel them) or ``"wait"`` (serve them to the
+        end first). Returns the memory system's sleep report. A refusal of
+        the memory system (a backend without growable regions) changes
+        nothing; the engine serves on."""
+        tags = self._tags(tags, "sleep")
+        if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
+            raise InvalidArgument(
+                f"level={level!r}: a sleep level is 1 (weights kept in pinned host memory) or 2 "
+                "(weights dropped)"
+            )
+        if drain not in ("refuse", "abort", "wait"):
+            raise InvalidArgument(
+                f"drain={drain!r}: pass 'refuse' (raise while requests run), 'abort' (cancel "
+                "them) or 'wait' (serve them to the end first)"
+            )
+        slept = [t for t in tags if t in self._asleep]
+        if slept:
+            raise InvalidArgument(
+                f"sleep: {', '.join(slept)} already sleep{'s' if len(slept) == 1 else ''}; "
+                "wake() first"
+            )
+        self._drain(drain)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        kv = "kv_cache" in tags
+        if kv:
+            self._kv_to_sleep()
+        try:
+            report = self.system.sleep(level, [t for tag in tags for t in self._tiers(tag)])
+        except BaseException:
+            if kv:
+                self.runner.reserve_blocks()
+                self.runner.reset_inputs()
+            raise
+        for tag in tags:
+            self._asleep[tag] = level
+        return report
+
+    def wake(
+        self, tags: str | Sequence[str] | None = None, *, empty_torch_cache: bool = False
+    ) -> list[str]:
+        """Takes the memory of `tags` back at the same addresses (default:
+        every sleeping tag), one tag at a time in the order given: the
+        staged wake of RL colocation is ``wake("weights")``,
+        `update_weights`, ``wake("kv_cache")``, so the KV cache's memory is
+        taken only once the update's is free. A tag that is awake is
+        skipped. Returns the tags woken.
+
+        When the device lacks room, `OutOfMemory` says how much the wake
+        needs and how much torch's caching allocator holds reserved but
+        unused (a trainer's freed blocks); with `empty_torch_cache` the
+        engine empties torch's cache once and retries. The tags not woken
+        sleep on, and a later `wake` can take them."""
+        names = self._tags(tags, "wake") if tags is not None else list(self._asleep)
+        woken = []
+        for tag in names:
+            level = self._asleep.get(tag)
+            if level is None:
+                continue
+            self._wake_tiers(tag, empty_torch_cache)
+            del self._asleep[tag]
+            if tag == "weights" and level == 2:
+                self._weights_dropped = True
+            if tag == "kv_cache":
+                self.runner.reserve_blocks()
+                self.runner.reset_inputs()
+            woken.append(tag)
+        return woken
+
+    def update_weights(self, named_tensors: Any) -> dict[str, Any]:
+        """Copies new weights into T1 in place: an iterable of
+        ``(name, tensor)`` (or a mapping), tensors on the GPU (a trainer in
+        this process) or the CPU, each the checkpoint's whole tensor (under
+        tensor parallelism each rank takes its slice). Every name, shape and
+        dtype is checked before the first byte is copied; a refusal
+        (`InvalidArgument` naming the tensor) changes nothing. A subset of
+        the checkpoint's tensors may be given. The prefix cache (device and
+        host tiers) is emptied: no KV computed with the old weights is
+        served again. Returns ``{"tensors", "bytes", "seconds"}``."""
+        if "weights" in self._asleep:
+            raise InvalidArgument(
+                "update_weights: the weights sleep; wake('weights') first (the staged wake: "
+                "weights, update, then kv_cache)"
+            )
+        if self.scheduler.has_work:
+            raise InvalidArgument(
+                "update_weights: requests are waiting or running; finish them (run()) or "
+                "cancel them first, so no sequence mixes two sets of weights"
+            )
+        if self.kv.stats()["pinned"]:
+            raise InvalidArgument(
+                "update_weights: the prefix cache has pinned blocks, which would keep KV of the "
+                "old weights; unpin them first"
+            )
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        plan = self._check_update(items)
+        t0 = time.perf_counter()
+        with torch.inference_mode(), self.runner.on_stream():
+            for dst, src, shard in plan:
+                if isinstance(src, FileTensor):
+                    src = src.load()
+                if shard is not None:
+                    src = src.narrow(shard.dim, shard.start, shard.stop - shard.start)
+                dst.copy_(src, non_blocking=src.is_cuda)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        self._weights_changed()
+        nbytes = sum(dst.numel() * dst.element_size() for dst, _, _ in plan)
+        return {"tensors": len(plan), "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def update_weights_from_ipc(self, handles: Any) -> dict[str, Any]:
+        """`update_weights` from another process on the same GPU: `handles`
+        is what `imp_mem.engine.weights.ipc_handles` made there (CUDA IPC,
+        no host round trip). The sender must keep its tensors alive until
+        this returns."""
+        from imp_mem.engine.weights import open_ipc_handles
+
+        return self.update_weights(open_ipc_handles(handles))
+
+    def reload_weights(self, model_dir: str | Path | None = None) -> dict[str, Any]:
+        """Reads the weights of `model_dir` (default: this engine's) into T1
+        in place, checked as `update_weights` checks (a checkpoint of this
+        model's shapes and dtypes); after a level-2 sleep, or to load a
+        trainer's checkpoint from disk."""
+        from imp_mem.engine.weights import checkpoint_tensors
+
+        directory = self.model_dir if model_dir is None else Path(model_dir)
+        return self.update_weights(checkpoint_tensors(directory))
+
+    def _check_awake(self, what: str) -> None:
+        if self._asleep:
+            slept = ", ".join(f"{t} (level {lv})" for t, lv in self._asleep.items())
+            raise InvalidArgument(f"{what}: the engine sleeps ({slept}); wake() first")
+        if self._weights_dropped:
+            raise InvalidArgument(
+                f"{what}: a level-2 sleep dropped the weights; update_weights(...) or "
+                "reload_weights() first"
+            )
+
+    def _tags(self, tags: str | Sequence[str] | None, what: str) -> list[str]:
+        known = self.sleep_tags
+        if tags is None:
+            return list(known)
+        names = [tags] if isinstance(tags, str) else list(tags)
+        for t in names:
+            if not isinstance(t, str):
+                raise TypeError(f"{what}: tags must be str, got {type(t).__name__}")
+            if t not in known:
+                raise InvalidArgument(f"{what}: tag {t!r} is not one of {list(known)}")
+        if not names:
+            raise InvalidArgument(f"{what}: tags is empty; name one of {list(known)} or pass None")
+        return list(dict.fromkeys(names))
+
+    def _tiers(self, tag: str) -> list[str]:
+        """The memory system's tier tags a engine tag sleeps."""
+        if tag == "kv_cache":
+            return ["kv_cache", "swa_cache"] if self.system.swa_pool is not None else ["kv_cache"]
+        return [tag]
+
+    def _drain(self, mode: str) -> None:
+        sched = self.scheduler
+        if not sched.has_work:
+            return
+        if mode == "refuse":
+            ids = [r.seq_id for r in sched.waiting] + list(sched.running)
+            shown = ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
+            raise InvalidArgument(
+                f"sleep: {len(ids)} requests are waiting or running (seq {shown}); finish them, "
+                "or pass drain='abort' to cancel them or drain='wait' to serve them first"
+            )
+        if mode == "abort":
+            for sid in [r.seq_id for r in sched.waiting] + list(sched.running):
+                sched.cancel(sid)
+        else:
+            self.run()
+
+    def _kv_to_sleep(self) -> None:
+        """Leaves the KV pools without a live block: the prefix cache
+        offloaded to the host tier (when there is one) or emptied, and the
+        runner's own blocks given back."""
+        kv = self.kv
+        if kv.stats()["host_capacity"]:
+            kv.evict(kv.stats()["cached"])
+            kv.poll_copies(True)
+        if not kv.reset_prefix_cache():
+            raise InvalidArgument("sleep: the prefix cache has pinned blocks; unpin them first")
+        self.runner.release_blocks()
+
+    def _wake_tiers(self, tag: str, empty_torch_cache: bool) -> None:
+        tiers = self._tiers(tag)
+        try:
+            self.system.wake(tiers)
+            return
+        except imp_mem.OutOfMemory as e:
+            cached = self._torch_cached()
+            if not (empty_torch_cache and cached):
+                # The same error (its arithmetic kept), with what holds the
+                # device on torch's side and what to do.
+                e.torch_cached = cached
+                e.args = (
+                    f"wake({tag!r}): {e}; torch's caching allocator holds "
+                    f"{cached / 2**20:.0f} MiB reserved but unused on this device: call "
+                    "torch.cuda.empty_cache() (or wake(..., empty_torch_cache=True)) or free the "
+                    f"trainer's tensors, then wake again; {tag} still sleeps",
+                )
+                raise
+        torch.cuda.empty_cache()
+        self.system.wake(tiers)
+
+    def _torch_cached(self) -> int:
+        """Bytes torch's caching allocator reserves and does not use."""
+        if not self.on_gpu:
+            return 0
+        return int(
+            torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        )
+
+    def _check_update(self, items: Any) -> list[tuple[torch.Tensor, Any, Any]]:
+        """``(T1 view, source, this rank's shard or None)`` for every tensor
+        of an update, each checked against the checkpoint; nothing is
+        copied here."""
+        from imp_mem.engine.model import weight_names
+
+        weights, shards = self.runner.weights, self.tp.shards()
+        full = weight_names(self.config)
+        seen: set[str] = set()
+        plan = []
+        for item in items:
+            try:
+                name, tensor = item
+            except (TypeError, ValueError):
+                raise TypeError(
+                    "update_weights: expected (name, tensor) pairs or a mapping of them"
+                ) from None
+            if not isinstance(name, str):
+                raise TypeError(f"update_weights: a name must be str, got {type(name).__name__}")
+            if not isinstance(tensor, torch.Tensor | FileTensor):
+                raise TypeError(
+                    f"update_weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
+                )
+            dst = weights.get(name)
+            if dst is None:
+                raise InvalidArgument(
+                    f"update_weights: {name!r} is no tensor of this checkpoint; give the "
+                    "checkpoint's own Hugging Face names (nothing was copied)"
+                )
+            if name in seen:
+                raise InvalidArgument(f"update_weights: {name!r} is given twice (nothing copied)")
+            seen.add(name)
+            want = full.get(name, tuple(dst.shape)) if shards else tuple(dst.shape)
+            if tuple(tensor.shape) != tuple(want):
+                raise InvalidArgument(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the checkpoint's "
+                    f"is {tuple(want)} (nothing was copied)"
+                )
+            if tensor.dtype != dst.dtype:
+                raise InvalidArgument(
+                    f"update_weights: {name!r} is {tensor.dtype}; the checkpoint's is "
+                    f"{dst.dtype} (nothing was copied)"
+                )
+            plan.append((dst, tensor, shards.get(name)))
+        return plan
+
+    def _weights_changed(self) -> None:
+        """No KV computed with the old weights is served again."""
+        kv = self.kv
+        kv.reset_prefix_cache()
+        self._weights_dropped = False
+        self.weights_version += 1
 
     # ------------------------------------------------------------ model swap
 

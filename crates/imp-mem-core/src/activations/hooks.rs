@@ -12,17 +12,23 @@
 //! installed T1 arena instead; a free of such a pointer cannot give bytes
 //! back to a bump arena and is counted as stranded.
 //!
-//! Nothing here panics or blocks on anything but the two locks (the slot's
-//! and the pool's). Misuse — a foreign pointer, a double free, size 0, a
+//! Regions ([`add_region`], issue 24's `imp_mem.torch.region`) are further
+//! pools, each a scope routes its own thread's mallocs to
+//! ([`set_region`]); a free finds its region by address first (one relaxed
+//! load when none is added), so a region's segments go back to it whichever
+//! thread frees them, and the installed pool serves everything else.
+//!
+//! Nothing here panics or blocks on anything but the locks (the slot's,
+//! the regions', and the pool's). Misuse — a foreign pointer, a double free, size 0, a
 //! negative or absurd size, the wrong device, a free whose size disagrees,
 //! nothing installed — is refused and counted. The counters are per-thread
 //! shards, written by their thread without a locked instruction (a relaxed
 //! load and store) and summed on read, so counting costs the hot path
 //! almost nothing and no count is lost. A malloc returns 0 for "null".
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use super::{ActivationPool, RefusedFree};
@@ -304,6 +310,132 @@ pub fn route() -> Route {
     }
 }
 
+struct RegionEntry {
+    pool: ActivationPool,
+    device: i32,
+}
+
+static REGIONS: RwLock<Vec<Arc<RegionEntry>>> = RwLock::new(Vec::new());
+/// `REGIONS.len()`, read without the lock by every free.
+static REGION_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// The pool id this thread's mallocs go to; 0 for the installed pool.
+    static CURRENT_REGION: Cell<u64> = const { Cell::new(0) };
+}
+
+fn regions() -> RwLockReadGuard<'static, Vec<Arc<RegionEntry>>> {
+    REGIONS.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Adds `pool` as a region for `device` (replacing a region of the same
+/// pool): mallocs of a thread that selects it ([`set_region`]) go to it,
+/// and frees of its addresses come back to it from any thread.
+pub fn add_region(pool: ActivationPool, device: i32) {
+    let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
+    all.retain(|r| r.pool.id() != pool.id());
+    all.push(Arc::new(RegionEntry { pool, device }));
+    REGION_COUNT.store(all.len(), Ordering::Release);
+}
+
+/// Removes the region of pool `pool_id`; true if there was one. Frees of
+/// its addresses are refused (foreign) from now on.
+pub fn remove_region(pool_id: u64) -> bool {
+    let removed: Vec<Arc<RegionEntry>> = {
+        let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
+        let (gone, kept) = std::mem::take(&mut *all)
+            .into_iter()
+            .partition(|r| r.pool.id() == pool_id);
+        *all = kept;
+        REGION_COUNT.store(all.len(), Ordering::Release);
+        gone
+    };
+    // Dropped outside the lock: the last handle may release a region.
+    !removed.is_empty()
+}
+
+/// Routes the calling thread's mallocs to the region of pool `pool_id`
+/// (`None`: back to the installed pool). Refuses an id that is no region.
+/// Returns the previous choice.
+pub fn set_region(pool_id: Option<u64>) -> Result<Option<u64>, MemError> {
+    if let Some(id) = pool_id {
+        if !regions().iter().any(|r| r.pool.id() == id) {
+            return Err(MemError::invalid(format!(
+                "pool #{id} is no region of the allocator hooks; add it first"
+            )));
+        }
+    }
+    let previous = current_region();
+    let _ = CURRENT_REGION.try_with(|c| c.set(pool_id.unwrap_or(0)));
+    Ok(previous)
+}
+
+/// The region the calling thread's mallocs go to, if any.
+pub fn current_region() -> Option<u64> {
+    match CURRENT_REGION.try_with(Cell::get) {
+        Ok(0) | Err(_) => None,
+        Ok(id) => Some(id),
+    }
+}
+
+fn region_malloc(pool_id: u64, size: u64, device: i32, stream: u64) -> usize {
+    let entry = regions().iter().find(|r| r.pool.id() == pool_id).cloned();
+    let Some(entry) = entry else {
+        bump(C::not_installed);
+        return 0;
+    };
+    if device != entry.device {
+        bump(C::wrong_device);
+        return 0;
+    }
+    allocated(entry.pool.allocate(size, stream))
+}
+
+fn allocated(result: Result<usize, MemError>) -> usize {
+    match result {
+        Ok(addr) => {
+            bump(C::malloc_ok);
+            addr
+        }
+        Err(MemError::OutOfMemory(_)) | Err(MemError::PhaseViolation { .. }) => {
+            bump(C::ooms);
+            0
+        }
+        Err(_) => {
+            bump(C::malloc_errors);
+            0
+        }
+    }
+}
+
+/// Frees `ptr` in the region that holds it; false if none does.
+fn region_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool {
+    let entry = regions().iter().find(|r| r.pool.contains(ptr)).cloned();
+    let Some(entry) = entry else {
+        return false;
+    };
+    if device != entry.device {
+        bump(C::wrong_device);
+        return true;
+    }
+    match entry.pool.try_free(ptr, stream) {
+        Ok(freed) => counted_free(freed.requested, size),
+        Err(RefusedFree::Foreign) => bump(C::foreign_frees),
+        Err(RefusedFree::NotLive) => bump(C::double_frees),
+        Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
+    }
+    true
+}
+
+fn counted_free(requested: u64, size: Option<i64>) {
+    bump(C::free_ok);
+    if let Some(size) = size {
+        if u64::try_from(size).ok() != Some(requested) {
+            bump(C::size_mismatches);
+        }
+    }
+}
+
 /// Counts a panic the caller caught around one of these functions.
 pub fn count_panic() {
     bump(C::panics);
@@ -328,6 +460,9 @@ pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
         bump(C::zero_size);
         return 0;
     }
+    if let Some(region) = current_region() {
+        return region_malloc(region, size, device, stream);
+    }
     with_installed(|inst| malloc_on(inst, size, device, stream))
 }
 
@@ -347,20 +482,7 @@ fn malloc_on(inst: Option<&Installed>, size: u64, device: i32, stream: u64) -> u
     if route() == Route::Weights {
         return weights_take(inst, size);
     }
-    match inst.pool.allocate(size, stream) {
-        Ok(addr) => {
-            bump(C::malloc_ok);
-            addr
-        }
-        Err(MemError::OutOfMemory(_)) | Err(MemError::PhaseViolation { .. }) => {
-            bump(C::ooms);
-            0
-        }
-        Err(_) => {
-            bump(C::malloc_errors);
-            0
-        }
-    }
+    allocated(inst.pool.allocate(size, stream))
 }
 
 fn weights_take(inst: &Installed, size: u64) -> usize {
@@ -391,6 +513,9 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
         bump(C::null_frees);
         return;
     }
+    if REGION_COUNT.load(Ordering::Relaxed) > 0 && region_free(ptr, size, device, stream) {
+        return;
+    }
     with_installed(|inst| free_on(inst, ptr, size, device, stream));
 }
 
@@ -404,14 +529,7 @@ fn free_on(inst: Option<&Installed>, ptr: usize, size: Option<i64>, device: i32,
         return;
     }
     match inst.pool.try_free(ptr, stream) {
-        Ok(freed) => {
-            bump(C::free_ok);
-            if let Some(size) = size {
-                if u64::try_from(size).ok() != Some(freed.requested) {
-                    bump(C::size_mismatches);
-                }
-            }
-        }
+        Ok(freed) => counted_free(freed.requested, size),
         Err(RefusedFree::Foreign) => {
             let stranded = inst
                 .weight_ptrs

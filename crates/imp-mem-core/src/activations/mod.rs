@@ -56,7 +56,8 @@
 
 //!
 //! Files: `config.rs` (config, stats, the answers of a free), `pool.rs`
-//! (the handle, open, sleep, counters), `alloc.rs` (allocate and free),
+//! (the handle, open, sleep, counters), `pause.rs` (a sleep that keeps
+//! the live blocks' bytes in pinned host memory), `alloc.rs` (allocate and free),
 //! `blocks.rs` (the block and lane bookkeeping), `invariants.rs`, `tlsf.rs`
 //! (the index), `stream.rs` (the order contract), `hooks.rs` (the C hooks).
 //!
@@ -69,6 +70,7 @@ mod blocks;
 mod config;
 pub mod hooks;
 mod invariants;
+mod pause;
 mod pool;
 pub mod stream;
 pub(crate) mod tlsf;

@@ -26,6 +26,8 @@ pub(super) struct Inner {
     pub(super) backend: Backend,
     pub(super) order: Arc<dyn StreamOrder>,
     state: Mutex<Core>,
+    /// The host copy of a sleep that keeps the live bytes (`pause.rs`).
+    pub(super) backup: Mutex<super::pause::Backup>,
     /// Declared last: released after the state (and its fallbacks) is gone.
     /// Locked after `state` (a sleep decommits it), never before.
     region: Mutex<Region>,
@@ -134,6 +136,7 @@ impl ActivationPool {
                 backend: backend.clone(),
                 order,
                 state: Mutex::new(core),
+                backup: Mutex::default(),
                 region: Mutex::new(region),
             }),
         })
@@ -230,14 +233,21 @@ impl ActivationPool {
         Ok(committed as u64)
     }
 
-    /// Recommits the region at the same base; a no-op when awake. On
-    /// failure it sleeps on.
+    /// Recommits the region at the same base (and, after
+    /// [`ActivationPool::sleep_keeping`], copies the live blocks' bytes
+    /// back); a no-op when awake. On failure it sleeps on.
     pub fn wake(&self) -> Result<(), MemError> {
         let mut core = self.core();
         let Some((_, committed)) = core.asleep else {
             return Ok(());
         };
-        self.region().commit(committed as u64)?;
+        let mut region = self.region();
+        region.commit(committed as u64)?;
+        // After `sleep_keeping`, the live blocks' bytes come back.
+        if let Err(err) = self.backup().restore(&mut region) {
+            let _ = region.decommit(0);
+            return Err(err);
+        }
         core.asleep = None;
         Ok(())
     }

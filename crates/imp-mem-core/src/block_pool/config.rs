@@ -20,6 +20,10 @@ pub struct PoolConfig {
     pub grow_blocks: u32,
     /// What the region is charged to (default: `kv_cache`).
     pub tag: Option<Tag>,
+    /// Hold a pool that does not grow in a growable region, committed
+    /// whole at open, so that it can sleep (give its memory back and take
+    /// it again at the same addresses). It never shrinks.
+    pub sleepable: bool,
 }
 
 impl PoolConfig {
@@ -31,6 +35,7 @@ impl PoolConfig {
             max_blocks: blocks,
             grow_blocks: 0,
             tag: None,
+            sleepable: false,
         }
     }
 
@@ -43,7 +48,15 @@ impl PoolConfig {
             max_blocks,
             grow_blocks,
             tag: None,
+            sleepable: false,
         }
+    }
+
+    /// The same pool, held in a growable region committed whole so that
+    /// it can sleep ([`PoolConfig::sleepable`]).
+    pub fn sleepable(mut self) -> Self {
+        self.sleepable = true;
+        self
     }
 
     /// Charges the region to `tag`.

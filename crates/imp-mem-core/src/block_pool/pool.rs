@@ -53,7 +53,7 @@ impl PoolCore {
                     MemError::invalid(format!("{n} blocks of {} B overflow", config.block_bytes))
                 })
         };
-        let region = if config.max_blocks > config.blocks {
+        let region = if config.max_blocks > config.blocks || config.sleepable {
             backend.acquire_growable(bytes(config.max_blocks)?, bytes(config.blocks)?, tag)?
         } else {
             backend.acquire(bytes(config.blocks)?, DEFAULT_ALIGNMENT as u64, tag)?

@@ -7,7 +7,7 @@ use crate::backend::Region;
 use crate::decommit::{Decision, DecommitPolicy, DecommitTracker, FenceLike};
 use crate::error::MemError;
 
-use super::free_list::Entry;
+use super::free_list::{Entry, FreeBlocks};
 use super::pool::PoolCore;
 
 /// A boxed fence the pool keeps while a decommit waits for it.
@@ -33,8 +33,11 @@ impl PoolCore {
     // ------------------------------------------------------------ shrinking
 
     fn shrinkable(&self) -> bool {
+        // A pool held in a growable region only to sleep (one free list,
+        // never grown) does not shrink.
         self.stride > 0
             && self.sleep.is_none()
+            && matches!(self.lists, FreeBlocks::Chunked(_))
             && self.region.as_ref().is_some_and(Region::is_growable)
     }
 

@@ -54,9 +54,9 @@ mod tiers;
 pub use open::{ActivationOrder, CloseReport, OpenError, SystemOptions};
 pub use report::{
     BlockLine, ChargeLine, DeviceLine, DeviceQuery, DeviceReading, MemReport, OutsideLine,
-    ReportInput, TagLine, TierLine,
+    ReportInput, StayLine, TagLine, TierLine,
 };
-pub use sleep::{SleepReport, SleptTier, DEFAULT_SLEEP_TIERS};
+pub use sleep::{SleepHostPin, SleepReport, SleptTier, WakeError, DEFAULT_SLEEP_TIERS};
 pub use swap::{SwapError, SwapReport};
 
 use crate::activations::ActivationPool;

@@ -61,8 +61,10 @@ pub struct SystemOptions {
     pub apply_budget: bool,
     /// Open T1 over a growable region, reserved for the largest T1 a
     /// compatible plan can give (so a model swap resizes it in place) and
-    /// able to sleep; default: when the backend is growable and the plan's
-    /// headroom covers rounding T1 up to the granularity. `Some(true)` is
+    /// able to sleep, and the activations tier and a KV pool that does not
+    /// grow over growable regions committed whole at open (so they can
+    /// sleep too); default: when the backend is growable and the plan's
+    /// headroom covers rounding each up to the granularity. `Some(true)` is
     /// still refused where it does not fit.
     pub sleepable: Option<bool>,
     /// The activation pool's strictness; default: the backend's phase mode.
@@ -346,15 +348,34 @@ impl MemorySystem {
             .as_ref()
             .filter(|s| s.blocks > 0 && s.block_bytes > 0)
         {
-            let (open, layout) =
-                fixed_pool(swa.block_bytes, swa.blocks, Tag::SwaCache, "SWA pool")?;
+            // Committed whole in a growable region where it must be able to
+            // sleep with the KV pool (as a KV pool that does not grow).
+            let exact = swa.blocks.saturating_mul(swa.block_bytes);
+            let rounded = round(exact);
+            let sleepable = options.sleepable.unwrap_or_else(|| backend.info().growable)
+                && rounded <= swa.bytes.saturating_add(spare);
+            let (open, layout, cost) = if sleepable {
+                spare -= rounded.saturating_sub(swa.bytes);
+                let blocks = to_u32(swa.blocks, "SWA pool")?;
+                let config = PoolConfig::fixed(to_usize(swa.block_bytes, "SWA pool")?, blocks)
+                    .sleepable()
+                    .with_tag(Tag::SwaCache);
+                let layout = format!("{config:?}");
+                let open: Opener =
+                    Box::new(move |b: &Backend| SharedBlockPool::new(b, &config).map(Handle::Pool));
+                (open, layout, rounded)
+            } else {
+                let (open, layout) =
+                    fixed_pool(swa.block_bytes, swa.blocks, Tag::SwaCache, "SWA pool")?;
+                (open, layout, swa.bytes)
+            };
             steps.push(Step {
                 key: "swa_pool".into(),
                 label: "SWA KV pool".into(),
                 tier: Tier::Pooled,
                 tag: Tag::SwaCache,
                 planned: swa.bytes,
-                cost: swa.bytes,
+                cost,
                 layout,
                 open,
             });
@@ -437,13 +458,27 @@ impl MemorySystem {
             // bytes in a fixed region.
             let exact = kv.blocks.saturating_mul(kv.block_bytes);
             let rounded = round(exact);
+            let fits_rounded = rounded <= kv.bytes.saturating_add(spare);
             let growable = options
                 .kv_growable
                 .unwrap_or_else(|| backend.info().growable)
                 && blocks > 1
-                && rounded <= kv.bytes.saturating_add(spare);
-            let cost = if growable { rounded } else { exact };
-            let config = if growable {
+                && fits_rounded;
+            // A pool that does not grow is still held in a growable region,
+            // committed whole at open, where it must be able to sleep: only
+            // such a region gives its memory back and takes it again at the
+            // same addresses.
+            let sleepable = !growable
+                && options.sleepable.unwrap_or_else(|| backend.info().growable)
+                && fits_rounded;
+            let cost = if growable || sleepable {
+                rounded
+            } else {
+                exact
+            };
+            let config = if sleepable {
+                PoolConfig::fixed(block_bytes, blocks).sleepable()
+            } else if growable {
                 let per_seq = to_u32(kv.blocks_per_sequence.max(1), "KV pool")?;
                 let initial = options
                     .kv_initial_blocks

@@ -159,6 +159,18 @@ pub struct OutsideLine {
     pub committed: u64,
 }
 
+/// One line of what stays on the device while tiers sleep
+/// ([`MemReport::asleep_stays`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StayLine {
+    /// A tier key, `outside:<tag>`, or a charge's key.
+    pub key: String,
+    /// What the report prints.
+    pub label: String,
+    /// Bytes still on the device.
+    pub bytes: u64,
+}
+
 /// One snapshot of the whole system (see the module documentation).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MemReport {
@@ -208,6 +220,13 @@ pub struct MemReport {
     pub sleep_host: u64,
     /// What the plan gives T5b for it.
     pub sleep_host_planned: u64,
+    /// While a tier sleeps: what stays on the device — each awake tier with
+    /// memory committed (T2, T4 scratch, ...), what the backend holds
+    /// outside the tiers, and every charge (context, library reserve, graph
+    /// pools, NCCL: `set_charge`; the plan's estimate where none was
+    /// measured). They add up to `attributed + planned_unclaimed`. Empty
+    /// while nothing sleeps.
+    pub asleep_stays: Vec<StayLine>,
 }
 
 impl MemorySystem {
@@ -341,7 +360,7 @@ impl MemorySystem {
         for (slot, line) in self.slots.iter().zip(&tiers) {
             *in_tiers.entry(slot.tag).or_insert(0) += line.committed;
         }
-        let outside = stats
+        let outside: Vec<OutsideLine> = stats
             .tags
             .iter()
             .filter_map(|(tag, t)| {
@@ -417,6 +436,17 @@ impl MemorySystem {
                 meets_target: pct >= ATTRIBUTION_TARGET * 100.0,
             }
         });
+        let asleep: Vec<String> = self
+            .slots
+            .iter()
+            .filter(|s| slot_asleep(s) > 0)
+            .map(|s| s.key.clone())
+            .collect();
+        let asleep_stays = if asleep.is_empty() {
+            Vec::new()
+        } else {
+            stays(&tiers, &outside, &charges)
+        };
         let info = self.backend.info();
         MemReport {
             backend: info.name.clone(),
@@ -437,12 +467,8 @@ impl MemorySystem {
             planned_unclaimed,
             steady_state_allocations_total: stats.steady_state_allocations_total.values().sum(),
             device,
-            asleep: self
-                .slots
-                .iter()
-                .filter(|s| slot_asleep(s) > 0)
-                .map(|s| s.key.clone())
-                .collect(),
+            asleep,
+            asleep_stays,
             sleep_host: self
                 .slots
                 .iter()
@@ -455,4 +481,29 @@ impl MemorySystem {
             asleep_released: self.sleep_released(),
         }
     }
+}
+
+/// What stays on the device while tiers sleep (see
+/// [`MemReport::asleep_stays`]).
+fn stays(tiers: &[TierLine], outside: &[OutsideLine], charges: &[ChargeLine]) -> Vec<StayLine> {
+    let tiers = tiers.iter().filter(|t| t.committed > 0).map(|t| StayLine {
+        key: t.key.clone(),
+        label: format!("{} {}", t.tier, t.label),
+        bytes: t.committed,
+    });
+    let outside = outside.iter().map(|o| StayLine {
+        key: format!("outside:{}", o.tag),
+        label: format!("outside the tiers ({})", o.tag),
+        bytes: o.committed,
+    });
+    let charges = charges.iter().filter(|c| c.bytes > 0).map(|c| StayLine {
+        key: c.key.clone(),
+        label: format!(
+            "{} ({})",
+            c.label,
+            if c.measured { "measured" } else { "plan" }
+        ),
+        bytes: c.bytes,
+    });
+    tiers.chain(outside).chain(charges).collect()
 }

@@ -19,19 +19,30 @@
 //! sleep copies at once instead of pinning gigabytes again (what T5b was
 //! planned for); [`MemorySystem::release_sleep_host`] frees it.
 //!
+//! The first sleep need not pin: [`MemorySystem::pin_sleep_host`] pins that
+//! buffer ahead (at load, on a background thread, overlapped with the weight
+//! load), outside every lock, so the first sleep copies at the line rate.
+//!
 //! A sleep is all or nothing: if one tier refuses, those already asleep are
-//! woken again before the error returns. A wake that fails part-way leaves
-//! the tiers it could not wake asleep (the error names them); calling it
-//! again retries them.
+//! woken again before the error returns. A wake is staged when the caller
+//! names tiers ([`MemorySystem::wake`] with `Some(["weights"])`, update the
+//! weights, then `Some(["kv_cache"])`): the peak is what the named tiers
+//! commit, not all of them. A wake that fails part-way (the device has no
+//! room yet: a trainer's cache still holds it) leaves the tiers it could not
+//! wake asleep, with their host copies; the [`WakeError`] says how many bytes
+//! they need, what the device and the budget had, and which tiers still
+//! sleep; calling it again retries them.
 //!
 //! Thread safety: each tier sleeps under its own lock; the system's methods
 //! take `&self`. A sleep racing the tiers' users is refused by the tiers
 //! (a live block, a take) rather than corrupting them; the caller is expected
 //! to quiesce the engine first, as for any sleep.
 
+use crate::arena::SharedArena;
 use crate::error::MemError;
 use crate::pinned::PinnedHost;
 use crate::tag::Tag;
+use crate::units::human_bytes;
 
 use super::{Handle, MemorySystem, Slot};
 
@@ -69,6 +80,104 @@ impl SleepReport {
     /// Pinned host bytes held, over every tier.
     pub fn host_bytes(&self) -> u64 {
         self.tiers.iter().map(|t| t.host_bytes).sum()
+    }
+}
+
+/// T1's level-1 host buffer to pin ahead of the first sleep
+/// ([`MemorySystem::sleep_host_pin`]): the arena and the size, checked.
+#[derive(Debug, Clone)]
+pub struct SleepHostPin {
+    arena: SharedArena,
+    bytes: usize,
+}
+
+impl SleepHostPin {
+    /// The bytes it pins.
+    pub fn bytes(&self) -> u64 {
+        self.bytes as u64
+    }
+
+    /// Pins the buffer (seconds for gigabytes: a background thread's work)
+    /// and installs it as T1's spare copy, which the next level-1 sleep
+    /// copies into when it is large enough. Pinning holds no lock; only the
+    /// install takes the arena's. A buffer already held of at least these
+    /// bytes is kept and nothing is pinned. Returns the bytes held.
+    pub fn pin(&self, host: &PinnedHost) -> Result<u64, MemError> {
+        self.arena.pin_host_copy(self.bytes, host)
+    }
+}
+
+/// A wake that failed or was refused. The tiers it did not wake still
+/// sleep, with their host copies: the system is as it was but for the
+/// tiers in `woken`, and calling wake again retries the rest.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("wake failed: {error}{}", self.outcome())]
+pub struct WakeError {
+    /// The underlying error, whose kind the caller sees (`OutOfMemory` when
+    /// the device or the budget had no room).
+    pub error: MemError,
+    /// Bytes the tiers this wake did not wake need to commit (0 for a
+    /// refusal of the arguments).
+    pub needed: u64,
+    /// The device's free bytes when it failed, where the backend can read
+    /// its device (a VMM or CUDA backend; the fake cannot).
+    pub device_free: Option<u64>,
+    /// What the backend's budget still allowed when it failed.
+    pub budget_free: u64,
+    /// Tiers this call woke before it failed.
+    pub woken: Vec<String>,
+    /// Every tier still asleep, in open order.
+    pub still_asleep: Vec<String>,
+}
+
+impl WakeError {
+    fn refused(system: &MemorySystem, error: MemError) -> Box<Self> {
+        Self::failed(system, error, 0, Vec::new())
+    }
+
+    fn failed(
+        system: &MemorySystem,
+        error: MemError,
+        needed: u64,
+        woken: Vec<String>,
+    ) -> Box<Self> {
+        let stats = system.backend.stats();
+        let device_free = if needed > 0 {
+            system.backend.mem_info().ok().flatten().map(|d| d.free)
+        } else {
+            None
+        };
+        Box::new(Self {
+            error,
+            needed,
+            device_free,
+            budget_free: stats.budget.saturating_sub(stats.total.committed),
+            woken,
+            still_asleep: system.asleep().into_iter().map(|(k, _)| k).collect(),
+        })
+    }
+
+    fn outcome(&self) -> String {
+        if self.needed == 0 {
+            return " (nothing changed)".to_string();
+        }
+        let device = match self.device_free {
+            Some(free) => format!("the device had {} free", human_bytes(free)),
+            None => "the device's free memory could not be read".to_string(),
+        };
+        let woken = if self.woken.is_empty() {
+            String::new()
+        } else {
+            format!("; woken before the failure: {}", self.woken.join(", "))
+        };
+        format!(
+            "; the tiers not woken need {} ({device}; the budget allows {} more); still \
+             asleep, their host copies kept: {}{woken}; free device memory (a trainer's \
+             cache: torch.cuda.empty_cache()) and call wake again",
+            human_bytes(self.needed),
+            human_bytes(self.budget_free),
+            self.still_asleep.join(", ")
+        )
     }
 }
 
@@ -210,19 +319,113 @@ impl MemorySystem {
         Ok(chosen)
     }
 
-    /// Wakes every sleeping tier, in open order: recommits each at its
-    /// base and restores T1's bytes after a level-1 sleep. Returns the keys
-    /// woken. On failure the tiers not yet woken still sleep.
-    pub fn wake(&self) -> Result<Vec<String>, MemError> {
+    /// Wakes sleeping tiers, in open order: recommits each at its base and
+    /// restores T1's bytes after a level-1 sleep. `tiers` names tier keys
+    /// or tags as [`MemorySystem::sleep`] takes them (`weights`,
+    /// `kv_cache`, ...); `None` wakes every sleeping tier. A named tier that
+    /// is awake is skipped (waking it is a no-op); a name that is no tier,
+    /// or a tier that never sleeps (T2, scratch), is refused before anything
+    /// changes. Returns the keys woken.
+    ///
+    /// On failure the tiers not woken still sleep, their host copies kept,
+    /// and the [`WakeError`] says what they need; call it again later.
+    pub fn wake(&self, tiers: Option<&[&str]>) -> Result<Vec<String>, Box<WakeError>> {
         if self.closed {
-            return Err(self.closed_error());
+            return Err(WakeError::refused(self, self.closed_error()));
         }
+        let chosen: Vec<&Slot> = match tiers {
+            None => self.slots.iter().collect(),
+            Some(_) => self
+                .sleep_selection(tiers)
+                .map_err(|e| WakeError::refused(self, e))?,
+        };
+        let pending: Vec<&Slot> = chosen.into_iter().filter(|s| slot_level(s) > 0).collect();
         let mut woken = Vec::new();
-        for slot in self.slots.iter().filter(|s| slot_level(s) > 0) {
-            wake_slot(self, slot)?;
+        for (i, slot) in pending.iter().enumerate() {
+            if let Err(error) = wake_slot(self, slot) {
+                let needed = pending[i..].iter().map(|s| sleeping_of(s)).sum();
+                return Err(WakeError::failed(self, error, needed, woken));
+            }
             woken.push(slot.key.clone());
         }
         Ok(woken)
+    }
+
+    /// Device bytes a [`MemorySystem::wake`] of `tiers` would commit now
+    /// (the named tiers that sleep; `None`: every sleeping tier), so a
+    /// caller can make room first (an engine: empty torch's cache). Names
+    /// are checked as `wake` checks them.
+    pub fn wake_needs(&self, tiers: Option<&[&str]>) -> Result<u64, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        let chosen: Vec<&Slot> = match tiers {
+            None => self.slots.iter().collect(),
+            Some(_) => self.sleep_selection(tiers)?,
+        };
+        Ok(chosen
+            .into_iter()
+            .filter(|s| slot_level(s) > 0)
+            .map(sleeping_of)
+            .sum())
+    }
+
+    /// Checks a request to pin T1's level-1 host buffer ahead of the first
+    /// sleep and names what to pin: `bytes`, by default the larger of the
+    /// plan's [`sleep_host`](crate::planner::MemoryPlan::sleep_host) (T1's
+    /// weights) and what T1 holds now. The pinning itself
+    /// ([`SleepHostPin::pin`]) holds no lock of the system's, so a caller
+    /// that keeps the system behind a lock of its own releases it first.
+    pub fn sleep_host_pin(&self, bytes: Option<u64>) -> Result<SleepHostPin, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        let Some(arena) = self.weights_arena() else {
+            return Err(MemError::invalid(
+                "this system has no T1 (model_resident) tier, so no level-1 sleep copies \
+                 anything to host memory; there is nothing to pin",
+            ));
+        };
+        if !arena.is_growable() {
+            return Err(MemError::BackendUnavailable(
+                "T1 cannot sleep: its region is fixed (open the system on a VMM backend, with \
+                 sleepable T1), so a sleep host buffer would never be used"
+                    .into(),
+            ));
+        }
+        let stats = arena.stats();
+        let bytes = match bytes {
+            Some(0) => {
+                return Err(MemError::invalid(
+                    "nbytes=0: pin at least T1's used bytes, or pass None for the plan's T1 \
+                     weights bytes",
+                ))
+            }
+            Some(n) => n,
+            None => self.plan.sleep_host.max(stats.used as u64),
+        };
+        if bytes > stats.capacity as u64 {
+            return Err(MemError::invalid(format!(
+                "nbytes={bytes} is more than T1 can hold ({} B): a level-1 sleep copies at most \
+                 T1's used bytes; pass at most that, or None",
+                stats.capacity
+            )));
+        }
+        if bytes == 0 {
+            return Err(MemError::invalid(
+                "the plan's T1 is empty and T1 holds nothing: there is nothing to pin; pass \
+                 nbytes",
+            ));
+        }
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| MemError::invalid(format!("nbytes={bytes} does not fit this host")))?;
+        Ok(SleepHostPin { arena, bytes })
+    }
+
+    /// Pins T1's level-1 host buffer now ([`MemorySystem::sleep_host_pin`]
+    /// then [`SleepHostPin::pin`]); returns the bytes held for the sleep.
+    pub fn pin_sleep_host(&self, bytes: Option<u64>, host: &PinnedHost) -> Result<u64, MemError> {
+        self.sleep_host_pin(bytes)?.pin(host)
     }
 
     /// Frees the pinned host buffers kept after a wake for the next
@@ -262,6 +465,16 @@ impl MemorySystem {
 
 fn slot_level(slot: &Slot) -> u8 {
     super::slot_asleep(slot)
+}
+
+/// What a sleeping tier recommits when it wakes.
+fn sleeping_of(slot: &Slot) -> u64 {
+    match &slot.handle {
+        Handle::Arena(a) => a.sleeping_committed() as u64,
+        Handle::Pool(p) => p.sleeping_committed() as u64,
+        Handle::Activations(p) => p.sleeping_committed() as u64,
+        Handle::Scratch(_) => 0,
+    }
 }
 
 fn is_arena(slot: &Slot) -> bool {

@@ -561,6 +561,49 @@ fn a_fixed_kv_pool_commits_the_whole_plan_at_open() {
 }
 
 #[test]
+fn a_kv_pool_that_does_not_grow_sleeps_and_wakes_at_its_addresses_and_never_shrinks() {
+    let fb = fake(GIB_TEST, true);
+    let p = plan(256 * MIB);
+    let options = SystemOptions {
+        kv_growable: Some(false),
+        ..SystemOptions::default()
+    };
+    let system = MemorySystem::open(&fb, &p, options).unwrap();
+    let pool = system.kv_pool().unwrap();
+    let before = pool.stats();
+    assert_eq!(u64::from(before.capacity), p.kv.blocks);
+    assert_eq!(before.max_blocks, before.capacity, "it does not grow");
+    let base = pool.reservation().unwrap().addr();
+    // Idle steps never shrink it: it is held in a growable region only to sleep.
+    system.begin_serving().unwrap();
+    for _ in 0..64 {
+        system.step(crate::decommit::NothingInFlight).unwrap();
+    }
+    assert_eq!(pool.stats().committed_bytes, before.committed_bytes);
+    let report = system.sleep(1, Some(&["kv_cache"]), None).unwrap();
+    assert_eq!(report.released(), before.committed_bytes);
+    assert_eq!(fb.stats().tags[&Tag::KvCache].committed, 0);
+    assert!(pool.allocate().is_err(), "a sleeping pool refuses");
+    system.wake(None).unwrap();
+    assert_eq!(pool.reservation().unwrap().addr(), base);
+    assert_eq!(pool.stats().committed_bytes, before.committed_bytes);
+    let block = pool.allocate().unwrap();
+    drop(block);
+    // Without the option (a backend that cannot grow) it stays fixed.
+    let plain = MemorySystem::open(
+        &fake(GIB_TEST, true),
+        &p,
+        SystemOptions {
+            kv_growable: Some(false),
+            sleepable: Some(false),
+            ..SystemOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(plain.sleep(1, Some(&["kv_cache"]), None).is_err());
+}
+
+#[test]
 fn close_reports_what_a_ref_still_holds_and_frees_it_when_dropped() {
     let fb = fake(GIB_TEST, true);
     let mut system = MemorySystem::open(&fb, &plan(256 * MIB), SystemOptions::default()).unwrap();

@@ -36,8 +36,28 @@ impl MemReport {
         if !self.asleep.is_empty() {
             let _ = writeln!(
                 out,
-                "asleep: {}; T5b pinned host copy {} MiB (plan: {} MiB)",
+                "asleep: {} ({} MiB given back); T5b pinned host copy {} MiB (plan: {} MiB)",
                 self.asleep.join(", "),
+                mib1(self.asleep_released),
+                mib1(self.sleep_host),
+                mib1(self.sleep_host_planned)
+            );
+            let total: u64 = self.asleep_stays.iter().map(|s| s.bytes).sum();
+            let _ = writeln!(out, "stays on the device while asleep: {} MiB", mib1(total));
+            let w = self.asleep_stays.iter().map(|s| s.label.len()).max();
+            for s in &self.asleep_stays {
+                let _ = writeln!(
+                    out,
+                    "    {:<w$} {:>10}",
+                    s.label,
+                    mib1(s.bytes),
+                    w = w.unwrap_or(0)
+                );
+            }
+        } else if self.sleep_host > 0 {
+            let _ = writeln!(
+                out,
+                "T5b pinned host memory held for the next sleep: {} MiB (plan: {} MiB)",
                 mib1(self.sleep_host),
                 mib1(self.sleep_host_planned)
             );

@@ -19,6 +19,12 @@ fn fake_pinned_host() -> &'static PinnedHost {
     HOST.get_or_init(|| PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 40))))
 }
 
+/// The devices' pinned hosts, one per device, made on first use.
+fn device_hosts() -> &'static Mutex<Vec<(i32, PinnedHost)>> {
+    static HOSTS: OnceLock<Mutex<Vec<(i32, PinnedHost)>>> = OnceLock::new();
+    HOSTS.get_or_init(|| Mutex::new(Vec::new()))
+}
+
 /// The pinned host memory that goes with `backend`: its source's
 /// (`MemorySource::pinned_host`, the driver's on a device), one
 /// `PinnedHost` per device so that `pinned_stats` counts them together;
@@ -28,8 +34,7 @@ pub(crate) fn pinned_host_for(backend: &imp_mem_core::Backend) -> PinnedHost {
         return fake_pinned_host().clone();
     };
     let device = backend.info().device;
-    static HOSTS: OnceLock<Mutex<Vec<(i32, PinnedHost)>>> = OnceLock::new();
-    let mut hosts = lock(HOSTS.get_or_init(|| Mutex::new(Vec::new())));
+    let mut hosts = lock(device_hosts());
     if let Some((_, host)) = hosts.iter().find(|(d, _)| *d == device) {
         return host.clone();
     }
@@ -146,10 +151,26 @@ impl PyPinnedBuffer {
     }
 }
 
-/// Live pinned bytes and counts of the fake pinned host.
+/// Live pinned bytes and counts, over the fake pinned host and every
+/// device's (a sleep's host buffer, pinned ahead or not, included); the
+/// peak is the sum of each one's peak.
 #[pyfunction]
 pub(super) fn pinned_stats<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-    let s = fake_pinned_host().stats();
+    let mut s = fake_pinned_host().stats();
+    // Copied out first: nothing else is done under the lock.
+    let hosts: Vec<PinnedHost> = lock(device_hosts())
+        .iter()
+        .map(|(_, h)| h.clone())
+        .collect();
+    for h in hosts {
+        let t = h.stats();
+        s.live_bytes += t.live_bytes;
+        s.buffers += t.buffers;
+        s.registered_bytes += t.registered_bytes;
+        s.registrations += t.registrations;
+        s.failures += t.failures;
+        s.peak_bytes += t.peak_bytes;
+    }
     let d = PyDict::new(py);
     d.set_item("live_bytes", s.live_bytes)?;
     d.set_item("buffers", s.buffers)?;

@@ -1,0 +1,106 @@
+"""``imp_mem.torch`` regions on the CPU (issue 24): argument checks, and
+pause / resume of a region's tier on the fake backend (its pinned host is
+plain memory). Routing torch's CUDA allocations into a region needs a GPU:
+``tests/gpu/test_torch_region_gpu.py``. The rules are proved in Rust
+(``crates/imp-mem-core/tests/activation_regions.rs``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import imp_mem
+from imp_mem import Asleep, BackendUnavailable, InvalidArgument
+
+torch_mod = pytest.importorskip("imp_mem.torch")
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def fb():
+    backend = imp_mem.FakeBackend(capacity=64 * MIB, granularity=64 * 1024)
+    yield backend
+    for tag in list(torch_mod.regions()):
+        for ptr in list(getattr(torch_mod.regions()[tag], "_test_live", [])):
+            torch_mod.regions()[tag].activations.free(ptr)
+        torch_mod.release_region(tag)
+
+
+def test_region_arguments_are_checked(fb):
+    with pytest.raises(InvalidArgument, match="tag"):
+        torch_mod.region(fb, "", capacity=MIB)
+    with pytest.raises(InvalidArgument, match="tag"):
+        torch_mod.region(fb, 3, capacity=MIB)
+    with pytest.raises(InvalidArgument, match="capacity"):
+        torch_mod.region(fb, "train")
+    with pytest.raises(InvalidArgument, match="cpu_backup"):
+        torch_mod.region(fb, "train", capacity=MIB, cpu_backup="yes")
+    with pytest.raises(InvalidArgument, match="target"):
+        torch_mod.region(object(), "train", capacity=MIB)
+    with pytest.raises(InvalidArgument, match="nope"):
+        torch_mod.pause("nope")
+    with pytest.raises(InvalidArgument, match="nope"):
+        torch_mod.resume("nope")
+    assert torch_mod.regions() == {}
+    torch_mod.region(fb, "train", capacity=4 * MIB)
+    with pytest.raises(InvalidArgument, match="cpu_backup"):
+        torch_mod.region(fb, "train", cpu_backup=False)
+    with pytest.raises(InvalidArgument, match="capacity"):
+        torch_mod.region(fb, "train", capacity=8 * MIB)
+    assert list(torch_mod.regions()) == ["train"]
+
+
+def test_a_region_pauses_keeping_its_live_bytes_and_resumes_at_the_same_addresses(fb):
+    scope = torch_mod.region(fb, "train", capacity=4 * MIB)
+    if not imp_mem.cuda_available():
+        with pytest.raises(BackendUnavailable), scope:
+            pass
+    r = torch_mod.regions()["train"]
+    # What torch's segments would be: live blocks of the region's tier.
+    a = r.activations.allocate(100_000)
+    b = r.activations.allocate(5000)
+    r._test_live = [a, b]
+    data_a, data_b = bytes(range(200)) * 500, b"\x07" * 5000
+    fb.write(a, data_a)
+    fb.write(b, data_b)
+    copied = torch_mod.pause("train")
+    assert copied == r.activations.stats()["allocated"]
+    assert r.activations.asleep == 1
+    assert r.activations.host_bytes == copied
+    assert fb.read(a, 16) != data_a[:16], "the memory was given back"
+    with pytest.raises(Asleep):
+        r.activations.allocate(64)
+    torch_mod.resume("train")
+    assert fb.read(a, len(data_a)) == data_a
+    assert fb.read(b, len(data_b)) == data_b
+    # A live region cannot be released.
+    with pytest.raises(InvalidArgument, match="live"):
+        torch_mod.release_region("train")
+
+
+def test_a_region_without_cpu_backup_drops_its_bytes(fb):
+    torch_mod.region(fb, "rollout", capacity=2 * MIB, cpu_backup=False)
+    r = torch_mod.regions()["rollout"]
+    assert torch_mod.pause("rollout") == 0
+    assert r.activations.host_bytes == 0
+    torch_mod.resume("rollout")
+    assert r.activations.asleep is None
+
+
+def test_pool_pause_arguments_are_checked(fb):
+    fixed = imp_mem.ActivationPool(fb, MIB)
+    with pytest.raises(BackendUnavailable):
+        fixed.pause()
+    pool = imp_mem.ActivationPool(fb, MIB, growable=True)
+    with pytest.raises(TypeError, match="cpu_backup"):
+        pool.pause(cpu_backup=2)
+    with pytest.raises(TypeError, match="growable"):
+        imp_mem.ActivationPool(fb, MIB, growable="no")
+    with pytest.raises(InvalidArgument):
+        imp_mem._core.set_hook_region(pool)
+    pool.pause()
+    with pytest.raises(InvalidArgument, match="already"):
+        pool.pause()
+    pool.resume()
+    pool.resume()
