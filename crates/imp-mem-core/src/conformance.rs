@@ -31,11 +31,10 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use crate::backend::{
-    Backend, MemorySource, Region, SourceError, MAX_ALIGNMENT, MAX_REQUEST_BYTES,
-};
+use crate::backend::{Backend, Region, MAX_ALIGNMENT, MAX_REQUEST_BYTES};
 use crate::error::MemError;
 use crate::phase::Phase;
+use crate::source::{MemorySource, SourceError};
 use crate::tag::Tag;
 use crate::units::round_up;
 

@@ -24,9 +24,10 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::backend::{Backend, MemoryKind, MemorySource, SourceError, SourceInfo};
+use crate::backend::Backend;
 use crate::error::MemError;
 use crate::phase::PhaseMode;
+use crate::source::{MemoryKind, MemorySource, SourceError, SourceInfo};
 
 /// The byte written over released memory.
 pub const POISON: u8 = 0xDE;

@@ -6,9 +6,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{DeviceReading, MemorySource, SourceCharge, SourceError, SourceInfo};
 use crate::fake::FakeSource;
-use crate::pinned::{FakePinnedHost, PinnedHostOps};
+use crate::pinned::FakePinnedHost;
+use crate::source::{
+    DeviceReading, MemorySource, PinnedHostOps, SourceCharge, SourceError, SourceInfo,
+};
 
 /// The fake's source with device traits added; [`TestSource::over`] gives
 /// one that behaves as the fake does.

@@ -1165,7 +1165,7 @@ fn lent_refs_and_offloads_in_flight_are_both_counted_and_a_load_leaves_one_tier(
 
 #[test]
 fn block_copies_stage_through_one_pinned_buffer_where_the_source_has_one() {
-    use crate::backend::MemorySource;
+    use crate::source::MemorySource;
     for pin_fails in [false, true] {
         let fb = FakeBackend::new(FakeConfig::default()).unwrap();
         // The fake with pinned host memory, as a device source has.

@@ -807,7 +807,7 @@ fn kv_manager_refuses_what_does_not_match_the_plan() {
 fn charging(
     held: std::sync::Arc<std::sync::atomic::AtomicU64>,
     reading: Option<DeviceReading>,
-    fail_reading: Option<crate::backend::SourceError>,
+    fail_reading: Option<crate::source::SourceError>,
 ) -> Backend {
     let config = FakeConfig {
         capacity: GIB_TEST,
@@ -917,7 +917,7 @@ fn a_failed_device_reading_is_the_sources_error() {
     let backend = charging(
         Default::default(),
         None,
-        Some(crate::backend::SourceError::Driver(
+        Some(crate::source::SourceError::Driver(
             "cuMemGetInfo failed".into(),
         )),
     );
@@ -932,7 +932,7 @@ fn a_failed_device_reading_is_the_sources_error() {
     let unavailable = charging(
         Default::default(),
         None,
-        Some(crate::backend::SourceError::Unsupported("no device".into())),
+        Some(crate::source::SourceError::Unsupported("no device".into())),
     );
     assert!(matches!(
         unavailable.mem_info(),
@@ -941,7 +941,7 @@ fn a_failed_device_reading_is_the_sources_error() {
     let oom = charging(
         Default::default(),
         None,
-        Some(crate::backend::SourceError::OutOfMemory),
+        Some(crate::source::SourceError::OutOfMemory),
     );
     assert!(matches!(oom.mem_info(), Err(MemError::Driver(_))));
 }
