@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
 use crate::error::{try_reserve, MemError, OomReport};
 use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
-use crate::source::PinnedHostOps;
+use crate::source::{PinnedHostOps, StreamOrder, TierIo};
 use crate::tag::Tag;
 use crate::units::{human_bytes, round_up};
 
@@ -275,6 +275,23 @@ impl Backend {
     /// The source's pinned host memory ([`MemorySource::pinned_host`]).
     pub fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
         self.shared.source.pinned_host()
+    }
+
+    /// The order between streams an activation pool over this backend's
+    /// memory keeps ([`MemorySource::stream_order`]).
+    pub fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        self.shared.source.stream_order()
+    }
+
+    /// The copy engine of a KV host tier of `slots` blocks of `block_bytes`
+    /// over this backend's memory ([`MemorySource::host_tier_io`]); `None`
+    /// where the source has none.
+    pub fn host_tier_io(
+        &self,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        Arc::clone(&self.shared.source).host_tier_io(block_bytes, slots)
     }
 
     /// Starts recording every acquire / release / commit / decommit.

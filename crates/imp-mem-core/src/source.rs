@@ -3,24 +3,33 @@
 //!
 //! * [`MemorySource`] does the physical work for one kind of memory (host
 //!   memory for the fake, `cuMemAlloc`, VMM reserve/map, pinned host pages).
-//!   It knows nothing about phases, budgets or tags: [`Backend`](crate::backend::Backend)
-//!   wraps a source with those rules. A source also names what goes with
-//!   its memory: its pinned host memory ([`MemorySource::pinned_host`]).
+//!   It knows nothing about phases, budgets or tags:
+//!   [`Backend`](crate::backend::Backend) wraps a source with those rules.
 //! * [`PinnedHostOps`] does the physical work of pinned host memory;
 //!   [`PinnedHost`](crate::pinned::PinnedHost) wraps it with the accounting.
+//!
+//! A source also names what goes with its memory, so that no caller picks
+//! it by the source's kind or class: its pinned host memory
+//! ([`MemorySource::pinned_host`]), the order between its streams that an
+//! activation pool keeps ([`StreamOrder`], [`MemorySource::stream_order`])
+//! and the copy engine of a KV host tier over its blocks ([`TierIo`],
+//! [`MemorySource::host_tier_io`]).
 //!
 //! Their kinds: where memory lives ([`MemoryKind`], [`Placement`]), what a
 //! source is ([`SourceInfo`]), how it fails ([`SourceError`]), what it
 //! reads of its device ([`DeviceReading`]) and what it holds beyond its
 //! backend's ledger ([`SourceCharge`]).
 //!
-//! This module is the floor of the crate: it depends on nothing of it, and
-//! the backend, the spans, the pinned tier and the fake stand on it.
+//! This module is the floor of the crate: it uses only the error type, and
+//! the backend, the spans, the tiers and the fake stand on it.
 //!
-//! Thread safety: both traits are `Send + Sync`; an implementation
-//! synchronises its own state (every method takes `&self`).
+//! Thread safety: `MemorySource`, `PinnedHostOps` and `StreamOrder` are
+//! `Send + Sync` and synchronise their own state (every method takes
+//! `&self`); a `TierIo` is `Send` and driven under its owner's `&mut`.
 
 use std::sync::Arc;
+
+use crate::error::MemError;
 
 /// Where a source's memory lives, which decides how it is exported (DLPack).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -235,6 +244,29 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
         None
     }
 
+    /// The order between streams that an activation pool over this
+    /// source's memory keeps when a block freed on one stream is reused on
+    /// another. The default: [`NoStreams`], for memory no stream touches
+    /// (host memory); a device source gives its driver's events.
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        Ok(Arc::new(NoStreams))
+    }
+
+    /// The copy engine of a KV host tier over this source's blocks: `slots`
+    /// host blocks of `block_bytes` (> 0) and the asynchronous copies
+    /// between them and this source's memory. `Ok(None)`, the default: the
+    /// source has no host tier (a KV manager over it refuses `host_blocks`).
+    /// Takes the source's `Arc`, which the engine may keep: its copies read
+    /// and write this source's memory.
+    fn host_tier_io(
+        self: Arc<Self>,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        let _ = (block_bytes, slots);
+        Ok(None)
+    }
+
     /// Copies `len` bytes at `src`, this source's memory, to host memory at
     /// `dst`, and returns when the bytes are there (sleep level 1 saves T1
     /// this way). The default refuses: a source without a host path.
@@ -326,5 +358,75 @@ impl std::fmt::Debug for dyn PinnedHostOps {
         f.debug_struct("PinnedHostOps")
             .field("placement", &self.placement())
             .finish()
+    }
+}
+
+/// Orders one stream after another: the contract an activation pool keeps
+/// (`activations::stream` says when it calls it).
+pub trait StreamOrder: Send + Sync {
+    /// Makes work queued on `waiter` from now on wait for all work queued on
+    /// `producer` up to now. `waiter != producer`.
+    fn order_after(&self, waiter: u64, producer: u64) -> Result<(), MemError>;
+}
+
+/// For memory no stream touches (host memory, a single-stream caller):
+/// ordering is a no-op.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoStreams;
+
+impl StreamOrder for NoStreams {
+    fn order_after(&self, _waiter: u64, _producer: u64) -> Result<(), MemError> {
+        Ok(())
+    }
+}
+
+/// Names one enqueued copy; tickets of one [`TierIo`] increase, and the
+/// copies complete in ticket order (one copy stream).
+pub type CopyTicket = u64;
+
+/// Copies blocks between device blocks and host slots, asynchronously: the
+/// copy engine of the KV host tier (`kv::host_tier` says how the tier uses
+/// it), which a source gives ([`MemorySource::host_tier_io`]).
+pub trait TierIo: Send + std::fmt::Debug {
+    /// Bytes per block.
+    fn block_bytes(&self) -> usize;
+    /// Host slots (blocks) the tier holds.
+    fn slots(&self) -> u32;
+    /// Enqueues a copy of the device block at `dev_addr` into host `slot`.
+    fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError>;
+    /// Enqueues a copy of host `slot` into the device block at `dev_addr`.
+    fn onboard(&mut self, slot: u32, dev_addr: usize) -> Result<CopyTicket, MemError>;
+    /// Enqueues the copies `(slot, dev_addr)` of one admission, in order;
+    /// one ticket each. On an error none of them is in flight (any already
+    /// enqueued have completed). An implementation may merge neighbours
+    /// (consecutive slots into consecutive blocks) into one copy.
+    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+        let mut tickets = Vec::with_capacity(copies.len());
+        for &(slot, dev) in copies {
+            match self.onboard(slot, dev) {
+                Ok(t) => tickets.push(t),
+                Err(e) => {
+                    if let Some(&last) = tickets.last() {
+                        self.wait(last)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(tickets)
+    }
+    /// Whether copy `ticket` has completed (does not block).
+    fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError>;
+    /// Blocks until copy `ticket` has completed.
+    fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError>;
+    /// Copies host `slot`'s bytes into `dst` (no copy is in flight on it).
+    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError>;
+    /// Copies `src` into host `slot` (no copy is in flight on it).
+    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError>;
+    /// Makes work enqueued on `stream` (a `CUstream` as an integer; 0 the
+    /// legacy default) after this call wait for copy `ticket`, without
+    /// blocking the host where the device can. The default blocks.
+    fn stream_wait(&mut self, ticket: CopyTicket, _stream: usize) -> Result<(), MemError> {
+        self.wait(ticket)
     }
 }

@@ -1,15 +1,18 @@
 //! One source for the core's unit tests that need what a device source has
 //! and the fake lacks: the fake's memory underneath, with a device reading,
-//! charges past the ledger, pinned host memory or no host copies switched on
-//! per test, and the host address of every copy recorded.
+//! charges past the ledger, pinned host memory, a stream order or no host
+//! copies switched on per test, and the host address of every copy
+//! recorded. It gives no KV host tier (the trait's default).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::activations::FakeStreamOrder;
+use crate::error::MemError;
 use crate::fake::FakeSource;
 use crate::pinned::FakePinnedHost;
 use crate::source::{
-    DeviceReading, MemorySource, PinnedHostOps, SourceCharge, SourceError, SourceInfo,
+    DeviceReading, MemorySource, PinnedHostOps, SourceCharge, SourceError, SourceInfo, StreamOrder,
 };
 
 /// The fake's source with device traits added; [`TestSource::over`] gives
@@ -26,6 +29,8 @@ pub(crate) struct TestSource {
     /// `Some`: `extra_charges` names these bytes "held" and the rounding of
     /// the committed bytes up to whole `MiB` "rounding", as a VMM does.
     pub held: Option<Arc<AtomicU64>>,
+    /// `Some`: the stream order its pools keep (a device's events).
+    pub order: Option<FakeStreamOrder>,
 }
 
 impl TestSource {
@@ -37,6 +42,7 @@ impl TestSource {
             hosts: Mutex::new(Vec::new()),
             reading: Ok(None),
             held: None,
+            order: None,
         }
     }
 
@@ -116,6 +122,13 @@ unsafe impl MemorySource for TestSource {
 
     fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
         self.pinned.clone().map(|p| p as Arc<dyn PinnedHostOps>)
+    }
+
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        match &self.order {
+            Some(order) => Ok(Arc::new(order.clone())),
+            None => self.fake.stream_order(),
+        }
     }
 
     unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {

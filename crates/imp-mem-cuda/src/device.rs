@@ -24,13 +24,16 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use imp_mem_core::source::{StreamOrder, TierIo};
 use imp_mem_core::{
     Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, PinnedHostOps,
     SourceError, SourceInfo,
 };
 
 use crate::driver::{check, source_error, CuDevicePtr, DeviceContext};
+use crate::host_tier::CudaTierIo;
 use crate::pinned::CudaPinnedHost;
+use crate::stream_order::CudaStreamOrder;
 
 /// What `cuMemAlloc` guarantees.
 pub const CU_MEM_ALLOC_ALIGNMENT: usize = 256;
@@ -113,6 +116,19 @@ unsafe impl MemorySource for CudaSource {
 
     fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
         Some(Arc::new(CudaPinnedHost::for_context(self.device.clone())))
+    }
+
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        Ok(Arc::new(CudaStreamOrder::new(self.device.ordinal())?))
+    }
+
+    fn host_tier_io(
+        self: Arc<Self>,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        let io = CudaTierIo::new(self.device.clone(), block_bytes, slots)?;
+        Ok(Some(Box::new(io)))
     }
 
     unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
