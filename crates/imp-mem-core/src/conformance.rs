@@ -731,8 +731,56 @@ pub fn check_sequence(
 /// per contract and a proptest of [`check_sequence`] with `$cases` cases.
 /// `$open` is an expression of type `fn(Option<u64>) -> Subject` (or a
 /// closure of that shape); the caller needs `proptest` as a dev-dependency.
+///
+/// With `skip = $skip` (a `fn() -> Option<String>`), every test first asks
+/// it and, given a reason, prints it and passes without opening anything:
+/// the form for a source that needs hardware this machine may lack (the
+/// CUDA sources with no driver).
 #[macro_export]
 macro_rules! memory_source_conformance {
+    (@each $open:expr, $skip:expr, $($check:ident),*) => {
+        $(
+            #[test]
+            fn $check() {
+                if let Some(why) = $skip() {
+                    eprintln!("skipped: {why}");
+                    return;
+                }
+                $crate::conformance::$check(&$open);
+            }
+        )*
+    };
+    ($open:expr, cases = $cases:expr, skip = $skip:expr) => {
+        $crate::memory_source_conformance!(@each $open, $skip,
+            acquire_release_conserves_bytes,
+            alignment_is_honoured,
+            budget_refusal_is_typed_and_changes_nothing,
+            device_refusal_is_typed_and_changes_nothing,
+            bad_input_is_invalid_argument,
+            growth_rounds_to_granules_and_keeps_the_base,
+            out_of_contract_calls_are_invariant_errors,
+            the_phase_guard_holds
+        );
+        #[test]
+        fn sequences_keep_the_books() {
+            if let Some(why) = $skip() {
+                eprintln!("skipped: {why}");
+                return;
+            }
+            let config = ::proptest::prelude::ProptestConfig::with_cases($cases);
+            let mut runner = ::proptest::test_runner::TestRunner::new(config);
+            let strategy = (
+                4u64..40,
+                ::proptest::collection::vec($crate::conformance::op(), 1..48),
+            );
+            let outcome = runner.run(&strategy, |(budget_granules, ops)| {
+                $crate::conformance::check_sequence(&$open, budget_granules, ops)
+            });
+            if let Err(e) = outcome {
+                panic!("{e}");
+            }
+        }
+    };
     ($open:expr, cases = $cases:expr) => {
         #[test]
         fn acquire_release_conserves_bytes() {
