@@ -2,10 +2,9 @@
 //!
 //! Every rule is the core's (`imp_mem_core::activations`); the backend's
 //! source gives the stream order (`Backend::stream_order`). This file
-//! converts arguments, renders the counters — once
-//! in the core's own names (`stats()`) and once in `torch.cuda.memory_stats`
-//! names (`memory_stats()`) — and installs a pool behind the C hooks
-//! (`hooks.rs`).
+//! converts arguments, renders the counters — once in the core's own names
+//! (`stats()`) and once in `torch.cuda.memory_stats` names
+//! (`memory_stats()`) — and installs a pool behind the C hooks (`hooks.rs`).
 
 use imp_mem_core::activations::{ActivationConfig, ActivationPool};
 use imp_mem_core::MemoryKind;
