@@ -2,7 +2,9 @@
 //! and the fake lacks: the fake's memory underneath, with a device reading,
 //! charges past the ledger, pinned host memory, a stream order or no host
 //! copies switched on per test, and the host address of every copy
-//! recorded. It gives no KV host tier (the trait's default).
+//! recorded. It gives no KV host tier (the trait's default). With `fixed` it
+//! has no growable regions either, as `cuMemAlloc` has none; the source
+//! conformance suite runs over it so (`fixed_source_conformance`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,6 +33,9 @@ pub(crate) struct TestSource {
     pub held: Option<Arc<AtomicU64>>,
     /// `Some`: the stream order its pools keep (a device's events).
     pub order: Option<FakeStreamOrder>,
+    /// True: no growable regions (granularity 1; `reserve`, `commit` and
+    /// `decommit` are the trait's refusing defaults).
+    pub fixed: bool,
 }
 
 impl TestSource {
@@ -43,6 +48,7 @@ impl TestSource {
             reading: Ok(None),
             held: None,
             order: None,
+            fixed: false,
         }
     }
 
@@ -63,7 +69,15 @@ impl TestSource {
 // touch no memory.
 unsafe impl MemorySource for TestSource {
     fn info(&self) -> SourceInfo {
-        self.fake.info()
+        let info = self.fake.info();
+        if self.fixed {
+            return SourceInfo {
+                granularity: 1,
+                growable: false,
+                ..info
+            };
+        }
+        info
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {
@@ -76,14 +90,23 @@ unsafe impl MemorySource for TestSource {
     }
 
     fn reserve(&self, max_bytes: usize, align: usize) -> Result<usize, SourceError> {
+        if self.fixed {
+            return Err(SourceError::NotGrowable);
+        }
         self.fake.reserve(max_bytes, align)
     }
 
     fn commit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        if self.fixed {
+            return Err(SourceError::NotGrowable);
+        }
         self.fake.commit(base, from, to)
     }
 
     unsafe fn decommit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        if self.fixed {
+            return Err(SourceError::NotGrowable);
+        }
         // SAFETY: as in `free`.
         unsafe { self.fake.decommit(base, from, to) }
     }
@@ -153,4 +176,57 @@ unsafe impl MemorySource for TestSource {
         // SAFETY: the caller's contract, passed on.
         unsafe { self.fake.copy_from_host(dst, src, len) }
     }
+}
+
+/// The source conformance suite over a source with no growable regions
+/// (the shape of `CudaSource`), on the fake's memory.
+#[cfg(feature = "conformance")]
+mod fixed_source_conformance {
+    #![allow(clippy::unwrap_used)] // test harness code: a failed unwrap is a failed test
+
+    use std::sync::Arc;
+
+    use super::TestSource;
+    use crate::backend::Backend;
+    use crate::conformance::{Probe, Subject, FIXED_UNIT};
+    use crate::fake::{FakeBackend, FakeConfig};
+    use crate::phase::PhaseMode;
+
+    /// 64 of the suite's units of a fixed source.
+    const CAPACITY: u64 = 64 * FIXED_UNIT;
+
+    struct FakeProbe(FakeBackend);
+
+    impl Probe for FakeProbe {
+        fn physical(&self) -> u64 {
+            self.0.device_used()
+        }
+
+        fn leave_free(&self, free: Option<u64>) {
+            let external = free.map_or(0, |free| {
+                CAPACITY.saturating_sub(self.0.device_used() + free)
+            });
+            self.0.set_external_usage(external);
+        }
+    }
+
+    fn open(budget: Option<u64>) -> Subject {
+        let fake = FakeBackend::new(FakeConfig {
+            capacity: CAPACITY,
+            ..FakeConfig::default()
+        })
+        .unwrap();
+        let source = Arc::new(TestSource {
+            fixed: true,
+            ..TestSource::over(fake.source().clone())
+        });
+        let backend = Backend::new(source.clone(), PhaseMode::Strict, budget).unwrap();
+        Subject {
+            backend,
+            source,
+            probe: Box::new(FakeProbe(fake)),
+        }
+    }
+
+    crate::memory_source_conformance!(open, cases = 32);
 }
