@@ -3,9 +3,10 @@
 //! A [`Backend`] is the only thing in imp-mem that acquires memory. It is split
 //! in two so that each rule exists once:
 //!
-//! * a [`MemorySource`] does the physical work for one kind of memory (host
-//!   memory for the fake, `cuMemAlloc`, VMM reserve/map, pinned host pages). It
-//!   knows nothing about phases, budgets or tags.
+//! * a [`MemorySource`] (in [`crate::source`], the floor under this module)
+//!   does the physical work for one kind of memory (host memory for the fake,
+//!   `cuMemAlloc`, VMM reserve/map, pinned host pages). It knows nothing
+//!   about phases, budgets or tags.
 //! * [`Backend`] wraps any source with the rules that hold for all of them: the
 //!   phase guard, the budget cap, per-tag accounting and the journal.
 //!
@@ -26,9 +27,14 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
 use crate::error::{try_reserve, MemError, OomReport};
 use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
-use crate::pinned::PinnedHostOps;
+use crate::source::{PinnedHostOps, StreamOrder, TierIo};
 use crate::tag::Tag;
 use crate::units::{human_bytes, round_up};
+
+// The source trait and its kinds moved to `source`; their old paths stay.
+pub use crate::source::{
+    DeviceReading, MemoryKind, MemorySource, SourceCharge, SourceError, SourceInfo,
+};
 
 /// The largest single request accepted at all (1 PiB). Anything larger is a
 /// unit mistake, not a memory request.
@@ -37,236 +43,6 @@ pub const MAX_REQUEST_BYTES: u64 = 1 << 50;
 pub const MAX_ALIGNMENT: u64 = 1 << 30;
 /// The alignment used when a caller has no opinion (what `cudaMalloc` gives).
 pub const DEFAULT_ALIGNMENT: usize = 256;
-
-/// Where a source's memory lives, which decides how it is exported (DLPack).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum MemoryKind {
-    /// Ordinary host memory (the fake backend). DLPack `kDLCPU`.
-    Host,
-    /// Device memory. DLPack `kDLCUDA`.
-    Device,
-    /// Page-locked host memory. DLPack `kDLCUDAHost`.
-    PinnedHost,
-}
-
-impl MemoryKind {
-    /// The DLPack device type code.
-    pub const fn dlpack_device_type(self) -> i32 {
-        match self {
-            MemoryKind::Host => 1,
-            MemoryKind::Device => 2,
-            MemoryKind::PinnedHost => 3,
-        }
-    }
-}
-
-/// What a source is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SourceInfo {
-    /// Short name: `fake`, `cuda`, `vmm`, `pinned`.
-    pub name: String,
-    /// Where its memory lives.
-    pub kind: MemoryKind,
-    /// Device ordinal (0 for host memory).
-    pub device: i32,
-    /// Physical bytes the device has.
-    pub capacity: u64,
-    /// Growable regions commit in multiples of this (1 where not growable).
-    pub granularity: usize,
-    /// Whether [`MemorySource::reserve`] is supported.
-    pub growable: bool,
-}
-
-/// A physical failure, before the backend adds its context.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SourceError {
-    /// The device has no memory for it.
-    OutOfMemory,
-    /// The source cannot reserve growable regions.
-    NotGrowable,
-    /// The driver refused for another reason.
-    Driver(String),
-    /// A source-level check failed (a base that moved, a range outside a
-    /// reservation). Always a bug.
-    Invariant(String),
-    /// The source cannot do this at all (a copy to the host on a source
-    /// without one); the message names the operation.
-    Unsupported(String),
-}
-
-/// A device reading: how much of the device is free now, and its size
-/// (`cuMemGetInfo`). Taken from a source ([`MemorySource::mem_info`]) or
-/// passed in by a caller that read the device itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DeviceReading {
-    /// Free bytes.
-    pub free: u64,
-    /// Total bytes.
-    pub total: u64,
-}
-
-/// Physical memory a source holds that its backend's ledger does not count
-/// (a VMM handle cache, mapping rounded past what was committed), named so
-/// that the memory report attributes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SourceCharge {
-    /// Stable key (`vmm_handle_cache`, ...).
-    pub key: String,
-    /// What the report prints.
-    pub label: String,
-    /// Bytes held now.
-    pub bytes: u64,
-}
-
-/// The physical side of a backend: one kind of memory on one device.
-///
-/// # Safety
-///
-/// An implementation promises, and [`Backend`] relies on it:
-///
-/// 1. `allocate(bytes, align)` returns an address `a` with `a % align == 0`
-///    such that `[a, a + bytes)` overlaps no other live allocation or
-///    reservation of this source, and stays valid until `free(a, bytes, align)`.
-/// 2. `reserve(max, align)` returns a base `b` with `b % align == 0` whose
-///    `[b, b + max)` overlaps nothing else live; `commit(b, from, to)` makes
-///    `[b + from, b + to)` usable without moving `b`; `decommit(b, from, to)`
-///    returns that range's physical memory; `unreserve` frees all of it.
-/// 3. No method panics or aborts: failures are returned as [`SourceError`].
-///
-/// The backend promises in turn that every `free`, `decommit` and `unreserve`
-/// names an address and sizes that this source returned and that are live.
-pub unsafe trait MemorySource: Send + Sync + 'static {
-    /// What this source is.
-    fn info(&self) -> SourceInfo;
-
-    /// Acquires `bytes` (> 0) aligned to `align` (a power of two).
-    fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError>;
-
-    /// Frees what `allocate` returned.
-    ///
-    /// # Safety
-    /// `addr`, `bytes` and `align` are exactly those of a live allocation of
-    /// this source, and nothing uses the memory afterwards.
-    unsafe fn free(&self, addr: usize, bytes: usize, align: usize);
-
-    /// Reserves `max_bytes` of address space for a growable region, with no
-    /// physical memory behind it yet.
-    fn reserve(&self, max_bytes: usize, align: usize) -> Result<usize, SourceError> {
-        let _ = (max_bytes, align);
-        Err(SourceError::NotGrowable)
-    }
-
-    /// Commits `[base + from, base + to)` of a reservation (`from < to`,
-    /// both multiples of the granularity, `to` within the reservation).
-    fn commit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
-        let _ = (base, from, to);
-        Err(SourceError::NotGrowable)
-    }
-
-    /// Returns the physical memory of `[base + from, base + to)`.
-    ///
-    /// # Safety
-    /// The range is committed, and nothing (no kernel in flight either) uses
-    /// it afterwards.
-    unsafe fn decommit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
-        let _ = (base, from, to);
-        Err(SourceError::NotGrowable)
-    }
-
-    /// Frees a reservation and whatever of it is still committed. Infallible:
-    /// it runs when a region is dropped.
-    ///
-    /// # Safety
-    /// `base` is a live reservation of `max_bytes` with `committed` bytes
-    /// committed, and nothing uses it afterwards.
-    unsafe fn unreserve(&self, base: usize, max_bytes: usize, committed: usize) {
-        let _ = (base, max_bytes, committed);
-    }
-
-    /// Told when a tier allocator hands `[addr, addr + len)` back inside a
-    /// live allocation (a block back on its free list, an arena reset, a
-    /// scratch rewind). The memory stays allocated; a debugging source may
-    /// overwrite it (the fake poisons it) so that a stale read shows. The
-    /// default does nothing.
-    ///
-    /// # Safety
-    /// The range lies inside a live allocation (or the committed part of a
-    /// reservation) of this source, and no live handle refers to it.
-    unsafe fn scrub(&self, addr: usize, len: usize) {
-        let _ = (addr, len);
-    }
-
-    /// Whether the addresses it hands out refer to real memory that a
-    /// consumer (a DLPack importer) may read. False only for a fake with
-    /// synthetic addresses; the default is true.
-    fn addressable(&self) -> bool {
-        true
-    }
-
-    /// The device's free and total bytes now, or `None` for a source with no
-    /// device to read (the default: the fake, host memory). A memory report
-    /// reads it unless its caller passes a reading.
-    fn mem_info(&self) -> Result<Option<DeviceReading>, SourceError> {
-        Ok(None)
-    }
-
-    /// What this source holds beyond the `committed` bytes its backend's
-    /// ledger counts, as named charges for the memory report (a line of 0 B
-    /// is left out there). The default: nothing.
-    fn extra_charges(&self, committed: u64) -> Vec<SourceCharge> {
-        let _ = committed;
-        Vec::new()
-    }
-
-    /// The pinned host memory that goes with this source: host memory its
-    /// copies ([`MemorySource::copy_to_host`], `copy_from_host`) run at full
-    /// DMA speed to and from, which a copy of many small pieces stages
-    /// through (the prefix cache's block copies). `None`, the default: the
-    /// source has no faster kind of host memory (the fake: a copy is a
-    /// memcpy whatever the buffer).
-    fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
-        None
-    }
-
-    /// Copies `len` bytes at `src`, this source's memory, to host memory at
-    /// `dst`, and returns when the bytes are there (sleep level 1 saves T1
-    /// this way). The default refuses: a source without a host path.
-    ///
-    /// # Safety
-    /// `[src, src + len)` lies inside a live allocation or the committed
-    /// part of a live reservation of this source; `[dst, dst + len)` is host
-    /// memory this process may write; nothing else writes either range
-    /// during the call.
-    unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
-        let _ = (src, dst, len);
-        Err(SourceError::Unsupported(format!(
-            "the {} source cannot copy its memory to the host",
-            self.info().name
-        )))
-    }
-
-    /// Copies `len` bytes of host memory at `src` into this source's memory
-    /// at `dst`, and returns when they are there (wake restores T1 this
-    /// way). The default refuses.
-    ///
-    /// # Safety
-    /// `[dst, dst + len)` lies inside a live allocation or the committed
-    /// part of a live reservation of this source and nothing else uses it
-    /// during the call; `[src, src + len)` is host memory this process may
-    /// read.
-    unsafe fn copy_from_host(
-        &self,
-        dst: usize,
-        src: *const u8,
-        len: usize,
-    ) -> Result<(), SourceError> {
-        let _ = (dst, src, len);
-        Err(SourceError::Unsupported(format!(
-            "the {} source cannot copy host memory into its own",
-            self.info().name
-        )))
-    }
-}
 
 /// How serious a notice is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -499,6 +275,23 @@ impl Backend {
     /// The source's pinned host memory ([`MemorySource::pinned_host`]).
     pub fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
         self.shared.source.pinned_host()
+    }
+
+    /// The order between streams an activation pool over this backend's
+    /// memory keeps ([`MemorySource::stream_order`]).
+    pub fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        self.shared.source.stream_order()
+    }
+
+    /// The copy engine of a KV host tier of `slots` blocks of `block_bytes`
+    /// over this backend's memory ([`MemorySource::host_tier_io`]); `None`
+    /// where the source has none.
+    pub fn host_tier_io(
+        &self,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        Arc::clone(&self.shared.source).host_tier_io(block_bytes, slots)
     }
 
     /// Starts recording every acquire / release / commit / decommit.

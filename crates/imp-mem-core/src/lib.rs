@@ -39,6 +39,7 @@ pub mod phase;
 pub mod pinned;
 pub mod planner;
 pub mod scratch;
+pub mod source;
 pub mod span;
 pub mod system;
 pub mod tag;
@@ -51,9 +52,7 @@ pub use accounting::{BackendStats, JournalEntry, JournalOp, TagStats};
 pub use activations::{
     ActivationConfig, ActivationPool, ActivationStats, FakeStreamOrder, NoStreams, StreamOrder,
 };
-pub use backend::{
-    Backend, DeviceReading, MemoryKind, MemorySource, Region, SourceCharge, SourceError, SourceInfo,
-};
+pub use backend::{Backend, Region};
 pub use error::{MemError, OomReport};
 pub use fake::{FakeBackend, FakeConfig};
 pub use phase::{Phase, PhaseMode};
@@ -66,9 +65,11 @@ pub use block_pool::{
 };
 pub use error::KvCapacityReport;
 pub use kv::{Admission, BlockHash, ExtraKeys, KVCacheManager, KvConfig, KvStats};
-pub use pinned::{
-    FakePinnedHost, HostRegistration, PinnedBuffer, PinnedHost, PinnedHostOps, PinnedStats,
-};
+pub use pinned::{FakePinnedHost, HostRegistration, PinnedBuffer, PinnedHost, PinnedStats};
 pub use scratch::{Mark, ScratchSpan, ScratchStack, ScratchStats, SharedMark, SharedScratchStack};
-pub use span::{DeviceSpan, Placement, StableSpan};
+pub use source::Placement;
+pub use source::{
+    DeviceReading, MemoryKind, MemorySource, PinnedHostOps, SourceCharge, SourceError, SourceInfo,
+};
+pub use span::{DeviceSpan, StableSpan};
 pub use tier::Tier;

@@ -26,57 +26,14 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::backend::{MemoryKind, SourceError};
 use crate::error::{MemError, OomReport};
 use crate::fake::countdown_fails;
-use crate::span::{MintKey, Placement, StableSpan};
+use crate::source::{MemoryKind, Placement, SourceError};
+use crate::span::{MintKey, StableSpan};
 use crate::tag::Tag;
 
-/// The alignment of pinned allocations (a page).
-pub const PINNED_ALIGNMENT: usize = 4096;
-
-/// The physical side of pinned host memory.
-///
-/// # Safety
-///
-/// An implementation promises, and [`PinnedHost`] relies on it:
-///
-/// 1. `allocate(bytes)` (`bytes > 0`) returns an address `a`, aligned to
-///    [`PINNED_ALIGNMENT`], such that `[a, a + bytes)` is host memory
-///    readable and writable by this process, overlapping no other live
-///    allocation, valid until `free(a, bytes)`.
-/// 2. `register(addr, bytes)` pins memory it does not own and never frees
-///    it; after a successful call the range stays registered until
-///    `unregister(addr, bytes)`.
-/// 3. No method panics or aborts; failures are returned as [`SourceError`].
-///
-/// The wrapper promises in turn that `free` and `unregister` are called
-/// exactly once, with the address and size of a live allocation or
-/// registration.
-pub unsafe trait PinnedHostOps: Send + Sync + 'static {
-    /// Where this memory is, for export: `PinnedHost` on a device (DLPack
-    /// `kDLCUDAHost`), `Host` for the fake (`kDLCPU`).
-    fn placement(&self) -> Placement;
-
-    /// Allocates `bytes` of pinned host memory.
-    fn allocate(&self, bytes: usize) -> Result<usize, SourceError>;
-
-    /// Frees what `allocate` returned.
-    ///
-    /// # Safety
-    /// `addr` and `bytes` are those of a live allocation, and nothing uses the
-    /// memory afterwards.
-    unsafe fn free(&self, addr: usize, bytes: usize);
-
-    /// Pins `[addr, addr + bytes)`, memory this library does not own.
-    fn register(&self, addr: usize, bytes: usize) -> Result<(), SourceError>;
-
-    /// Unpins a registration; never frees the memory.
-    ///
-    /// # Safety
-    /// `addr` and `bytes` are those of a live registration.
-    unsafe fn unregister(&self, addr: usize, bytes: usize);
-}
+// The physical side's trait moved to `source`; its old paths stay.
+pub use crate::source::{PinnedHostOps, PINNED_ALIGNMENT};
 
 /// Counters of one [`PinnedHost`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -101,14 +58,6 @@ struct PinnedInner {
     ops: Arc<dyn PinnedHostOps>,
     placement: Placement,
     stats: Mutex<PinnedStats>,
-}
-
-impl std::fmt::Debug for dyn PinnedHostOps {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PinnedHostOps")
-            .field("placement", &self.placement())
-            .finish()
-    }
 }
 
 /// The T5b allocator: pinned-host operations plus their accounting.

@@ -19,8 +19,10 @@
 
 use std::marker::PhantomData;
 
-use crate::backend::MemoryKind;
 use crate::error::MemError;
+
+// Where memory lives is the source's kind; its old path stays.
+pub use crate::source::Placement;
 
 /// The passkey that lets a tier allocator mint a [`StableSpan`]. Only this
 /// crate can construct one; granting another type the right to promise
@@ -34,29 +36,6 @@ impl MintKey {
     /// The key. Crate-private on purpose.
     pub(crate) const fn new() -> Self {
         Self { _private: () }
-    }
-}
-
-/// Where a span's memory lives: what DLPack and `__cuda_array_interface__`
-/// need besides the address.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Placement {
-    /// Host, device or pinned host.
-    pub kind: MemoryKind,
-    /// Device ordinal (0 for host memory).
-    pub device: i32,
-}
-
-impl Placement {
-    /// Ordinary host memory on "device" 0.
-    pub const HOST: Placement = Placement {
-        kind: MemoryKind::Host,
-        device: 0,
-    };
-
-    /// The DLPack `(device_type, device_id)` pair.
-    pub const fn dlpack_device(self) -> (i32, i32) {
-        (self.kind.dlpack_device_type(), self.device)
     }
 }
 

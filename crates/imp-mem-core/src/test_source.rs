@@ -1,14 +1,21 @@
 //! One source for the core's unit tests that need what a device source has
 //! and the fake lacks: the fake's memory underneath, with a device reading,
-//! charges past the ledger, pinned host memory or no host copies switched on
-//! per test, and the host address of every copy recorded.
+//! charges past the ledger, pinned host memory, a stream order or no host
+//! copies switched on per test, and the host address of every copy
+//! recorded. It gives no KV host tier (the trait's default). With `fixed` it
+//! has no growable regions either, as `cuMemAlloc` has none; the source
+//! conformance suite runs over it so (`fixed_source_conformance`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{DeviceReading, MemorySource, SourceCharge, SourceError, SourceInfo};
+use crate::activations::FakeStreamOrder;
+use crate::error::MemError;
 use crate::fake::FakeSource;
-use crate::pinned::{FakePinnedHost, PinnedHostOps};
+use crate::pinned::FakePinnedHost;
+use crate::source::{
+    DeviceReading, MemorySource, PinnedHostOps, SourceCharge, SourceError, SourceInfo, StreamOrder,
+};
 
 /// The fake's source with device traits added; [`TestSource::over`] gives
 /// one that behaves as the fake does.
@@ -24,6 +31,11 @@ pub(crate) struct TestSource {
     /// `Some`: `extra_charges` names these bytes "held" and the rounding of
     /// the committed bytes up to whole `MiB` "rounding", as a VMM does.
     pub held: Option<Arc<AtomicU64>>,
+    /// `Some`: the stream order its pools keep (a device's events).
+    pub order: Option<FakeStreamOrder>,
+    /// True: no growable regions (granularity 1; `reserve`, `commit` and
+    /// `decommit` are the trait's refusing defaults).
+    pub fixed: bool,
 }
 
 impl TestSource {
@@ -35,6 +47,8 @@ impl TestSource {
             hosts: Mutex::new(Vec::new()),
             reading: Ok(None),
             held: None,
+            order: None,
+            fixed: false,
         }
     }
 
@@ -55,7 +69,15 @@ impl TestSource {
 // touch no memory.
 unsafe impl MemorySource for TestSource {
     fn info(&self) -> SourceInfo {
-        self.fake.info()
+        let info = self.fake.info();
+        if self.fixed {
+            return SourceInfo {
+                granularity: 1,
+                growable: false,
+                ..info
+            };
+        }
+        info
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {
@@ -68,14 +90,23 @@ unsafe impl MemorySource for TestSource {
     }
 
     fn reserve(&self, max_bytes: usize, align: usize) -> Result<usize, SourceError> {
+        if self.fixed {
+            return Err(SourceError::NotGrowable);
+        }
         self.fake.reserve(max_bytes, align)
     }
 
     fn commit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        if self.fixed {
+            return Err(SourceError::NotGrowable);
+        }
         self.fake.commit(base, from, to)
     }
 
     unsafe fn decommit(&self, base: usize, from: usize, to: usize) -> Result<(), SourceError> {
+        if self.fixed {
+            return Err(SourceError::NotGrowable);
+        }
         // SAFETY: as in `free`.
         unsafe { self.fake.decommit(base, from, to) }
     }
@@ -116,6 +147,13 @@ unsafe impl MemorySource for TestSource {
         self.pinned.clone().map(|p| p as Arc<dyn PinnedHostOps>)
     }
 
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        match &self.order {
+            Some(order) => Ok(Arc::new(order.clone())),
+            None => self.fake.stream_order(),
+        }
+    }
+
     unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
         if !self.copies {
             return Err(self.refused());
@@ -138,4 +176,57 @@ unsafe impl MemorySource for TestSource {
         // SAFETY: the caller's contract, passed on.
         unsafe { self.fake.copy_from_host(dst, src, len) }
     }
+}
+
+/// The source conformance suite over a source with no growable regions
+/// (the shape of `CudaSource`), on the fake's memory.
+#[cfg(feature = "conformance")]
+mod fixed_source_conformance {
+    #![allow(clippy::unwrap_used)] // test harness code: a failed unwrap is a failed test
+
+    use std::sync::Arc;
+
+    use super::TestSource;
+    use crate::backend::Backend;
+    use crate::conformance::{Probe, Subject, FIXED_UNIT};
+    use crate::fake::{FakeBackend, FakeConfig};
+    use crate::phase::PhaseMode;
+
+    /// 64 of the suite's units of a fixed source.
+    const CAPACITY: u64 = 64 * FIXED_UNIT;
+
+    struct FakeProbe(FakeBackend);
+
+    impl Probe for FakeProbe {
+        fn physical(&self) -> u64 {
+            self.0.device_used()
+        }
+
+        fn leave_free(&self, free: Option<u64>) {
+            let external = free.map_or(0, |free| {
+                CAPACITY.saturating_sub(self.0.device_used() + free)
+            });
+            self.0.set_external_usage(external);
+        }
+    }
+
+    fn open(budget: Option<u64>) -> Subject {
+        let fake = FakeBackend::new(FakeConfig {
+            capacity: CAPACITY,
+            ..FakeConfig::default()
+        })
+        .unwrap();
+        let source = Arc::new(TestSource {
+            fixed: true,
+            ..TestSource::over(fake.source().clone())
+        });
+        let backend = Backend::new(source.clone(), PhaseMode::Strict, budget).unwrap();
+        Subject {
+            backend,
+            source,
+            probe: Box::new(FakeProbe(fake)),
+        }
+    }
+
+    crate::memory_source_conformance!(open, cases = 32);
 }

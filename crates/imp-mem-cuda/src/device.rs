@@ -22,15 +22,19 @@
 //! driver synchronises the device in `cuMemFree`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use imp_mem_core::source::{StreamOrder, TierIo};
 use imp_mem_core::{
     Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, PinnedHostOps,
     SourceError, SourceInfo,
 };
 
 use crate::driver::{check, source_error, CuDevicePtr, DeviceContext};
+use crate::host_tier::CudaTierIo;
 use crate::pinned::CudaPinnedHost;
+use crate::stream_order::CudaStreamOrder;
 
 /// What `cuMemAlloc` guarantees.
 pub const CU_MEM_ALLOC_ALIGNMENT: usize = 256;
@@ -40,6 +44,8 @@ pub struct CudaSource {
     device: Arc<DeviceContext>,
     /// Aligned address → raw address, for allocations aligned past 256 B.
     over_aligned: Mutex<HashMap<usize, usize>>,
+    /// Bytes asked of `cuMemAlloc` and not yet freed (padding included).
+    held: AtomicU64,
 }
 
 impl std::fmt::Debug for CudaSource {
@@ -58,7 +64,15 @@ impl CudaSource {
         Ok(Self {
             device,
             over_aligned: Mutex::new(HashMap::new()),
+            held: AtomicU64::new(0),
         })
+    }
+
+    /// Bytes this source holds of its device now: what it asked of
+    /// `cuMemAlloc` (an over-aligned allocation's padding included) and has
+    /// not freed. The driver rounds each allocation up past this.
+    pub fn held_bytes(&self) -> u64 {
+        self.held.load(Ordering::Relaxed)
     }
 
     /// The device context.
@@ -115,6 +129,19 @@ unsafe impl MemorySource for CudaSource {
         Some(Arc::new(CudaPinnedHost::for_context(self.device.clone())))
     }
 
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        Ok(Arc::new(CudaStreamOrder::new(self.device.ordinal())?))
+    }
+
+    fn host_tier_io(
+        self: Arc<Self>,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        let io = CudaTierIo::new(self.device.clone(), block_bytes, slots)?;
+        Ok(Some(Box::new(io)))
+    }
+
     unsafe fn copy_to_host(&self, src: usize, dst: *mut u8, len: usize) -> Result<(), SourceError> {
         let _scope = self.device.bind().map_err(source_error)?;
         // SAFETY: the backend passes a range inside a live allocation of this
@@ -141,7 +168,9 @@ unsafe impl MemorySource for CudaSource {
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {
         if align <= CU_MEM_ALLOC_ALIGNMENT {
-            return self.raw_alloc(bytes);
+            let addr = self.raw_alloc(bytes)?;
+            self.held.fetch_add(bytes as u64, Ordering::Relaxed);
+            return Ok(addr);
         }
         let padded = bytes
             .checked_add(align - CU_MEM_ALLOC_ALIGNMENT)
@@ -155,20 +184,24 @@ unsafe impl MemorySource for CudaSource {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(aligned, raw);
+        self.held.fetch_add(padded as u64, Ordering::Relaxed);
         Ok(aligned)
     }
 
-    unsafe fn free(&self, addr: usize, _bytes: usize, align: usize) {
-        let raw = if align <= CU_MEM_ALLOC_ALIGNMENT {
-            Some(addr)
+    unsafe fn free(&self, addr: usize, bytes: usize, align: usize) {
+        let (raw, held) = if align <= CU_MEM_ALLOC_ALIGNMENT {
+            (Some(addr), bytes)
         } else {
-            self.over_aligned
+            let raw = self
+                .over_aligned
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .remove(&addr)
+                .remove(&addr);
+            (raw, bytes.saturating_add(align - CU_MEM_ALLOC_ALIGNMENT))
         };
         if let Some(raw) = raw {
             self.raw_free(raw);
+            self.held.fetch_sub(held as u64, Ordering::Relaxed);
         }
     }
 }

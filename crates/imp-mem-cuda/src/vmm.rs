@@ -49,6 +49,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use imp_mem_core::source::{NoStreams, StreamOrder, TierIo};
 use imp_mem_core::units::round_up;
 use imp_mem_core::{
     Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, PinnedHostOps,
@@ -59,7 +60,9 @@ use crate::driver::{
     check, CtxScope, CuDevicePtr, CuError, CuMemAccessDesc, CuMemAllocationProp, CuMemHandle,
     DeviceContext, CU_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
 };
+use crate::host_tier::CudaTierIo;
 use crate::pinned::CudaPinnedHost;
+use crate::stream_order::CudaStreamOrder;
 
 /// The default chunk: tens of MiB, so that a growth event is one handle.
 pub const DEFAULT_CHUNK_BYTES: usize = 64 << 20;
@@ -150,6 +153,25 @@ pub unsafe trait VmmDriver: Send + Sync + 'static {
     /// driver with no device (the default, the simulation).
     fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
         None
+    }
+
+    /// The stream order of an activation pool on this driver's device
+    /// ([`MemorySource::stream_order`]); the default, for a driver with no
+    /// streams (the simulation), is none.
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        Ok(Arc::new(NoStreams))
+    }
+
+    /// The KV host tier's copy engine on this driver's device
+    /// ([`MemorySource::host_tier_io`]); `None`, the default, for a driver
+    /// with no device (the simulation).
+    fn host_tier_io(
+        &self,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        let _ = (block_bytes, slots);
+        Ok(None)
     }
 
     /// `cuMemcpyDtoH`: `len` bytes at device address `src` to host `dst`,
@@ -243,6 +265,19 @@ unsafe impl VmmDriver for CudaVmm {
 
     fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
         Some(Arc::new(CudaPinnedHost::for_context(self.device.clone())))
+    }
+
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        Ok(Arc::new(CudaStreamOrder::new(self.device.ordinal())?))
+    }
+
+    fn host_tier_io(
+        &self,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        let io = CudaTierIo::new(self.device.clone(), block_bytes, slots)?;
+        Ok(Some(Box::new(io)))
     }
 
     fn granularity(&self) -> Result<(usize, usize), CuError> {
@@ -800,6 +835,18 @@ unsafe impl<D: VmmDriver> MemorySource for VmmCore<D> {
 
     fn pinned_host(&self) -> Option<Arc<dyn PinnedHostOps>> {
         self.driver.pinned_host()
+    }
+
+    fn stream_order(&self) -> Result<Arc<dyn StreamOrder>, MemError> {
+        self.driver.stream_order()
+    }
+
+    fn host_tier_io(
+        self: Arc<Self>,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        self.driver.host_tier_io(block_bytes, slots)
     }
 
     /// The handle cache (physical memory no region holds) and the mapping

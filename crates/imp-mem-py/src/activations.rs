@@ -1,16 +1,13 @@
 //! Python face of T4a: `ActivationPool`.
 //!
-//! Every rule is the core's (`imp_mem_core::activations`). This file
-//! converts arguments, picks the stream order for the backend (CUDA events
-//! on a device backend, none on host memory), renders the counters — once
-//! in the core's own names (`stats()`) and once in `torch.cuda.memory_stats`
-//! names (`memory_stats()`) — and installs a pool behind the C hooks
-//! (`hooks.rs`).
+//! Every rule is the core's (`imp_mem_core::activations`); the backend's
+//! source gives the stream order (`Backend::stream_order`). This file
+//! converts arguments, renders the counters — once in the core's own names
+//! (`stats()`) and once in `torch.cuda.memory_stats` names
+//! (`memory_stats()`) — and installs a pool behind the C hooks (`hooks.rs`).
 
-use std::sync::Arc;
-
-use imp_mem_core::activations::{ActivationConfig, ActivationPool, NoStreams, StreamOrder};
-use imp_mem_core::{Backend, MemError, MemoryKind};
+use imp_mem_core::activations::{ActivationConfig, ActivationPool};
+use imp_mem_core::MemoryKind;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt};
 
@@ -19,17 +16,6 @@ use crate::convert;
 use crate::errors::{invalid, IntoPyResult};
 use crate::hooks;
 use crate::tiers::PyArena;
-
-/// The stream order for a pool on `backend`: CUDA events for device memory,
-/// nothing for host memory (no stream can touch it).
-pub(crate) fn stream_order_for(backend: &Backend) -> Result<Arc<dyn StreamOrder>, MemError> {
-    let info = backend.info();
-    if info.kind == MemoryKind::Device {
-        Ok(Arc::new(imp_mem_cuda::CudaStreamOrder::new(info.device)?))
-    } else {
-        Ok(Arc::new(NoStreams))
-    }
-}
 
 /// A plain int read without the general conversion (the hot calls).
 fn fast_u64(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
@@ -78,7 +64,7 @@ impl PyActivationPool {
         config.strict = strict;
         config.growable = growable.unwrap_or(false);
         let core = &backend.get().inner;
-        let order = stream_order_for(core).py()?;
+        let order = core.stream_order().py()?;
         let pool = ActivationPool::new(core, &config, order).py();
         backend.get().notices.emit(backend.py())?;
         Ok(Self {

@@ -134,17 +134,7 @@ impl PyDeviceBackend {
 
 /// Device memory through `cuMemAlloc`.
 #[pyclass(extends = PyDeviceBackend, frozen, name = "CudaBackend", module = "imp_mem._core")]
-pub struct PyCudaBackend {
-    /// The base's context, reachable from a `PyCudaBackend` alone.
-    context: Arc<DeviceContext>,
-}
-
-impl PyCudaBackend {
-    /// The device context, for other bindings (block copies).
-    pub(crate) fn context(&self) -> Arc<DeviceContext> {
-        self.context.clone()
-    }
-}
+pub struct PyCudaBackend {}
 
 /// A CUDA device ordinal (`None`: device 0).
 fn device_arg(value: Option<&Bound<'_, PyAny>>) -> PyResult<i32> {
@@ -171,23 +161,16 @@ impl PyCudaBackend {
         let source = CudaSource::new(device).py()?;
         let context = source.device().clone();
         let backend = Backend::new(Arc::new(source), mode(strict), budget).py()?;
-        Ok(PyDeviceBackend::init(backend, context.clone()).add_subclass(Self { context }))
+        Ok(PyDeviceBackend::init(backend, context).add_subclass(Self {}))
     }
 }
 
 /// Growable device regions over the CUDA VMM API.
 #[pyclass(extends = PyDeviceBackend, frozen, name = "VmmBackend", module = "imp_mem._core")]
 pub struct PyVmmBackend {
-    /// The base's context, reachable from a `PyVmmBackend` alone.
+    /// The base's context, reachable from a `PyVmmBackend` alone (fences).
     context: Arc<DeviceContext>,
     source: Arc<VmmSource>,
-}
-
-impl PyVmmBackend {
-    /// The device context, for other bindings (block copies).
-    pub(crate) fn context(&self) -> Arc<DeviceContext> {
-        self.context.clone()
-    }
 }
 
 #[pymethods]

@@ -16,7 +16,7 @@ use std::any::Any;
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use imp_mem_core::backend::MemoryKind;
+use imp_mem_core::MemoryKind;
 use imp_mem_core::Placement;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;

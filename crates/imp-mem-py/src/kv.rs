@@ -20,17 +20,16 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::tokens::{self as rule, IntLayout};
 use imp_mem_core::kv::{
-    BlockHash, ExtraKeys, FakeTierIo, IdSource, KVCacheManager, KvConfig, KvEvent, KvStats, MmSpan,
-    TierIo, DEFAULT_HASH_SEED,
+    host_tier_io, BlockHash, ExtraKeys, IdSource, KVCacheManager, KvConfig, KvEvent, KvStats,
+    MmSpan, TierIo, DEFAULT_HASH_SEED,
 };
 use imp_mem_core::Backend;
-use imp_mem_cuda::CudaTierIo;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::backend::{PyBackend, PyFakeBackend};
+use crate::backend::PyBackend;
 use crate::buffer::{self, BufferView, WordView};
 use crate::convert;
 use crate::errors::{invalid, IntoPyResult};
@@ -625,38 +624,17 @@ impl PyKVCacheManager {
     }
 }
 
-/// The host tier's copies for a pool on `backend`: host memory copies on
-/// the fake (run as they are enqueued), pinned memory and a copy stream on
-/// a GPU.
+/// The host tier's copies for a pool on `backend`: the engine its source
+/// gives (`imp_mem_core::kv::host_tier_io` holds the rule and its refusal).
 pub(crate) fn tier_io(
     backend: Option<&Bound<'_, PyAny>>,
     block_bytes: usize,
     host_blocks: u32,
 ) -> PyResult<Box<dyn TierIo>> {
-    let unsupported = || {
-        invalid(format!(
-            "host_blocks={host_blocks} needs a manager over a backend (FakeBackend, \
-             CudaBackend or VmmBackend) with block_bytes > 0; pass both, or host_blocks=0"
-        ))
-    };
-    let Some(b) = backend.filter(|_| block_bytes > 0) else {
-        return Err(unsupported());
-    };
-    if let Ok(fake) = b.cast::<PyFakeBackend>() {
-        Ok(Box::new(
-            FakeTierIo::new(fake.get().fake.clone(), block_bytes, host_blocks, true).py()?,
-        ))
-    } else if let Ok(cuda) = b.cast::<crate::cuda::PyCudaBackend>() {
-        Ok(Box::new(
-            CudaTierIo::new(cuda.get().context(), block_bytes, host_blocks).py()?,
-        ))
-    } else if let Ok(vmm) = b.cast::<crate::cuda::PyVmmBackend>() {
-        Ok(Box::new(
-            CudaTierIo::new(vmm.get().context(), block_bytes, host_blocks).py()?,
-        ))
-    } else {
-        Err(unsupported())
-    }
+    let core = backend
+        .and_then(|b| b.cast::<PyBackend>().ok())
+        .map(|b| b.get().inner.clone());
+    host_tier_io(core.as_ref(), block_bytes, host_blocks).py()
 }
 
 #[pymethods]

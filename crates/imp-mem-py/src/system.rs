@@ -10,14 +10,12 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use imp_mem_core::kv::DEFAULT_HASH_SEED;
-use imp_mem_core::system::{
-    ActivationOrder, DeviceQuery, DeviceReading, MemReport, MemorySystem, SystemOptions,
-};
+use imp_mem_core::system::{DeviceQuery, DeviceReading, MemReport, MemorySystem, SystemOptions};
 use imp_mem_core::{MemError, SharedBlockPool};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyTuple};
 
-use crate::activations::{stream_order_for, PyActivationPool};
+use crate::activations::PyActivationPool;
 use crate::backend::{PyBackend, PyPhase};
 use crate::convert;
 use crate::errors::{invalid, ImpMemWarning, IntoPyResult};
@@ -189,11 +187,6 @@ impl PyMemorySystem {
         sleepable: Option<bool>,
     ) -> PyResult<Self> {
         let core_backend = backend.get().inner.clone();
-        let activation_order = if plan.get().core().activations > 0 {
-            Some(ActivationOrder(stream_order_for(&core_backend).py()?))
-        } else {
-            None
-        };
         let options = SystemOptions {
             context_bytes: convert::opt_bytes(context, "context")?,
             library_reserve_bytes: convert::opt_bytes(library_reserve, "library_reserve")?,
@@ -203,7 +196,7 @@ impl PyMemorySystem {
             apply_budget,
             sleepable,
             activation_strict,
-            activation_order,
+            activation_order: None,
         };
         let result = MemorySystem::open(&core_backend, plan.get().core(), options);
         backend.get().notices.emit(py)?;
@@ -305,7 +298,6 @@ impl PyMemorySystem {
     #[allow(clippy::too_many_arguments)]
     fn kv_manager(
         &self,
-        py: Python<'_>,
         block_size: Option<&Bound<'_, PyAny>>,
         swa_window: Option<&Bound<'_, PyAny>>,
         enable_prefix_caching: Option<&Bound<'_, PyAny>>,
@@ -338,15 +330,8 @@ impl PyMemorySystem {
         let host_blocks = convert::opt(host_blocks, "host_blocks", |v, what| {
             convert::int_in(v, what, 0, (u32::MAX - 1).into()).map(|n| n as u32)
         })?;
-        let (mut m, host_blocks) = {
+        let m = {
             let system = self.open()?;
-            // The plan's host tier unless told otherwise.
-            let planned = system
-                .plan()
-                .kv_host
-                .as_ref()
-                .map_or(0, |h| u32::try_from(h.blocks).unwrap_or(u32::MAX));
-            let host_blocks = host_blocks.unwrap_or(planned);
             let mut config = system.kv_config().py()?;
             if let Some(bs) = block_size {
                 config.block_size = bs;
@@ -365,18 +350,9 @@ impl PyMemorySystem {
             }
             config.layout = layout;
             config.kv_events = kv_events;
-            (system.kv_manager(config).py()?, host_blocks)
+            // The plan's host tier unless told otherwise (the core's rule).
+            system.kv_manager_with_host_tier(config, host_blocks).py()?
         };
-        let block_bytes = m.config().block_bytes;
-        if host_blocks > 0 {
-            let backend = self.backend.bind(py);
-            m.set_host_tier(crate::kv::tier_io(
-                Some(backend.as_any()),
-                block_bytes,
-                host_blocks,
-            )?)
-            .py()?;
-        }
         Ok(PyKVCacheManager::from_core(m))
     }
 

@@ -327,7 +327,7 @@ impl ActivationPool {
     }
 
     /// Where the memory lives (the backend's kind and device).
-    pub fn placement(&self) -> crate::span::Placement {
+    pub fn placement(&self) -> crate::source::Placement {
         crate::arena::placement_of(&self.region())
     }
 

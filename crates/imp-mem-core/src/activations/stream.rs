@@ -23,23 +23,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::MemError;
 
-/// Orders one stream after another.
-pub trait StreamOrder: Send + Sync {
-    /// Makes work queued on `waiter` from now on wait for all work queued on
-    /// `producer` up to now. `waiter != producer`.
-    fn order_after(&self, waiter: u64, producer: u64) -> Result<(), MemError>;
-}
-
-/// For memory no stream touches (host memory, a single-stream caller):
-/// ordering is a no-op.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct NoStreams;
-
-impl StreamOrder for NoStreams {
-    fn order_after(&self, _waiter: u64, _producer: u64) -> Result<(), MemError> {
-        Ok(())
-    }
-}
+// The trait is what a source gives its pools (`MemorySource::stream_order`),
+// so it sits on the floor with it; its old path stays.
+pub use crate::source::{NoStreams, StreamOrder};
 
 /// A recording [`StreamOrder`] for tests: every call is kept, in order, and
 /// the next `n` calls can be told to fail.

@@ -8,7 +8,7 @@ use crate::arena::placement_of;
 use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT};
 use crate::decommit::{DecommitPolicy, DecommitTracker, DeferredDecommit};
 use crate::error::{try_reserve, MemError};
-use crate::span::Placement;
+use crate::source::Placement;
 use crate::tier::{next_tier_id, Tier};
 use crate::units::human_bytes;
 

@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::backend::{Backend, Region};
 use crate::decommit::{DecommitPolicy, FenceLike};
 use crate::error::{try_reserve, MemError};
-use crate::pinned::PinnedHostOps;
-use crate::span::{MintKey, Placement, StableSpan};
+use crate::source::PinnedHostOps;
+use crate::source::Placement;
+use crate::span::{MintKey, StableSpan};
 
 use super::config::{PoolConfig, PoolStats};
 use super::pool::{foreign, slots_have_no_memory, PoolCore};

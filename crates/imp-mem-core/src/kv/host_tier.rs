@@ -26,7 +26,8 @@
 //! past an earlier miss) drops the host copy; a completed offload whose
 //! hash is back on the device, or already resident, frees its slot.
 //!
-//! Copies go through [`TierIo`]: host memory copies on the fake
+//! Copies go through [`TierIo`], the engine the pool's source gives
+//! ([`host_tier_io`] asks it): host memory copies on the fake
 //! ([`FakeTierIo`], which runs its queue only when told, so tests can hold
 //! copies in flight), `cuMemcpy*Async` on a copy stream with an event per
 //! copy on a GPU.
@@ -34,63 +35,42 @@
 //! Thread safety: part of the manager, under its `&mut self`.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
 
+use crate::backend::Backend;
 use crate::block_pool::{BlockId, BlockToken};
 use crate::error::{try_reserve, MemError};
-use crate::fake::FakeBackend;
 use crate::kv::disk_tier::DiskTier;
 use crate::kv::events::{EventLog, Medium};
 use crate::kv::hash::BlockHash;
 use crate::kv::prefix::FastMap;
 
-/// Names one enqueued copy; tickets of one [`TierIo`] increase, and the
-/// copies complete in ticket order (one copy stream).
-pub type CopyTicket = u64;
+// The engine's trait is the source's (`MemorySource::host_tier_io`), the
+// fake's engine is the fake's; their old paths stay.
+pub use crate::fake::FakeTierIo;
+pub use crate::source::{CopyTicket, TierIo};
 
-/// Copies blocks between device blocks and host slots, asynchronously.
-pub trait TierIo: Send + std::fmt::Debug {
-    /// Bytes per block.
-    fn block_bytes(&self) -> usize;
-    /// Host slots (blocks) the tier holds.
-    fn slots(&self) -> u32;
-    /// Enqueues a copy of the device block at `dev_addr` into host `slot`.
-    fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError>;
-    /// Enqueues a copy of host `slot` into the device block at `dev_addr`.
-    fn onboard(&mut self, slot: u32, dev_addr: usize) -> Result<CopyTicket, MemError>;
-    /// Enqueues the copies `(slot, dev_addr)` of one admission, in order;
-    /// one ticket each. On an error none of them is in flight (any already
-    /// enqueued have completed). An implementation may merge neighbours
-    /// (consecutive slots into consecutive blocks) into one copy.
-    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
-        let mut tickets = Vec::with_capacity(copies.len());
-        for &(slot, dev) in copies {
-            match self.onboard(slot, dev) {
-                Ok(t) => tickets.push(t),
-                Err(e) => {
-                    if let Some(&last) = tickets.last() {
-                        self.wait(last)?;
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(tickets)
-    }
-    /// Whether copy `ticket` has completed (does not block).
-    fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError>;
-    /// Blocks until copy `ticket` has completed.
-    fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError>;
-    /// Copies host `slot`'s bytes into `dst` (no copy is in flight on it).
-    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError>;
-    /// Copies `src` into host `slot` (no copy is in flight on it).
-    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError>;
-    /// Makes work enqueued on `stream` (a `CUstream` as an integer; 0 the
-    /// legacy default) after this call wait for copy `ticket`, without
-    /// blocking the host where the device can. The default blocks.
-    fn stream_wait(&mut self, ticket: CopyTicket, _stream: usize) -> Result<(), MemError> {
-        self.wait(ticket)
-    }
+/// The copy engine of a host tier of `host_blocks` blocks of `block_bytes`
+/// for a KV pool on `backend`, from its source
+/// ([`MemorySource::host_tier_io`](crate::source::MemorySource::host_tier_io)).
+/// Refused (`InvalidArgument`) without a backend, with no block bytes, or
+/// over a source that has no host tier.
+pub fn host_tier_io(
+    backend: Option<&Backend>,
+    block_bytes: usize,
+    host_blocks: u32,
+) -> Result<Box<dyn TierIo>, MemError> {
+    let unsupported = || {
+        MemError::invalid(format!(
+            "host_blocks={host_blocks} needs a manager over a backend (FakeBackend, \
+             CudaBackend or VmmBackend) with block_bytes > 0; pass both, or host_blocks=0"
+        ))
+    };
+    let backend = backend
+        .filter(|_| block_bytes > 0)
+        .ok_or_else(unsupported)?;
+    backend
+        .host_tier_io(block_bytes, host_blocks)?
+        .ok_or_else(unsupported)
 }
 
 /// A device → host copy in flight: the device block's ref waits for it.
@@ -475,220 +455,6 @@ impl HostTier {
                 .any(|(stamp, h)| self.resident.get(h).map(|r| r.1) != Some(*stamp))
         {
             return broken("the LRU and the residents disagree".into());
-        }
-        Ok(())
-    }
-}
-
-#[derive(Debug)]
-enum FakeCopy {
-    Out { dev: usize, slot: u32 },
-    In { slot: u32, dev: usize },
-}
-
-#[derive(Debug)]
-struct FakeTierState {
-    fake: FakeBackend,
-    block_bytes: usize,
-    slots: u32,
-    host: Vec<u8>,
-    queue: VecDeque<(CopyTicket, FakeCopy)>,
-    next: CopyTicket,
-    /// Copies up to (excluding) this ticket have run.
-    done_below: CopyTicket,
-    auto: bool,
-}
-
-impl FakeTierState {
-    fn run_one(&mut self) -> Result<bool, MemError> {
-        let Some((ticket, copy)) = self.queue.pop_front() else {
-            return Ok(false);
-        };
-        let bb = self.block_bytes;
-        match copy {
-            FakeCopy::Out { dev, slot } => {
-                let bytes = self.fake.read(dev, bb)?;
-                let at = slot as usize * bb;
-                self.host[at..at + bb].copy_from_slice(&bytes);
-            }
-            FakeCopy::In { slot, dev } => {
-                let at = slot as usize * bb;
-                self.fake.write(dev, &self.host[at..at + bb])?;
-            }
-        }
-        self.done_below = ticket + 1;
-        Ok(true)
-    }
-
-    fn enqueue(&mut self, copy: FakeCopy) -> Result<CopyTicket, MemError> {
-        let ticket = self.next;
-        self.next += 1;
-        self.queue.push_back((ticket, copy));
-        if self.auto {
-            self.run_one()?;
-        }
-        Ok(ticket)
-    }
-}
-
-/// [`TierIo`] over a [`FakeBackend`] pool: host slots are a `Vec<u8>`, a
-/// copy reads or writes the fake's memory when it runs. In manual mode
-/// copies run only through [`Self::advance`] or a wait, in enqueue order
-/// (one stream), so a test can hold them in flight; in auto mode each runs
-/// as it is enqueued. Clones share the state.
-#[derive(Debug, Clone)]
-pub struct FakeTierIo {
-    state: Arc<Mutex<FakeTierState>>,
-}
-
-impl FakeTierIo {
-    /// `slots` host blocks of `block_bytes` over `fake`'s memory. The host
-    /// bytes are reserved fallibly (the count is a caller's): refused with
-    /// `HostOutOfMemory`, or `InvalidArgument` past the address space.
-    pub fn new(
-        fake: FakeBackend,
-        block_bytes: usize,
-        slots: u32,
-        auto: bool,
-    ) -> Result<Self, MemError> {
-        let bytes = block_bytes.checked_mul(slots as usize).ok_or_else(|| {
-            MemError::invalid(format!(
-                "a host tier of {slots} blocks of {block_bytes} B is too large"
-            ))
-        })?;
-        let mut host = Vec::new();
-        try_reserve(
-            &mut host,
-            bytes,
-            &format!("a host tier of {slots} blocks of {block_bytes} B"),
-        )?;
-        host.resize(bytes, 0);
-        Ok(Self {
-            state: Arc::new(Mutex::new(FakeTierState {
-                fake,
-                block_bytes,
-                slots,
-                host,
-                queue: VecDeque::new(),
-                next: 0,
-                done_below: 0,
-                auto,
-            })),
-        })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, FakeTierState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs up to `n` queued copies; returns how many ran.
-    pub fn advance(&self, n: usize) -> Result<usize, MemError> {
-        let mut s = self.lock();
-        let mut ran = 0;
-        while ran < n && s.run_one()? {
-            ran += 1;
-        }
-        Ok(ran)
-    }
-
-    /// Copies enqueued and not yet run.
-    pub fn queued(&self) -> usize {
-        self.lock().queue.len()
-    }
-
-    /// Host slot `slot`'s bytes.
-    pub fn host_bytes(&self, slot: u32) -> Vec<u8> {
-        let s = self.lock();
-        let at = slot as usize * s.block_bytes;
-        s.host
-            .get(at..at + s.block_bytes)
-            .map(<[u8]>::to_vec)
-            .unwrap_or_default()
-    }
-}
-
-impl TierIo for FakeTierIo {
-    fn block_bytes(&self) -> usize {
-        self.lock().block_bytes
-    }
-
-    fn slots(&self) -> u32 {
-        self.lock().slots
-    }
-
-    fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError> {
-        let mut s = self.lock();
-        if slot >= s.slots {
-            return Err(MemError::invalid(format!(
-                "host slot {slot} is out of range"
-            )));
-        }
-        s.enqueue(FakeCopy::Out {
-            dev: dev_addr,
-            slot,
-        })
-    }
-
-    fn onboard(&mut self, slot: u32, dev_addr: usize) -> Result<CopyTicket, MemError> {
-        let mut s = self.lock();
-        if slot >= s.slots {
-            return Err(MemError::invalid(format!(
-                "host slot {slot} is out of range"
-            )));
-        }
-        s.enqueue(FakeCopy::In {
-            slot,
-            dev: dev_addr,
-        })
-    }
-
-    fn onboard_many(&mut self, copies: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
-        let mut s = self.lock();
-        if let Some(&(slot, _)) = copies.iter().find(|c| c.0 >= s.slots) {
-            return Err(MemError::invalid(format!(
-                "host slot {slot} is out of range"
-            )));
-        }
-        copies
-            .iter()
-            .map(|&(slot, dev)| s.enqueue(FakeCopy::In { slot, dev }))
-            .collect()
-    }
-
-    fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError> {
-        Ok(ticket < self.lock().done_below)
-    }
-
-    fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError> {
-        let s = self.lock();
-        let at = slot as usize * s.block_bytes;
-        let src = s
-            .host
-            .get(at..at + dst.len())
-            .ok_or_else(|| MemError::invalid(format!("host slot {slot} is out of range")))?;
-        dst.copy_from_slice(src);
-        Ok(())
-    }
-
-    fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError> {
-        let mut s = self.lock();
-        let at = slot as usize * s.block_bytes;
-        let dst = s
-            .host
-            .get_mut(at..at + src.len())
-            .ok_or_else(|| MemError::invalid(format!("host slot {slot} is out of range")))?;
-        dst.copy_from_slice(src);
-        Ok(())
-    }
-
-    fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError> {
-        let mut s = self.lock();
-        while s.done_below <= ticket {
-            if !s.run_one()? {
-                return Err(MemError::invalid(format!(
-                    "copy {ticket} was never enqueued"
-                )));
-            }
         }
         Ok(())
     }

@@ -76,7 +76,7 @@ mod xxh3_block;
 
 pub use events::{KvEvent, Medium};
 pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HASH_ALGORITHM};
-pub use host_tier::{CopyTicket, FakeTierIo, TierIo};
+pub use host_tier::{host_tier_io, CopyTicket, FakeTierIo, TierIo};
 pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
 pub use persist::{
     BlockIo, LentRefs, LoadTarget, PendingLoad, PoolBlockIo, PrefixSnapshot, VerifiedFile,

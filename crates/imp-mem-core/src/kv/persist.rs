@@ -1,4 +1,8 @@
-//! Prefix-cache persistence: `save_prefix_cache` / `load_prefix_cache`.
+//! Prefix-cache persistence: the file format, its checks, and the block
+//! copies ([`BlockIo`]). The manager's `save_prefix_cache` /
+//! `load_prefix_cache` (`kv/manager/persist.rs`) build a header from their
+//! configuration and drive the steps below; this module knows no manager,
+//! so the disk tier's one-block files ([`BlockFileFormat`]) use it too.
 //!
 //! # File format (version 1, little-endian)
 //!
@@ -35,7 +39,9 @@
 //! reused while the file is written) and writes without it; a load verifies
 //! the file without it, takes the lock to allocate, copies without it, and
 //! takes it again to insert. Refs held outside the lock are registered as
-//! lent ([`LentRefs`]), which [`KVCacheManager::check_invariants`] counts.
+//! lent ([`LentRefs`]), which
+//! [`KVCacheManager::check_invariants`](crate::kv::KVCacheManager::check_invariants)
+//! counts.
 //!
 //! Block bytes travel through [`BlockIo`]; a manager over a pool laid out on
 //! a backend uses [`PoolBlockIo`], which copies each block through its
@@ -53,18 +59,16 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::block_pool::{BlockId, SharedBlockRef};
-use crate::error::{KvCapacityReport, MemError};
-use crate::kv::events::Medium;
-use crate::kv::hash::{BlockHash, HASH_ALGORITHM};
-use crate::kv::manager::KVCacheManager;
-use crate::kv::prefix::{FastMap, Insert};
+use crate::error::MemError;
+use crate::kv::hash::BlockHash;
+use crate::kv::prefix::FastMap;
 use crate::pinned::{PinnedBuffer, PinnedHost};
 
 /// The file's first bytes.
 pub const FILE_MAGIC: &[u8; 8] = b"IMPKVPC\0";
 /// The format version this build writes and reads.
 pub const FILE_VERSION: u32 = 1;
-const FORMAT: &str = "imp-mem prefix cache";
+pub(crate) const FORMAT: &str = "imp-mem prefix cache";
 
 /// Copies one block's bytes between the pool and host memory. The manager
 /// passes a live ref, so the block cannot be released during the copy.
@@ -151,26 +155,28 @@ impl BlockIo for PoolBlockIo {
     }
 }
 
+/// The file's JSON header: what a file must match to load (every field but
+/// `entries` and `checksum`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-struct Header {
-    format: String,
-    version: u32,
-    model_fingerprint: String,
-    block_size: usize,
-    block_bytes: usize,
-    dtype: String,
-    layout: String,
-    hash_algorithm: String,
-    hash_seed: u64,
-    entries: u64,
-    checksum: String,
+pub(crate) struct Header {
+    pub format: String,
+    pub version: u32,
+    pub model_fingerprint: String,
+    pub block_size: usize,
+    pub block_bytes: usize,
+    pub dtype: String,
+    pub layout: String,
+    pub hash_algorithm: String,
+    pub hash_seed: u64,
+    pub entries: u64,
+    pub checksum: String,
 }
 
 fn io_err(what: &str, path: &Path, e: std::io::Error) -> MemError {
     MemError::invalid(format!("{what} {}: {e}", path.display()))
 }
 
-fn refuse(path: &Path, why: impl std::fmt::Display) -> MemError {
+pub(crate) fn refuse(path: &Path, why: impl std::fmt::Display) -> MemError {
     MemError::invalid(format!(
         "refusing prefix cache file {}: {why}; nothing was loaded",
         path.display()
@@ -215,6 +221,17 @@ pub(crate) struct BlockFileFormat {
 }
 
 impl BlockFileFormat {
+    /// The format of one-block files under `header` (a header of one
+    /// entry), for blocks of `block_bytes`.
+    pub fn new(header: &Header, block_bytes: usize) -> Result<Self, MemError> {
+        let header = serde_json::to_vec(header)
+            .map_err(|e| MemError::Invariant(format!("header does not serialise: {e}")))?;
+        Ok(Self {
+            header,
+            block_bytes,
+        })
+    }
+
     /// Bytes of the JSON header.
     pub fn header_len(&self) -> usize {
         self.header.len()
@@ -283,22 +300,6 @@ impl BlockFileFormat {
     }
 }
 
-impl KVCacheManager {
-    /// The format of the disk tier's one-block files, for blocks of
-    /// `block_bytes`.
-    pub(crate) fn block_file_format(
-        &self,
-        block_bytes: usize,
-    ) -> Result<BlockFileFormat, MemError> {
-        let header = serde_json::to_vec(&self.header(1, block_bytes))
-            .map_err(|e| MemError::Invariant(format!("header does not serialise: {e}")))?;
-        Ok(BlockFileFormat {
-            header,
-            block_bytes,
-        })
-    }
-}
-
 /// Refuses a file saved under another configuration, naming every field
 /// that differs.
 fn check_header(path: &Path, header: &Header, want: &Header) -> Result<(), MemError> {
@@ -350,168 +351,6 @@ fn check_header(path: &Path, header: &Header, want: &Header) -> Result<(), MemEr
     ))
 }
 
-impl KVCacheManager {
-    fn header(&self, entries: u64, block_bytes: usize) -> Header {
-        let c = self.config();
-        Header {
-            format: FORMAT.into(),
-            version: FILE_VERSION,
-            model_fingerprint: c.model_fingerprint.clone(),
-            block_size: c.block_size,
-            block_bytes,
-            dtype: c.dtype.clone(),
-            layout: c.layout.clone(),
-            hash_algorithm: HASH_ALGORITHM.into(),
-            hash_seed: c.hash_seed,
-            entries,
-            checksum: "xxh3-128 trailer; xxh3-64 per block".into(),
-        }
-    }
-
-    fn block_io(&self) -> Result<&dyn BlockIo, MemError> {
-        self.io.as_deref().ok_or_else(|| {
-            MemError::invalid(
-                "this manager has no BlockIo to copy block bytes out and in; open it over a \
-                 backend with block_bytes, or install one with set_block_io",
-            )
-        })
-    }
-
-    /// Writes every cached block (hash and bytes) to `path`, atomically,
-    /// streaming: host memory holds one block at a time, not the file.
-    /// Returns the entries written. (The binding takes the snapshot under
-    /// its lock and writes without it.)
-    pub fn save_prefix_cache(&self, path: &Path) -> Result<u64, MemError> {
-        self.snapshot_prefix_cache()?.write(path)
-    }
-
-    /// What a save writes, taken now: the header and a lent ref to every
-    /// cached block with its hash, least recently used first.
-    pub fn snapshot_prefix_cache(&self) -> Result<PrefixSnapshot, MemError> {
-        let io = self.block_io()?;
-        let bb = io.block_bytes();
-        let entries = self.cache.entries_in_order();
-        let header = serde_json::to_vec(&self.header(entries.len() as u64, bb))
-            .map_err(|e| MemError::Invariant(format!("header does not serialise: {e}")))?;
-        let mut hashes = Vec::with_capacity(entries.len());
-        let mut refs = Vec::with_capacity(entries.len());
-        for e in &entries {
-            hashes.push(e.hash);
-            refs.push(self.pool().ref_of_token(&e.block)?);
-        }
-        Ok(PrefixSnapshot {
-            io: self.block_io_shared()?,
-            header,
-            hashes,
-            refs: LentRefs::new(refs, &self.lent),
-        })
-    }
-
-    /// Loads the entries of `path` whose hashes are not cached yet, as fresh
-    /// blocks owned by the cache (least recently used first, as saved).
-    /// Refuses a truncated, corrupted or mismatched file, or one that does
-    /// not fit, and then changes nothing. Returns the entries added. (The
-    /// binding runs the steps — [`Self::load_target`], [`LoadTarget::verify`],
-    /// [`Self::reserve_load`], [`PendingLoad::copy_in`],
-    /// [`Self::finish_load`] — taking its lock only for the second and the
-    /// last.)
-    pub fn load_prefix_cache(&mut self, path: &Path) -> Result<u64, MemError> {
-        let file = self.load_target()?.verify(path)?;
-        let mut pending = self.reserve_load(file)?;
-        pending.copy_in()?;
-        self.finish_load(pending)
-    }
-
-    /// What a file must match to load here. Refused when prefix caching is
-    /// off or the manager cannot copy block bytes.
-    pub fn load_target(&self) -> Result<LoadTarget, MemError> {
-        if !self.config().enable_prefix_caching {
-            return Err(MemError::invalid(
-                "this manager has prefix caching off (enable_prefix_caching=False): loaded \
-                 blocks would be held and never hit, so nothing was loaded; open the manager \
-                 with prefix caching on to load a prefix cache",
-            ));
-        }
-        let io = self.block_io_shared()?;
-        let bb = io.block_bytes();
-        Ok(LoadTarget {
-            want: self.header(0, bb),
-            io,
-        })
-    }
-
-    /// Allocates fresh blocks for the verified file's entries that are not
-    /// cached yet (evicting what it must), or changes nothing.
-    pub fn reserve_load(&mut self, file: VerifiedFile) -> Result<PendingLoad, MemError> {
-        let mut seen = std::collections::HashSet::new();
-        let fresh: Vec<(BlockHash, u64, u64)> = file
-            .entries
-            .iter()
-            .copied()
-            .filter(|(hash, _, _)| self.cache.get(hash).is_none() && seen.insert(*hash))
-            .collect();
-        let path = &file.path;
-        let need = u32::try_from(fresh.len()).map_err(|_| refuse(path, "too many entries"))?;
-        let (free, growable) = self.main_room();
-        let evictable = self.cache.evictable();
-        if need as u64 > free as u64 + growable as u64 + evictable as u64 {
-            return Err(MemError::KvCapacity(KvCapacityReport {
-                what: format!("load {need} cached blocks from {}", path.display()),
-                needed: need,
-                free,
-                growable,
-                evictable,
-                pinned: self.cache.pinned_idle(),
-                pool: "kv",
-            }));
-        }
-        // Evicting to make room is the one change that precedes the copies;
-        // it drops only entries eviction could have dropped at any time.
-        let free = self.pool().stats().free;
-        self.make_room(need.saturating_sub(free))?;
-        let refs = self.pool().allocate_many_unchecked(need)?.into_refs();
-        Ok(PendingLoad {
-            refs: LentRefs::new(refs, &self.lent),
-            fresh,
-            file,
-        })
-    }
-
-    /// Inserts the copied blocks into the cache; returns the entries added.
-    /// An entry another thread cached meanwhile keeps its block, and the
-    /// fresh one is released.
-    pub fn finish_load(&mut self, mut pending: PendingLoad) -> Result<u64, MemError> {
-        let refs = pending.refs.take();
-        let mut refused = None;
-        let mut leftover = Vec::new();
-        let mut added = 0u64;
-        for (r, (hash, _, _)) in refs.into_iter().zip(&pending.fresh) {
-            let token = self.pool().token_from_ref(r)?;
-            match self.cache.insert(*hash, token, 0) {
-                Ok(Insert::Added(_)) => {
-                    added += 1;
-                    self.events.stored_alone(*hash, Medium::Device);
-                    self.drop_host_copy(hash);
-                }
-                Ok(Insert::Present(dup)) => leftover.push(dup),
-                Err((e, back)) => {
-                    leftover.push(back);
-                    refused.get_or_insert(e);
-                }
-            }
-        }
-        self.pool().release_tokens(leftover)?;
-        refused.map_or(Ok(added), Err)
-    }
-
-    fn block_io_shared(&self) -> Result<Arc<dyn BlockIo>, MemError> {
-        self.block_io()?;
-        self.io
-            .clone()
-            .ok_or_else(|| MemError::Invariant("block io vanished".into()))
-    }
-}
-
 /// Block refs held outside the manager's lock (a save's snapshot, a load's
 /// fresh blocks), registered so that the manager's invariant check counts
 /// them. Registration and release happen under the registry's lock, which
@@ -536,7 +375,7 @@ pub struct LentRefs {
 }
 
 impl LentRefs {
-    fn new(refs: Vec<SharedBlockRef>, lent: &Arc<Lent>) -> Self {
+    pub(crate) fn new(refs: Vec<SharedBlockRef>, lent: &Arc<Lent>) -> Self {
         let mut ids = lent.lock();
         for r in &refs {
             *ids.entry(r.id()).or_default() += 1;
@@ -549,7 +388,7 @@ impl LentRefs {
     }
 
     /// Takes the refs back under the manager's lock (unregistered).
-    fn take(&mut self) -> Vec<SharedBlockRef> {
+    pub(crate) fn take(&mut self) -> Vec<SharedBlockRef> {
         let mut ids = self.lent.lock();
         for r in &self.refs {
             unregister(&mut ids, r.id());
@@ -577,13 +416,14 @@ impl Drop for LentRefs {
     }
 }
 
-/// What a save writes ([`KVCacheManager::snapshot_prefix_cache`]).
+/// What a save writes
+/// ([`KVCacheManager::snapshot_prefix_cache`](crate::kv::KVCacheManager::snapshot_prefix_cache)).
 #[derive(Debug)]
 pub struct PrefixSnapshot {
-    io: Arc<dyn BlockIo>,
-    header: Vec<u8>,
-    hashes: Vec<BlockHash>,
-    refs: LentRefs,
+    pub(crate) io: Arc<dyn BlockIo>,
+    pub(crate) header: Vec<u8>,
+    pub(crate) hashes: Vec<BlockHash>,
+    pub(crate) refs: LentRefs,
 }
 
 /// Temps of one save: a counter keeps two saves of one process apart.
@@ -695,31 +535,31 @@ fn remove_dead_temps(path: &Path) {
 }
 
 /// What a file must match to load into a manager
-/// ([`KVCacheManager::load_target`]).
+/// ([`KVCacheManager::load_target`](crate::kv::KVCacheManager::load_target)).
 #[derive(Debug)]
 pub struct LoadTarget {
-    want: Header,
-    io: Arc<dyn BlockIo>,
+    pub(crate) want: Header,
+    pub(crate) io: Arc<dyn BlockIo>,
 }
 
 /// A file whose every checksum and header field was verified.
 #[derive(Debug)]
 pub struct VerifiedFile {
-    path: PathBuf,
+    pub(crate) path: PathBuf,
     file: BufReader<File>,
     io: Arc<dyn BlockIo>,
     body: u64,
     stride: u64,
     /// `(hash, index in the file, block checksum)` of every entry.
-    entries: Vec<(BlockHash, u64, u64)>,
+    pub(crate) entries: Vec<(BlockHash, u64, u64)>,
 }
 
 /// Fresh blocks allocated for a load, to be filled and inserted.
 #[derive(Debug)]
 pub struct PendingLoad {
-    refs: LentRefs,
-    fresh: Vec<(BlockHash, u64, u64)>,
-    file: VerifiedFile,
+    pub(crate) refs: LentRefs,
+    pub(crate) fresh: Vec<(BlockHash, u64, u64)>,
+    pub(crate) file: VerifiedFile,
 }
 
 impl LoadTarget {

@@ -1165,7 +1165,7 @@ fn lent_refs_and_offloads_in_flight_are_both_counted_and_a_load_leaves_one_tier(
 
 #[test]
 fn block_copies_stage_through_one_pinned_buffer_where_the_source_has_one() {
-    use crate::backend::MemorySource;
+    use crate::source::MemorySource;
     for pin_fails in [false, true] {
         let fb = FakeBackend::new(FakeConfig::default()).unwrap();
         // The fake with pinned host memory, as a device source has.
@@ -1213,4 +1213,43 @@ fn block_copies_stage_through_one_pinned_buffer_where_the_source_has_one() {
         drop(blocks);
         pool.check_invariants().unwrap();
     }
+}
+
+#[test]
+fn the_host_tier_copies_with_the_engine_its_backends_source_gives() {
+    use crate::phase::PhaseMode;
+    use crate::tag::Tag;
+    let fb = FakeBackend::new(FakeConfig {
+        capacity: 1 << 20,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    // A source with no host tier (the trait's default), over the same memory.
+    let plain = crate::backend::Backend::new(
+        Arc::new(crate::test_source::TestSource::over(fb.source().clone())),
+        PhaseMode::Strict,
+        None,
+    )
+    .unwrap();
+    // Refused without a backend, without block bytes, over a source without
+    // a host tier: one message, naming the argument.
+    for (backend, block_bytes) in [(None, 64), (Some(fb.backend()), 0), (Some(&plain), 64)] {
+        let err = host_tier_io(backend, block_bytes, 4).unwrap_err();
+        assert!(matches!(err, MemError::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("host_blocks=4"), "{err}");
+    }
+    // The fake's: host memory copies that run as they are enqueued.
+    let mut io = host_tier_io(Some(fb.backend()), 64, 4).unwrap();
+    assert_eq!((io.block_bytes(), io.slots()), (64, 4));
+    let block = fb.acquire(64, 64, Tag::KvCache).unwrap();
+    fb.write(block.base(), &[7u8; 64]).unwrap();
+    let ticket = io.offload(block.base(), 2).unwrap();
+    assert!(io.is_done(ticket).unwrap());
+    let mut back = vec![0u8; 64];
+    io.read_slot(2, &mut back).unwrap();
+    assert_eq!(back, vec![7u8; 64]);
+    io.write_slot(1, &[9u8; 64]).unwrap();
+    let ticket = io.onboard(1, block.base()).unwrap();
+    io.wait(ticket).unwrap();
+    assert_eq!(fb.read(block.base(), 64).unwrap(), vec![9u8; 64]);
 }

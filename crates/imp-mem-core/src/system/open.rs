@@ -69,8 +69,10 @@ pub struct SystemOptions {
     pub sleepable: Option<bool>,
     /// The activation pool's strictness; default: the backend's phase mode.
     pub activation_strict: Option<bool>,
-    /// The activation pool's stream order; default: none ([`NoStreams`]),
-    /// right for host memory. A device caller passes its driver's.
+    /// The activation pool's stream order; default: the backend's source's
+    /// ([`Backend::stream_order`]: none for host memory, the driver's
+    /// events on a device), asked once at open when the plan has an
+    /// activation pool and kept in the system's options for its swaps.
     pub activation_order: Option<ActivationOrder>,
 }
 
@@ -154,13 +156,17 @@ impl MemorySystem {
     pub fn open(
         backend: &Backend,
         plan: &MemoryPlan,
-        options: SystemOptions,
+        mut options: SystemOptions,
     ) -> Result<MemorySystem, OpenError> {
         let before = |error: MemError| OpenError {
             step: 0,
             what: "checks before any acquisition".into(),
             error,
         };
+        if options.activation_order.is_none() && plan.activations > 0 {
+            let order = backend.stream_order().map_err(before)?;
+            options.activation_order = Some(ActivationOrder(order));
+        }
         if backend.phase() == Phase::Serving {
             return Err(before(MemError::PhaseViolation {
                 phase: Phase::Serving,

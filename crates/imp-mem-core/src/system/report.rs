@@ -97,7 +97,7 @@ pub struct TagLine {
     pub steady_state_allocations: u64,
 }
 
-pub use crate::backend::DeviceReading;
+pub use crate::source::DeviceReading;
 
 /// What a report adds to the system's own state. Build it with
 /// [`MemorySystem::report_input`] to read the backend (its device and its

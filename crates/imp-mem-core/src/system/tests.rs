@@ -850,7 +850,7 @@ fn kv_manager_refuses_what_does_not_match_the_plan() {
 fn charging(
     held: std::sync::Arc<std::sync::atomic::AtomicU64>,
     reading: Option<DeviceReading>,
-    fail_reading: Option<crate::backend::SourceError>,
+    fail_reading: Option<crate::source::SourceError>,
 ) -> Backend {
     let config = FakeConfig {
         capacity: GIB_TEST,
@@ -960,7 +960,7 @@ fn a_failed_device_reading_is_the_sources_error() {
     let backend = charging(
         Default::default(),
         None,
-        Some(crate::backend::SourceError::Driver(
+        Some(crate::source::SourceError::Driver(
             "cuMemGetInfo failed".into(),
         )),
     );
@@ -975,7 +975,7 @@ fn a_failed_device_reading_is_the_sources_error() {
     let unavailable = charging(
         Default::default(),
         None,
-        Some(crate::backend::SourceError::Unsupported("no device".into())),
+        Some(crate::source::SourceError::Unsupported("no device".into())),
     );
     assert!(matches!(
         unavailable.mem_info(),
@@ -984,7 +984,113 @@ fn a_failed_device_reading_is_the_sources_error() {
     let oom = charging(
         Default::default(),
         None,
-        Some(crate::backend::SourceError::OutOfMemory),
+        Some(crate::source::SourceError::OutOfMemory),
     );
     assert!(matches!(oom.mem_info(), Err(MemError::Driver(_))));
+}
+
+#[test]
+fn the_activation_pool_keeps_the_order_its_source_gives_unless_told_otherwise() {
+    use std::sync::Arc;
+
+    use crate::activations::{FakeStreamOrder, NoStreams};
+    let over = |order: &FakeStreamOrder| {
+        let config = FakeConfig {
+            capacity: GIB_TEST,
+            ..FakeConfig::default()
+        };
+        let mut source =
+            crate::test_source::TestSource::over(Arc::new(crate::fake::FakeSource::new(&config)));
+        source.order = Some(order.clone());
+        Backend::new(Arc::new(source), PhaseMode::Strict, None).unwrap()
+    };
+    let cross_stream_reuse = |system: &MemorySystem| {
+        let pool = system.activations().unwrap();
+        let a = pool.allocate(pool.capacity(), 1).unwrap();
+        pool.free(a, 1).unwrap();
+        let b = pool.allocate(4096, 2).unwrap();
+        pool.free(b, 2).unwrap();
+    };
+    // By default the system asks the source, once, at open.
+    let order = FakeStreamOrder::new();
+    let system = MemorySystem::open(&over(&order), &full_plan(), SystemOptions::default()).unwrap();
+    assert!(system.options().activation_order.is_some());
+    cross_stream_reuse(&system);
+    assert_eq!(order.calls(), vec![(2, 1)]);
+    // An order passed in is the one kept.
+    let order = FakeStreamOrder::new();
+    let options = SystemOptions {
+        activation_order: Some(ActivationOrder(Arc::new(NoStreams))),
+        ..SystemOptions::default()
+    };
+    let system = MemorySystem::open(&over(&order), &full_plan(), options).unwrap();
+    cross_stream_reuse(&system);
+    assert!(order.is_empty());
+    // A plan with no activation pool asks nothing.
+    let system = MemorySystem::open(&over(&order), &plan(256 * MIB), SystemOptions::default());
+    assert_eq!(system.unwrap().options().activation_order, None);
+}
+
+#[test]
+fn the_kv_host_tier_is_the_plans_unless_told_otherwise_and_its_sources() {
+    let mut limits = Limits::new(4, 1024);
+    limits.kv_policy = KvPolicy::Fit;
+    let p = plan_memory(&PlanInput {
+        model: shape(),
+        limits,
+        features: Features {
+            kv_host_bytes: 4 * MIB,
+            ..Features::default()
+        },
+        tp: 1,
+        budget: 256 * MIB,
+        context_bytes: 8 * MIB,
+        library_reserve_bytes: 4 * MIB,
+    })
+    .unwrap();
+    let planned = p.kv_host.as_ref().unwrap().blocks;
+    assert!(planned > 0);
+    let fb = fake(GIB_TEST, true);
+    let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    assert_eq!(u64::from(system.planned_host_blocks()), planned);
+    let host = |blocks: Option<u32>| {
+        let config = system.kv_config().unwrap();
+        let m = system.kv_manager_with_host_tier(config, blocks).unwrap();
+        m.stats().host_capacity
+    };
+    assert_eq!(u64::from(host(None)), planned);
+    assert_eq!(host(Some(3)), 3);
+    assert_eq!(host(Some(0)), 0);
+    // The plain system of the same plan has no host tier.
+    assert_eq!(
+        MemorySystem::open(
+            &fake(GIB_TEST, true),
+            &plan(256 * MIB),
+            SystemOptions::default()
+        )
+        .unwrap()
+        .planned_host_blocks(),
+        0
+    );
+    // Over a source with no host tier, the plan's tier is refused.
+    let config = FakeConfig {
+        capacity: GIB_TEST,
+        ..FakeConfig::default()
+    };
+    let plain = Backend::new(
+        std::sync::Arc::new(crate::test_source::TestSource::over(std::sync::Arc::new(
+            crate::fake::FakeSource::new(&config),
+        ))),
+        PhaseMode::Strict,
+        None,
+    )
+    .unwrap();
+    let system = MemorySystem::open(&plain, &p, SystemOptions::default()).unwrap();
+    let err = system
+        .kv_manager_with_host_tier(system.kv_config().unwrap(), None)
+        .unwrap_err();
+    assert!(err.to_string().contains("host_blocks="), "{err}");
+    assert!(system
+        .kv_manager_with_host_tier(system.kv_config().unwrap(), Some(0))
+        .is_ok());
 }

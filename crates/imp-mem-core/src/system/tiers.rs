@@ -13,7 +13,7 @@ use crate::backend::Backend;
 use crate::block_pool::SharedBlockPool;
 use crate::decommit::FenceLike;
 use crate::error::MemError;
-use crate::kv::{KVCacheManager, KvConfig};
+use crate::kv::{host_tier_io, KVCacheManager, KvConfig};
 use crate::phase::Phase;
 use crate::planner::MemoryPlan;
 use crate::scratch::SharedScratchStack;
@@ -172,6 +172,33 @@ impl MemorySystem {
         } else {
             MemError::invalid("this system has no KV pool: its plan gives the KV cache no blocks")
         }
+    }
+
+    /// The blocks the plan gives the KV host tier (`kv_host`), 0 where it
+    /// has none.
+    pub fn planned_host_blocks(&self) -> u32 {
+        self.plan
+            .kv_host
+            .as_ref()
+            .map_or(0, |h| u32::try_from(h.blocks).unwrap_or(u32::MAX))
+    }
+
+    /// [`MemorySystem::kv_manager`] with its KV host tier: `host_blocks`
+    /// blocks (default: the plan's, [`MemorySystem::planned_host_blocks`]),
+    /// copied by the engine the backend's source gives
+    /// ([`host_tier_io`]); no host tier at 0.
+    pub fn kv_manager_with_host_tier(
+        &self,
+        config: KvConfig,
+        host_blocks: Option<u32>,
+    ) -> Result<KVCacheManager, MemError> {
+        let host_blocks = host_blocks.unwrap_or_else(|| self.planned_host_blocks());
+        let mut m = self.kv_manager(config)?;
+        if host_blocks > 0 {
+            let io = host_tier_io(Some(&self.backend), m.config().block_bytes, host_blocks)?;
+            m.set_host_tier(io)?;
+        }
+        Ok(m)
     }
 
     /// A [`KVCacheManager`] over this system's KV pool (and SWA pool, if the

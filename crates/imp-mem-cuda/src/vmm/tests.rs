@@ -503,3 +503,15 @@ fn concurrent_regions_stay_consistent() {
     assert_eq!(sim.lock().physical(), 0);
     assert_eq!(sim.lock().reservations(), 0);
 }
+
+#[test]
+fn a_driver_with_no_device_gives_no_streams_and_no_host_tier() {
+    // The simulation has no streams and no host memory to copy to: its
+    // source orders nothing and refuses a host tier, as the fake's trait
+    // defaults do; a device driver gives its events and its copy engine.
+    let (_sim, core, backend) = setup(2, 64 * MIB as u64);
+    assert!(core.stream_order().is_ok());
+    assert!(backend.stream_order().is_ok());
+    assert!(core.host_tier_io(4096, 4).unwrap().is_none());
+    assert!(backend.host_tier_io(4096, 4).unwrap().is_none());
+}

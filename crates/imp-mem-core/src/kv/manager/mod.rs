@@ -3,14 +3,16 @@
 //!
 //! Files: `config.rs` (building a manager), `admission.rs`, `sequence.rs`
 //! (block tables, append, free), `pins.rs`, `eviction.rs` (the prefix cache
-//! from here), `offload.rs` (the host and disk tiers), `stats.rs` (counters
-//! and events), `invariants.rs`. This file holds the manager's state.
+//! from here), `offload.rs` (the host and disk tiers), `persist.rs` (save
+//! and load over `kv::persist`'s format), `stats.rs` (counters and events),
+//! `invariants.rs`. This file holds the manager's state.
 
 mod admission;
 mod config;
 mod eviction;
 mod invariants;
 mod offload;
+mod persist;
 mod pins;
 mod sequence;
 mod stats;

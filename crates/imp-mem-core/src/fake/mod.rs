@@ -17,6 +17,10 @@
 //! memory behind them, so capacity-scale scenarios (an 80 GiB budget) run on a
 //! laptop; reading such memory is refused.
 //!
+//! The source's KV host tier copies with [`FakeTierIo`] (`tier_io.rs`):
+//! host slots in a `Vec`, copies of the fake's memory that run as they are
+//! enqueued, or only when a test says so.
+//!
 //! Thread safety: all state is behind one mutex; reads and writes of fake
 //! memory happen under it, so they cannot race a release.
 
@@ -24,9 +28,14 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::backend::{Backend, MemoryKind, MemorySource, SourceError, SourceInfo};
+use crate::backend::Backend;
 use crate::error::MemError;
 use crate::phase::PhaseMode;
+use crate::source::{MemoryKind, MemorySource, SourceError, SourceInfo, TierIo};
+
+mod tier_io;
+
+pub use tier_io::FakeTierIo;
 
 /// The byte written over released memory.
 pub const POISON: u8 = 0xDE;
@@ -274,6 +283,35 @@ impl FakeSource {
             ))
         }
     }
+
+    /// Reads `len` bytes at `addr` from a live or quarantined region.
+    pub(crate) fn read(&self, addr: usize, len: usize) -> Result<Vec<u8>, MemError> {
+        self.check_backed()?;
+        let state = self.state();
+        self.locate(&state, addr, len)?;
+        let mut out = vec![0u8; len];
+        // SAFETY: `locate` proved `[addr, addr + len)` lies inside a host
+        // allocation still in the map (live or quarantined, not freed), and the
+        // state lock keeps it from being freed during the copy.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
+        Ok(out)
+    }
+
+    /// Writes `data` at `addr` inside a live region.
+    pub(crate) fn write(&self, addr: usize, data: &[u8]) -> Result<(), MemError> {
+        self.check_backed()?;
+        let state = self.state();
+        let (_, alloc_state) = self.locate(&state, addr, data.len())?;
+        if alloc_state != AllocState::Live {
+            return Err(MemError::StaleSpan(format!(
+                "write at {addr:#x} into a released region (use after free)"
+            )));
+        }
+        // SAFETY: as in `read`, the range is inside a live host allocation and
+        // the lock is held.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+        Ok(())
+    }
 }
 
 // SAFETY: addresses come from `alloc_zeroed` with the requested alignment (or a
@@ -290,6 +328,20 @@ unsafe impl MemorySource for FakeSource {
             granularity: self.granularity,
             growable: true,
         }
+    }
+
+    /// Host memory copies that run as they are enqueued.
+    fn host_tier_io(
+        self: Arc<Self>,
+        block_bytes: usize,
+        slots: u32,
+    ) -> Result<Option<Box<dyn TierIo>>, MemError> {
+        Ok(Some(Box::new(FakeTierIo::over(
+            self,
+            block_bytes,
+            slots,
+            true,
+        )?)))
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {
@@ -539,31 +591,12 @@ impl FakeBackend {
 
     /// Reads `len` bytes at `addr` from a live or quarantined region.
     pub fn read(&self, addr: usize, len: usize) -> Result<Vec<u8>, MemError> {
-        self.source.check_backed()?;
-        let state = self.source.state();
-        self.source.locate(&state, addr, len)?;
-        let mut out = vec![0u8; len];
-        // SAFETY: `locate` proved `[addr, addr + len)` lies inside a host
-        // allocation still in the map (live or quarantined, not freed), and the
-        // state lock keeps it from being freed during the copy.
-        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
-        Ok(out)
+        self.source.read(addr, len)
     }
 
     /// Writes `data` at `addr` inside a live region.
     pub fn write(&self, addr: usize, data: &[u8]) -> Result<(), MemError> {
-        self.source.check_backed()?;
-        let state = self.source.state();
-        let (_, alloc_state) = self.source.locate(&state, addr, data.len())?;
-        if alloc_state != AllocState::Live {
-            return Err(MemError::StaleSpan(format!(
-                "write at {addr:#x} into a released region (use after free)"
-            )));
-        }
-        // SAFETY: as in `read`, the range is inside a live host allocation and
-        // the lock is held.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
-        Ok(())
+        self.source.write(addr, data)
     }
 
     /// True when every byte of `[addr, addr + len)` holds the poison.
