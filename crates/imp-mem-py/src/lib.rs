@@ -8,18 +8,19 @@ use pyo3::prelude::*;
 
 pub mod activations;
 pub mod backend;
-pub mod buffer;
 pub mod convert;
 pub mod cuda;
 pub mod dlpack;
 pub mod errors;
 pub mod hooks;
+pub mod input;
 pub mod kv;
-pub mod ndarray;
 pub mod planner;
-pub mod sequence;
 pub mod system;
 pub mod tiers;
+
+// The readers' old paths, until their callers move to `input`.
+pub use input::{buffer, ndarray, sequence};
 
 /// True when a CUDA driver and at least one device are present.
 #[pyfunction]
