@@ -19,9 +19,6 @@ pub mod planner;
 pub mod system;
 pub mod tiers;
 
-// The readers' old paths, until their callers move to `input`.
-pub use input::{buffer, ndarray, sequence};
-
 /// True when a CUDA driver and at least one device are present.
 #[pyfunction]
 fn cuda_available() -> bool {
@@ -34,7 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     kv::register(m)?;
-    sequence::register(m)?;
+    input::register(m)?;
     tiers::register(m)?;
     cuda::register(m)?;
     planner::register(m)?;
