@@ -76,18 +76,10 @@ fn read_extras(
             let (start, end, hash): (usize, usize, u128) = item?.extract().map_err(|_| {
                 invalid("mm must be a sequence of (start, end, content_hash) integer triples")
             })?;
-            if start >= end {
-                return Err(invalid(format!("mm span [{start}, {end}) is empty")));
-            }
-            spans.push(MmSpan { start, end, hash });
+            spans.push(MmSpan::new(start, end, hash).py()?);
         }
-        spans.sort_by_key(|s| s.start);
     }
-    Ok(ExtraKeys {
-        lora_id,
-        cache_salt,
-        mm: spans,
-    })
+    Ok(ExtraKeys::new(lora_id, cache_salt, spans))
 }
 
 /// Calls `f` with a request's token ids (checked) and extra keys. The
@@ -491,16 +483,10 @@ impl PyKVCacheManager {
             m.set_host_tier(tier_io(backend, block_bytes, host_blocks)?)
                 .py()?;
         }
-        match (disk_dir, disk_bytes) {
-            (None, 0) => {}
-            (Some(dir), bytes) if bytes > 0 && host_blocks > 0 => {
-                m.set_disk_tier(&dir, bytes).py()?;
-            }
-            _ => {
-                return Err(invalid(
-                    "disk_dir and disk_bytes: a disk tier needs both, and host_blocks > 0",
-                ))
-            }
+        if let Some((dir, bytes)) =
+            KvConfig::disk_tier_args(disk_dir, disk_bytes, host_blocks).py()?
+        {
+            m.set_disk_tier(&dir, bytes).py()?;
         }
         Ok(Self::from_core(m))
     }
