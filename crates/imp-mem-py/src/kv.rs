@@ -11,10 +11,10 @@
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::{
-    BlockHash, ExtraKeys, FakeTierIo, IdSource, KVCacheManager, KvConfig, KvEvent, KvStats, MmSpan,
-    TierIo, DEFAULT_HASH_SEED,
+    Admission, BlockHash, ExtraKeys, FakeTierIo, IdSource, KVCacheManager, KvConfig, KvEvent,
+    KvStats, MmSpan, TierIo, DEFAULT_HASH_SEED,
 };
-use imp_mem_core::Backend;
+use imp_mem_core::{Backend, MemError};
 use imp_mem_cuda::CudaTierIo;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -271,23 +271,22 @@ impl PyKVCacheManager {
         self.run(py, |_| true, f)
     }
 
-    /// `admit` with its arguments converted.
-    pub(crate) fn admit_impl(
+    /// `admit` (and `try_admit`) with the extras read: `done` turns the
+    /// core's answer into the method's. The extras come first because
+    /// reading them may run Python code (an `mm` iterable), which must not
+    /// run while the ids are borrowed. Int32 ids read in place are left for
+    /// the manager to check once it has hashed them (K21).
+    #[inline(always)]
+    fn admit_with<R>(
         &self,
         py: Python<'_>,
         seq_id: u64,
         tokens: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
-        cache_salt: Option<&Bound<'_, PyAny>>,
-        mm: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<usize> {
-        // The extras first: reading them may run Python code (an `mm`
-        // iterable), which must not run while the ids are borrowed. Then
-        // int32 ids read in place are left for the manager to check once
-        // it has hashed them (K21).
-        let extras = extras(lora_id, cache_salt, mm)?;
+        extras: ExtraKeys,
+        done: impl FnOnce(Result<Admission, MemError>) -> PyResult<R>,
+    ) -> PyResult<R> {
         read_tokens(tokens, Int32Check::Manager, |ids, source| {
-            self.admit_ids(py, seq_id, ids, source, extras)
+            done(self.admit_ids(py, seq_id, ids, source, extras))
         })
     }
 
@@ -301,15 +300,13 @@ impl PyKVCacheManager {
         ids: &[u32],
         source: IdSource,
         extras: ExtraKeys,
-    ) -> PyResult<usize> {
+    ) -> Result<Admission, MemError> {
         let n = ids.len();
         self.run(
             py,
             |_| n <= SMALL_TOKENS,
             |m| m.admit_from(seq_id, ids, source, extras),
         )
-        .py()
-        .map(|a| a.cached_tokens)
     }
 
     /// `append` with its arguments converted.
@@ -517,8 +514,33 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let seq_id = seq(seq_id)?;
-        let lora_id = lora(lora_id)?;
-        self.admit_impl(py, seq_id, tokens, lora_id, cache_salt, mm)
+        let extras = extras(lora(lora_id)?, cache_salt, mm)?;
+        self.admit_with(py, seq_id, tokens, extras, |a| {
+            a.py().map(|a| a.cached_tokens)
+        })
+    }
+
+    /// `admit`, or None (and nothing changed) when it does not fit: one
+    /// call where `can_admit` then `admit` would read and hash the prompt
+    /// twice, and no exception to build and catch on a refusal. Any other
+    /// error (a bad argument, an id already admitted) still raises.
+    #[pyo3(signature = (seq_id, tokens, *, lora_id = None, cache_salt = None, mm = None))]
+    fn try_admit(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<usize>> {
+        let seq_id = seq(seq_id)?;
+        let extras = extras(lora(lora_id)?, cache_salt, mm)?;
+        self.admit_with(py, seq_id, tokens, extras, |a| match a {
+            Ok(a) => Ok(Some(a.cached_tokens)),
+            Err(MemError::KvCapacity(_) | MemError::Capacity(_)) => Ok(None),
+            Err(e) => Err(e).py(),
+        })
     }
 
     /// True when `tokens` could be admitted now.
