@@ -56,6 +56,28 @@ def test_capacity_error_carries_the_arithmetic_and_changes_nothing():
     assert m.num_tokens(1) == 16 and m.stats() == before
 
 
+def test_try_admit_is_admit_that_answers_none_when_it_does_not_fit():
+    m = kv(8)
+    assert m.try_admit(1, list(range(16))) == 0
+    m.free(1)
+    assert m.try_admit(2, np.arange(17, dtype=np.int32)) == 16
+    before = m.stats()
+    for toks in (list(range(200, 220)), np.arange(200, 220, dtype=np.int32)):
+        assert m.try_admit(3, toks) is None
+        assert m.stats() == before and 3 not in m.sequences()
+    m.free(2)
+    assert m.try_admit(3, list(range(200, 220))) == 0  # room again
+    with pytest.raises(imp_mem.InvalidArgument):
+        m.try_admit(3, [1])  # already admitted: an error, not a refusal
+    with pytest.raises(imp_mem.InvalidArgument):
+        m.try_admit(4, np.array([1, -7], dtype=np.int32))
+    with pytest.raises(imp_mem.InvalidArgument):
+        m.try_admit(4, [1], mm=[(2, 2, 9)])
+    s = kv(32, swa_blocks=2, swa_window=8)
+    assert s.try_admit(1, list(range(30))) is None  # the SWA pool's refusal
+    m.check_invariants()
+
+
 def test_holes_keep_the_table_length_and_the_bytes_agree():
     m = kv()
     m.admit(1, list(range(17)))

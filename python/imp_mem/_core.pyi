@@ -235,6 +235,18 @@ class KVCacheManager:
         hits included: call ``wait_onboarding(seq_id)`` before its first
         step). Raises ``CapacityError`` (``needed``, ``free``, ``evictable``,
         ``pinned``, ``pool``) and changes nothing when it does not fit."""
+    def try_admit(
+        self,
+        seq_id: int,
+        tokens: TokenIds,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | bytes | None = None,
+        mm: list[MmItem] | None = None,
+    ) -> int | None:
+        """``admit``, or ``None`` (and nothing changed) when it does not fit:
+        one call where ``can_admit`` then ``admit`` would hash the prompt
+        twice. Other errors still raise."""
     def can_admit(
         self,
         tokens: TokenIds,

@@ -45,11 +45,7 @@ fn count(value: &Bound<'_, PyAny>, what: &str, allow_text: bool) -> PyResult<u64
         }
         Err(_) => Err(invalid(format!(
             "{what} must be an integer, got {} {value}",
-            value
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
+            type_name(value)
         ))),
     }
 }

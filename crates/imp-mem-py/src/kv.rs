@@ -1,281 +1,29 @@
 //! Python face of the KV cache manager: `KVCacheManager`.
 //!
-//! Conversions only. Token ids arrive as any buffer of integers (a NumPy
-//! array, `array('i')`, a `memoryview`) or a list/tuple of ints. A buffer
-//! is read in place through the buffer protocol (see `buffer.rs`): native
-//! 4-byte ids are borrowed without a copy, anything else is converted
-//! straight from the exporter's memory; a buffer that cannot be exported
-//! C-contiguous is copied once to bytes (`tobytes()`) and reinterpreted in
-//! Rust. Either way there is no per-token
-//! Python work. A list or tuple is read item by item in Rust
-//! (`sequence.rs`). What counts as an id, and every refusal's message, is
-//! the core's rule (`imp_mem_core::kv::tokens`), the same for every input.
+//! Conversions only. Token ids arrive through the input layer's one entry
+//! point (`input::read_tokens`: a list, a tuple or any buffer of integers),
+//! which hands this file a `&[u32]` however they came.
 //! Hashing, matching and allocation run with the GIL released,
 //! except a small call (up to `SMALL_TOKENS` tokens) that finds the
 //! manager's lock free: it keeps the GIL, which costs less than releasing
 //! it (see `PyKVCacheManager::run`).
 
-use std::ops::Deref;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
-use imp_mem_core::kv::tokens::{self as rule, IntLayout};
 use imp_mem_core::kv::{
-    host_tier_io, BlockHash, ExtraKeys, IdSource, KVCacheManager, KvConfig, KvEvent, KvStats,
-    MmSpan, TierIo, DEFAULT_HASH_SEED,
+    host_tier_io, Admission, BlockHash, ExtraKeys, IdSource, KVCacheManager, KvConfig, KvEvent,
+    KvStats, MmSpan, TierIo, DEFAULT_HASH_SEED,
 };
-use imp_mem_core::Backend;
+use imp_mem_core::{Backend, MemError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::backend::PyBackend;
-use crate::buffer::{self, BufferView, WordView};
-use crate::convert;
+use crate::convert::{self, type_name};
 use crate::errors::{invalid, IntoPyResult};
-use crate::ndarray;
-
-static MEMORYVIEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-
-/// `numpy.ndarray`, once NumPy has been imported by someone.
-static NDARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-/// NumPy dtypes seen so far and how to read them, `None` for a non-integer
-/// dtype. Holding each dtype keeps its identity (the pointer compared) from
-/// being reused.
-type DtypeLayout = Option<IntLayout>;
-static DTYPES: Mutex<Vec<(Py<PyAny>, DtypeLayout)>> = Mutex::new(Vec::new());
-
-fn ndarray_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyAny>>> {
-    if let Some(t) = NDARRAY.get(py) {
-        return Ok(Some(t.bind(py)));
-    }
-    let Some(numpy) = ndarray::loaded_numpy(py)? else {
-        return Ok(None);
-    };
-    let t = numpy.getattr("ndarray")?.unbind();
-    Ok(Some(NDARRAY.get_or_init(py, || t).bind(py)))
-}
-
-/// Token ids from an exact `numpy.ndarray` of integers: one `tobytes()` and
-/// two attribute reads, the dtype's layout cached. `None` for anything
-/// else (and for what the buffer path refuses, so its errors stay the same).
-fn ndarray_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
-    let py = obj.py();
-    let Some(ndarray) = ndarray_type(py)? else {
-        return Ok(None);
-    };
-    if !obj.get_type().is(ndarray) {
-        return Ok(None);
-    }
-    let dtype = obj.getattr(intern!(py, "dtype"))?;
-    let known = {
-        let cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
-        cache.iter().find(|(d, _)| d.is(&dtype)).map(|(_, l)| *l)
-    };
-    let layout = match known {
-        Some(layout) => layout,
-        None => {
-            let kind: String = dtype.getattr(intern!(py, "kind"))?.extract()?;
-            let size: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
-            let order: String = dtype.getattr(intern!(py, "byteorder"))?.extract()?;
-            let big = match order.as_str() {
-                ">" => true,
-                "<" => false,
-                _ => cfg!(target_endian = "big"),
-            };
-            let layout = match kind.as_str() {
-                "i" | "u" if matches!(size, 1 | 2 | 4 | 8) => Some(IntLayout {
-                    size,
-                    signed: kind == "i",
-                    big_endian: big,
-                }),
-                _ => None,
-            };
-            let mut cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
-            if cache.len() < 32 {
-                cache.push((dtype.unbind(), layout));
-            }
-            layout
-        }
-    };
-    let Some(layout) = layout else {
-        return Ok(None);
-    };
-    let ndim: usize = obj.getattr(intern!(py, "ndim"))?.extract()?;
-    if ndim > 1 {
-        return Ok(None);
-    }
-    let raw = obj.call_method0(intern!(py, "tobytes"))?;
-    rule::ids_from_bytes(raw.cast::<PyBytes>()?.as_bytes(), layout)
-        .py()
-        .map(Some)
-}
-
-/// Token ids: borrowed in place from a held buffer export, or owned.
-/// Derefs to `&[u32]`. It holds the GIL lifetime and is not `Send`, so a
-/// call site takes the slice (`let ids: &[u32] = &toks;`) into
-/// `detach` and drops the `Tokens` afterwards, with the GIL.
-pub enum Tokens<'a> {
-    /// Native 4-byte ids read where the exporter keeps them.
-    Borrowed(WordView<'a>),
-    /// Native 4-byte ids read in place from a NumPy array (`ndarray.rs`).
-    InPlace(&'a [u32]),
-    /// Ids converted from any other integer buffer.
-    Owned(Vec<u32>),
-    /// Ids read from a list or a tuple (`sequence.rs`).
-    Read(crate::sequence::Ids),
-}
-
-impl Deref for Tokens<'_> {
-    type Target = [u32];
-
-    fn deref(&self) -> &[u32] {
-        match self {
-            Tokens::Borrowed(words) => words,
-            Tokens::InPlace(ids) => ids,
-            Tokens::Owned(ids) => ids,
-            Tokens::Read(ids) => ids,
-        }
-    }
-}
-
-/// Who checks that int32 ids read in place are not negative.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Int32Check {
-    /// The reader, before it hands the ids over.
-    Now,
-    /// The manager, once it has hashed them (`IdSource::I32`): the prompt
-    /// may be cold, and the hash requests its memory ahead of its work,
-    /// where a check before it would wait for every line.
-    Manager,
-}
-
-/// Token ids from a held C-contiguous export: borrowed when they are
-/// native-endian 4-byte integers at an aligned address (signed ones checked
-/// non-negative, or left to the manager), converted from the exporter's
-/// memory otherwise.
-fn view_tokens(view: BufferView<'_>, check: Int32Check) -> PyResult<(Tokens<'_>, IdSource)> {
-    rule::one_dimensional(view.ndim()).py()?;
-    let layout = IntLayout::from_format(&view.format(), view.itemsize()).py()?;
-    let view = if layout == IntLayout::native(4, layout.signed) {
-        match view.into_words() {
-            Ok(words) => {
-                let source = int32_source(&words, layout.signed, check)?;
-                return Ok((Tokens::Borrowed(words), source));
-            }
-            Err(view) => view,
-        }
-    } else {
-        view
-    };
-    let ids = rule::ids_from_bytes(view.bytes(), layout).py()?;
-    Ok((Tokens::Owned(ids), IdSource::U32))
-}
-
-/// Checks 4-byte ids read in place now, or says what the manager must.
-fn int32_source(ids: &[u32], signed: bool, check: Int32Check) -> PyResult<IdSource> {
-    match (signed, check) {
-        (false, _) => Ok(IdSource::U32),
-        (true, Int32Check::Manager) => Ok(IdSource::I32),
-        (true, Int32Check::Now) => rule::check_int32(ids).py().map(|()| IdSource::U32),
-    }
-}
-
-/// Reads token ids from a list/tuple of ints or any 1-D buffer of integers.
-pub fn tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Tokens<'a>> {
-    if let Some((ids, signed)) = ndarray::int32_ids(obj) {
-        if signed {
-            rule::check_int32(ids).py()?;
-        }
-        return Ok(Tokens::InPlace(ids));
-    }
-    read_other_tokens(obj, Int32Check::Now).map(|(ids, _)| ids)
-}
-
-/// [`tokens`] of anything but a NumPy array the direct reader takes, with
-/// the ids' [`IdSource`]: `I32` when they are int32s read in place and
-/// `check` leaves them to `KVCacheManager::admit_from`.
-fn read_other_tokens<'a>(
-    obj: &'a Bound<'_, PyAny>,
-    check: Int32Check,
-) -> PyResult<(Tokens<'a>, IdSource)> {
-    let py = obj.py();
-    if let Some(ids) = crate::sequence::token_ids(obj)? {
-        return Ok((Tokens::Read(ids), IdSource::U32));
-    }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(invalid(
-            "tokens must be integers (a list, a NumPy array, array('i')), not str or bytes",
-        ));
-    }
-    if let Some(view) = BufferView::get(obj) {
-        return view_tokens(view, check);
-    }
-    // No C-contiguous export (a strided view, or no buffer at all): the
-    // copying path reads or refuses it.
-    if let Some(ids) = ndarray_tokens(obj)? {
-        return Ok((Tokens::Owned(ids), IdSource::U32));
-    }
-    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
-        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
-    })?;
-    let view = memoryview.bind(py).call1((obj,)).map_err(|_| {
-        invalid(format!(
-            "tokens must be a list of ints or a buffer of integers, got {}",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))
-    })?;
-    let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
-    rule::one_dimensional(ndim).py()?;
-    let format = view.getattr(intern!(py, "format"))?;
-    let format = format.cast::<PyString>()?.to_cow()?;
-    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
-    let layout = IntLayout::from_format(&format, itemsize).py()?;
-    let raw = view.call_method0(intern!(py, "tobytes"))?;
-    let ids = rule::ids_from_bytes(raw.cast::<PyBytes>()?.as_bytes(), layout).py()?;
-    Ok((Tokens::Owned(ids), IdSource::U32))
-}
-
-/// A test hook's `enabled` argument: `True` or `False`, nothing else.
-pub(crate) fn switch(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    match enabled.cast::<PyBool>() {
-        Ok(b) => Ok(b.is_true()),
-        Err(_) => Err(invalid(format!(
-            "enabled must be True or False, got {}",
-            enabled
-                .get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        ))),
-    }
-}
-
-/// Test hook: reads int32/uint32 NumPy arrays straight from the array
-/// (`True`, the default) or through the buffer protocol like any other
-/// buffer (`False`); returns the previous setting.
-#[pyfunction(name = "_set_numpy_direct")]
-fn set_numpy_direct(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    Ok(ndarray::set_enabled(switch(enabled)?))
-}
-
-/// Test hook: whether int32/uint32 NumPy arrays are being read straight
-/// from the array now (the hook on, NumPy imported, its self-check passed).
-#[pyfunction(name = "_numpy_direct_active")]
-fn numpy_direct_active(py: Python<'_>) -> bool {
-    ndarray::active(py)
-}
-
-/// Test hook: reads buffers through the buffer protocol (`True`, the
-/// default) or through the copying path that strided views take (`False`);
-/// returns the previous setting.
-#[pyfunction(name = "_set_buffer_protocol")]
-fn set_buffer_protocol(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    Ok(buffer::set_enabled(switch(enabled)?))
-}
+use crate::input::buffer::{self, BufferView};
+use crate::input::{read_tokens, Int32Check};
 
 /// A request's extra keys, from the methods' keyword arguments.
 #[inline(always)]
@@ -320,38 +68,31 @@ fn read_extras(
         let items = items.try_iter().map_err(|_| {
             pyo3::exceptions::PyTypeError::new_err(format!(
                 "mm must be an iterable of (start, end, content_hash) triples, got {}",
-                convert::type_name(items)
+                type_name(items)
             ))
         })?;
         for item in items {
             let (start, end, hash): (usize, usize, u128) = item?.extract().map_err(|_| {
                 invalid("mm must be a sequence of (start, end, content_hash) integer triples")
             })?;
-            if start >= end {
-                return Err(invalid(format!("mm span [{start}, {end}) is empty")));
-            }
-            spans.push(MmSpan { start, end, hash });
+            spans.push(MmSpan::new(start, end, hash).py()?);
         }
-        spans.sort_by_key(|s| s.start);
     }
-    Ok(ExtraKeys {
-        lora_id,
-        cache_salt,
-        mm: spans,
-    })
+    Ok(ExtraKeys::new(lora_id, cache_salt, spans))
 }
 
-/// A request's extra keys and token ids. The extras are read first: that
-/// may run Python code (an `mm` iterable), which must not run while the ids
-/// are borrowed from the caller's array.
-fn request<'a>(
-    tokens: &'a Bound<'_, PyAny>,
+/// Calls `f` with a request's token ids (checked) and extra keys. The
+/// extras are read first: that may run Python code (an `mm` iterable),
+/// which must not run while the ids are borrowed from the caller's array.
+fn request<R>(
+    tokens: &Bound<'_, PyAny>,
     lora_id: Option<u64>,
     cache_salt: Option<&Bound<'_, PyAny>>,
     mm: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(ExtraKeys, Tokens<'a>)> {
+    f: impl FnOnce(&[u32], ExtraKeys) -> PyResult<R>,
+) -> PyResult<R> {
     let extras = extras(lora_id, cache_salt, mm)?;
-    Ok((extras, self::tokens(tokens)?))
+    read_tokens(tokens, Int32Check::Now, |ids, _| f(ids, extras))
 }
 
 /// `block_tables`' `pool` argument: `"full"` (false) or `"swa"` (true).
@@ -385,13 +126,6 @@ fn seq_id_list(seq_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     Ok(ids)
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_default()
-}
-
 /// Whether a struct-module format names a native-endian signed 4-byte int.
 fn native_int32(format: &str, itemsize: usize) -> bool {
     itemsize == 4
@@ -408,10 +142,7 @@ fn native_int32(format: &str, itemsize: usize) -> bool {
 /// `Ok((memoryview, width))` when it can.
 fn check_out<'py>(out: &Bound<'py, PyAny>, rows: usize) -> PyResult<(Bound<'py, PyAny>, usize)> {
     let py = out.py();
-    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
-        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
-    })?;
-    let view = memoryview.bind(py).call1((out,)).map_err(|_| {
+    let view = buffer::memoryview(py)?.call1((out,)).map_err(|_| {
         pyo3::exceptions::PyTypeError::new_err(format!(
             "out must be a writable int32 buffer of shape [n, width] (a NumPy array, a CPU \
              tensor's .numpy()), got {}",
@@ -539,29 +270,23 @@ impl PyKVCacheManager {
         self.run(py, |_| true, f)
     }
 
-    /// `admit` with its arguments converted.
-    pub(crate) fn admit_impl(
+    /// `admit` (and `try_admit`) with the extras read: `done` turns the
+    /// core's answer into the method's. The extras come first because
+    /// reading them may run Python code (an `mm` iterable), which must not
+    /// run while the ids are borrowed. Int32 ids read in place are left for
+    /// the manager to check once it has hashed them (K21).
+    #[inline(always)]
+    fn admit_with<R>(
         &self,
         py: Python<'_>,
         seq_id: u64,
         tokens: &Bound<'_, PyAny>,
-        lora_id: Option<u64>,
-        cache_salt: Option<&Bound<'_, PyAny>>,
-        mm: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<usize> {
-        // The extras first: reading them may run Python code (an `mm`
-        // iterable), which must not run while the ids are borrowed. Then
-        // int32 ids read in place are left for the manager to check once
-        // it has hashed them (K21). A NumPy array is handed over without
-        // the `Tokens` wrapper, which is large enough (a `Py_buffer`) that
-        // moving it through a `Result` cost the hot path a stall.
-        let extras = extras(lora_id, cache_salt, mm)?;
-        if let Some((ids, signed)) = ndarray::int32_ids(tokens) {
-            let source = int32_source(ids, signed, Int32Check::Manager)?;
-            return self.admit_ids(py, seq_id, ids, source, extras);
-        }
-        let (toks, source) = read_other_tokens(tokens, Int32Check::Manager)?;
-        self.admit_ids(py, seq_id, &toks, source, extras)
+        extras: ExtraKeys,
+        done: impl FnOnce(Result<Admission, MemError>) -> PyResult<R>,
+    ) -> PyResult<R> {
+        read_tokens(tokens, Int32Check::Manager, |ids, source| {
+            done(self.admit_ids(py, seq_id, ids, source, extras))
+        })
     }
 
     /// Admits `ids` under the manager's lock, keeping the GIL for a small
@@ -574,15 +299,13 @@ impl PyKVCacheManager {
         ids: &[u32],
         source: IdSource,
         extras: ExtraKeys,
-    ) -> PyResult<usize> {
+    ) -> Result<Admission, MemError> {
         let n = ids.len();
         self.run(
             py,
             |_| n <= SMALL_TOKENS,
             |m| m.admit_from(seq_id, ids, source, extras),
         )
-        .py()
-        .map(|a| a.cached_tokens)
     }
 
     /// `append` with its arguments converted.
@@ -592,11 +315,11 @@ impl PyKVCacheManager {
         seq_id: u64,
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let toks = self::tokens(tokens)?;
-        let ids: &[u32] = &toks;
-        let n = ids.len();
-        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, ids))
-            .py()
+        read_tokens(tokens, Int32Check::Now, |ids, _| {
+            let n = ids.len();
+            self.run(py, |_| n <= SMALL_TOKENS, |m| m.append(seq_id, ids))
+                .py()
+        })
     }
 
     /// `free` (and `abort`: nothing computed) with the arguments converted.
@@ -721,7 +444,7 @@ impl PyKVCacheManager {
                         pyo3::exceptions::PyTypeError::new_err(format!(
                             "backend must be an imp_mem Backend (FakeBackend, CudaBackend, \
                              VmmBackend) or None, got {}",
-                            convert::type_name(b)
+                            type_name(b)
                         ))
                     })?
                     .get()
@@ -735,16 +458,10 @@ impl PyKVCacheManager {
             m.set_host_tier(tier_io(backend, block_bytes, host_blocks)?)
                 .py()?;
         }
-        match (disk_dir, disk_bytes) {
-            (None, 0) => {}
-            (Some(dir), bytes) if bytes > 0 && host_blocks > 0 => {
-                m.set_disk_tier(&dir, bytes).py()?;
-            }
-            _ => {
-                return Err(invalid(
-                    "disk_dir and disk_bytes: a disk tier needs both, and host_blocks > 0",
-                ))
-            }
+        if let Some((dir, bytes)) =
+            KvConfig::disk_tier_args(disk_dir, disk_bytes, host_blocks).py()?
+        {
+            m.set_disk_tier(&dir, bytes).py()?;
         }
         Ok(Self::from_core(m))
     }
@@ -775,8 +492,33 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let seq_id = seq(seq_id)?;
-        let lora_id = lora(lora_id)?;
-        self.admit_impl(py, seq_id, tokens, lora_id, cache_salt, mm)
+        let extras = extras(lora(lora_id)?, cache_salt, mm)?;
+        self.admit_with(py, seq_id, tokens, extras, |a| {
+            a.py().map(|a| a.cached_tokens)
+        })
+    }
+
+    /// `admit`, or None (and nothing changed) when it does not fit: one
+    /// call where `can_admit` then `admit` would read and hash the prompt
+    /// twice, and no exception to build and catch on a refusal. Any other
+    /// error (a bad argument, an id already admitted) still raises.
+    #[pyo3(signature = (seq_id, tokens, *, lora_id = None, cache_salt = None, mm = None))]
+    fn try_admit(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        lora_id: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        mm: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<usize>> {
+        let seq_id = seq(seq_id)?;
+        let extras = extras(lora(lora_id)?, cache_salt, mm)?;
+        self.admit_with(py, seq_id, tokens, extras, |a| match a {
+            Ok(a) => Ok(Some(a.cached_tokens)),
+            Err(MemError::KvCapacity(_) | MemError::Capacity(_)) => Ok(None),
+            Err(e) => Err(e).py(),
+        })
     }
 
     /// True when `tokens` could be admitted now.
@@ -789,9 +531,9 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
-        let ids: &[u32] = &toks;
-        Ok(py.detach(|| self.lock().can_admit(ids, &extras)))
+        request(tokens, lora(lora_id)?, cache_salt, mm, |ids, extras| {
+            Ok(py.detach(|| self.lock().can_admit(ids, &extras)))
+        })
     }
 
     /// Cached leading tokens for `tokens` now (a hint; takes no refs).
@@ -804,9 +546,9 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
-        let ids: &[u32] = &toks;
-        Ok(py.detach(|| self.lock().probe(ids, &extras)) * self.block_size)
+        request(tokens, lora(lora_id)?, cache_salt, mm, |ids, extras| {
+            Ok(py.detach(|| self.lock().probe(ids, &extras)) * self.block_size)
+        })
     }
 
     /// Appends tokens to `seq_id`; all or nothing.
@@ -832,11 +574,11 @@ impl PyKVCacheManager {
         tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let ids = seq_id_list(seq_ids)?;
-        let toks = self::tokens(tokens)?;
-        let words: &[u32] = &toks;
-        let n = ids.len();
-        self.run(py, |_| n <= SMALL_TOKENS, |m| m.append_each(&ids, words))
-            .py()
+        read_tokens(tokens, Int32Check::Now, |words, _| {
+            let n = ids.len();
+            self.run(py, |_| n <= SMALL_TOKENS, |m| m.append_each(&ids, words))
+                .py()
+        })
     }
 
     /// True when `n` more tokens fit `seq_id` now.
@@ -1057,17 +799,17 @@ impl PyKVCacheManager {
         cache_salt: Option<&Bound<'_, PyAny>>,
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
-        let ids: &[u32] = &toks;
-        let raw = py.detach(|| {
-            let hasher = self.lock().hasher().clone();
-            let hashes = hasher.chain(ids, &extras);
-            let mut raw = Vec::with_capacity(hashes.len() * 16);
-            for h in hashes {
-                raw.extend_from_slice(&h.to_le_bytes());
-            }
-            raw
-        });
+        let raw = request(tokens, lora(lora_id)?, cache_salt, mm, |ids, extras| {
+            Ok(py.detach(|| {
+                let hasher = self.lock().hasher().clone();
+                let hashes = hasher.chain(ids, &extras);
+                let mut raw = Vec::with_capacity(hashes.len() * 16);
+                for h in hashes {
+                    raw.extend_from_slice(&h.to_le_bytes());
+                }
+                raw
+            }))
+        })?;
         Ok(PyBytes::new(py, &raw))
     }
 
@@ -1083,9 +825,9 @@ impl PyKVCacheManager {
         mm: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u32> {
         let owner = convert::u64_arg(owner, "owner")?;
-        let (extras, toks) = request(tokens, lora(lora_id)?, cache_salt, mm)?;
-        let ids: &[u32] = &toks;
-        py.detach(|| self.lock().pin(owner, ids, &extras)).py()
+        request(tokens, lora(lora_id)?, cache_salt, mm, |ids, extras| {
+            py.detach(|| self.lock().pin(owner, ids, &extras)).py()
+        })
     }
 
     /// Drops every pin of `owner`; returns the pins dropped.
@@ -1272,9 +1014,5 @@ fn count(value: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
 
 /// Registers this file's classes.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyKVCacheManager>()?;
-    m.add_function(wrap_pyfunction!(set_buffer_protocol, m)?)?;
-    m.add_function(wrap_pyfunction!(set_numpy_direct, m)?)?;
-    m.add_function(wrap_pyfunction!(numpy_direct_active, m)?)?;
-    Ok(())
+    m.add_class::<PyKVCacheManager>()
 }

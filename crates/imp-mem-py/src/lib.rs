@@ -8,16 +8,14 @@ use pyo3::prelude::*;
 
 pub mod activations;
 pub mod backend;
-pub mod buffer;
 pub mod convert;
 pub mod cuda;
 pub mod dlpack;
 pub mod errors;
 pub mod hooks;
+pub mod input;
 pub mod kv;
-pub mod ndarray;
 pub mod planner;
-pub mod sequence;
 pub mod system;
 pub mod tiers;
 
@@ -33,7 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     kv::register(m)?;
-    sequence::register(m)?;
+    input::register(m)?;
     tiers::register(m)?;
     cuda::register(m)?;
     planner::register(m)?;

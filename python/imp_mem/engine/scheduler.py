@@ -2,8 +2,8 @@
 
 Algorithm. Requests wait in a FIFO queue. Each step the scheduler admits
 from the head while a sequence slot is free and the head fits the KV pool
-(`can_admit`, then `admit`); a `CapacityError` (or a `False` from
-`can_admit`) leaves the head waiting and ends admission for the step, so
+(`try_admit`: one call); a refusal (`None`, nothing changed) leaves the
+head waiting and ends admission for the step, so
 arrival order is kept and nothing is failed for lack of memory. An
 admission reports the prompt's cached leading tokens (prefix hits): the
 prefill computes only the tokens after them, and once it has, the prompt's
@@ -47,7 +47,7 @@ from enum import Enum
 from time import perf_counter
 from typing import Any
 
-from imp_mem.errors import CapacityError, InvalidArgument
+from imp_mem.errors import InvalidArgument
 
 
 class RequestState(Enum):
@@ -214,15 +214,12 @@ class Scheduler:
             tokens = req.tokens
             t0 = perf_counter()
             try:
-                if not kv.can_admit(tokens):
-                    self.stats.capacity_waits += 1
-                    break
-                cached = kv.admit(req.seq_id, tokens)
-            except CapacityError:
-                self.stats.capacity_waits += 1
-                break
+                cached = kv.try_admit(req.seq_id, tokens)
             finally:
                 self.kv_seconds += perf_counter() - t0
+            if cached is None:
+                self.stats.capacity_waits += 1
+                break
             self.waiting.popleft()
             req.state = RequestState.RUNNING
             req.cached_tokens = cached

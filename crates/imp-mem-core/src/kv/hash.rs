@@ -29,6 +29,7 @@
 use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 use super::xxh3_block::{self, SeededSecret};
+use crate::error::MemError;
 
 /// A block's chained hash.
 pub type BlockHash = u128;
@@ -52,6 +53,18 @@ pub struct MmSpan {
     pub hash: u128,
 }
 
+impl MmSpan {
+    /// The item over tokens `[start, end)`; an empty span is refused.
+    pub fn new(start: usize, end: usize, hash: u128) -> Result<Self, MemError> {
+        if start >= end {
+            return Err(MemError::invalid(format!(
+                "mm span [{start}, {end}) is empty"
+            )));
+        }
+        Ok(Self { start, end, hash })
+    }
+}
+
 /// Keys beyond the tokens that decide whether two blocks hold the same KV.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct ExtraKeys {
@@ -64,6 +77,18 @@ pub struct ExtraKeys {
 }
 
 impl ExtraKeys {
+    /// The keys of a request whose multimodal items come in any order:
+    /// sorted here by `start` (stably: items that start together keep
+    /// their order).
+    pub fn new(lora_id: Option<u64>, cache_salt: Option<Vec<u8>>, mut mm: Vec<MmSpan>) -> Self {
+        mm.sort_by_key(|s| s.start);
+        Self {
+            lora_id,
+            cache_salt,
+            mm,
+        }
+    }
+
     /// True when there are no extra keys.
     pub fn is_empty(&self) -> bool {
         self.lora_id.is_none() && self.cache_salt.is_none() && self.mm.is_empty()
@@ -236,6 +261,67 @@ mod tests {
             out.push(parent);
         }
         out
+    }
+
+    #[test]
+    fn an_empty_mm_span_is_refused() {
+        for (start, end) in [(5, 5), (6, 5), (0, 0)] {
+            let e = MmSpan::new(start, end, 1).unwrap_err();
+            assert!(matches!(e, MemError::InvalidArgument(_)));
+            assert_eq!(e.to_string(), format!("mm span [{start}, {end}) is empty"));
+        }
+        assert_eq!(
+            MmSpan::new(3, 4, 9).unwrap(),
+            MmSpan {
+                start: 3,
+                end: 4,
+                hash: 9
+            }
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        /// The items come out sorted by start, every one kept, those that
+        /// start together in their given order; and the chain does not
+        /// depend on the order they were given in (distinct starts).
+        #[test]
+        fn mm_spans_are_sorted_stably(
+            items in proptest::collection::vec((0usize..40, 1usize..8, 0u128..4), 0..8),
+            rotate in 0usize..8,
+        ) {
+            let spans: Vec<MmSpan> = items
+                .iter()
+                .map(|&(start, len, hash)| MmSpan::new(start, start + len, hash).unwrap())
+                .collect();
+            let keys = ExtraKeys::new(Some(7), None, spans.clone());
+            prop_assert_eq!(keys.lora_id, Some(7));
+            prop_assert!(keys.mm.windows(2).all(|w| w[0].start <= w[1].start));
+            // A stable sort by hand: each item inserted after the last
+            // one that starts no later.
+            let mut expected: Vec<MmSpan> = Vec::new();
+            for s in &spans {
+                let at = expected.iter().rposition(|e: &MmSpan| e.start <= s.start);
+                expected.insert(at.map_or(0, |i| i + 1), *s);
+            }
+            prop_assert_eq!(&keys.mm, &expected);
+
+            let mut distinct = spans.clone();
+            distinct.sort_by_key(|s| s.start);
+            distinct.dedup_by_key(|s| s.start);
+            let mut turned = distinct.clone();
+            if !turned.is_empty() {
+                let k = rotate % turned.len();
+                turned.rotate_left(k);
+            }
+            let h = BlockHasher::new(4, 1);
+            let tokens: Vec<u32> = (0..48).collect();
+            prop_assert_eq!(
+                h.chain(&tokens, &ExtraKeys::new(None, None, distinct)),
+                h.chain(&tokens, &ExtraKeys::new(None, None, turned))
+            );
+        }
     }
 
     proptest! {

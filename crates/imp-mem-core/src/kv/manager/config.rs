@@ -75,6 +75,23 @@ impl KvConfig {
         }
     }
 
+    /// The disk tier that a directory and a byte budget ask for, behind a
+    /// host tier of `host_blocks` blocks: `None` when neither is given;
+    /// refused unless both are, and the host tier is there to stand behind.
+    pub fn disk_tier_args<P>(
+        dir: Option<P>,
+        bytes: u64,
+        host_blocks: u32,
+    ) -> Result<Option<(P, u64)>, MemError> {
+        match (dir, bytes) {
+            (None, 0) => Ok(None),
+            (Some(dir), bytes) if bytes > 0 && host_blocks > 0 => Ok(Some((dir, bytes))),
+            _ => Err(MemError::invalid(
+                "disk_dir and disk_bytes: a disk tier needs both, and host_blocks > 0",
+            )),
+        }
+    }
+
     fn check(&self) -> Result<(), MemError> {
         if self.block_size == 0 {
             return Err(MemError::invalid("block_size must be at least one token"));
@@ -288,5 +305,38 @@ impl KVCacheManager {
     /// The hasher.
     pub fn hasher(&self) -> &BlockHasher {
         &self.hasher
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// A disk tier is asked for by a directory and a budget together,
+        /// behind a host tier; neither asks for none; anything else is
+        /// refused.
+        #[test]
+        fn the_disk_tier_needs_both_arguments_and_a_host_tier(
+            dir in proptest::option::of(0u8..4),
+            bytes in prop_oneof![Just(0u64), 1u64..1 << 40, Just(u64::MAX)],
+            host_blocks in prop_oneof![Just(0u32), 1u32..1000],
+        ) {
+            let got = KvConfig::disk_tier_args(dir, bytes, host_blocks);
+            match (dir, bytes, host_blocks) {
+                (None, 0, _) => prop_assert_eq!(got.unwrap(), None),
+                (Some(d), b, h) if b > 0 && h > 0 => prop_assert_eq!(got.unwrap(), Some((d, b))),
+                _ => {
+                    let e = got.unwrap_err();
+                    prop_assert!(matches!(e, MemError::InvalidArgument(_)));
+                    prop_assert_eq!(
+                        e.to_string(),
+                        "disk_dir and disk_bytes: a disk tier needs both, and host_blocks > 0"
+                    );
+                }
+            }
+        }
     }
 }

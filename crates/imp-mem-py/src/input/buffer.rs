@@ -13,14 +13,24 @@
 //! runs with the GIL held. What it lends out — bytes or `u32` words — is
 //! plain memory that the exporter keeps valid until the release, so those
 //! slices may be read with the GIL released.
+//!
+//! What has no C-contiguous export (a strided view) is read by the copying
+//! path instead, [`copied_ids`]: a `memoryview`, copied once to bytes.
 
 use std::borrow::Cow;
 use std::ffi::{c_int, CStr};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use imp_mem_core::kv::tokens::{self as rule, IntLayout};
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyString};
+
+use crate::convert::type_name;
+use crate::errors::{invalid, IntoPyResult};
 
 /// Whether [`BufferView::get`] is used (a test hook turns it off so the
 /// tests run the copying path too).
@@ -35,6 +45,36 @@ pub fn enabled() -> bool {
 /// whether it was on.
 pub fn set_enabled(on: bool) -> bool {
     ENABLED.swap(on, Ordering::Relaxed)
+}
+
+/// `memoryview`, looked up once.
+pub fn memoryview(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static MEMORYVIEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let memoryview = MEMORYVIEW.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("builtins")?.getattr("memoryview")?.unbind())
+    })?;
+    Ok(memoryview.bind(py))
+}
+
+/// Token ids of `obj` through a `memoryview` of it, copied to bytes with
+/// `tobytes()` and converted in Rust: any buffer, strided ones too. Refuses
+/// what has no buffer, or one that is not 1-D integers.
+pub fn copied_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    let view = memoryview(py)?.call1((obj,)).map_err(|_| {
+        invalid(format!(
+            "tokens must be a list of ints or a buffer of integers, got {}",
+            type_name(obj)
+        ))
+    })?;
+    let ndim: usize = view.getattr(intern!(py, "ndim"))?.extract()?;
+    rule::one_dimensional(ndim).py()?;
+    let format = view.getattr(intern!(py, "format"))?;
+    let format = format.cast::<PyString>()?.to_cow()?;
+    let itemsize: usize = view.getattr(intern!(py, "itemsize"))?.extract()?;
+    let layout = IntLayout::from_format(&format, itemsize).py()?;
+    let raw = view.call_method0(intern!(py, "tobytes"))?;
+    rule::ids_from_bytes(raw.cast::<PyBytes>()?.as_bytes(), layout).py()
 }
 
 /// One held, C-contiguous buffer export; released on drop, with the GIL.

@@ -49,6 +49,7 @@ use pyo3::types::{PyBool, PyInt, PyList, PyTuple};
 
 use imp_mem_core::kv::tokens::{self as rule, IdNarrower, TokenItem};
 
+use crate::convert::type_name;
 use crate::errors::IntoPyResult;
 
 /// The leading fields of CPython's `PyListObject` (3.x).
@@ -230,7 +231,7 @@ fn self_check(py: Python<'_>, tagged: bool) -> PyResult<Option<Layout>> {
 /// Turns the direct loop on or off (a test hook); returns whether it was on.
 #[pyfunction(name = "_set_list_direct")]
 fn set_list_direct(enabled: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let on = crate::kv::switch(enabled)?;
+    let on = super::switch(enabled)?;
     Ok(ENABLED.swap(on, Ordering::Relaxed))
 }
 
@@ -499,15 +500,8 @@ fn one_id(index: usize, item: &Bound<'_, PyAny>) -> PyResult<u32> {
 
 /// True when `obj` is a `numpy.bool_` (NumPy is looked up, never imported).
 fn is_numpy_bool(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    match crate::ndarray::loaded_numpy(obj.py())? {
+    match super::ndarray::loaded_numpy(obj.py())? {
         Some(numpy) => obj.is_instance(&numpy.getattr("bool_")?),
         None => Ok(false),
     }
-}
-
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_default()
 }

@@ -25,14 +25,23 @@
 //! while the caller holds it, exactly as a buffer export's memory is (NumPy
 //! keeps no count of exports either; only `resize(refcheck=False)` or
 //! assigning `.data`, both documented as unsafe, could move the memory).
+//!
+//! A NumPy array of integers that exports no C-contiguous buffer (a strided
+//! view) is read by the copying path, [`copied_ids`]: one `tobytes()` and
+//! two attribute reads, the dtype's layout cached.
 
 use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
+use imp_mem_core::kv::tokens::{self as rule, IntLayout};
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PySlice};
+use pyo3::types::{PyBytes, PyDict, PySlice};
+
+use crate::errors::IntoPyResult;
 
 /// The leading fields of NumPy's `PyArrayObject_fields` (some are here only
 /// to place the next at its offset).
@@ -250,4 +259,78 @@ fn read<'a>(types: &Types, obj: &'a Bound<'_, PyAny>) -> Option<(&'a [u32], bool
     // non-negative by the caller (`signed`).
     let ids = unsafe { std::slice::from_raw_parts(head.data as *const u32, len) };
     Some((ids, signed))
+}
+
+/// `numpy.ndarray`, once NumPy has been imported by someone.
+static NDARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+/// NumPy dtypes seen so far and how to read them, `None` for a non-integer
+/// dtype. Holding each dtype keeps its identity (the pointer compared) from
+/// being reused.
+type DtypeLayout = Option<IntLayout>;
+static DTYPES: Mutex<Vec<(Py<PyAny>, DtypeLayout)>> = Mutex::new(Vec::new());
+
+fn ndarray_type<'py>(py: Python<'py>) -> PyResult<Option<&'py Bound<'py, PyAny>>> {
+    if let Some(t) = NDARRAY.get(py) {
+        return Ok(Some(t.bind(py)));
+    }
+    let Some(numpy) = loaded_numpy(py)? else {
+        return Ok(None);
+    };
+    let t = numpy.getattr("ndarray")?.unbind();
+    Ok(Some(NDARRAY.get_or_init(py, || t).bind(py)))
+}
+
+/// Token ids from an exact `numpy.ndarray` of integers: one `tobytes()` and
+/// two attribute reads, the dtype's layout cached. `None` for anything
+/// else (and for what the buffer path refuses, so its errors stay the same).
+pub fn copied_ids(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
+    let py = obj.py();
+    let Some(ndarray) = ndarray_type(py)? else {
+        return Ok(None);
+    };
+    if !obj.get_type().is(ndarray) {
+        return Ok(None);
+    }
+    let dtype = obj.getattr(intern!(py, "dtype"))?;
+    let known = {
+        let cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+        cache.iter().find(|(d, _)| d.is(&dtype)).map(|(_, l)| *l)
+    };
+    let layout = match known {
+        Some(layout) => layout,
+        None => {
+            let kind: String = dtype.getattr(intern!(py, "kind"))?.extract()?;
+            let size: usize = dtype.getattr(intern!(py, "itemsize"))?.extract()?;
+            let order: String = dtype.getattr(intern!(py, "byteorder"))?.extract()?;
+            let big = match order.as_str() {
+                ">" => true,
+                "<" => false,
+                _ => cfg!(target_endian = "big"),
+            };
+            let layout = match kind.as_str() {
+                "i" | "u" if matches!(size, 1 | 2 | 4 | 8) => Some(IntLayout {
+                    size,
+                    signed: kind == "i",
+                    big_endian: big,
+                }),
+                _ => None,
+            };
+            let mut cache = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.len() < 32 {
+                cache.push((dtype.unbind(), layout));
+            }
+            layout
+        }
+    };
+    let Some(layout) = layout else {
+        return Ok(None);
+    };
+    let ndim: usize = obj.getattr(intern!(py, "ndim"))?.extract()?;
+    if ndim > 1 {
+        return Ok(None);
+    }
+    let raw = obj.call_method0(intern!(py, "tobytes"))?;
+    rule::ids_from_bytes(raw.cast::<PyBytes>()?.as_bytes(), layout)
+        .py()
+        .map(Some)
 }
