@@ -660,9 +660,13 @@ class Engine:
         runner's own blocks given back."""
         kv = self.kv
         if kv.stats()["host_capacity"]:
+            # Offloaded: the host tier keeps the entries for after the wake.
             kv.evict(kv.stats()["cached"])
             kv.poll_copies(True)
-        if not kv.reset_prefix_cache():
+            emptied = kv.stats()["cached"] == 0
+        else:
+            emptied = kv.reset_prefix_cache()
+        if not emptied:
             raise InvalidArgument("sleep: the prefix cache has pinned blocks; unpin them first")
         self.runner.release_blocks()
 
