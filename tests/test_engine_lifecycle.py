@@ -27,7 +27,7 @@ from hypothesis.stateful import (  # noqa: E402
 )
 from test_engine_runtime import prompts, tiny  # noqa: E402
 
-from imp_mem import FakeBackend, InvalidArgument, OutOfMemory  # noqa: E402
+from imp_mem import FakeBackend, Features, InvalidArgument, OutOfMemory  # noqa: E402
 from imp_mem.engine import Engine  # noqa: E402
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
 from imp_mem.engine.weights import checkpoint_tensors  # noqa: E402
@@ -109,6 +109,23 @@ def test_level_two_staged_wake_and_update_serve_the_new_weights(checkpoints, exp
         e.wake("kv_cache")
         assert e.generate(PROMPTS, NEW) == expected[b]
         assert e.weights_version == 1
+
+
+def test_a_sleep_offloads_the_prefix_cache_to_the_host_tier(checkpoints, expected):
+    a, b = checkpoints
+    features = Features(kv_host_bytes="8MiB")
+    with engine_on(a, features=features) as e:
+        assert e.generate(PROMPTS, NEW) == expected[a]
+        cached = e.kv.stats()["cached"]
+        assert cached > 0
+        e.sleep(1)
+        assert e.kv.stats()["host_cached"] >= cached  # kept on the host, not dropped
+        e.wake()
+        assert e.generate(PROMPTS, NEW) == expected[a]
+        assert e.kv.stats()["host_hit_blocks"] > 0  # served from the offloaded prefix
+        e.reload_weights(b)  # KV of a is gone from both tiers
+        assert e.kv.stats()["host_cached"] == 0 and e.kv.stats()["cached"] == 0
+        assert e.generate(PROMPTS, NEW) == expected[b]
 
 
 def test_an_update_empties_the_prefix_cache(checkpoints, expected):
