@@ -8,6 +8,8 @@
 #
 #   scripts/gpu-check.sh            # everything
 #   QUICK=1 scripts/gpu-check.sh    # fewer benchmark rounds
+#   GPU_CHECK_SKIP_TESTS=1 / GPU_CHECK_SKIP_BENCHES=1  # one half (two calls
+#                                   # of the device tool's 10-minute limit)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +45,8 @@ if imp_mem.cuda_available():
     print("driver:", imp_mem.cuda_driver_version(), "devices:", imp_mem.cuda_device_count())
 EOF
 
+tests_rc=0
+if [ -z "${GPU_CHECK_SKIP_TESTS:-}" ]; then
 echo
 echo "==> pytest -m gpu"
 # From tests/ so the installed wheel, not ./python, is imported.
@@ -56,6 +60,19 @@ echo "==> imp-mem demo on the GPU"
 demo_rc=${PIPESTATUS[0]}
 [ "$demo_rc" -eq 0 ] || tests_rc=1
 
+# The core's source conformance suite over the CUDA sources, where its test
+# binary was built and carried (cargo test -p imp-mem-cuda --test
+# gpu_source_conformance --no-run; this machine has no Rust).
+if [ -x target/gpu/gpu_source_conformance ]; then
+    echo
+    echo "==> Rust source conformance on the device"
+    target/gpu/gpu_source_conformance --test-threads=1 2>&1 | tee "$OUT/conformance.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || tests_rc=1
+fi
+fi
+bench_rc=0
+reserve_rc=0
+if [ -z "${GPU_CHECK_SKIP_BENCHES:-}" ]; then
 echo
 echo "==> benchmarks"
 quick=()
@@ -92,6 +109,7 @@ echo "==> library reserve and context cost"
 "$PYTHON" benches/measure_reserve.py --samples "${RESERVE_SAMPLES:-5}" 2>&1 | tee "$OUT/reserve.txt"
 reserve_rc=${PIPESTATUS[0]}
 
+fi
 echo
 echo "==> summary"
 "$PYTHON" - "$OUT" "$tests_rc" "$bench_rc" "$reserve_rc" <<'EOF'
