@@ -117,6 +117,22 @@ def raw_copy_seconds(torch, nbytes: int, host) -> tuple[float, float]:
     return d2h, h2d
 
 
+def fresh_copy_seconds(torch, nbytes: int, host) -> float:
+    """A fresh ``torch.empty`` of `nbytes` (cudaMalloc from an empty cache)
+    and the copy of `host` into it: any allocator's first use of memory
+    another one just gave back."""
+    out = []
+    seconds = timed(
+        lambda: out.append(
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda").copy_(host[:nbytes])
+        ),
+        torch,
+    )
+    out.clear()
+    torch.cuda.empty_cache()
+    return seconds
+
+
 def raw_d2d_seconds(torch, tensors: dict) -> float:
     """Each tensor copied into a device buffer of the same bytes, as an
     update copies them into T1."""
@@ -309,7 +325,19 @@ def main() -> int:
             )
             del x, m
             torch.cuda.empty_cache()
+            # Any allocator's first use of the memory the trainer just gave
+            # back: a fresh cudaMalloc of the weights' bytes and the copy in.
+            timed_fresh = fresh_copy_seconds(torch, weights_bytes, host)
         w = timed(lambda: e.wake(), torch)
+        if rnd == 1:
+            row(
+                "round 1: wake() s vs fresh cudaMalloc + H2D",
+                w,
+                "torch.empty + copy_ after the trainer",
+                timed_fresh,
+                "s",
+                "info",
+            )
         row(
             f"round {rnd}: sleep(1) s vs raw D2H copy",
             s,
