@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -228,8 +229,6 @@ def main() -> int:
     import torch
 
     import imp_mem
-    from imp_mem.engine import Engine
-    from imp_mem.engine.checkpoint import random_weights, write_random_checkpoint
 
     if not (torch.cuda.is_available() and imp_mem.cuda_available()):
         print("needs a CUDA device")
@@ -237,8 +236,21 @@ def main() -> int:
     config = dict(QWEN3_8B)
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    batch, prompt_len, new = (32, 256, 32) if args.quick else (32, 512, 64)
     root = tempfile.mkdtemp(prefix="imp-mem-rl-", dir=os.environ.get("IMP_MEM_BENCH_DIR"))
+    try:
+        return run(args, config, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # two checkpoints of 16 GiB
+
+
+def run(args, config: dict, root: str) -> int:
+    import torch
+
+    import imp_mem
+    from imp_mem.engine import Engine
+    from imp_mem.engine.checkpoint import random_weights, write_random_checkpoint
+
+    batch, prompt_len, new = (32, 256, 32) if args.quick else (32, 512, 64)
     t0 = time.perf_counter()
     dir_a = write_random_checkpoint(f"{root}/a", config, seed=0, device="cuda")
     dir_b = write_random_checkpoint(f"{root}/b", config, seed=1, device="cuda")
