@@ -49,22 +49,6 @@ from bench_json import write_json
 MIB = 1 << 20
 GIB = 1 << 30
 
-QWEN3_8B = {
-    "model_type": "qwen3",
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
 
 ROWS: list[dict] = []
 
@@ -237,7 +221,10 @@ def main() -> int:
     if not (torch.cuda.is_available() and imp_mem.cuda_available()):
         print("needs a CUDA device")
         return 0
-    config = dict(QWEN3_8B)
+    from imp_mem._presets import preset
+
+    # Qwen3-8B's numbers (the `imp-mem plan` preset) and its RoPE base.
+    config = preset("qwen3-8b") | {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
     if args.layers:
         config["num_hidden_layers"] = args.layers
     root = tempfile.mkdtemp(prefix="imp-mem-rl-", dir=os.environ.get("IMP_MEM_BENCH_DIR"))

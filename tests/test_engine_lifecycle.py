@@ -26,8 +26,9 @@ from hypothesis.stateful import (  # noqa: E402
     run_state_machine_as_test,
 )
 from test_engine_runtime import prompts, tiny  # noqa: E402
+from test_engine_swap import engine_on as swap_engine_on  # noqa: E402
 
-from imp_mem import FakeBackend, Features, InvalidArgument, OutOfMemory  # noqa: E402
+from imp_mem import Features, InvalidArgument, OutOfMemory  # noqa: E402
 from imp_mem.engine import Engine  # noqa: E402
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
 from imp_mem.engine.weights import checkpoint_tensors  # noqa: E402
@@ -37,15 +38,8 @@ NEW = 4
 
 
 def engine_on(directory, **kw) -> Engine:
-    return Engine(
-        directory,
-        backend=FakeBackend(capacity="256MiB"),
-        max_batch=4,
-        max_seq_len=64,
-        block_size=4,
-        prefill_chunk=8,
-        **kw,
-    )
+    """`test_engine_swap`'s engine on a smaller fake (it is opened often)."""
+    return swap_engine_on(directory, capacity="256MiB", **kw)
 
 
 @pytest.fixture(scope="module")

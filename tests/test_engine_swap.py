@@ -47,10 +47,10 @@ def checkpoints(tmp_path_factory):
     return a, b, c, d
 
 
-def engine_on(directory, **kw) -> Engine:
+def engine_on(directory, *, capacity: str = "2GiB", **kw) -> Engine:
     return Engine(
         directory,
-        backend=FakeBackend(capacity="2GiB"),
+        backend=FakeBackend(capacity=capacity),
         max_batch=4,
         max_seq_len=64,
         block_size=4,

@@ -10,48 +10,18 @@ from __future__ import annotations
 import threading
 
 import pytest
+from test_sleep_swap import make_plan
 
 from imp_mem import (
     Asleep,
     FakeBackend,
-    Features,
     InvalidArgument,
-    Limits,
     MemorySystem,
-    ModelShape,
     OutOfMemory,
-    PlanInput,
     pinned_stats,
-    plan_memory,
 )
 
 MIB = 1 << 20
-
-
-def make_plan():
-    return plan_memory(
-        PlanInput(
-            ModelShape.from_hf_config(
-                {
-                    "model_type": "llama",
-                    "hidden_size": 256,
-                    "intermediate_size": 512,
-                    "num_hidden_layers": 4,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "vocab_size": 1000,
-                    "max_position_embeddings": 4096,
-                    "tie_word_embeddings": False,
-                    "torch_dtype": "bfloat16",
-                }
-            ),
-            Limits(4, 1024, kv_policy="fit"),
-            Features(engine_persistent_bytes=4 * MIB, scratch_bytes=2 * MIB),
-            budget=96 * MIB,
-            context=8 * MIB,
-            library_reserve=4 * MIB,
-        )
-    )
 
 
 @pytest.fixture
