@@ -67,7 +67,7 @@ from imp_mem.engine.memory import EngineMemory, measure_torch_high_water
 from imp_mem.engine.model_runner import ModelRunner, default_buckets, t2_bytes
 from imp_mem.engine.scheduler import Request, Scheduler
 from imp_mem.engine.tensor_parallel import TensorParallel
-from imp_mem.engine.weights import FileTensor
+from imp_mem.engine.weights import check_update, copy_update
 from imp_mem.errors import InvalidArgument
 
 __all__ = ["Engine", "EngineStats", "default_buckets", "measure_torch_high_water"]
@@ -460,10 +460,7 @@ class Engine:
         """The tags this engine can sleep: ``weights`` (T1), ``kv_cache``
         (the KV pools) and, when torch's allocations are routed into the
         activations tier, ``activations`` (its graph pools)."""
-        tags = ["weights", "kv_cache"]
-        if self.system.activations is not None:
-            tags.append("activations")
-        return tuple(tags)
+        return self.memory.sleep_tags()
 
     def sleep(
         self, level: int = 1, tags: str | Sequence[str] | None = None, *, drain: str = "refuse"
@@ -506,7 +503,9 @@ class Engine:
         if kv:
             self._kv_to_sleep()
         try:
-            report = self.system.sleep(level, [t for tag in tags for t in self._tiers(tag)])
+            report = self.system.sleep(
+                level, [t for tag in tags for t in self.memory.tiers_of(tag)]
+            )
         except BaseException:
             if kv:
                 self.runner.reserve_blocks()
@@ -537,7 +536,7 @@ class Engine:
             level = self._asleep.get(tag)
             if level is None:
                 continue
-            self._wake_tiers(tag, empty_torch_cache)
+            self.memory.wake(tag, empty_torch_cache=empty_torch_cache)
             del self._asleep[tag]
             if tag == "weights" and level == 2:
                 self._weights_dropped = True
@@ -573,15 +572,10 @@ class Engine:
                 "old weights; unpin them first"
             )
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
-        plan = self._check_update(items)
+        plan = check_update(self.runner.weights, items, self.config, self.tp.shards())
         t0 = time.perf_counter()
         with torch.inference_mode(), self.runner.on_stream():
-            for dst, src, shard in plan:
-                if isinstance(src, FileTensor):
-                    src = src.load()
-                if shard is not None:
-                    src = src.narrow(shard.dim, shard.start, shard.stop - shard.start)
-                dst.copy_(src, non_blocking=src.is_cuda)
+            copy_update(plan)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
         self._weights_changed()
@@ -631,12 +625,6 @@ class Engine:
             raise InvalidArgument(f"{what}: tags is empty; name one of {list(known)} or pass None")
         return list(dict.fromkeys(names))
 
-    def _tiers(self, tag: str) -> list[str]:
-        """The memory system's tier tags a engine tag sleeps."""
-        if tag == "kv_cache":
-            return ["kv_cache", "swa_cache"] if self.system.swa_pool is not None else ["kv_cache"]
-        return [tag]
-
     def _drain(self, mode: str) -> None:
         sched = self.scheduler
         if not sched.has_work:
@@ -655,95 +643,10 @@ class Engine:
             self.run()
 
     def _kv_to_sleep(self) -> None:
-        """Leaves the KV pools without a live block: the prefix cache
-        offloaded to the host tier (when there is one) or emptied, and the
-        runner's own blocks given back."""
-        kv = self.kv
-        if kv.stats()["host_capacity"]:
-            # Offloaded: the host tier keeps the entries for after the wake.
-            kv.evict(kv.stats()["cached"])
-            kv.poll_copies(True)
-            emptied = kv.stats()["cached"] == 0
-        else:
-            emptied = kv.reset_prefix_cache()
-        if not emptied:
-            raise InvalidArgument("sleep: the prefix cache has pinned blocks; unpin them first")
+        """Leaves the KV pools without a live block: the prefix cache out of
+        the device (the memory side) and the runner's own blocks given back."""
+        self.memory.prefix_cache_off_device(self.kv)
         self.runner.release_blocks()
-
-    def _wake_tiers(self, tag: str, empty_torch_cache: bool) -> None:
-        tiers = self._tiers(tag)
-        try:
-            self.system.wake(tiers)
-            return
-        except imp_mem.OutOfMemory as e:
-            cached = self._torch_cached()
-            if not (empty_torch_cache and cached):
-                # The same error (its arithmetic kept), with what holds the
-                # device on torch's side and what to do.
-                e.torch_cached = cached
-                e.args = (
-                    f"wake({tag!r}): {e}; torch's caching allocator holds "
-                    f"{cached / 2**20:.0f} MiB reserved but unused on this device: call "
-                    "torch.cuda.empty_cache() (or wake(..., empty_torch_cache=True)) or free the "
-                    f"trainer's tensors, then wake again; {tag} still sleeps",
-                )
-                raise
-        torch.cuda.empty_cache()
-        self.system.wake(tiers)
-
-    def _torch_cached(self) -> int:
-        """Bytes torch's caching allocator reserves and does not use."""
-        if not self.on_gpu:
-            return 0
-        return int(
-            torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        )
-
-    def _check_update(self, items: Any) -> list[tuple[torch.Tensor, Any, Any]]:
-        """``(T1 view, source, this rank's shard or None)`` for every tensor
-        of an update, each checked against the checkpoint; nothing is
-        copied here."""
-        from imp_mem.engine.model import weight_names
-
-        weights, shards = self.runner.weights, self.tp.shards()
-        full = weight_names(self.config)
-        seen: set[str] = set()
-        plan = []
-        for item in items:
-            try:
-                name, tensor = item
-            except (TypeError, ValueError):
-                raise TypeError(
-                    "update_weights: expected (name, tensor) pairs or a mapping of them"
-                ) from None
-            if not isinstance(name, str):
-                raise TypeError(f"update_weights: a name must be str, got {type(name).__name__}")
-            if not isinstance(tensor, torch.Tensor | FileTensor):
-                raise TypeError(
-                    f"update_weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
-                )
-            dst = weights.get(name)
-            if dst is None:
-                raise InvalidArgument(
-                    f"update_weights: {name!r} is no tensor of this checkpoint; give the "
-                    "checkpoint's own Hugging Face names (nothing was copied)"
-                )
-            if name in seen:
-                raise InvalidArgument(f"update_weights: {name!r} is given twice (nothing copied)")
-            seen.add(name)
-            want = full.get(name, tuple(dst.shape)) if shards else tuple(dst.shape)
-            if tuple(tensor.shape) != tuple(want):
-                raise InvalidArgument(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the checkpoint's "
-                    f"is {tuple(want)} (nothing was copied)"
-                )
-            if tensor.dtype != dst.dtype:
-                raise InvalidArgument(
-                    f"update_weights: {name!r} is {tensor.dtype}; the checkpoint's is "
-                    f"{dst.dtype} (nothing was copied)"
-                )
-            plan.append((dst, tensor, shards.get(name)))
-        return plan
 
     def _weights_changed(self) -> None:
         """No KV computed with the old weights is served again."""

@@ -1,6 +1,8 @@
-"""Where new weights come from for `Engine.update_weights`: a trainer's
-tensors in this process, another process's over CUDA IPC, or a checkpoint
-on disk read one tensor at a time.
+"""New weights for `Engine.update_weights`: where they come from (a
+trainer's tensors in this process, another process's over CUDA IPC, or a
+checkpoint on disk read one tensor at a time), how an update is checked
+against T1 before any byte moves (`check_update`), and the copy in place
+(`copy_update`).
 
 CUDA IPC. A trainer process turns its named GPU tensors into picklable
 handles (`ipc_handles`: torch's own tensor reductions, an IPC memory handle
@@ -86,3 +88,65 @@ def checkpoint_tensors(path: str | Path) -> list[tuple[str, FileTensor]]:
     """Every tensor of the safetensors checkpoint at `path` (a file or a
     directory of shards), read lazily."""
     return [(t.name, FileTensor(t)) for f in safetensors_files(path) for t in read_header(f)]
+
+
+def check_update(
+    weights: dict[str, torch.Tensor], items: Any, config: Any, shards: dict[str, Any]
+) -> list[tuple[torch.Tensor, Any, Any]]:
+    """``(T1 view, source, this rank's shard or None)`` for every tensor of
+    an update, each checked against the checkpoint loaded as `weights`: a
+    name it has, given once, the whole tensor's shape (`shards`: this rank's
+    slices, which it narrows to), the same dtype. Nothing is copied here, so
+    a refusal changes nothing."""
+    from imp_mem.engine.model import weight_names
+    from imp_mem.errors import InvalidArgument
+
+    full = weight_names(config)
+    seen: set[str] = set()
+    plan = []
+    for item in items:
+        try:
+            name, tensor = item
+        except (TypeError, ValueError):
+            raise TypeError(
+                "update_weights: expected (name, tensor) pairs or a mapping of them"
+            ) from None
+        if not isinstance(name, str):
+            raise TypeError(f"update_weights: a name must be str, got {type(name).__name__}")
+        if not isinstance(tensor, torch.Tensor | FileTensor):
+            raise TypeError(
+                f"update_weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
+            )
+        dst = weights.get(name)
+        if dst is None:
+            raise InvalidArgument(
+                f"update_weights: {name!r} is no tensor of this checkpoint; give the "
+                "checkpoint's own Hugging Face names (nothing was copied)"
+            )
+        if name in seen:
+            raise InvalidArgument(f"update_weights: {name!r} is given twice (nothing copied)")
+        seen.add(name)
+        want = full.get(name, tuple(dst.shape)) if shards else tuple(dst.shape)
+        if tuple(tensor.shape) != tuple(want):
+            raise InvalidArgument(
+                f"update_weights: {name!r} has shape {tuple(tensor.shape)}; the checkpoint's "
+                f"is {tuple(want)} (nothing was copied)"
+            )
+        if tensor.dtype != dst.dtype:
+            raise InvalidArgument(
+                f"update_weights: {name!r} is {tensor.dtype}; the checkpoint's is "
+                f"{dst.dtype} (nothing was copied)"
+            )
+        plan.append((dst, tensor, shards.get(name)))
+    return plan
+
+
+def copy_update(plan: list[tuple[torch.Tensor, Any, Any]]) -> None:
+    """Copies a checked update into T1 (on the current stream; a file's
+    tensor is read when its turn comes)."""
+    for dst, src, shard in plan:
+        if isinstance(src, FileTensor):
+            src = src.load()
+        if shard is not None:
+            src = src.narrow(shard.dim, shard.start, shard.stop - shard.start)
+        dst.copy_(src, non_blocking=src.is_cuda)
