@@ -225,6 +225,7 @@ def test_readme_python_examples_run():
         exec(first, {"imp_mem": imp_mem})
     ns = {"imp_mem": imp_mem}
     exec(kv, ns)
+    assert "numpy" not in kv and "np." not in kv, "the KV example runs without NumPy"
     # What its comments claim: sequence 2 hit six cached blocks.
     assert ns["kv"].num_tokens(2) == 100 and ns["kv"].stats()["prefix_hit_blocks"] == 6
     # The other blocks are schematic (a GPU, a config path, `...`).

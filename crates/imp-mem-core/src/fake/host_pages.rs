@@ -74,7 +74,10 @@ impl Drop for HostPages {
     }
 }
 
-#[cfg(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64")))]
+#[cfg(all(
+    target_os = "linux",
+    any(target_arch = "x86_64", target_arch = "aarch64")
+))]
 mod sys {
     use std::ffi::{c_int, c_void};
 
@@ -137,7 +140,10 @@ mod sys {
     }
 }
 
-#[cfg(not(all(target_os = "linux", any(target_arch = "x86_64", target_arch = "aarch64"))))]
+#[cfg(not(all(
+    target_os = "linux",
+    any(target_arch = "x86_64", target_arch = "aarch64")
+)))]
 mod sys {
     use std::alloc::{alloc_zeroed, dealloc, Layout};
 
