@@ -19,6 +19,20 @@ def test_demo_runs_on_the_fake_backend(capsys):
         assert tag in out
 
 
+def test_demo_report_reads_without_puzzles(capsys):
+    assert cli.main(["demo", "--backend", "fake"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first == "backend: fake, device 0, capacity 80.0 GiB, budget 80.0 GiB", first
+    # T1's reservation, larger than its plan, is explained where it shows.
+    assert "T1 reserves more than planned: reserved is address space" in out
+    # Eight requests, six sequences: the report says why.
+    assert "6 sequences in flight (at most 6; 2 finished" in out
+    assert "no device reading (this backend has no real device)" in out
+    # The plan and the report agree on where the library reserve comes from.
+    assert "(measured)" not in out and "library reserve (plan)" in out
+
+
 def test_demo_that_does_not_fit_prints_the_plan_failure(capsys):
     assert cli.main(["demo", "--backend", "fake", "--capacity", "8GiB"]) == 2
     out = capsys.readouterr().out

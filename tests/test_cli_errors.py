@@ -40,6 +40,8 @@ BAD = [
     ["plan", "llama-3-8b", "--tp", "0"],
     ["plan", "llama-3-8b", "--max-batch", "-4"],
     ["plan", "llama-3-8b", "--budget", "lots"],
+    ["plan", "llama-3-8b", "--budget", "80"],
+    ["plan", "llama-3-8b", "--max-batch", "0"],
     ["plan", "llama-3-8b", "--kv-dtype", "fp7"],
     ["plan", "llama-3-8b", "--block-size", "0"],
     ["plan", "llama-3-8b", "--weights-bytes", "-1"],
@@ -57,6 +59,34 @@ def test_class_no_command_prints_a_traceback(argv, tmp_path):
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(errors) == 1, done.stderr
     assert "imp-mem" in errors[0]
+
+
+def test_a_budget_without_a_unit_says_what_to_write():
+    done = imp_mem("plan", "llama-3-8b", "--budget", "80")
+    assert done.returncode == 2
+    assert "--budget 80 has no unit" in done.stderr and "--budget 80GiB" in done.stderr
+    demo = imp_mem("demo", "--backend", "fake", "--capacity", "80")
+    assert demo.returncode == 2 and "--capacity 80GiB" in demo.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "demo"])
+def test_max_batch_below_one_is_one_rule_with_one_message(command):
+    first, second = (
+        imp_mem(command, "llama-3-8b" if command == "plan" else "--backend=fake", "--max-batch", n)
+        for n in ("-4", "0")
+    )
+    assert "--max-batch must be at least 1, got -4" in first.stderr
+    assert "--max-batch must be at least 1, got 0" in second.stderr
+
+
+def test_demo_on_a_missing_backend_names_the_cli_option():
+    import imp_mem as api
+
+    if api.cuda_available():
+        pytest.skip("a CUDA driver is here")
+    done = imp_mem("demo", "--backend", "cuda")
+    assert done.returncode == 2
+    assert "--backend fake" in done.stderr and "FakeBackend" not in done.stderr
 
 
 def test_a_bad_config_file_is_one_line_too(tmp_path):
@@ -195,6 +225,7 @@ def test_readme_python_examples_run():
         exec(first, {"imp_mem": imp_mem})
     ns = {"imp_mem": imp_mem}
     exec(kv, ns)
+    assert "numpy" not in kv and "np." not in kv, "the KV example runs without NumPy"
     # What its comments claim: sequence 2 hit six cached blocks.
     assert ns["kv"].num_tokens(2) == 100 and ns["kv"].stats()["prefix_hit_blocks"] == 6
     # The other blocks are schematic (a GPU, a config path, `...`).

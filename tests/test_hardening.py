@@ -576,3 +576,38 @@ def test_class_no_signature_shows_an_ellipsis_default():
             if "..." in signature or "Ellipsis" in signature:
                 shown.append(f"{name}: {signature}")
     assert shown == []
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda kv, fb: kv.admit(True, [1]),
+        lambda kv, fb: kv.admit(seq_id=True, tokens=[1]),
+        lambda kv, fb: kv.free(False),
+        lambda kv, fb: kv.evict(True),
+        lambda kv, fb: fb.acquire(True),
+        lambda kv, fb: fb.fail_commits(True),
+        lambda kv, fb: P.BlockPool(fb, 4096, True),
+        lambda kv, fb: P.KVCacheManager(True, 4),
+    ],
+)
+def test_a_bool_where_an_int_is_expected_is_one_invalid_argument_everywhere(call):
+    kv, fb = P.KVCacheManager(16, 4), P.FakeBackend(capacity=1 << 24)
+    with pytest.raises(InvalidArgument, match="got a bool"):
+        call(kv, fb)
+
+
+def test_none_is_the_documented_default_of_the_fakes_fault_counts_and_kv_sizes():
+    fb = P.FakeBackend(capacity=1 << 24, granularity=4096)
+    fb.fail_commits(None)  # the default: the next commit fails
+    region = fb.acquire_growable(1 << 20, 0)
+    with pytest.raises(P.OutOfMemory):
+        region.commit(4096)
+    region.commit(4096)
+    fb.fail_decommits(None)
+    with pytest.raises(P.ImpMemError):
+        region.decommit(0)
+    region.decommit(0)
+    assert "None is the default, 1" in (P.FakeBackend.fail_commits.__doc__ or "")
+    kv = P.KVCacheManager(16, 4, block_bytes=None)
+    assert kv.stats() == P.KVCacheManager(16, 4, block_bytes=0).stats()

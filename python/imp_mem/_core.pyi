@@ -146,9 +146,12 @@ class FakeBackend(Backend):
         backed: bool = True,
         strict: bool = True,
     ) -> None: ...
-    def fail_nth(self, n: int | None) -> None: ...
-    def fail_commits(self, n: int = 1) -> None: ...
-    def fail_decommits(self, n: int = 1) -> None: ...
+    def fail_nth(self, n: int | None) -> None:
+        """Make the ``n``-th acquisition from now fail (1 = the next); None clears."""
+    def fail_commits(self, n: int | None = 1) -> None:
+        """Make the next ``n`` commits fail; 0 clears; None is the default, 1."""
+    def fail_decommits(self, n: int | None = 1) -> None:
+        """Make the next ``n`` decommits fail; 0 clears; None is the default, 1."""
     def set_external_usage(self, nbytes: ByteCount) -> None: ...
     def read(self, address: int, nbytes: int) -> bytes: ...
     def write(self, address: int, data: bytes | bytearray | memoryview) -> None: ...
@@ -195,7 +198,11 @@ def _list_direct_active() -> bool:
 class KVCacheManager:
     """Paged KV: sequence block tables with holes, a prefix cache that owns
     its blocks, pins as an eviction overlay, an SWA pool, admission control
-    and persistence. Thread-safe; heavy calls release the GIL."""
+    and persistence. Thread-safe; heavy calls release the GIL.
+
+    A keyword argument given as None takes its default, as everywhere in
+    this API: ``block_bytes=None`` is ``block_bytes=0`` (the manager keeps
+    ids only, with no backing pool)."""
 
     def __init__(
         self,
@@ -203,11 +210,11 @@ class KVCacheManager:
         block_size: int,
         *,
         backend: Backend | None = None,
-        block_bytes: int = 0,
-        swa_blocks: int = 0,
-        swa_window: int = 0,
-        swa_block_bytes: int = 0,
-        enable_prefix_caching: bool = True,
+        block_bytes: int | None = 0,
+        swa_blocks: int | None = 0,
+        swa_window: int | None = 0,
+        swa_block_bytes: int | None = 0,
+        enable_prefix_caching: bool | None = True,
         hash_seed: int | None = None,
         pin_budget: int | None = None,
         model_fingerprint: str = "",

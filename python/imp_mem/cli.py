@@ -15,6 +15,34 @@ from collections.abc import Sequence
 _SUBCOMMAND_MODULES: tuple[str, ...] = ("imp_mem._cli_plan",)
 
 
+def check_at_least_one(args: argparse.Namespace, *names: str) -> None:
+    """One rule, one message: each count option must be at least 1."""
+    import imp_mem
+
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise imp_mem.InvalidArgument(f"{flag} must be at least 1, got {value}")
+
+
+def check_byte_options(args: argparse.Namespace, *names: str) -> None:
+    """A byte option given as a bare number is refused: ``--budget 80``
+    would otherwise plan against 80 bytes."""
+    import imp_mem
+
+    for name in names:
+        value = getattr(args, name)
+        if value is None or not str(value).strip().replace(".", "", 1).isdigit():
+            continue
+        flag = "--" + name.replace("_", "-")
+        number = str(value).strip()
+        raise imp_mem.InvalidArgument(
+            f"{flag} {number} has no unit; write it with one, e.g. {flag} {number}GiB "
+            f"(or {number}MiB; {number}B for bytes)"
+        )
+
+
 def _pick_backend(kind: str, capacity: str):
     import imp_mem
 
@@ -25,7 +53,14 @@ def _pick_backend(kind: str, capacity: str):
         # 80 GiB of host memory.
         return imp_mem.FakeBackend(capacity=capacity, backed=False, strict=True)
     cls = {"cuda": imp_mem.CudaBackend, "vmm": imp_mem.VmmBackend}[kind]
-    return cls(device=0, strict=True)
+    try:
+        return cls(device=0, strict=True)
+    except imp_mem.BackendUnavailable as exc:
+        # The API's message names the API's classes; a CLI user needs the option.
+        reason = str(exc).split("; ")[0]
+        raise imp_mem.BackendUnavailable(
+            f"--backend {kind}: {reason}; run with --backend fake to use the CPU fake"
+        ) from None
 
 
 def _torch_cuda() -> bool:
@@ -47,10 +82,8 @@ def _demo(args: argparse.Namespace) -> int:
         raise imp_mem.InvalidArgument(
             f"--model: {args.model!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}"
         )
-    for name in ("max_batch", "max_seq_len", "steps"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            raise imp_mem.InvalidArgument(f"{flag} must be at least 1, got {getattr(args, name)}")
+    check_at_least_one(args, "max_batch", "max_seq_len", "steps")
+    check_byte_options(args, "capacity")
     from imp_mem._cli_plan import _warn_past_trained_context
     from imp_mem._presets import preset
 

@@ -42,6 +42,10 @@ DEMO_METRICS = (
 )
 
 
+# The demo's requests in flight at once; an older one finishes first.
+IN_FLIGHT = 6
+
+
 def _load_and_serve(
     system: MemorySystem,
     shape: ModelShape,
@@ -86,7 +90,7 @@ def _load_and_serve(
     start_capacity = pool.capacity
     decommitted = 0
     for step in range(steps):
-        # Requests of a quarter to a whole sequence; at most six in flight.
+        # Requests of a quarter to a whole sequence; at most IN_FLIGHT at once.
         tokens = min(max(1, per_sequence * (step % 4 + 1) // 4) * block, longest)
         own = (step + 1) << 20  # this request's own token ids
         prompt = shared + list(range(own, own + max(1, tokens - len(shared))))
@@ -100,7 +104,7 @@ def _load_and_serve(
                 forward.take(scratch.capacity // 4)  # attention
                 with scratch.mark() as ffn:
                     ffn.take(scratch.capacity // 4)
-        if len(running) > 6:
+        if len(running) > IN_FLIGHT:
             kv.free(running.pop(0))
         decommitted += system.step()
     stats = kv.stats()
@@ -110,7 +114,9 @@ def _load_and_serve(
         f"an acquisition); scratch high-water {human_bytes(scratch.high_water if scratch else 0)}"
     )
     out(
-        f"  KV manager: {stats['sequences']} sequences, {stats['cached']} cached blocks, "
+        f"  KV manager: {stats['sequences']} sequences in flight (at most {IN_FLIGHT}; "
+        f"{steps - stats['sequences']} finished, their blocks kept in the prefix cache), "
+        f"{stats['cached']} cached blocks, "
         f"prefix hits {stats['prefix_hit_blocks']} of {stats['prefix_query_blocks']} blocks; "
         f"system.step() decommitted {human_bytes(decommitted)}"
     )
@@ -168,7 +174,10 @@ def run_demo(
             library_reserve=library_reserve,
         )
     )
-    out(f"backend: {backend!r}")
+    out(
+        f"backend: {backend.kind}, device {backend.device}, capacity "
+        f"{human_bytes(backend.capacity)}, budget {human_bytes(backend.budget)}"
+    )
     out(f"plan: {model}, {max_batch} x {max_seq_len} tokens, budget {human_bytes(plan.budget)}")
     out(plan.table())
     if report is not None:

@@ -22,12 +22,12 @@
 //! Thread safety: `PinnedHost` is a clonable `Arc` handle, `Send + Sync`; its
 //! counters sit behind a mutex. Buffers and registrations are `Send + Sync`.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{MemError, OomReport};
 use crate::fake::countdown_fails;
+use crate::fake::host_pages::HostPages;
 use crate::source::{MemoryKind, Placement, SourceError};
 use crate::span::{MintKey, StableSpan};
 use crate::tag::Tag;
@@ -303,7 +303,9 @@ impl Drop for HostRegistration {
 #[derive(Debug, Default)]
 struct FakePinnedState {
     used: u64,
-    allocations: BTreeMap<usize, usize>,
+    /// Live allocations by address: their host memory, which is mapped
+    /// lazily (`HostPages`), so a buffer costs only the pages written.
+    allocations: BTreeMap<usize, HostPages>,
     registrations: BTreeMap<usize, usize>,
     fail_countdown: Option<u64>,
     double_frees: u64,
@@ -352,9 +354,9 @@ impl FakePinnedHost {
     }
 }
 
-// SAFETY: allocations come from `alloc_zeroed` with a page-aligned layout and
-// are freed only through `free`, once (a second free of an address is counted,
-// not performed); registrations are bookkeeping only; nothing panics.
+// SAFETY: allocations are `HostPages` mappings aligned to `PINNED_ALIGNMENT`
+// and are unmapped only through `free`, once (a second free of an address is
+// counted, not performed); registrations are bookkeeping only; nothing panics.
 unsafe impl PinnedHostOps for FakePinnedHost {
     fn placement(&self) -> Placement {
         Placement {
@@ -368,31 +370,22 @@ unsafe impl PinnedHostOps for FakePinnedHost {
         if countdown_fails(&mut state.fail_countdown) || state.used + bytes as u64 > self.capacity {
             return Err(SourceError::OutOfMemory);
         }
-        let layout = Layout::from_size_align(bytes, PINNED_ALIGNMENT)
-            .map_err(|_| SourceError::OutOfMemory)?;
-        // SAFETY: `bytes > 0` (checked by `PinnedHost`), so the layout is not
-        // zero-sized.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(SourceError::OutOfMemory);
-        }
+        let pages = HostPages::new(bytes, PINNED_ALIGNMENT).ok_or(SourceError::OutOfMemory)?;
+        let addr = pages.addr();
         state.used += bytes as u64;
-        state.allocations.insert(ptr as usize, bytes);
-        Ok(ptr as usize)
+        state.allocations.insert(addr, pages);
+        Ok(addr)
     }
 
     unsafe fn free(&self, addr: usize, bytes: usize) {
         let mut state = self.state();
-        if state.allocations.remove(&addr) != Some(bytes) {
+        if state.allocations.get(&addr).map(HostPages::len) != Some(bytes) {
             state.double_frees += 1;
             return;
         }
         state.used -= bytes as u64;
-        if let Ok(layout) = Layout::from_size_align(bytes, PINNED_ALIGNMENT) {
-            // SAFETY: `addr` was returned by `alloc_zeroed` with this layout and
-            // has just left the map, so it is freed once.
-            unsafe { dealloc(addr as *mut u8, layout) };
-        }
+        // Dropping the entry unmaps its memory, once: it has left the map.
+        state.allocations.remove(&addr);
     }
 
     fn register(&self, addr: usize, bytes: usize) -> Result<(), SourceError> {
@@ -421,20 +414,6 @@ unsafe impl PinnedHostOps for FakePinnedHost {
         let mut state = self.state();
         if state.registrations.remove(&addr) != Some(bytes) {
             state.double_frees += 1;
-        }
-    }
-}
-
-impl Drop for FakePinnedHost {
-    fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        for (&addr, &bytes) in &state.allocations {
-            if let Ok(layout) = Layout::from_size_align(bytes, PINNED_ALIGNMENT) {
-                // SAFETY: each entry is a distinct live `alloc_zeroed` result with
-                // this layout; buffers hold the host (and so this fake) alive, so
-                // none can still use it.
-                unsafe { dealloc(addr as *mut u8, layout) };
-            }
         }
     }
 }

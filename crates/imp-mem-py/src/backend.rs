@@ -569,7 +569,8 @@ impl PyFakeBackend {
         self.fake.fail_nth(n).py()
     }
 
-    /// Makes the next `n` commits of growable regions fail.
+    /// Makes the next `n` commits of growable regions fail; 0 clears;
+    /// None is the default, 1 (as for every defaulted argument of this API).
     #[pyo3(signature = (n = None), text_signature = "($self, n=1)")]
     fn fail_commits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);
@@ -577,7 +578,7 @@ impl PyFakeBackend {
         Ok(())
     }
 
-    /// Makes the next `n` decommits fail.
+    /// Makes the next `n` decommits fail; 0 clears; None is the default, 1.
     #[pyo3(signature = (n = None), text_signature = "($self, n=1)")]
     fn fail_decommits(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let n = convert::opt(n, "n", convert::u32_arg)?.unwrap_or(1);

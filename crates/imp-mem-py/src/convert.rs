@@ -101,7 +101,9 @@ pub fn type_name(value: &Bound<'_, PyAny>) -> String {
 /// The one conversion of an integer parameter: anything with `__index__`
 /// (not a bool) whose value lies in `lo..=hi`. A value outside the range
 /// raises `InvalidArgument` naming the parameter, the range and the value;
-/// another type raises `TypeError` naming the parameter and `int`.
+/// another type raises `TypeError` naming the parameter and `int`. A bool
+/// is an `InvalidArgument` here as in [`bytes`], [`index`] and token ids:
+/// it is an int to Python, so the value, not its type, is what is wrong.
 pub fn int_in(value: &Bound<'_, PyAny>, what: &str, lo: i128, hi: i128) -> PyResult<i128> {
     if let Ok(i) = value.cast_exact::<pyo3::types::PyInt>() {
         if let Ok(n) = i.extract::<i64>() {
@@ -125,7 +127,7 @@ pub fn int_in(value: &Bound<'_, PyAny>, what: &str, lo: i128, hi: i128) -> PyRes
         ))
     };
     if value.is_instance_of::<PyBool>() {
-        return Err(wrong_type());
+        return Err(invalid(format!("{what} must be an integer, got a bool")));
     }
     let out_of_range = || {
         let shown = value.str().map(|s| s.to_string()).unwrap_or_default();

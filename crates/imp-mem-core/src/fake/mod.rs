@@ -4,14 +4,22 @@
 //! needs to see inside:
 //!
 //! * the full journal `(seq, phase, tag, bytes, op)`, always on;
-//! * poison on release: released bytes are overwritten with `0xDE` and the last
-//!   [`QUARANTINE_LEN`] released allocations are kept (not freed), so a test can
-//!   read the poison back instead of committing a use-after-free (seed D6);
+//! * poison on release: released bytes read as `0xDE` and the last
+//!   [`QUARANTINE_LEN`] released allocations are kept (their addresses are not
+//!   reused), so a test can read the poison back instead of committing a
+//!   use-after-free (seed D6);
 //! * `fail_nth(n)`: the n-th acquisition from now fails as out of memory;
-//! * growth simulation: a growable region is one host allocation of its whole
+//! * growth simulation: a growable region is one host mapping of its whole
 //!   reservation, so its base cannot move; commits and decommits can be told to
 //!   fail, and every one checks that the base it is given is the base that was
 //!   reserved and that the range lies inside the reservation.
+//!
+//! Host memory follows what is committed, never what is reserved
+//! (`host_pages.rs`): a reservation is address space, a page becomes resident
+//! when it is written, and a decommit or a release hands its pages back. What
+//! lies past a region's committed part (a decommitted tail, a released
+//! allocation) has no memory behind it and reads as the poison, so the fake
+//! never holds more host memory than its capacity.
 //!
 //! With `backed = false` the fake hands out synthetic addresses with no host
 //! memory behind them, so capacity-scale scenarios (an 80 GiB budget) run on a
@@ -24,7 +32,6 @@
 //! Thread safety: all state is behind one mutex; reads and writes of fake
 //! memory happen under it, so they cannot race a release.
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -33,7 +40,10 @@ use crate::error::MemError;
 use crate::phase::PhaseMode;
 use crate::source::{MemoryKind, MemorySource, SourceError, SourceInfo, TierIo};
 
+pub(crate) mod host_pages;
 mod tier_io;
+
+use host_pages::HostPages;
 
 pub use tier_io::FakeTierIo;
 
@@ -80,11 +90,16 @@ enum AllocState {
 #[derive(Debug)]
 struct Alloc {
     len: usize,
-    align: usize,
     state: AllocState,
-    /// For a reservation: bytes committed; for a plain allocation: `len`.
+    /// For a reservation: bytes committed; for a plain allocation: `len`
+    /// while live. Released memory is 0: bytes past it read as the poison.
     committed: usize,
     reservation: bool,
+    /// For a reservation: the most it has ever had committed. A recommit
+    /// below it shows the poison, as the old contents are gone.
+    touched: usize,
+    /// The host memory of a backed fake (`None` when unbacked).
+    memory: Option<HostPages>,
 }
 
 /// Counts one call down a fault-injection countdown (`Some(n)`: the `n`-th
@@ -128,10 +143,6 @@ pub struct FakeSource {
     state: Mutex<FakeState>,
 }
 
-fn layout(len: usize, align: usize) -> Result<Layout, SourceError> {
-    Layout::from_size_align(len, align).map_err(|_| SourceError::OutOfMemory)
-}
-
 impl FakeSource {
     pub(crate) fn new(config: &FakeConfig) -> Self {
         Self {
@@ -168,30 +179,24 @@ impl FakeSource {
         state: &mut FakeState,
         len: usize,
         align: usize,
-    ) -> Result<usize, SourceError> {
+    ) -> Result<(usize, Option<HostPages>), SourceError> {
         if self.backed {
-            let layout = layout(len, align)?;
-            // SAFETY: `len > 0` (the backend refuses zero sizes) so the layout
-            // is non-zero-sized, as `alloc_zeroed` requires.
-            let ptr = unsafe { alloc_zeroed(layout) };
-            if ptr.is_null() {
-                return Err(SourceError::OutOfMemory);
-            }
-            Ok(ptr as usize)
+            let pages = HostPages::new(len, align).ok_or(SourceError::OutOfMemory)?;
+            Ok((pages.addr(), Some(pages)))
         } else {
             let addr = crate::units::align_up(state.next_synthetic, align)
                 .ok_or(SourceError::OutOfMemory)?;
             state.next_synthetic = addr.checked_add(len).ok_or(SourceError::OutOfMemory)?;
-            Ok(addr)
+            Ok((addr, None))
         }
     }
 
     /// Poisons `[addr + from, addr + to)` of a backed allocation.
     fn poison(&self, addr: usize, from: usize, to: usize) {
         if self.backed && to > from {
-            // SAFETY: the caller passes a range inside a live backed host
-            // allocation of this source (checked against `allocs`), which we
-            // own, under the state lock.
+            // SAFETY: the caller passes a range inside the committed part of a
+            // live backed host allocation of this source (checked against
+            // `allocs`), which we own, under the state lock.
             unsafe { std::ptr::write_bytes((addr + from) as *mut u8, POISON, to - from) };
         }
     }
@@ -202,44 +207,37 @@ impl FakeSource {
         let Some(a) = state.allocs.get_mut(&addr) else {
             return;
         };
-        // A reservation's uncommitted part was poisoned when it was
-        // decommitted, or never handed out: poisoning it again would touch
-        // every page of a reservation sized for growth.
-        let (len, align) = (if a.reservation { a.committed } else { a.len }, a.align);
+        // The memory goes back now; the quarantine keeps only the address
+        // range, which reads as the poison.
+        if let Some(memory) = &a.memory {
+            memory.release(0, a.committed);
+        }
+        a.committed = 0;
         a.state = AllocState::Quarantined;
-        self.poison(addr, 0, len);
         state.quarantine.push_back(addr);
         while state.quarantine.len() > QUARANTINE_LEN {
             let Some(old) = state.quarantine.pop_front() else {
                 break;
             };
-            if let Some(a) = state.allocs.remove(&old) {
-                if self.backed {
-                    if let Ok(layout) = layout(a.len, a.align) {
-                        // SAFETY: `old` was returned by `alloc_zeroed` with this
-                        // exact layout and has just left the map, so it is freed
-                        // once.
-                        unsafe { dealloc(old as *mut u8, layout) };
-                    }
-                }
-            }
+            // Dropping the entry unmaps its host memory.
+            state.allocs.remove(&old);
         }
-        let _ = align;
     }
 
-    /// Finds the allocation holding `[addr, addr + len)`.
+    /// Finds the allocation holding `[addr, addr + len)`: its start, its
+    /// state and its committed bytes.
     fn locate(
         &self,
         state: &FakeState,
         addr: usize,
         len: usize,
-    ) -> Result<(usize, AllocState), MemError> {
+    ) -> Result<(usize, AllocState, usize), MemError> {
         let end = addr
             .checked_add(len)
             .ok_or_else(|| MemError::invalid("address range overflows"))?;
         let found = state.allocs.range(..=addr).next_back();
         match found {
-            Some((&start, a)) if end <= start + a.len => Ok((start, a.state)),
+            Some((&start, a)) if end <= start + a.len => Ok((start, a.state, a.committed)),
             _ => Err(MemError::invalid(format!(
                 "[{addr:#x}, {end:#x}) is not inside any live or quarantined region of this fake \
                  backend; read only what it handed out"
@@ -284,16 +282,20 @@ impl FakeSource {
         }
     }
 
-    /// Reads `len` bytes at `addr` from a live or quarantined region.
+    /// Reads `len` bytes at `addr` from a live or quarantined region; bytes
+    /// past its committed part (released, decommitted or never committed)
+    /// read as the poison.
     pub(crate) fn read(&self, addr: usize, len: usize) -> Result<Vec<u8>, MemError> {
         self.check_backed()?;
         let state = self.state();
-        self.locate(&state, addr, len)?;
-        let mut out = vec![0u8; len];
+        let (start, _, committed) = self.locate(&state, addr, len)?;
+        let mut out = vec![POISON; len];
+        let readable = (start + committed).saturating_sub(addr).min(len);
         // SAFETY: `locate` proved `[addr, addr + len)` lies inside a host
-        // allocation still in the map (live or quarantined, not freed), and the
-        // state lock keeps it from being freed during the copy.
-        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), len) };
+        // mapping still in the map (live or quarantined, not unmapped), and
+        // the state lock keeps it from being unmapped during the copy;
+        // `readable <= len` bytes are copied into `out`, which holds `len`.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), readable) };
         Ok(out)
     }
 
@@ -301,10 +303,17 @@ impl FakeSource {
     pub(crate) fn write(&self, addr: usize, data: &[u8]) -> Result<(), MemError> {
         self.check_backed()?;
         let state = self.state();
-        let (_, alloc_state) = self.locate(&state, addr, data.len())?;
+        let (start, alloc_state, committed) = self.locate(&state, addr, data.len())?;
         if alloc_state != AllocState::Live {
             return Err(MemError::StaleSpan(format!(
                 "write at {addr:#x} into a released region (use after free)"
+            )));
+        }
+        if addr + data.len() > start + committed {
+            return Err(MemError::invalid(format!(
+                "write of [{addr:#x}, +{}) past the {committed} committed bytes of the region at \
+                 {start:#x}: commit the range first",
+                data.len()
             )));
         }
         // SAFETY: as in `read`, the range is inside a live host allocation and
@@ -314,10 +323,10 @@ impl FakeSource {
     }
 }
 
-// SAFETY: addresses come from `alloc_zeroed` with the requested alignment (or a
-// synthetic bump pointer, aligned and never reused), so they are aligned and
-// disjoint; a reservation is one allocation, so commits never move its base;
-// nothing panics (allocation failure is a null check, not `handle_alloc_error`).
+// SAFETY: addresses come from `HostPages` mappings with the requested alignment
+// (or a synthetic bump pointer, aligned and never reused), so they are aligned
+// and disjoint; a reservation is one mapping, so commits never move its base;
+// nothing panics (a refused mapping is `None`, not `handle_alloc_error`).
 unsafe impl MemorySource for FakeSource {
     fn info(&self) -> SourceInfo {
         SourceInfo {
@@ -351,15 +360,16 @@ unsafe impl MemorySource for FakeSource {
         }
         self.take_bytes(&mut state, bytes as u64)?;
         match self.new_block(&mut state, bytes, align) {
-            Ok(addr) => {
+            Ok((addr, memory)) => {
                 state.allocs.insert(
                     addr,
                     Alloc {
                         len: bytes,
-                        align,
                         state: AllocState::Live,
                         committed: bytes,
                         reservation: false,
+                        touched: bytes,
+                        memory,
                     },
                 );
                 Ok(addr)
@@ -382,15 +392,16 @@ unsafe impl MemorySource for FakeSource {
         if Self::should_fail(&mut state) {
             return Err(SourceError::OutOfMemory);
         }
-        let addr = self.new_block(&mut state, max_bytes, align)?;
+        let (addr, memory) = self.new_block(&mut state, max_bytes, align)?;
         state.allocs.insert(
             addr,
             Alloc {
                 len: max_bytes,
-                align,
                 state: AllocState::Live,
                 committed: 0,
                 reservation: true,
+                touched: 0,
+                memory,
             },
         );
         Ok(addr)
@@ -422,6 +433,11 @@ unsafe impl MemorySource for FakeSource {
         self.take_bytes(&mut state, (to - from) as u64)?;
         if let Some(a) = state.allocs.get_mut(&base) {
             a.committed = to;
+            let touched = a.touched;
+            a.touched = touched.max(to);
+            // Memory committed before and decommitted since lost its bytes:
+            // it comes back poisoned, never with what it held.
+            self.poison(base, from, to.min(touched));
         }
         Ok(())
     }
@@ -445,9 +461,11 @@ unsafe impl MemorySource for FakeSource {
                 "decommit failed on command (FakeBackend)".into(),
             ));
         }
-        self.poison(base, from, to);
         state.used -= (to - from) as u64;
         if let Some(a) = state.allocs.get_mut(&base) {
+            if let Some(memory) = &a.memory {
+                memory.release(from, to);
+            }
             a.committed = from;
         }
         Ok(())
@@ -497,25 +515,10 @@ unsafe impl MemorySource for FakeSource {
             return;
         }
         let state = self.state();
-        if let Ok((start, AllocState::Live)) = self.locate(&state, addr, len) {
-            self.poison(start, addr - start, addr - start + len);
-        }
-    }
-}
-
-impl Drop for FakeSource {
-    fn drop(&mut self) {
-        let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
-        if !self.backed {
-            return;
-        }
-        for (&addr, a) in &state.allocs {
-            if let Ok(layout) = layout(a.len, a.align) {
-                // SAFETY: every map entry is a distinct `alloc_zeroed` result with
-                // this layout; the source is being dropped, so no region can
-                // still use it (regions hold the backend, which holds us).
-                unsafe { dealloc(addr as *mut u8, layout) };
-            }
+        if let Ok((start, AllocState::Live, committed)) = self.locate(&state, addr, len) {
+            // Past the committed part there is no memory: it reads as poison.
+            let to = (addr - start + len).min(committed);
+            self.poison(start, addr - start, to);
         }
     }
 }

@@ -442,11 +442,9 @@ fn charges(input: &PlanInput, d: &Demand, kv_blocks: u64) -> Vec<Charge> {
         d.lora,
     );
     push("context", "CUDA context + driver".to_string(), d.context);
-    push(
-        "library_reserve",
-        "library reserve (measured)".to_string(),
-        d.library,
-    );
+    // Unqualified like the context: the report says whether the figure
+    // was measured on the device or taken from the plan.
+    push("library_reserve", "library reserve".to_string(), d.library);
     out
 }
 

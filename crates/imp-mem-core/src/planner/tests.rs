@@ -500,7 +500,9 @@ fn failure_report_has_the_arithmetic_and_three_exact_levers() {
     assert!(report.contains("the three largest levers"), "{report}");
     assert!(report.contains("max_seq_len 8192 -> 4096"), "{report}");
     assert!(report.contains("kv_dtype bf16 -> fp8"), "{report}");
-    assert!(report.contains("library reserve (measured)"), "{report}");
+    assert!(report.contains("library reserve "), "{report}");
+    // The plan does not claim a measurement; the memory report says which.
+    assert!(!report.contains("(measured)"), "{report}");
     assert_eq!(report_sum(&report), failure.total / MIB, "{report}");
 }
 

@@ -98,6 +98,21 @@ impl MemReport {
                 );
             }
         }
+        let roomy: Vec<&str> = self
+            .tiers
+            .iter()
+            .filter(|t| t.reserved > t.planned)
+            .map(|t| t.tier)
+            .collect();
+        if !roomy.is_empty() {
+            let _ = writeln!(
+                out,
+                "    ({} reserves more than planned: reserved is address space, sized for the \
+                 largest model a swap could bring, so it may add up past the budget; only \
+                 committed bytes take device memory)",
+                roomy.join(", ")
+            );
+        }
         for o in &self.outside {
             let _ = writeln!(
                 out,
@@ -199,7 +214,8 @@ impl MemReport {
             None => {
                 let _ = writeln!(
                     out,
-                    "  no device reading: attribution is computed against a device's total - free"
+                    "  no device reading (this backend has no real device): the check that every \
+                     byte the device reports in use is attributed runs on a GPU only"
                 );
             }
         }
