@@ -68,6 +68,15 @@ def test_wake_arguments_are_checked_and_change_nothing(system):
         s.wake(tiers="engine_persistent")
     with pytest.raises(TypeError, match="tiers"):
         s.wake(tiers=3)
+    with pytest.raises(TypeError, match="tier name"):
+        s.wake(tiers=["weights", 3])
+    # A lone surrogate is a typed refusal, not a UnicodeEncodeError (found by
+    # the misuse driver).
+    for bad in ("\ud800", ["\ud800"]):
+        with pytest.raises(InvalidArgument, match="surrogate"):
+            s.wake(tiers=bad)
+        with pytest.raises(InvalidArgument, match="surrogate"):
+            s.sleep(1, tiers=bad)
     assert s.asleep == {"model_resident": 2, "kv_pool": 2}
     assert s.wake() == ["model_resident", "kv_pool"]
 

@@ -38,7 +38,9 @@ fn u32_opt(value: Option<&Bound<'_, PyAny>>, what: &str) -> PyResult<Option<u32>
 fn tier_names(tiers: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<String>>> {
     Ok(match tiers.filter(|t| !t.is_none()) {
         None => None,
-        Some(t) if t.is_instance_of::<pyo3::types::PyString>() => Some(vec![t.extract()?]),
+        Some(t) if t.is_instance_of::<pyo3::types::PyString>() => {
+            Some(vec![convert::text(t, "tiers")?])
+        }
         Some(t) => Some(
             t.try_iter()
                 .map_err(|_| {
@@ -46,13 +48,7 @@ fn tier_names(tiers: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<String>>>
                         "tiers: expected a tier name or an iterable of tier names (str)",
                     )
                 })?
-                .map(|n| {
-                    n.and_then(|n| n.extract::<String>()).map_err(|_| {
-                        pyo3::exceptions::PyTypeError::new_err(
-                            "tiers: every tier name must be a str",
-                        )
-                    })
-                })
+                .map(|n| convert::text(&n?, "tiers: every tier name"))
                 .collect::<PyResult<Vec<String>>>()?,
         ),
     })
