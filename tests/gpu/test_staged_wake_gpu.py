@@ -35,17 +35,8 @@ GIB = 1 << 30
 # The VMM handle cache (two 64 MiB chunks by default) and driver bookkeeping.
 SLACK = 192 * MIB
 
-SHAPE = {
-    "model_type": "qwen3",
-    "hidden_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "intermediate_size": 512,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-}
+# The shape the sleep tests plan with.
+from test_sleep_gpu import SHAPE  # noqa: E402
 
 
 def _plan(weights: int):
