@@ -244,4 +244,7 @@ def test_the_fused_model_matches_the_unfused_one(tmp_path, dtype):
         assert (a - b).abs().max().item() <= tol
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     del weights, runs, model, cache, logits
+    import gc
+
+    gc.collect()
     system.close()

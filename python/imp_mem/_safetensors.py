@@ -243,6 +243,7 @@ def load_safetensors(
     progress: bool | None = None,
     shards: Mapping[str, Any] | None = None,
     on_layout: Any = None,
+    read: bool = True,
 ) -> dict[str, Any]:
     """Loads a safetensors checkpoint (a file or a directory of shards) into
     `system`'s weights arena and returns `{name: torch.Tensor}` viewing it.
@@ -258,7 +259,8 @@ def load_safetensors(
     checkpoint lacks is refused. `on_layout`: called with the bytes the
     load lays out in T1 once they are known, before any is copied (the
     engine starts pinning the sleep buffer of exactly that size there, so
-    the pinning overlaps the copies)."""
+    the pinning overlaps the copies). `read=False` lays the tensors out and
+    leaves their bytes as the arena holds them (a probe of the layout)."""
     import torch
 
     entries = [t for f in safetensors_files(path) for t in read_header(f)]
@@ -309,7 +311,8 @@ def load_safetensors(
     if device is not None and torch.device(device) != target:
         if not (target.type == "cuda" and torch.device(device).type == "cuda"):
             raise InvalidArgument(f"device={device} but the weights arena is on {target}")
-    _stream(system, views, total, chunk_bytes, progress, target)
+    if read:
+        _stream(system, views, total, chunk_bytes, progress, target)
     return out
 
 

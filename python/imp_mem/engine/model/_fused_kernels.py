@@ -190,8 +190,8 @@ def _qkv_kernel(
         tl.store(dst + i, x1.to(PAGES.dtype.element_ty))
         tl.store(dst + HALF + i, x2.to(PAGES.dtype.element_ty))
     else:
-        x1 = x1.to(tl.float32)
-        x2 = x2.to(tl.float32)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
         pos = tl.load(POS + t).to(tl.int64)
         cos1 = tl.load(COS + pos * stride_cos + i).to(tl.float32)
         cos2 = tl.load(COS + pos * stride_cos + HALF + i).to(tl.float32)
@@ -199,15 +199,15 @@ def _qkv_kernel(
         sin2 = tl.load(SIN + pos * stride_cos + HALF + i).to(tl.float32)
         if head < HEADS:
             if HAS_NORM:
-                x1, x2 = _head_norm(x1, x2, Q_NORM, eps, HALF, dtype, MANUAL)
-            y1, y2 = _rope_half(x1, x2, cos1, cos2, sin1, sin2, dtype, MANUAL)
+                f1, f2 = _head_norm(f1, f2, Q_NORM, eps, HALF, dtype, MANUAL)
+            y1, y2 = _rope_half(f1, f2, cos1, cos2, sin1, sin2, dtype, MANUAL)
             dst = Q_OUT + t * stride_qo_t + head * stride_qo_h
             tl.store(dst + i, y1)
             tl.store(dst + HALF + i, y2)
         else:
             if HAS_NORM:
-                x1, x2 = _head_norm(x1, x2, K_NORM, eps, HALF, dtype, MANUAL)
-            y1, y2 = _rope_half(x1, x2, cos1, cos2, sin1, sin2, dtype, MANUAL)
+                f1, f2 = _head_norm(f1, f2, K_NORM, eps, HALF, dtype, MANUAL)
+            y1, y2 = _rope_half(f1, f2, cos1, cos2, sin1, sin2, dtype, MANUAL)
             dst = slot + (head - HEADS) * stride_ph
             tl.store(dst + i, y1.to(PAGES.dtype.element_ty))
             tl.store(dst + HALF + i, y2.to(PAGES.dtype.element_ty))
