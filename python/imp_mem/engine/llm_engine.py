@@ -252,7 +252,10 @@ class Engine:
             t0 = time.perf_counter()
             self._plan(budget, block_size, context, library_reserve, features)
             self.boot_seconds["plan"] = (
-                time.perf_counter() - t0 - self.boot_seconds.get("probe", 0.0)
+                time.perf_counter()
+                - t0
+                - self.boot_seconds.get("probe", 0.0)
+                - self.boot_seconds.get("reserve", 0.0)
             )
             if memory.on_gpu:
                 # Before the first collective: NCCL binds its communicator
@@ -265,7 +268,13 @@ class Engine:
         memory.nccl_bytes = memory.nccl_lost(before)
         # A swap plans with the same arguments, against the same budget (the
         # backend's shrinks once the system holds its context and reserve).
-        self._plan_args = (self.plan.budget, block_size, context, library_reserve, features)
+        self._plan_args = (
+            self.plan.budget,
+            block_size,
+            memory.context,
+            memory.library_reserve,
+            features,
+        )
 
         # -- 2. the memory system ---------------------------------------------
         t0 = time.perf_counter()
@@ -288,6 +297,7 @@ class Engine:
         # The pinning runs beside the copies: its seconds overlap the load's.
         self.boot_seconds["load"] = memory.load_seconds
         self.boot_seconds["pin"] = memory.pin_seconds
+        self._booted = True
 
     # ------------------------------------------------- what the rooms hold
 
@@ -371,7 +381,7 @@ class Engine:
         from imp_mem.engine import warmup
 
         memory = self.memory
-        if not memory.on_gpu or os.environ.get(warmup.PROBE_ENV):
+        if not memory.on_gpu or os.environ.get(warmup.CHILD_ENV):
             return None
         self._warmup_fp = warmup.fingerprint(
             self.config_dict,
@@ -392,16 +402,48 @@ class Engine:
         got = warmup.lookup(self._warmup_fp)
         probe = self._warmup_probe
         if probe is None:
-            probe = memory.torch_pool is None and self.group is None and self._own_backend
-        if got is None and probe:
+            probe = (
+                warmup.probe_by_default()
+                and memory.torch_pool is None
+                and self.group is None
+                and self._own_backend
+            )
+        # A swap plans with the system open: a probe child could not fit beside it.
+        if got is None and probe and not getattr(self, "_booted", False):
             t0 = time.perf_counter()
             got = warmup.probe(self.model_dir, self._warmup_kw)
             warmup.store(self._warmup_fp, got)
             self.boot_seconds["probe"] = time.perf_counter() - t0
         return got
 
+    def _measured_charges(self) -> tuple[int, int] | None:
+        """The CUDA context's cost and the library reserve as this machine
+        measured them (`imp_mem.reserve`'s cache; on a miss, measured now
+        where the engine probes its warm-up), so that the report attributes
+        them; None to keep the plan's defaults."""
+        from imp_mem import reserve
+        from imp_mem.engine import warmup
+
+        if not self.memory.on_gpu or os.environ.get(warmup.CHILD_ENV):
+            return None
+        try:
+            got = reserve.lookup()
+            if got is None and self._warmup_probe is not False and warmup.probe_by_default():
+                t0 = time.perf_counter()
+                got = reserve.load_or_measure(samples=3)
+                self.boot_seconds["reserve"] = time.perf_counter() - t0
+        except Exception:  # no driver to ask, a child that failed: the defaults
+            return None
+        if not got:
+            return None
+        return int(got["context_bytes"]), int(got["library_reserve_bytes"])
+
     def _plan(self, budget, block_size, context, library_reserve, features) -> None:
         c, memory, runner = self.config, self.memory, self.runner
+        if context is None and library_reserve is None and self._own_backend:
+            measured = self._measured_charges()
+            if measured is not None:
+                context, library_reserve = measured
         probe_bs = block_size or imp_mem.Limits(1, 16).block_size
         runner.set_model(c, probe_bs)
         limits = imp_mem.Limits(self.max_batch, self.max_seq_len, block_size=block_size)

@@ -246,7 +246,7 @@ class EngineMemory:
         line rate; its seconds are `pin_seconds`, inside `load_seconds`."""
         t0 = time.perf_counter()
         # A warm-up probe (`warmup.probe`) needs the layout, not the values.
-        read = not os.environ.get("IMP_MEM_WARMUP_PROBE")
+        read = not os.environ.get("IMP_MEM_WARMUP_CHILD")
         pinner = _Pinner(self.system) if pin and read else None
         try:
             weights = load_safetensors(

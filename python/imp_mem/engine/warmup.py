@@ -52,8 +52,16 @@ import imp_mem
 # The cache's layout version: a change to what is measured bumps it.
 VERSION = 1
 # Set in the probe's child process: the engine lays the weights out in T1
-# and leaves them unread.
-PROBE_ENV = "IMP_MEM_WARMUP_PROBE"
+# and leaves them unread, and probes nothing itself.
+CHILD_ENV = "IMP_MEM_WARMUP_CHILD"
+# ``IMP_MEM_WARMUP_PROBE=0`` turns the cold-boot probe off where an engine
+# was not told (`Engine(warmup_probe=...)`): the warm-up is still measured
+# and remembered, and planned from the next boot.
+DEFAULT_ENV = "IMP_MEM_WARMUP_PROBE"
+
+
+def probe_by_default() -> bool:
+    return os.environ.get(DEFAULT_ENV, "1") != "0"
 
 
 def cache_path() -> Path:
@@ -183,7 +191,7 @@ def probe(model_dir: str | Path, engine_kw: dict[str, Any], *, timeout: float = 
     its weights unread and returns what its warm-up measured
     (``{"torch", "modules"}``). Raises RuntimeError with the child's output
     when it fails."""
-    env = dict(os.environ, **{PROBE_ENV: "1"})
+    env = dict(os.environ, **{CHILD_ENV: "1"})
     args = json.dumps({"model_dir": str(model_dir), "engine_kw": engine_kw})
     proc = subprocess.run(
         [sys.executable, "-m", "imp_mem.engine.warmup", args],
