@@ -169,7 +169,7 @@ class Meter:
 
         torch.cuda.synchronize(self.device)
         free, whole = torch.cuda.mem_get_info(self.device)
-        committed = int(self.backend.stats()["total"]["committed"])
+        committed = int(self.backend.stats()["committed"])
         return whole - free, torch.cuda.memory_reserved(self.device), committed
 
     def start(self) -> None:
