@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--skip-roofline", action="store_true", help="leave out 5 and 6")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out 1 to 4")
     ap.add_argument("--boot-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.boot_child:
@@ -231,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = args.new_tokens or (32 if args.quick else 128)
     config_dict = qwen3_0_6b_config()
     config = ModelConfig.from_hf_config(config_dict)
+    if args.skip_hf:
+        batches = []
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         directory = write_random_checkpoint(tmp, config_dict)
         weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
@@ -337,6 +340,7 @@ def boot_child(spec: dict) -> int:
         keep_logits=False,
         fused=spec["fused"],
         pin_sleep_host=False,
+        progress=False,
     ) as e:
         out["boot_seconds"] = dict(e.boot_seconds)
         out["plan_total"] = e.plan.total()
@@ -371,12 +375,8 @@ def boot_child(spec: dict) -> int:
                     "step_s": dt / max(1, e.stats.decode_steps - steps0),
                     "tokens": [r.output[:8] for r in reqs[:4]],
                     "device_used": whole - free,
-                    "attributed_pct": report["device"]["attributed_pct"]
-                    if report.get("device")
-                    else None,
-                    "unattributed": report["device"]["unattributed"]
-                    if report.get("device")
-                    else None,
+                    "attributed_pct": (report.get("device") or {}).get("attribution_pct"),
+                    "unattributed": (report.get("device") or {}).get("unattributed"),
                     "steady_state": sum(
                         e.backend.stats()["steady_state_allocations_total"].values()
                     ),

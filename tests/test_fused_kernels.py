@@ -204,7 +204,9 @@ def test_the_fused_model_matches_the_unfused_one(tmp_path, dtype):
     weights = load_safetensors(system, directory)
     runs = {}
     for fused in (False, True):
-        model = PagedModel(config, weights, attention_backend="torch", fused=fused)
+        model = PagedModel(
+            config, weights, attention_backend="torch", fused=fused, fused_prefill=fused
+        )
         if fused:
             assert all(
                 layer.qkv is not None and layer.gate_up is not None for layer in model.layers

@@ -430,7 +430,7 @@ class Engine:
             got = reserve.lookup()
             if got is None and self._warmup_probe is not False and warmup.probe_by_default():
                 t0 = time.perf_counter()
-                got = reserve.load_or_measure(samples=3)
+                got = reserve.load_or_measure(samples=1)
                 self.boot_seconds["reserve"] = time.perf_counter() - t0
         except Exception:  # no driver to ask, a child that failed: the defaults
             return None
