@@ -427,7 +427,23 @@ def roofline_and_boots(quick: bool) -> None:
     prompt, new = 512, (64 if quick else 128)
     with tempfile.TemporaryDirectory(prefix="bench-roofline-") as tmp:
         cache = os.path.join(tmp, "warmup.json")
-        env = dict(os.environ, IMP_MEM_WARMUP_CACHE=cache)
+        env = dict(os.environ, IMP_MEM_WARMUP_CACHE=cache, IMP_MEM_CACHE_DIR=tmp)
+        env.pop("IMP_MEM_WARMUP_PROBE", None)
+        # The machine's calibration (CUDA context, library reserve), once per
+        # machine and software, as `measure_reserve.py` does: not a model's boot.
+        import torch
+
+        from imp_mem import reserve
+
+        torch.zeros(1, device="cuda")
+        t0 = time.perf_counter()
+        os.environ["IMP_MEM_CACHE_DIR"] = tmp
+        got = reserve.load_or_measure(samples=1)
+        print(
+            f"machine calibration: context {got['context_bytes'] / 2**20:.0f} MiB, library "
+            f"reserve {got['library_reserve_bytes'] / 2**20:.0f} MiB "
+            f"({time.perf_counter() - t0:.1f} s, once per machine)"
+        )
         shapes = [("Qwen3-8B", QWEN3_8B, [64] if quick else [64, 128], 128)]
         shapes.append(("Qwen3-0.6B", {}, [32], 32))
         for name, overrides, batches, max_batch in shapes:
