@@ -21,6 +21,22 @@ Per batch size (32 and 128; ``--quick``: 32 only, fewer tokens):
 4. The share of a decode step spent in imp-mem calls (appends, admission,
    frees, block tables), measured by the engine. Goal: <= 2 %.
 
+Then (issue 25; ``--skip-roofline`` leaves it out), Qwen3-8B's numbers
+and Qwen3-0.6B's (random weights; prompts of 512 tokens, 128 new), each
+engine booted in a fresh process so that its time to the first token
+counts from process start:
+
+5. Decode tokens/s at batch 64 and 128 (8B) and 32 (0.6B), fused kernels
+   against the unfused ones, and the fraction of the HBM roofline: the
+   bytes a step must read (every weight but the embedding, the KV of every
+   token at the mean context) over the step's time, against 4.8 TB/s.
+   Goal: >= 60 % for the 8B at batch 64.
+6. The 8B booted cold (no remembered warm-up figure: the probe child
+   measures it before the plan) and warm (the figure read back): plan
+   total against device used, goal within 1 %; the KV pool the same on
+   both; attribution >= 99 %; 0 allocations while serving; start to first
+   token, goal <= 20 s cold and <= 10 s warm, split by phase.
+
 Usage: ``python benches/bench_engine.py [--json out.json] [--quick]``.
 Needs a CUDA device, torch, transformers, triton and the imp_mem wheel.
 """
@@ -29,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -193,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="batch 32 only, fewer tokens")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--skip-roofline", action="store_true", help="leave out 5 and 6")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out 1 to 4")
+    ap.add_argument("--boot-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.boot_child:
+        return boot_child(json.loads(args.boot_child))
 
     import torch
 
@@ -209,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = args.new_tokens or (32 if args.quick else 128)
     config_dict = qwen3_0_6b_config()
     config = ModelConfig.from_hf_config(config_dict)
+    if args.skip_hf:
+        batches = []
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         directory = write_random_checkpoint(tmp, config_dict)
         weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
@@ -278,8 +303,227 @@ def main(argv: list[str] | None = None) -> int:
                 f"{100 * ours['imp_mem_share']:.2f} %   goal <= 2 %; acquisitions while "
                 f"serving: {ours['steady_state']}"
             )
+    if not args.skip_roofline:
+        roofline_and_boots(args.quick)
     write_json(args.json, ROWS)
     return 0
+
+
+# -- 5 and 6: the roofline and the boots ------------------------------------
+
+HBM_TBS = 4.8
+QWEN3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    num_hidden_layers=36,
+    tie_word_embeddings=False,
+    max_position_embeddings=40960,
+)
+
+
+def boot_child(spec: dict) -> int:
+    """One engine in this (fresh) process: boots, serves each workload of
+    `spec`, prints a JSON line of what it measured."""
+    import torch
+
+    import imp_mem
+    from imp_mem.engine.llm_engine import Engine, EngineStats
+
+    out: dict = {"workloads": []}
+    with Engine(
+        spec["dir"],
+        max_batch=spec["max_batch"],
+        max_seq_len=spec["prompt"] + spec["new"],
+        keep_logits=False,
+        fused=spec["fused"],
+        pin_sleep_host=False,
+        progress=False,
+    ) as e:
+        out["boot_seconds"] = dict(e.boot_seconds)
+        out["plan_total"] = e.plan.total()
+        out["plan_warmup"] = e.plan.warmup
+        out["kv_blocks"] = e.plan.kv_blocks
+        out["warmup_planned"] = e.warmup_planned
+        out["warmup_measured"] = e.warmup_measured
+        for batch in spec["batches"]:
+            rng = random.Random(batch)
+            prompts = [
+                [rng.randrange(e.config.vocab_size) for _ in range(spec["prompt"])]
+                for _ in range(batch)
+            ]
+            e.stats = EngineStats()
+            reqs = [e.submit(p, spec["new"]) for p in prompts]
+            e.step()  # admits and prefills every request, decodes once
+            if "first_token_seconds" not in out:
+                out["first_token_seconds"] = e.first_token_seconds
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            steps0, tokens0 = e.stats.decode_steps, e.stats.decode_tokens
+            while e.scheduler.has_work:
+                e.step()
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            free, whole = torch.cuda.mem_get_info()
+            report = e.mem_report()
+            out["workloads"].append(
+                {
+                    "batch": batch,
+                    "tok_s": (e.stats.decode_tokens - tokens0) / dt,
+                    "step_s": dt / max(1, e.stats.decode_steps - steps0),
+                    "tokens": [r.output[:8] for r in reqs[:4]],
+                    "device_used": whole - free,
+                    "attributed_pct": (report.get("device") or {}).get("attribution_pct"),
+                    "unattributed": (report.get("device") or {}).get("unattributed"),
+                    "steady_state": sum(
+                        e.backend.stats()["steady_state_allocations_total"].values()
+                    ),
+                }
+            )
+        out["report"] = e.mem_report_text()
+    del imp_mem
+    print("BOOT " + json.dumps(out), flush=True)
+    return 0
+
+
+def run_boot(spec: dict, env: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--boot-child", json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BOOT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"boot child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][5:])
+
+
+def step_bytes(config, batch: int, context: float) -> float:
+    """What a decode step must read: every weight but the embedding (the
+    head too, tied or not), and the K/V of every token of every sequence."""
+    h, v = config.hidden_size, config.vocab_size
+    layer = (
+        h * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        + config.num_heads * config.head_dim * h
+        + 3 * h * config.intermediate_size
+        + 2 * h
+        + 2 * config.head_dim
+    )
+    weights = 2 * (config.num_layers * layer + v * h + h)
+    kv = batch * context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2
+    return weights + kv
+
+
+def roofline_and_boots(quick: bool) -> None:
+    import os
+
+    from imp_mem.engine.checkpoint import write_random_checkpoint
+    from imp_mem.engine.config import ModelConfig, qwen3_0_6b_config
+
+    prompt, new = 512, (64 if quick else 128)
+    with tempfile.TemporaryDirectory(prefix="bench-roofline-") as tmp:
+        cache = os.path.join(tmp, "warmup.json")
+        env = dict(os.environ, IMP_MEM_WARMUP_CACHE=cache, IMP_MEM_CACHE_DIR=tmp)
+        env.pop("IMP_MEM_WARMUP_PROBE", None)
+        # The machine's calibration (CUDA context, library reserve), once per
+        # machine and software, as `measure_reserve.py` does: not a model's boot.
+        import torch
+
+        from imp_mem import reserve
+
+        torch.zeros(1, device="cuda")
+        t0 = time.perf_counter()
+        os.environ["IMP_MEM_CACHE_DIR"] = tmp
+        got = reserve.load_or_measure(samples=1)
+        print(
+            f"machine calibration: context {got['context_bytes'] / 2**20:.0f} MiB, library "
+            f"reserve {got['library_reserve_bytes'] / 2**20:.0f} MiB "
+            f"({time.perf_counter() - t0:.1f} s, once per machine)"
+        )
+        shapes = [("Qwen3-8B", QWEN3_8B, [64] if quick else [64, 128], 128)]
+        shapes.append(("Qwen3-0.6B", {}, [32], 32))
+        for name, overrides, batches, max_batch in shapes:
+            config_dict = qwen3_0_6b_config()
+            config_dict.update(overrides)
+            config = ModelConfig.from_hf_config(config_dict)
+            directory = write_random_checkpoint(
+                os.path.join(tmp, name), config_dict, scale=0.02, device="cuda"
+            )
+            base = dict(dir=str(directory), max_batch=max_batch, prompt=prompt, new=new)
+            runs = {}
+            runs["cold"] = run_boot(dict(base, fused=True, batches=batches), env)
+            if name == "Qwen3-8B":
+                runs["warm"] = run_boot(dict(base, fused=True, batches=batches), env)
+            runs["unfused"] = run_boot(dict(base, fused=False, batches=batches), env)
+            print(f"-- {name}: {runs['cold']['report']}")
+            context = prompt + new / 2
+            for i, batch in enumerate(batches):
+                fused = runs["cold"]["workloads"][i]
+                unfused = runs["unfused"]["workloads"][i]
+                need = step_bytes(config, batch, context)
+                for what, w in (("fused", fused), ("unfused", unfused)):
+                    frac = need / w["step_s"] / (HBM_TBS * 1e12)
+                    print(
+                        f"{name} batch {batch} {what:8s} {w['tok_s']:9.0f} tok/s  step "
+                        f"{w['step_s'] * 1e3:6.2f} ms  {need / 1e9:5.2f} GB  "
+                        f"{frac * 100:5.1f} % of HBM roofline"
+                    )
+                    w["roofline"] = frac
+                same = sum(a == b for a, b in zip(fused["tokens"], unfused["tokens"], strict=True))
+                row(
+                    f"{name} decode tokens/s, batch {batch}, fused",
+                    fused["tok_s"],
+                    "unfused",
+                    unfused["tok_s"],
+                    ">= 60 % of the HBM roofline (8B, batch 64)",
+                    higher_is_better=True,
+                )
+                ROWS[-1].update(
+                    roofline_fused=round(fused["roofline"], 4),
+                    roofline_unfused=round(unfused["roofline"], 4),
+                    greedy_prefix_equal=f"{same}/{len(fused['tokens'])}",
+                )
+            for boot in ("cold", "warm"):
+                if boot not in runs:
+                    continue
+                r = runs[boot]
+                w = r["workloads"][0]
+                split = ", ".join(f"{k} {v:.2f}" for k, v in r["boot_seconds"].items())
+                off = (w["device_used"] / r["plan_total"] - 1) * 100
+                print(
+                    f"{name} {boot} boot: first token {r['first_token_seconds']:.2f} s from "
+                    f"process start ({split}); plan {r['plan_total'] / 2**20:.0f} MiB vs device "
+                    f"used {w['device_used'] / 2**20:.0f} MiB ({off:+.2f} %); "
+                    f"warm-up line {r['plan_warmup'] / 2**20:.0f} MiB, measured "
+                    f"{r['warmup_measured']}; KV blocks {r['kv_blocks']}; attributed "
+                    f"{w['attributed_pct']} %; allocations while serving {w['steady_state']}"
+                )
+                ROWS.append(
+                    {
+                        "benchmark": f"{name} {boot} boot",
+                        "first_token_s": round(r["first_token_seconds"], 3),
+                        "boot_seconds": {k: round(v, 3) for k, v in r["boot_seconds"].items()},
+                        "plan_total": r["plan_total"],
+                        "device_used": w["device_used"],
+                        "plan_vs_device": round(w["device_used"] / r["plan_total"] - 1, 5),
+                        "kv_blocks": r["kv_blocks"],
+                        "attributed_pct": w["attributed_pct"],
+                        "steady_state": w["steady_state"],
+                        "goal": "within 1 %; >= 99 % attributed; 0; <= 20 s cold, <= 10 s warm",
+                    }
+                )
+            if "warm" in runs:
+                print(
+                    f"{name} KV pool: cold {runs['cold']['kv_blocks']} blocks, warm "
+                    f"{runs['warm']['kv_blocks']} blocks"
+                )
+            import shutil
+
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

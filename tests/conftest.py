@@ -82,3 +82,9 @@ def imp_mem_token_path(name: str):
     finally:
         core._set_buffer_protocol(buffer)
         core._set_numpy_direct(direct)
+
+
+# An engine's cold boot measures its warm-up in a probe child (issue 25):
+# seconds per engine, across the GPU tests' dozens of engines. The probe's
+# own test turns it on where it checks it.
+os.environ.setdefault("IMP_MEM_WARMUP_PROBE", "0")

@@ -1,4 +1,5 @@
-"""The paged decode kernels compile for the H200 (sm_90) without a GPU
+"""The paged decode kernels and the fused decode kernels compile for the
+H200 (sm_90) without a GPU
 (issue 13): Triton's own ptxas turns them into a cubin here, which catches
 what the interpreter does not check (layouts, dot shapes, types). The launch
 defaults must not spill registers. Runs in a subprocess, because the
@@ -43,7 +44,8 @@ SCRIPT = textwrap.dedent(
         # Strides and pointers divisible by 16, as Triton specialises them at
         # a launch over the engine's pages.
         div = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-               if n.startswith(("stride", "Q", "KV", "O", "LSE", "POS", "TABLES", "OUT"))}
+               if n not in consts
+               and n.startswith(("stride", "Q", "KV", "O", "LSE", "POS", "TABLES", "OUT"))}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=div)
         c = triton.compile(src, target=target, options=options)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
@@ -61,13 +63,27 @@ SCRIPT = textwrap.dedent(
     out = {}
     for window in (False, True):
         consts = dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT_TOKENS=128,
-                      TILE=K.DEFAULT_TILE, HAS_WINDOW=window, DOT_FP32=False)
+                      TILE=K.DEFAULT_TILE, HAS_WINDOW=window, DOT_FP32=False,
+                      EARLY_V=K.DEFAULT_EARLY_V)
         out[f"split window={window}"] = compile(
             K._split_kernel, split_args, consts,
             {"num_warps": K.DEFAULT_WARPS, "num_stages": K.DEFAULT_STAGES})
         consts = dict(HEAD_DIM=128, SPLIT_TOKENS=128, BLOCK_S=8, HAS_WINDOW=window)
         out[f"merge window={window}"] = compile(K._merge_kernel, merge_args, consts,
                                                 {"num_warps": 1})
+    # The fused decode kernels (issue 25), as the engine launches them.
+    from imp_mem.engine.model import _fused_kernels as F
+    out["add_rms"] = compile(
+        F._add_rms_kernel, ["*bf16"] * 5 + ["i32"] * 5 + ["fp32"],
+        dict(HAS_DELTA=True, UNIT_OFFSET=False, BLOCK=4096, MANUAL=False), {"num_warps": 16})
+    for norm in (True, False):
+        out[f"qkv norm={norm}"] = compile(
+            F._qkv_kernel,
+            ["*bf16"] * 5 + ["*i64", "*bf16", "*i64", "*i64", "*bf16"] + ["i32"] * 8 + ["fp32"],
+            dict(HEADS=32, KV_HEADS=8, HALF=64, HAS_NORM=norm, MANUAL=False), {"num_warps": 1})
+    out["silu_mul"] = compile(
+        F._silu_mul_kernel, ["*bf16", "*bf16", "i32", "i32", "i32"],
+        dict(BLOCK=1024, MANUAL=False), {"num_warps": 4})
     print(json.dumps(out))
     """
 )
@@ -80,7 +96,7 @@ def test_kernels_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(result) == 4
+    assert len(result) == 8
     for name, kernel in result.items():
         assert kernel["cubin"] > 0, name
         assert kernel["spill_bytes"] == 0, f"{name} spills registers: {kernel}"

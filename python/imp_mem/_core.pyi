@@ -978,6 +978,7 @@ class Features:
         activation_bytes: ByteCount | None = None,
         engine_kv_blocks: int | None = None,
         engine_swa_blocks: int | None = None,
+        warmup_bytes: ByteCount | None = None,
     ) -> None: ...
     @property
     def spec_depth(self) -> int: ...
@@ -1004,6 +1005,9 @@ class Features:
     @property
     def engine_swa_blocks(self) -> int:
         """The same for the sliding-window pool."""
+    @property
+    def warmup_bytes(self) -> int:
+        """What a warm-up leaves outside the tiers, measured (the `warmup` line)."""
 
 @final
 class PlanInput:
@@ -1081,6 +1085,9 @@ class MemoryPlan:
     def library_reserve(self) -> int: ...
     @property
     def context(self) -> int: ...
+    @property
+    def warmup(self) -> int:
+        """The measured warm-up line (`Features.warmup_bytes`); 0 without one."""
     @property
     def headroom(self) -> int: ...
     @property

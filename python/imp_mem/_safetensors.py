@@ -168,15 +168,58 @@ def read_header(file: Path) -> list[TensorEntry]:
     return out
 
 
+# Projections a model multiplies by the same input, laid out back to back in
+# T1 so that one GEMM reads them as one matrix (the engine's fused decode).
+FUSED_ROWS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fusion_order(entries: list[TensorEntry]) -> tuple[list[TensorEntry], set[str]]:
+    """`entries` in placement order: file order, except that the members of
+    a `FUSED_ROWS` group (same module, same dtype, 2-D with equal columns)
+    follow their group's first member in the group's order. Returns the
+    order and the names placed right after their predecessor, unaligned."""
+    by_name = {t.name: t for t in entries}
+    groups: dict[str, list[TensorEntry]] = {}
+    for parts in FUSED_ROWS:
+        for t in entries:
+            module, _, leaf = t.name.rpartition(".")
+            prefix, _, part = module.rpartition(".")
+            if leaf != "weight" or part != parts[0]:
+                continue
+            members = [by_name.get(f"{prefix}.{x}.weight") for x in parts]
+            if all(
+                m is not None
+                and m.dtype == t.dtype
+                and len(m.shape) == 2
+                and m.shape[1] == t.shape[1]
+                for m in members
+            ):
+                group = [m for m in members if m is not None]
+                for m in group:
+                    groups[m.name] = group
+    order, seen, glued = [], set(), set()
+    for t in entries:
+        if t.name in seen:
+            continue
+        for m in groups.get(t.name, [t]):
+            order.append(m)
+            seen.add(m.name)
+        glued.update(m.name for m in groups.get(t.name, [t])[1:])
+    return order, glued
+
+
 def plan_layout(entries: list[TensorEntry], limit: int) -> tuple[list[TensorEntry], int]:
-    """Aligned offsets for `entries` in order; refuses the first tensor
-    whose end passes `limit`. Returns the placed entries and the end."""
+    """Offsets for `entries` in placement order (`fusion_order`): each
+    aligned to `ALIGN`, except a fused group's later members, which follow
+    the one before them directly. Refuses the first tensor whose end passes
+    `limit`. Returns the placed entries and the end."""
     placed, cursor, names = [], 0, set()
+    entries, glued = fusion_order(entries)
     for t in entries:
         if t.name in names:
             raise InvalidArgument(f"tensor {t.name!r} appears in two files ({t.file})")
         names.add(t.name)
-        offset = -(-cursor // ALIGN) * ALIGN
+        offset = cursor if t.name in glued else -(-cursor // ALIGN) * ALIGN
         end = offset + t.nbytes
         if end > limit:
             err = WeightsOverflow(
@@ -200,6 +243,7 @@ def load_safetensors(
     progress: bool | None = None,
     shards: Mapping[str, Any] | None = None,
     on_layout: Any = None,
+    read: bool = True,
 ) -> dict[str, Any]:
     """Loads a safetensors checkpoint (a file or a directory of shards) into
     `system`'s weights arena and returns `{name: torch.Tensor}` viewing it.
@@ -215,7 +259,8 @@ def load_safetensors(
     checkpoint lacks is refused. `on_layout`: called with the bytes the
     load lays out in T1 once they are known, before any is copied (the
     engine starts pinning the sleep buffer of exactly that size there, so
-    the pinning overlaps the copies)."""
+    the pinning overlaps the copies). `read=False` lays the tensors out and
+    leaves their bytes as the arena holds them (a probe of the layout)."""
     import torch
 
     entries = [t for f in safetensors_files(path) for t in read_header(f)]
@@ -239,20 +284,35 @@ def load_safetensors(
 
     out: dict[str, Any] = {}
     views = []
+    # One arena span a run of tensors placed back to back (a fused group),
+    # carved into each member's bytes.
+    runs: list[list[TensorEntry]] = []
+    glued = fusion_order(entries)[1]
     for t in placed:
-        torch_dtype = getattr(torch, DTYPES[t.dtype][0])
-        if t.nbytes == 0:
-            out[t.name] = torch.empty(t.shape, dtype=torch_dtype, device=_torch_device(system))
-            continue
-        span = arena.take(t.nbytes, ALIGN)
-        raw = torch.from_dlpack(span)
-        views.append((t, raw))
-        out[t.name] = raw.view(torch_dtype).view(t.shape)
+        if runs and t.name in glued:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    for run in runs:
+        start = run[0].offset
+        size = run[-1].offset + run[-1].nbytes - start
+        whole = torch.from_dlpack(arena.take(size, ALIGN)) if size else None
+        for t in run:
+            torch_dtype = getattr(torch, DTYPES[t.dtype][0])
+            if t.nbytes == 0:
+                out[t.name] = torch.empty(t.shape, dtype=torch_dtype, device=_torch_device(system))
+                continue
+            raw = whole[t.offset - start : t.offset - start + t.nbytes]
+            views.append((t, raw))
+            out[t.name] = raw.view(torch_dtype).view(t.shape)
+    # Read in file order, whatever the placement.
+    views.sort(key=lambda v: (str(v[0].file), v[0].begin))
     target = views[0][1].device if views else _torch_device(system)
     if device is not None and torch.device(device) != target:
         if not (target.type == "cuda" and torch.device(device).type == "cuda"):
             raise InvalidArgument(f"device={device} but the weights arena is on {target}")
-    _stream(system, views, total, chunk_bytes, progress, target)
+    if read:
+        _stream(system, views, total, chunk_bytes, progress, target)
     return out
 
 

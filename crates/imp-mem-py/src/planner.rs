@@ -406,7 +406,7 @@ impl PyFeatures {
                         lora_slots = None, lora_rank = None, scratch_bytes = None,
                         engine_persistent_bytes = None, kv_host_bytes = None,
                         activation_bytes = None, engine_kv_blocks = None,
-                        engine_swa_blocks = None))]
+                        engine_swa_blocks = None, warmup_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         spec_depth: Option<&Bound<'_, PyAny>>,
@@ -420,6 +420,7 @@ impl PyFeatures {
         activation_bytes: Option<&Bound<'_, PyAny>>,
         engine_kv_blocks: Option<&Bound<'_, PyAny>>,
         engine_swa_blocks: Option<&Bound<'_, PyAny>>,
+        warmup_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let count = |v: Option<&Bound<'_, PyAny>>, what: &str| -> PyResult<u32> {
             match v.filter(|v| !v.is_none()) {
@@ -439,6 +440,7 @@ impl PyFeatures {
             activation_bytes: opt_size(activation_bytes, "activation_bytes")?,
             engine_kv_blocks: count(engine_kv_blocks, "engine_kv_blocks")?.into(),
             engine_swa_blocks: count(engine_swa_blocks, "engine_swa_blocks")?.into(),
+            warmup_bytes: opt_size(warmup_bytes, "warmup_bytes")?.unwrap_or(0),
         };
         if inner.lora_slots > 0 && inner.lora_rank == 0 {
             return Err(invalid("lora_rank: must be at least 1 when lora_slots > 0"));
@@ -492,6 +494,11 @@ impl PyFeatures {
     #[getter]
     fn engine_swa_blocks(&self) -> u64 {
         self.inner.engine_swa_blocks
+    }
+    /// What a warm-up leaves outside the tiers, measured (the `warmup` line).
+    #[getter]
+    fn warmup_bytes(&self) -> u64 {
+        self.inner.warmup_bytes
     }
 
     fn __repr__(&self) -> String {
@@ -708,6 +715,11 @@ impl PyMemoryPlan {
     #[getter]
     fn context(&self) -> u64 {
         self.inner.context
+    }
+    /// The measured warm-up line (`Features.warmup_bytes`); 0 without one.
+    #[getter]
+    fn warmup(&self) -> u64 {
+        self.inner.warmup
     }
     /// `budget - total()`.
     #[getter]

@@ -99,3 +99,31 @@ def write_random_checkpoint(
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n")
     return directory
+
+
+def pack_fused(weights: dict[str, Any]) -> dict[str, Any]:
+    """`weights` with each fused group (`imp_mem._safetensors.FUSED_ROWS`:
+    q/k/v, gate/up) copied into one tensor and returned as views of it, as
+    the loader lays them out in T1, so `PagedModel` runs them as one GEMM
+    each. For weights made outside an imp-mem arena (tests, benchmarks)."""
+    import torch
+
+    from imp_mem._safetensors import FUSED_ROWS
+
+    out = dict(weights)
+    for name in weights:
+        module, _, leaf = name.rpartition(".")
+        prefix, _, part = module.rpartition(".")
+        for parts in FUSED_ROWS:
+            if leaf != "weight" or part != parts[0]:
+                continue
+            names = [f"{prefix}.{p}.weight" for p in parts]
+            if not all(n in weights for n in names):
+                continue
+            whole = torch.cat([weights[n] for n in names])
+            at = 0
+            for n in names:
+                rows = weights[n].shape[0]
+                out[n] = whole[at : at + rows]
+                at += rows
+    return out

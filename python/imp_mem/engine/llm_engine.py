@@ -53,6 +53,7 @@ Thread safety: none; one thread drives an engine.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,23 @@ class EngineStats:
         return self.decode_imp_mem_seconds / self.decode_seconds if self.decode_seconds else 0.0
 
 
+def _since_process_start() -> float:
+    """Seconds since this process started (Linux's /proc; elsewhere since
+    this module was imported)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start)
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
+
+
 class Engine:
     """A continuous-batching greedy decoder over one model directory (HF
     ``config.json`` + safetensors), all of whose memory is imp-mem's.
@@ -113,6 +131,15 @@ class Engine:
     itself (the padding block; a sliding model's ring), planned as
     `Features.engine_kv_blocks`. `swap_model` serves another checkpoint in
     place (T2 and every address kept).
+    `fused`: the fused decode kernels (`model._fused_kernels`; default: on
+    a GPU). `warmup_probe`: on a cold boot (no remembered figure for this
+    engine's fingerprint), measure what the warm-up leaves outside the tiers
+    in a child process before planning, so the plan's ``warmup`` line and
+    the KV pool are exact on the first boot (`imp_mem.engine.warmup`;
+    default: on a GPU with torch's own allocator, TP = 1 and the default
+    backend). `boot_seconds` splits the boot (probe, plan, open, load, pin,
+    warm_up, capture); `first_token_seconds` is the first token's time from
+    process start.
     `group`: a ``torch.distributed`` process group to serve a tensor-parallel
     shard over (module doc); default None, TP = 1. With a group, the default
     backend is `VmmBackend` on device ``LOCAL_RANK`` (else the group rank).
@@ -143,8 +170,13 @@ class Engine:
         activation_bytes: int | None = None,
         group: Any = None,
         pin_sleep_host: bool | None = None,
+        fused: bool | None = None,
+        warmup_probe: bool | None = None,
     ) -> None:
         t_open = time.perf_counter()
+        self.boot_seconds: dict[str, float] = {}
+        self.first_token_seconds: float | None = None
+        self.fused = fused
         self.model_dir = Path(model_dir)
         self.config_dict = read_config_json(self.model_dir, "model_dir")
         self.config = ModelConfig.from_hf_config(self.config_dict)
@@ -185,8 +217,30 @@ class Engine:
         # -- 1. the plan -------------------------------------------------------
         self._open_args = (enable_prefix_caching, buckets, graphs, attention_backend, progress)
         memory = self.memory
+        # What the warm-up leaves outside the tiers, planned (`warmup`): the
+        # engine arguments a probe child re-runs, and what decides the bytes.
+        self._warmup_kw = dict(
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            budget=budget if isinstance(budget, (int, str)) else None,
+            block_size=block_size,
+            prefill_chunk=self.prefill_chunk,
+            buckets=list(buckets) if buckets is not None else None,
+            graphs=graphs,
+            attention_backend=attention_backend,
+            enable_prefix_caching=enable_prefix_caching,
+            context=context,
+            library_reserve=library_reserve,
+            keep_logits=keep_logits,
+            fused=fused,
+            progress=False,
+        )
+        self._warmup_probe = warmup_probe
+        self.warmup_planned: dict[str, int] | None = None
+        self.warmup_measured: dict[str, int] | None = None
         error = None
         try:
+            self._own_backend = backend is None
             memory.resolve_backend(backend, budget, self.tp)
             self.runner = ModelRunner(
                 memory,
@@ -195,7 +249,14 @@ class Engine:
                 prefill_chunk=self.prefill_chunk,
                 keep_logits=keep_logits,
             )
+            t0 = time.perf_counter()
             self._plan(budget, block_size, context, library_reserve, features)
+            self.boot_seconds["plan"] = (
+                time.perf_counter()
+                - t0
+                - self.boot_seconds.get("probe", 0.0)
+                - self.boot_seconds.get("reserve", 0.0)
+            )
             if memory.on_gpu:
                 # Before the first collective: NCCL binds its communicator
                 # to the current device.
@@ -207,16 +268,36 @@ class Engine:
         memory.nccl_bytes = memory.nccl_lost(before)
         # A swap plans with the same arguments, against the same budget (the
         # backend's shrinks once the system holds its context and reserve).
-        self._plan_args = (self.plan.budget, block_size, context, library_reserve, features)
+        self._plan_args = (
+            self.plan.budget,
+            block_size,
+            memory.context,
+            memory.library_reserve,
+            features,
+        )
 
         # -- 2. the memory system ---------------------------------------------
+        t0 = time.perf_counter()
         memory.open()
+        self.boot_seconds["open"] = time.perf_counter() - t0
+        self._meter = None
+        if memory.on_gpu:
+            from imp_mem.engine.warmup import Meter
+
+            self._meter = Meter(
+                memory.device, memory.backend, torch_outside=memory.torch_pool is None
+            )
+            self._meter.start()
         try:
             self._open()
         except BaseException:
             self.close()
             raise
         self.open_seconds = time.perf_counter() - t_open
+        # The pinning runs beside the copies: its seconds overlap the load's.
+        self.boot_seconds["load"] = memory.load_seconds
+        self.boot_seconds["pin"] = memory.pin_seconds
+        self._booted = True
 
     # ------------------------------------------------- what the rooms hold
 
@@ -291,14 +372,91 @@ class Engine:
 
     # --------------------------------------------------------------- setup
 
+    def _warmup_figure(self, block_size: int) -> dict[str, int] | None:
+        """The warm-up's bytes for the plan's `warmup` line (`warmup`
+        module): remembered under this engine's fingerprint, else measured
+        by a probe child (cold boot), where the engine can re-run itself
+        there (a GPU, torch's own allocator, TP = 1, no caller's backend or
+        features); None where there is no figure to plan."""
+        from imp_mem.engine import warmup
+
+        memory = self.memory
+        if not memory.on_gpu or os.environ.get(warmup.CHILD_ENV):
+            return None
+        self._warmup_fp = warmup.fingerprint(
+            self.config_dict,
+            {
+                "max_batch": self.max_batch,
+                "max_seq_len": self.max_seq_len,
+                "prefill_chunk": self.prefill_chunk,
+                "block_size": block_size,
+                "buckets": self._warmup_kw["buckets"],
+                "graphs": self._warmup_kw["graphs"],
+                "attention_backend": self._warmup_kw["attention_backend"],
+                "fused": self.fused,
+                "keep_logits": self.keep_logits,
+                "tp": self.tp.tp,
+                "torch_outside": memory.torch_pool is None,
+            },
+        )
+        got = warmup.lookup(self._warmup_fp)
+        probe = self._warmup_probe
+        if probe is None:
+            probe = (
+                warmup.probe_by_default()
+                and memory.torch_pool is None
+                and self.group is None
+                and self._own_backend
+            )
+        # A swap plans with the system open: a probe child could not fit beside it.
+        if got is None and probe and not getattr(self, "_booted", False):
+            t0 = time.perf_counter()
+            got = warmup.probe(self.model_dir, self._warmup_kw)
+            warmup.store(self._warmup_fp, got)
+            self.boot_seconds["probe"] = time.perf_counter() - t0
+        return got
+
+    def _measured_charges(self) -> tuple[int, int] | None:
+        """The CUDA context's cost and the library reserve as this machine
+        measured them (`imp_mem.reserve`'s cache; on a miss, measured now
+        where the engine probes its warm-up), so that the report attributes
+        them; None to keep the plan's defaults."""
+        from imp_mem import reserve
+        from imp_mem.engine import warmup
+
+        if not self.memory.on_gpu or os.environ.get(warmup.CHILD_ENV):
+            return None
+        try:
+            got = reserve.lookup()
+            if got is None and self._warmup_probe is not False and warmup.probe_by_default():
+                t0 = time.perf_counter()
+                got = reserve.load_or_measure(samples=1)
+                self.boot_seconds["reserve"] = time.perf_counter() - t0
+        except Exception:  # no driver to ask, a child that failed: the defaults
+            return None
+        if not got:
+            return None
+        return int(got["context_bytes"]), int(got["library_reserve_bytes"])
+
     def _plan(self, budget, block_size, context, library_reserve, features) -> None:
         c, memory, runner = self.config, self.memory, self.runner
+        if context is None and library_reserve is None and self._own_backend:
+            measured = self._measured_charges()
+            if measured is not None:
+                context, library_reserve = measured
         probe_bs = block_size or imp_mem.Limits(1, 16).block_size
         runner.set_model(c, probe_bs)
         limits = imp_mem.Limits(self.max_batch, self.max_seq_len, block_size=block_size)
         default = None
         if features is None:
-            default = memory.features(t2_bytes(runner.groups(probe_bs)), runner.engine_blocks)
+            self.warmup_planned = self._warmup_figure(probe_bs)
+            from imp_mem.engine.warmup import total
+
+            default = memory.features(
+                t2_bytes(runner.groups(probe_bs)),
+                runner.engine_blocks,
+                warmup_bytes=total(self.warmup_planned),
+            )
         memory.make_plan(
             self.model_dir,
             c,
@@ -336,11 +494,25 @@ class Engine:
             swa_window=c.sliding_window if self.sliding else None,
             fingerprint=str(self.model_dir.name),
         )
-        self.runner.load(weights, self.kv, attention_backend=attention_backend, tp=self.tp)
+        self.runner.load(
+            weights, self.kv, attention_backend=attention_backend, tp=self.tp, fused=self.fused
+        )
         self.scheduler = Scheduler(self.kv, max_batch=self.max_batch, max_seq_len=self.max_seq_len)
 
     def _serve(self, buckets, graphs, *, begin: bool = True) -> None:
         self.runner.serve(buckets, graphs)
+        self.boot_seconds["warm_up"] = self.runner.warm_up_seconds
+        self.boot_seconds["capture"] = self.runner.capture_seconds
+        meter = getattr(self, "_meter", None)
+        if meter is not None and meter.measured is None:
+            self.warmup_measured = meter.stop()
+            self.memory.warmup_modules = self.warmup_measured["modules"]
+            self.memory.charge_torch()
+            fp = getattr(self, "_warmup_fp", None)
+            if fp is not None and self.warmup_planned is None:
+                from imp_mem.engine import warmup
+
+                warmup.store(fp, self.warmup_measured)  # planned from the next boot
         if begin:
             self.system.begin_serving()
         self.stats = EngineStats()  # serving starts here
@@ -371,6 +543,8 @@ class Engine:
             kv_dec = sched.kv_seconds
             imp_dec = runner.imp_mem_seconds
             batch = sched.prepare_decode()
+            if out and self.first_token_seconds is None:
+                self.first_token_seconds = _since_process_start()
             if batch:
                 tokens, b = runner.decode(batch)
                 stats.bucket_steps[b] = stats.bucket_steps.get(b, 0) + 1

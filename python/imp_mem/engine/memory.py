@@ -88,6 +88,8 @@ class EngineMemory:
         self.pin_seconds = 0.0
         self.pinned_bytes = 0
         self.weights_over_share = 0
+        # The kernel modules the warm-up loaded (`warmup.Meter`), once measured.
+        self.warmup_modules: int | None = None
 
     # ------------------------------------------------------------- the plan
 
@@ -143,7 +145,9 @@ class EngineMemory:
         self.plan = imp_mem.plan_memory(self.plan_input)
         return self.plan
 
-    def features(self, t2_bytes: int, engine_blocks: Sequence[int]) -> Any:
+    def features(
+        self, t2_bytes: int, engine_blocks: Sequence[int], *, warmup_bytes: int = 0
+    ) -> Any:
         """What the plan sizes beyond the model and its KV: T2 exactly as
         the runner uses it, and T4 (the forward-pass scratch stack) at its
         minimum unless `torch_pool` may draw activations from it or
@@ -158,6 +162,7 @@ class EngineMemory:
             activation_bytes=self.activation_bytes,
             engine_kv_blocks=engine_blocks[0],
             engine_swa_blocks=engine_blocks[1],
+            warmup_bytes=warmup_bytes,
         )
 
     # ------------------------------------------------------------- opening
@@ -240,7 +245,9 @@ class EngineMemory:
         (`MemorySystem.pin_sleep_host`), so the first sleep copies at the
         line rate; its seconds are `pin_seconds`, inside `load_seconds`."""
         t0 = time.perf_counter()
-        pinner = _Pinner(self.system) if pin else None
+        # A warm-up probe (`warmup.probe`) needs the layout, not the values.
+        read = not os.environ.get("IMP_MEM_WARMUP_CHILD")
+        pinner = _Pinner(self.system) if pin and read else None
         try:
             weights = load_safetensors(
                 self.system,
@@ -248,6 +255,7 @@ class EngineMemory:
                 progress=progress,
                 shards=tp.shards(),
                 on_layout=pinner.start if pinner else None,
+                read=read,
             )
         finally:
             if pinner is not None:
@@ -295,7 +303,17 @@ class EngineMemory:
 
     def charge_torch(self) -> None:
         """Names torch's reserved bytes in the report when torch's own
-        allocator serves the forward pass."""
+        allocator serves the forward pass. Once the warm-up was measured
+        (`warmup_modules` set), they are charged with the kernel modules
+        against the plan's ``warmup`` line instead."""
+        if self.on_gpu and self.warmup_modules is not None:
+            outside = torch.cuda.memory_reserved(self.device) if self.torch_pool is None else 0
+            self.system.set_charge(
+                "warmup",
+                outside + self.warmup_modules,
+                "warm-up: graph pools, activations, kernel modules",
+            )
+            return
         if self.on_gpu and self.torch_pool is None:
             self.system.set_charge(
                 "torch",

@@ -184,6 +184,8 @@ class ModelRunner:
         self.on_gpu = memory.on_gpu
         self._stream: Any = None
         self.graphs: dict[int, Any] = {}
+        self.warm_up_seconds = 0.0
+        self.capture_seconds = 0.0
         # Seconds spent in imp-mem calls (block tables), for EngineStats.
         self.imp_mem_seconds = 0.0
 
@@ -207,7 +209,13 @@ class ModelRunner:
         )
 
     def load(
-        self, weights: dict[str, torch.Tensor], kv: Any, *, attention_backend: str | None, tp: Any
+        self,
+        weights: dict[str, torch.Tensor],
+        kv: Any,
+        *,
+        attention_backend: str | None,
+        tp: Any,
+        fused: bool | None = None,
     ) -> None:
         """The model over `weights`, the KV pools as tensors, the runner's
         own blocks from `kv` (the manager), T2 carved (once: a model swap
@@ -222,6 +230,7 @@ class ModelRunner:
             attention_backend=attention_backend,
             max_positions=self.max_seq_len,
             tp=tp,
+            fused=fused,
         )
         kv_dtype = getattr(torch, _KV_DTYPES[self.memory.plan.kv["dtype"]])
         geometry = (self.block_size, tp.kv_heads, c.head_dim)
@@ -349,15 +358,19 @@ class ModelRunner:
             raise InvalidArgument(
                 f"buckets {self.buckets} must be at least 1 and cover max_batch={self.max_batch}"
             )
+        t0 = time.perf_counter()
         with self.on_stream():
             self._warm_up()
         # The warm-up's transients go back to the device before the capture
         # takes its pool, so torch's peak is the larger of the two, not the sum.
         memory.empty_torch_cache()
+        self.warm_up_seconds = time.perf_counter() - t0
         self.graphs = {}
+        t0 = time.perf_counter()
         if self.use_graphs:
             self._capture()
             memory.empty_torch_cache()
+        self.capture_seconds = time.perf_counter() - t0
         memory.charge_torch()
 
     def _warm_up(self) -> None:

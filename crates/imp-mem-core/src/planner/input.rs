@@ -106,6 +106,12 @@ pub struct Features {
     /// The same for the sliding-window pool.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub engine_swa_blocks: u64,
+    /// What a warm-up leaves on the device outside every imp-mem tier,
+    /// measured (issue 25): torch's graph pools and working set when torch's
+    /// own allocator serves the forward pass, and the kernel modules the
+    /// warm-up loads. A plan line (`warmup`) the system does not acquire;
+    /// the engine claims it with its measurement (`set_charge("warmup")`).
+    pub warmup_bytes: u64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -169,6 +175,7 @@ impl PlanInput {
         at_most("library_reserve", self.library_reserve_bytes, MAX_BYTES)?;
         let f = &self.features;
         at_most("spec_depth", u64::from(f.spec_depth), 1 << 16)?;
+        at_most("warmup_bytes", f.warmup_bytes, MAX_BYTES)?;
         at_most("draft_weights_bytes", f.draft_weights_bytes, MAX_BYTES)?;
         at_most("vision_tower_bytes", f.vision_tower_bytes, MAX_BYTES)?;
         at_most("lora_slots", u64::from(f.lora_slots), 1 << 16)?;

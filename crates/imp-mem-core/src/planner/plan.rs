@@ -106,6 +106,10 @@ pub struct MemoryPlan {
     pub library_reserve: u64,
     /// CUDA context and driver, measured (D7).
     pub context: u64,
+    /// What a warm-up leaves outside the tiers (`Features::warmup_bytes`),
+    /// measured; 0 when the input measured none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub warmup: u64,
     /// Sum of every charge.
     pub total: u64,
     /// `budget - total`: planned for nothing.
@@ -188,6 +192,7 @@ struct Demand {
     swa_target: u64,
     context: u64,
     library: u64,
+    warmup: u64,
 }
 
 impl Demand {
@@ -214,6 +219,7 @@ impl Demand {
             self.state,
             self.context,
             self.library,
+            self.warmup,
         ]
         .iter()
         .fold(0u64, |acc, x| acc.saturating_add(*x))
@@ -346,6 +352,7 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
         },
         context: mib(input.context_bytes),
         library: mib(input.library_reserve_bytes),
+        warmup: mib(f.warmup_bytes),
     };
     let kv_bytes = d.kv_block_bytes(l.block_size).saturating_mul(d.kv_target);
     let swa_bytes = d.swa_block_bytes(l.block_size).saturating_mul(d.swa_target);
@@ -445,6 +452,11 @@ fn charges(input: &PlanInput, d: &Demand, kv_blocks: u64) -> Vec<Charge> {
     // Unqualified like the context: the report says whether the figure
     // was measured on the device or taken from the plan.
     push("library_reserve", "library reserve".to_string(), d.library);
+    push(
+        "warmup",
+        "warm-up: graph pools, activations, kernel modules (measured)".to_string(),
+        d.warmup,
+    );
     out
 }
 
@@ -582,6 +594,7 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
         pools,
         library_reserve: d.library,
         context: d.context,
+        warmup: d.warmup,
         total,
         headroom: budget - total,
         charges: planned,

@@ -792,6 +792,7 @@ fn arb_input() -> impl Strategy<Value = PlanInput> {
                         activation_bytes: scratch.map(|s| s / 3),
                         engine_kv_blocks: u64::from(spec % 3),
                         engine_swa_blocks: u64::from(lora % 2),
+                        warmup_bytes: u64::from(spec % 2) * 300 * MIB,
                     },
                     tp,
                     budget,
@@ -845,7 +846,7 @@ proptest! {
                         + plan.activations + plan.kv.bytes
                         + plan.swa.as_ref().map_or(0, |s| s.bytes)
                         + plan.pools.iter().map(|p| p.bytes).sum::<u64>()
-                        + plan.library_reserve + plan.context,
+                        + plan.library_reserve + plan.context + plan.warmup,
                     plan.total
                 );
                 prop_assert!(plan.kv.blocks <= plan.kv.target_blocks, "never more than the target (B1)");

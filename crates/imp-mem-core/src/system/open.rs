@@ -183,6 +183,7 @@ impl MemorySystem {
                 .budget
                 .saturating_sub(plan.context)
                 .saturating_sub(plan.library_reserve)
+                .saturating_sub(plan.warmup)
                 .min(budget);
             backend.set_budget(for_tiers).map_err(before)?;
             Some(budget)
@@ -238,7 +239,7 @@ impl MemorySystem {
                 }
             }
         }
-        let charges = vec![
+        let mut charges = vec![
             ChargeLine {
                 key: "context".into(),
                 label: "CUDA context + driver".into(),
@@ -256,6 +257,16 @@ impl MemorySystem {
                 measured: options.library_reserve_bytes.is_some(),
             },
         ];
+        if plan.warmup > 0 {
+            // Claimed by the engine's measurement (`set_charge("warmup")`).
+            charges.push(ChargeLine {
+                key: "warmup".into(),
+                label: "warm-up: graph pools, activations, kernel modules".into(),
+                bytes: plan.warmup,
+                planned: Some(plan.warmup),
+                measured: false,
+            });
+        }
         Ok(MemorySystem {
             backend: backend.clone(),
             plan: plan.clone(),
@@ -316,6 +327,7 @@ impl MemorySystem {
                     plan.budget
                         .saturating_sub(plan.context)
                         .saturating_sub(plan.library_reserve)
+                        .saturating_sub(plan.warmup)
                         .saturating_sub(plan.engine_persistent)
                         .min(backend.budget())
                         .max(bytes),

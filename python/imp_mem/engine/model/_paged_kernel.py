@@ -38,11 +38,12 @@ LOG2E = 1.4426950408889634
 # the table width; the minimum split keeps programs long enough to amortise
 # loading q and writing a partial.
 MAX_SPLITS = 16
-MIN_SPLIT_TOKENS = 128
+MIN_SPLIT_TOKENS = 64
 # Launch defaults; benches/bench_paged_attention.py --sweep times the others.
 DEFAULT_TILE = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 2
+DEFAULT_EARLY_V = True
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly in tl.dot; under
 # it the kernel rounds P to the input dtype as on the GPU, then multiplies
@@ -81,6 +82,7 @@ def _split_kernel(
     TILE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    EARLY_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,6 +122,11 @@ def _split_kernel(
             valid = in_range & (block >= 0)
             offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
             k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            if EARLY_V:
+                # V's load issued with K's: twice the bytes in flight.
+                v = tl.load(
+                    KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0
+                )
             if DOT_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -129,9 +136,10 @@ def _split_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0
-            )
+            if not EARLY_V:
+                v = tl.load(
+                    KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0
+                )
             if DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
             else:
@@ -214,6 +222,7 @@ def paged_decode(
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    early_v: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype."""
@@ -265,6 +274,7 @@ def paged_decode(
         TILE=tile,
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
+        EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
         num_warps=num_warps or DEFAULT_WARPS,
         num_stages=num_stages or DEFAULT_STAGES,
     )

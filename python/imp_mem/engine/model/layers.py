@@ -49,3 +49,28 @@ def rope_tables(
     freqs = torch.outer(pos, inv_freq.to(device))
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def fused_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[sum of rows, cols]`` matrix viewing `parts` (2-D, same dtype
+    and columns, contiguous) when they lie back to back in one storage, as
+    the loader places a fused group in T1 (`imp_mem._safetensors.FUSED_ROWS`);
+    None otherwise. Nothing is copied."""
+    first = parts[0]
+    if any(
+        p.dim() != 2
+        or p.dtype != first.dtype
+        or p.device != first.device
+        or p.shape[1] != first.shape[1]
+        or not p.is_contiguous()
+        for p in parts
+    ):
+        return None
+    storage = first.untyped_storage()
+    at = first.storage_offset()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != at:
+            return None
+        at += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.new_empty(0).set_(storage, first.storage_offset(), (rows, first.shape[1]))

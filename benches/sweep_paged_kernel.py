@@ -1,0 +1,79 @@
+"""Times the paged decode kernel's launch configurations at one shape
+(batch, context, Qwen3-8B's heads) and prints them best first, as
+fractions of the HBM peak: the data behind `_paged_kernel`'s defaults.
+
+Usage: ``python benches/sweep_paged_kernel.py [--batch 64] [--ctx 1024]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import statistics
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from imp_mem.engine.model import _paged_kernel as pk
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--peak-tbs", type=float, default=4.8)
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args(argv)
+    batch, ctx, bs = args.batch, args.ctx, args.block_size
+    kv_heads, heads, d = 8, 32, 128
+    width = -(-(ctx + 1) // bs)
+    n = batch * width + 1
+    pool = torch.randn(n, 1, 2, bs, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    order = list(range(1, n))
+    random.Random(1).shuffle(order)
+    tables = torch.tensor(
+        [order[r * width : (r + 1) * width] for r in range(batch)], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
+    pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+    nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
+    ref = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5)
+    rows = []
+    for split, tile, warps, stages, early in itertools.product(
+        (4, 8, 16, 32), (32, 64, 128), (4, 8), (1, 2, 3), (False, True)
+    ):
+        if tile > split * bs:
+            continue
+        kw = dict(split_blocks=split, tile=tile, num_warps=warps, num_stages=stages, early_v=early)
+        try:
+            out = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5, **kw)
+            torch.cuda.synchronize()
+        except Exception as e:  # a configuration that does not compile
+            print("skip", kw, type(e).__name__)
+            continue
+        assert (out.float() - ref.float()).abs().max().item() < 2e-2
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(10):
+                pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5, **kw)
+        times = []
+        for _ in range(10):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3 / 10)
+        t = statistics.median(times)
+        rows.append((nbytes / t / (args.peak_tbs * 1e12), t, kw))
+        del g
+    rows.sort(key=lambda r: -r[0])
+    print(f"batch {batch} ctx {ctx}: {nbytes / 1e6:.1f} MB a call")
+    for frac, t, kw in rows[: args.top]:
+        print(f"{frac * 100:5.1f} %  {t * 1e6:7.1f} us  {kw}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""What the engine's warm-up leaves on the device outside imp-mem's tiers,
+measured once and planned from then on (issue 25).
+
+The warm-up (a prefill of the longest chunk, the decode at every batch
+bucket), the CUDA-graph capture and the compiles they trigger leave two
+things on the device that no tier holds: torch's caching allocator's
+segments (the prefill's working set, the graphs' private pool, cuBLAS's
+workspace) when torch's own allocator serves the forward pass, and the
+kernel modules that CUDA loads lazily on a kernel's first launch (torch's,
+cuBLAS's, Triton's). Both depend on the model's shapes, the limits, the
+buckets and the software, not on the KV pool's size or the weights'
+values; both are invisible to the planner until something runs.
+
+So the engine plans them as one line, ``warmup`` (`Features.warmup_bytes`):
+
+* the figure is remembered in a JSON cache keyed by a fingerprint of what
+  decides it (`fingerprint`: the model's config, the limits, the buckets,
+  the kernels and the torch / Triton / CUDA / driver versions and the GPU),
+  beside the library reserve's cache (`imp_mem.reserve`);
+* on a boot that finds no figure (cold), the engine measures it first, in a
+  child process that boots the same engine over the checkpoint's layout
+  with its weights left unread (`probe`; the bytes do not depend on their
+  values), so the plan that sizes the KV pool already has the line: no
+  guess, no second boot, and a cold boot's KV pool is the warm one's;
+* on every boot the engine measures the same quantities across its own
+  warm-up (`Meter`) and charges them against the line, so the report shows
+  the figure planned next to the one measured.
+
+Measurement. ``torch`` is torch's reserved bytes after the capture (its
+cache emptied of the warm-up's transients first); ``modules`` is what the
+device's used memory grew by from the system's opening to the first token,
+less what torch's reserved bytes and imp-mem's committed bytes grew by in
+the same interval: what CUDA took for code and library handles.
+
+Needs torch with CUDA for the measurement; the cache and the fingerprint
+are plain Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import imp_mem
+
+# The cache's layout version: a change to what is measured bumps it.
+VERSION = 1
+# Set in the probe's child process: the engine lays the weights out in T1
+# and leaves them unread, and probes nothing itself.
+CHILD_ENV = "IMP_MEM_WARMUP_CHILD"
+# ``IMP_MEM_WARMUP_PROBE=0`` turns the cold-boot probe off where an engine
+# was not told (`Engine(warmup_probe=...)`): the warm-up is still measured
+# and remembered, and planned from the next boot.
+DEFAULT_ENV = "IMP_MEM_WARMUP_PROBE"
+
+
+def probe_by_default() -> bool:
+    return os.environ.get(DEFAULT_ENV, "1") != "0"
+
+
+def cache_path() -> Path:
+    """``$IMP_MEM_WARMUP_CACHE``, else ``warmup.json`` beside the library
+    reserve's cache."""
+    env = os.environ.get("IMP_MEM_WARMUP_CACHE")
+    if env:
+        return Path(env)
+    from imp_mem.reserve import default_cache_path
+
+    return default_cache_path().parent / "warmup.json"
+
+
+def _software() -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {
+        "imp_mem": imp_mem.__version__ if hasattr(imp_mem, "__version__") else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["capability"] = list(torch.cuda.get_device_capability())
+    try:
+        from imp_mem.reserve import _driver_version
+
+        out["driver"] = _driver_version()
+    except Exception:  # no driver to ask: the key simply lacks it
+        out["driver"] = None
+    return out
+
+
+def fingerprint(config: dict[str, Any], decides: dict[str, Any]) -> dict[str, Any]:
+    """What decides the warm-up's bytes: the model's config (hashed), the
+    engine's `decides` (limits, buckets, block size, kernels, TP degree) and
+    the software (`_software`). Two boots with equal fingerprints lay out
+    the same warm-up."""
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    return {"version": VERSION, "config": digest[:32], **decides, **_software()}
+
+
+def _key(fp: dict[str, Any]) -> str:
+    return json.dumps(fp, sort_keys=True, default=str)
+
+
+def lookup(fp: dict[str, Any], path: Path | None = None) -> dict[str, int] | None:
+    """The remembered figures for `fp` (``{"torch", "modules"}`` bytes), or
+    None. A missing or unreadable cache is a miss."""
+    try:
+        entries = json.loads((path or cache_path()).read_text())
+        got = entries.get(_key(fp))
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(got, dict):
+        return None
+    try:
+        return {"torch": int(got["torch"]), "modules": int(got["modules"])}
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def store(fp: dict[str, Any], measured: dict[str, int], path: Path | None = None) -> None:
+    """Remembers `measured` under `fp` (written to a temporary file, then
+    renamed over the cache: a concurrent reader sees the old or the new)."""
+    path = path or cache_path()
+    try:
+        entries = json.loads(path.read_text())
+        if not isinstance(entries, dict):
+            entries = {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[_key(fp)] = {"torch": int(measured["torch"]), "modules": int(measured["modules"])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".warmup-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(entries, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def total(measured: dict[str, int] | None) -> int:
+    return 0 if measured is None else int(measured["torch"]) + int(measured["modules"])
+
+
+class Meter:
+    """Readings across a warm-up (module doc). `start()` when the system
+    has opened; `stop()` after the capture; `measured` is then
+    ``{"torch", "modules"}``. `torch_outside`: torch's own allocator serves
+    the forward pass (its reserved bytes are outside the tiers)."""
+
+    def __init__(self, device: Any, backend: Any, *, torch_outside: bool) -> None:
+        self.device = device
+        self.backend = backend
+        self.torch_outside = torch_outside
+        self.measured: dict[str, int] | None = None
+
+    def _reading(self) -> tuple[int, int, int]:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        free, whole = torch.cuda.mem_get_info(self.device)
+        committed = int(self.backend.stats()["committed"])
+        return whole - free, torch.cuda.memory_reserved(self.device), committed
+
+    def start(self) -> None:
+        self._before = self._reading()
+
+    def stop(self) -> dict[str, int]:
+        used0, reserved0, committed0 = self._before
+        used, reserved, committed = self._reading()
+        modules = (used - used0) - (reserved - reserved0) - (committed - committed0)
+        self.measured = {
+            "torch": reserved if self.torch_outside else 0,
+            "modules": max(0, modules),
+        }
+        return self.measured
+
+
+def probe(model_dir: str | Path, engine_kw: dict[str, Any], *, timeout: float = 600) -> dict:
+    """Boots the engine in a child process over `model_dir`'s layout with
+    its weights unread and returns what its warm-up measured
+    (``{"torch", "modules"}``). Raises RuntimeError with the child's output
+    when it fails."""
+    env = dict(os.environ, **{CHILD_ENV: "1"})
+    args = json.dumps({"model_dir": str(model_dir), "engine_kw": engine_kw})
+    proc = subprocess.run(
+        [sys.executable, "-m", "imp_mem.engine.warmup", args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"the warm-up probe failed (exit {proc.returncode}):\n"
+            + (proc.stderr or proc.stdout)[-4000:]
+        )
+    got = json.loads(lines[-1])
+    return {"torch": int(got["torch"]), "modules": int(got["modules"])}
+
+
+def _child(args: str) -> int:
+    from imp_mem.engine import Engine
+
+    spec = json.loads(args)
+    with Engine(spec["model_dir"], **spec["engine_kw"]) as engine:
+        measured = engine.warmup_measured
+    print(json.dumps(measured), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child(sys.argv[1]))

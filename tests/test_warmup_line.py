@@ -1,0 +1,111 @@
+"""The plan's ``warmup`` line (issue 25): what a warm-up leaves outside the
+tiers, measured, planned from a cache keyed by a fingerprint, claimed by
+the engine's measurement. On the fake backend (the measurement itself is
+a GPU test)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _helpers import make_plan
+
+import imp_mem
+from imp_mem import FakeBackend, Features, MemorySystem
+
+MIB = 1 << 20
+
+
+def plan(warmup: int, budget: str | int = "1GiB"):
+    """SMALL's plan for 64 x 4096 tokens, its KV pool fitted to the budget."""
+    return make_plan(
+        budget=budget, max_batch=64, max_seq_len=4096, features=Features(warmup_bytes=warmup)
+    )
+
+
+def test_the_line_takes_its_bytes_from_the_kv_pool():
+    without, with_line = plan(0), plan(300 * MIB)
+    assert without.warmup == 0 and "warmup" not in [c["key"] for c in without.charges]
+    assert with_line.warmup == 300 * MIB
+    line = next(c for c in with_line.charges if c["key"] == "warmup")
+    assert line["bytes"] == 300 * MIB and "measured" in line["label"]
+    assert sum(c["bytes"] for c in with_line.charges) == with_line.total()
+    # Same budget: the line's bytes leave the KV pool, nothing else moves.
+    tight = plan(0, "8GiB").total() - 64 * MIB  # the KV pool short of its target
+    a, b = plan(0, tight), plan(128 * MIB, tight)
+    assert a.kv_bytes - b.kv_bytes >= 128 * MIB - a.kv["block_bytes"]
+    assert b.total() <= tight
+    assert a.weights == b.weights and a.engine_persistent == b.engine_persistent
+
+
+def test_a_line_that_does_not_fit_is_a_plan_failure():
+    with pytest.raises(imp_mem.PlanFailure) as e:
+        plan(8 << 30)
+    assert "warm-up" in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [-1, "lots", 1.5])
+def test_bad_warmup_bytes_are_refused(bad):
+    with pytest.raises((imp_mem.InvalidArgument, TypeError)) as e:
+        Features(warmup_bytes=bad)
+    assert "warmup_bytes" in str(e.value)
+
+
+def test_the_system_keeps_the_line_outside_its_tiers_and_the_engine_claims_it():
+    p = plan(64 * MIB, budget="1GiB")
+    with MemorySystem(FakeBackend(capacity="1GiB"), p) as system:
+        # The backend may commit the plan less every outside line.
+        assert system.backend.budget <= p.budget - p.context - p.library_reserve - p.warmup
+        report = system.mem_report()
+        line = next(c for c in report["charges"] if c["key"] == "warmup")
+        assert line["planned"] == 64 * MIB and not line["measured"]
+        system.set_charge("warmup", 60 * MIB, "ignored: the plan names it")
+        line = next(c for c in system.mem_report()["charges"] if c["key"] == "warmup")
+        assert line["bytes"] == 60 * MIB and line["measured"] and line["planned"] == 64 * MIB
+        assert "warm-up" in line["label"]
+
+
+def test_the_cache_remembers_by_fingerprint(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from imp_mem.engine import warmup
+
+    monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "w.json"))
+    config = {"hidden_size": 64, "num_hidden_layers": 2}
+    fp = warmup.fingerprint(config, {"max_batch": 8, "buckets": [1, 8]})
+    assert warmup.lookup(fp) is None
+    warmup.store(fp, {"torch": 5 * MIB, "modules": 3 * MIB})
+    assert warmup.lookup(fp) == {"torch": 5 * MIB, "modules": 3 * MIB}
+    assert warmup.total(warmup.lookup(fp)) == 8 * MIB
+    # Anything that decides the bytes is in the key.
+    assert warmup.lookup(warmup.fingerprint(config, {"max_batch": 16, "buckets": [1, 8]})) is None
+    other = dict(config, hidden_size=128)
+    assert warmup.lookup(warmup.fingerprint(other, {"max_batch": 8, "buckets": [1, 8]})) is None
+    # A second entry keeps the first; a corrupt cache is a miss, then rewritten.
+    fp2 = warmup.fingerprint(config, {"max_batch": 2})
+    warmup.store(fp2, {"torch": 1, "modules": 2})
+    assert warmup.lookup(fp) is not None and warmup.lookup(fp2) == {"torch": 1, "modules": 2}
+    (tmp_path / "w.json").write_text("{not json")
+    assert warmup.lookup(fp) is None
+    warmup.store(fp, {"torch": 7, "modules": 0})
+    assert json.loads((tmp_path / "w.json").read_text())
+
+
+def test_the_engine_on_the_cpu_plans_no_warmup_line_and_times_its_boot(tmp_path):
+    pytest.importorskip("torch")
+    from imp_mem.engine import Engine
+    from imp_mem.engine.checkpoint import write_random_checkpoint
+    from imp_mem.engine.config import qwen3_0_6b_config
+
+    config = qwen3_0_6b_config()
+    config.update(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
+    with Engine(directory, max_batch=2, max_seq_len=64, budget="256MiB") as engine:
+        assert engine.plan.warmup == 0 and engine.warmup_measured is None
+        assert {"plan", "open", "load", "warm_up", "capture"} <= set(engine.boot_seconds)
+        assert all(v >= 0 for v in engine.boot_seconds.values())
+        assert engine.first_token_seconds is None
+        engine.generate([[1, 2, 3]], max_new_tokens=2)
+        assert engine.first_token_seconds is not None and engine.first_token_seconds > 0
