@@ -15,7 +15,9 @@ Order (seed A4.2):
    a group (`imp_mem.distributed.open_rank_system`), every rank learning
    whether every rank got there (`agree`);
 3. `load_weights`: this rank's tensors into T1 (`load_safetensors`: views
-   of the arena), timed;
+   of the arena), timed; with ``load_format="dummy"`` random values drawn
+   on the device from a seed instead (`imp_mem.engine.dummy`), the plan's
+   weights line at exactly their layout;
 4. `kv_manager`: the paged KV manager over the system's pools.
 
 Charges. What imp-mem does not allocate itself but the device holds for
@@ -88,6 +90,8 @@ class EngineMemory:
         self.pin_seconds = 0.0
         self.pinned_bytes = 0
         self.weights_over_share = 0
+        # load_format="dummy": (config.json dict, seed, scale); None loads safetensors.
+        self.dummy: tuple[dict[str, Any], int, float] | None = None
 
     # ------------------------------------------------------------- the plan
 
@@ -124,7 +128,12 @@ class EngineMemory:
         `default_features` is used. Returns the plan."""
         # The checkpoint's bytes; with ranks, raised where a rank's slices
         # would pass the planner's even split (`plan_shape`).
-        shape, self.rank_weights_bytes = plan_shape(model_dir, config, tp.tp)
+        if self.dummy is not None:
+            from imp_mem.engine import dummy
+
+            shape, self.rank_weights_bytes = dummy.plan_shape(self.dummy[0], config), 0
+        else:
+            shape, self.rank_weights_bytes = plan_shape(model_dir, config, tp.tp)
         if not self.on_gpu:
             context = 8 << 20 if context is None else context
             library_reserve = 4 << 20 if library_reserve is None else library_reserve
@@ -240,6 +249,13 @@ class EngineMemory:
         (`MemorySystem.pin_sleep_host`), so the first sleep copies at the
         line rate; its seconds are `pin_seconds`, inside `load_seconds`."""
         t0 = time.perf_counter()
+        if self.dummy is not None:
+            from imp_mem.engine.dummy import load_dummy
+
+            _, seed, scale = self.dummy
+            weights = load_dummy(self.system, tp.config, seed=seed, scale=scale)
+            self.load_seconds = time.perf_counter() - t0
+            return weights
         pinner = _Pinner(self.system) if pin else None
         try:
             weights = load_safetensors(
