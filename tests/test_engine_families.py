@@ -348,7 +348,9 @@ def test_engine_dummy_load_serves_greedy_tokens_of_transformers(family):
 def test_engine_loads_a_family_checkpoint(family):
     """The safetensors loader (the default) serves a family's checkpoint
     too; its greedy tokens are the dummy engine's on the same weights."""
-    _, config, directory, _ = family
+    name, config, directory, _ = family
+    if name not in ("llama", "qwen3_moe", "deepseek_v2"):
+        pytest.skip("the loader's path is the same for every family; three cover it")
     kw = dict(max_batch=2, max_seq_len=32, block_size=4, prefill_chunk=8)
     ps = [[1, 2, 3, 4, 5], [9, 8, 7]]
     with Engine(directory, backend=FakeBackend(capacity="1GiB"), **kw) as e:
@@ -466,3 +468,28 @@ def test_transformers_model_holds_the_dummy_weights(family):
     assert set(built) == set(loaded)
     for k, t in loaded.items():
         assert torch.equal(built[k], t), k
+
+
+def test_demo_serves_a_family_with_dummy_weights():
+    """The demo's engine path (the CLI's ``demo --engine-config ...
+    --load-format dummy`` on a GPU) on the fake backend: no checkpoint is
+    written, the family serves."""
+    from imp_mem.engine.demo import run_engine_demo
+
+    lines: list[str] = []
+    rc = run_engine_demo(
+        FakeBackend(capacity="1GiB"),
+        lines.append,
+        seconds=0.3,
+        max_batch=2,
+        max_seq_len=64,
+        prompt_len=(2, 8),
+        max_new_tokens=(2, 4),
+        config=tiny("qwen3_moe"),
+        load_format="dummy",
+        seed=4,
+    )
+    assert rc == 0
+    text = "\n".join(lines)
+    assert "load_format='dummy'" in text and "writing" not in text
+    assert "decode tokens" in text

@@ -1,11 +1,16 @@
 """The model configuration the reference engine runs, read from a Hugging Face
 ``config.json``.
 
-`ModelConfig.from_hf_config` reads a config the way transformers 5.17's
-``Qwen3Config`` reads it (its class defaults fill what the file omits, and
-``use_sliding_window: false`` switches the window off), because the engine's
-model is the Qwen3 architecture: RMSNorm, RoPE, per-head q/k RMSNorm, SwiGLU,
-grouped-query attention. A config whose ``layer_types`` mixes
+The engine serves the families of `SUPPORTED_MODEL_TYPES` (one model file
+each, `imp_mem.engine.model`); any other ``model_type`` is refused with a
+message naming them. `ModelConfig.from_hf_config` reads the common fields
+as the family's transformers config class reads them (its class defaults,
+`_FAMILY_DEFAULTS`, fill what the file omits) and the family's own values
+(RoPE scaling, MoE and MLA geometry, Gemma's scalars) into
+`ModelConfig.extra` (`_family_fields`). For ``qwen3`` it reads a config the
+way transformers 5.17's ``Qwen3Config`` reads it (``use_sliding_window:
+false`` switches the window off): RMSNorm, RoPE, per-head q/k RMSNorm,
+SwiGLU, grouped-query attention. A config whose ``layer_types`` mixes
 ``"sliding_attention"`` and ``"full_attention"`` gives a model with both kinds
 of layers; transformers' Qwen3 honours the same field, so HF can be compared
 with it, and imp-mem's planner reads it into a full and an SWA pool.

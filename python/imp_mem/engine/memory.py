@@ -456,7 +456,9 @@ def _with_engine_blocks(features: Any, blocks: Sequence[int]) -> Any:
     )
 
 
-def measure_torch_high_water(model_dir: str | Path, *, requests: int = 0, **engine_kw: Any) -> int:
+def measure_torch_high_water(
+    model_dir: str | Path | dict[str, Any], *, requests: int = 0, **engine_kw: Any
+) -> int:
     """The most device memory torch's allocator holds for an engine of these
     arguments over its warm-up, graph capture and `requests` random requests
     (torch's default allocator, a fresh engine): what to plan the activations
