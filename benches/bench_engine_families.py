@@ -4,8 +4,7 @@ GPU from a seed (``load_format="dummy"``; no checkpoint on disk: the H200's
 64 GiB disk cannot hold Qwen3-30B-A3B's 61 GB).
 
 Models (their ``config.json`` numbers): Llama-3.1-8B, Qwen3-30B-A3B,
-gemma-3-4b (its language model), DeepSeek-V2-Lite (without its YaRN RoPE
-scaling, which the engine does not compute yet).
+gemma-3-4b (its language model), DeepSeek-V2-Lite (with its YaRN RoPE).
 
 Per model and batch size (32 and 128; ``--quick``: 32 only, fewer tokens):
 
@@ -128,6 +127,15 @@ def deepseek_v2_lite() -> dict:
         "max_position_embeddings": 163840,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096,
+        },
         "kv_lora_rank": 512,
         "q_lora_rank": None,
         "qk_nope_head_dim": 128,

@@ -104,7 +104,22 @@ def tiny(family: str) -> dict:
             "tie_word_embeddings": False,
         }
     if family == "deepseek_v2_qlora":
-        return {**tiny("deepseek_v2"), "q_lora_rank": 24, "n_shared_experts": 2}
+        # With q LoRA and DeepSeek-V2's YaRN scaling (a short original
+        # context so the ramp falls inside the 8 rotary channels).
+        return {
+            **tiny("deepseek_v2"),
+            "q_lora_rank": 24,
+            "n_shared_experts": 2,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 40.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 64,
+            },
+        }
     if family == "gemma3_text":
         return {
             **COMMON,

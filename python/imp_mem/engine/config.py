@@ -376,7 +376,7 @@ _ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "qwen3": ("default",),
     "llama": ("default", "llama3", "linear"),
     "qwen3_moe": ("default",),
-    "deepseek_v2": ("default",),
+    "deepseek_v2": ("default", "yarn"),
     "gemma3_text": ("default", "linear"),
 }
 

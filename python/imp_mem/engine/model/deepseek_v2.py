@@ -20,7 +20,9 @@ V) without materialising them. Decode gathers each sequence's latents
 through its block table (static shapes, no host syncs: capturable).
 
 RoPE is DeepSeek's interleaved form (pairs of channels as complex
-numbers), in float32 as transformers computes it. Queries come from
+numbers), in float32 as transformers computes it, with DeepSeek-V2's YaRN
+scaling (`imp_mem.engine.model.rope`: the frequencies, cos/sin scaled by
+the attention factor, the softmax scale by ``mscale_all_dim``'s square). Queries come from
 ``q_proj`` or, with ``q_lora_rank``, from ``q_a_proj`` → ``q_a_layernorm``
 → ``q_b_proj``. The MoE (`imp_mem.engine.model.moe`): float32 router
 logits, softmax, greedy top-k, scaled by ``routed_scaling_factor``; the
@@ -39,7 +41,7 @@ from imp_mem.engine.model.layers import rms_norm
 from imp_mem.engine.model.llama import head_names, mlp_names, swiglu
 from imp_mem.engine.model.moe import route_softmax_topk
 from imp_mem.engine.model.qwen3_moe import MoeMixin, expert_names, expert_stacks
-from imp_mem.engine.model.rope import inv_freq
+from imp_mem.engine.model.rope import attention_factor, inv_freq, softmax_mscale
 from imp_mem.errors import InvalidArgument
 
 
@@ -118,11 +120,14 @@ class DeepseekV2Model(MoeMixin, DecoderModel):
             )
         self.nope, self.rope_dim = x["qk_nope_head_dim"], x["qk_rope_head_dim"]
         self.v_dim, self.rank = x["v_head_dim"], x["kv_lora_rank"]
-        self.scaling = (self.nope + self.rope_dim) ** -0.5
-        freq = inv_freq(self.rope_dim, c.rope_theta)
+        rope = x.get("rope")
+        self.scaling = (self.nope + self.rope_dim) ** -0.5 * softmax_mscale(rope)
+        freq = inv_freq(self.rope_dim, c.rope_theta, rope)
         angles = torch.outer(torch.arange(self.max_positions, dtype=torch.float), freq)
-        self.cos = angles.cos().to(self.device)
-        self.sin = angles.sin().to(self.device)
+        # YaRN scales cos and sin (transformers: polar(1, angle) * factor).
+        factor = attention_factor(rope)
+        self.cos = (angles.cos() * factor).to(self.device)
+        self.sin = (angles.sin() * factor).to(self.device)
         # Each head's rows of kv_b_proj: W_uk [heads, nope, rank], W_uv [heads, v, rank].
         self.w_uk: dict[int, torch.Tensor] = {}
         self.w_uv: dict[int, torch.Tensor] = {}
