@@ -508,3 +508,27 @@ def test_demo_serves_a_family_with_dummy_weights():
     text = "\n".join(lines)
     assert "load_format='dummy'" in text and "writing" not in text
     assert "decode tokens" in text
+
+
+def test_dummy_engine_sleeps_and_refills_from_its_seed():
+    """A dummy engine's lifecycle: its load pins exactly the layout for a
+    level-1 sleep; after a level-2 sleep (weights dropped) `reload_weights()`
+    draws the seed's values again in place and the tokens come back; a
+    swap is refused (there is no checkpoint)."""
+    config = tiny("qwen3_moe")
+    kw = dict(max_batch=2, max_seq_len=32, block_size=4, prefill_chunk=8)
+    ps = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    with Engine(
+        config, load_format="dummy", seed=2, backend=FakeBackend(capacity="256MiB"), **kw
+    ) as e:
+        assert e.memory.pinned_bytes == e.system.weights_arena.used == layout_bytes(e.config)
+        before = e.generate(ps, 4)
+        e.sleep(2)
+        e.wake()
+        with pytest.raises(InvalidArgument, match="level-2 sleep dropped the weights"):
+            e.generate(ps, 4)
+        report = e.reload_weights()
+        assert report["tensors"] == len(weight_names(e.config))
+        assert e.generate(ps, 4) == before
+        with pytest.raises(InvalidArgument, match="dummy"):
+            e.swap_model("/nonexistent")

@@ -250,10 +250,17 @@ class EngineMemory:
         line rate; its seconds are `pin_seconds`, inside `load_seconds`."""
         t0 = time.perf_counter()
         if self.dummy is not None:
-            from imp_mem.engine.dummy import load_dummy
+            from imp_mem.engine.dummy import layout_bytes, load_dummy
 
             _, seed, scale = self.dummy
-            weights = load_dummy(self.system, tp.config, seed=seed, scale=scale)
+            pinner = _Pinner(self.system) if pin else None
+            if pinner is not None:
+                pinner.start(layout_bytes(tp.config))
+            try:
+                weights = load_dummy(self.system, tp.config, seed=seed, scale=scale)
+            finally:
+                if pinner is not None:
+                    self.pin_seconds, self.pinned_bytes = pinner.join()
             self.load_seconds = time.perf_counter() - t0
             return weights
         pinner = _Pinner(self.system) if pin else None
