@@ -370,6 +370,12 @@ def test_engine_loads_a_family_checkpoint(family):
     ps = [[1, 2, 3, 4, 5], [9, 8, 7]]
     with Engine(directory, backend=FakeBackend(capacity="1GiB"), **kw) as e:
         from_disk = e.generate(ps, 5)
+        # The loader lays each MoE layer's experts end to end (the model's
+        # stacks, for the grouped GEMM), as the dummy load does.
+        stacks = getattr(e.model, "stacks", {})
+        assert all(pair is not None for pair in stacks.values())
+        assert len(stacks) == len(e.config.extra.get("moe_layers", ()))
+        del stacks
     with Engine(
         config,
         load_format="dummy",

@@ -29,6 +29,7 @@ alive. Not thread-safe: one load at a time per system.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -200,6 +201,7 @@ def load_safetensors(
     progress: bool | None = None,
     shards: Mapping[str, Any] | None = None,
     on_layout: Any = None,
+    stacks: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """Loads a safetensors checkpoint (a file or a directory of shards) into
     `system`'s weights arena and returns `{name: torch.Tensor}` viewing it.
@@ -215,10 +217,15 @@ def load_safetensors(
     checkpoint lacks is refused. `on_layout`: called with the bytes the
     load lays out in T1 once they are known, before any is copied (the
     engine starts pinning the sleep buffer of exactly that size there, so
-    the pinning overlaps the copies)."""
+    the pinning overlaps the copies). `stacks`: groups of tensor names to
+    lay out end to end in the given order, each in one span of the arena
+    where their sizes leave no alignment gap (an MoE's experts, which the
+    model then reads as one stacked tensor); a group the checkpoint does
+    not hold whole is laid out as usual."""
     import torch
 
     entries = [t for f in safetensors_files(path) for t in read_header(f)]
+    groups = _complete_groups(entries, stacks or [])
     if shards:
         missing = sorted(set(shards) - {t.name for t in entries})
         if missing:
@@ -239,21 +246,63 @@ def load_safetensors(
 
     out: dict[str, Any] = {}
     views = []
-    for t in placed:
+    i = 0
+    while i < len(placed):
+        t = placed[i]
         torch_dtype = getattr(torch, DTYPES[t.dtype][0])
         if t.nbytes == 0:
             out[t.name] = torch.empty(t.shape, dtype=torch_dtype, device=_torch_device(system))
+            i += 1
             continue
-        span = arena.take(t.nbytes, ALIGN)
-        raw = torch.from_dlpack(span)
-        views.append((t, raw))
-        out[t.name] = raw.view(torch_dtype).view(t.shape)
+        run = _stacked_run(placed, i, groups.get(t.name))
+        # One span for a stack laid end to end (the same offsets one take
+        # a tensor would give: no gap between them), else one per tensor.
+        span = arena.take(sum(m.nbytes for m in run), ALIGN)
+        whole = torch.from_dlpack(span)
+        for m in run:
+            raw = whole[m.offset - t.offset : m.offset - t.offset + m.nbytes]
+            views.append((m, raw))
+            out[m.name] = raw.view(getattr(torch, DTYPES[m.dtype][0])).view(m.shape)
+        i += len(run)
     target = views[0][1].device if views else _torch_device(system)
     if device is not None and torch.device(device) != target:
         if not (target.type == "cuda" and torch.device(device).type == "cuda"):
             raise InvalidArgument(f"device={device} but the weights arena is on {target}")
     _stream(system, views, total, chunk_bytes, progress, target)
     return out
+
+
+def _complete_groups(entries: list[TensorEntry], stacks: list[list[str]]) -> dict[str, list[str]]:
+    """`stacks`' groups the checkpoint holds whole, by member name; the
+    entries reordered in place so each such group's members follow one
+    another where its first member (in file order) was."""
+    index = {t.name: i for i, t in enumerate(entries)}
+    key: dict[str, tuple[int, int]] = {}
+    out: dict[str, list[str]] = {}
+    for group in stacks:
+        if not group or any(n not in index or n in out for n in group):
+            continue
+        first = min(index[n] for n in group)
+        for j, n in enumerate(group):
+            key[n] = (first, j)
+            out[n] = group
+    if key:
+        entries.sort(key=lambda t: key.get(t.name, (index[t.name], 0)))
+    return out
+
+
+def _stacked_run(placed: list[TensorEntry], i: int, group: list[str] | None) -> list[TensorEntry]:
+    """The members of `group` placed from `i` on, when they lie end to end
+    there with one dtype and no sharding; else ``[placed[i]]``."""
+    if not group or placed[i].name != group[0]:
+        return [placed[i]]
+    run = placed[i : i + len(group)]
+    if [t.name for t in run] != group:
+        return [placed[i]]
+    for a, b in itertools.pairwise(run):
+        if b.offset != a.offset + a.nbytes or b.dtype != a.dtype or a.runs or b.runs:
+            return [placed[i]]
+    return run
 
 
 def _weights_room(system: Any) -> int:

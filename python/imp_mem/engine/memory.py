@@ -51,6 +51,7 @@ import torch
 import imp_mem
 from imp_mem._safetensors import load_safetensors, read_header, safetensors_files
 from imp_mem.engine.config import ModelConfig
+from imp_mem.engine.dummy import stacks as dummy_stacks
 from imp_mem.engine.tensor_parallel import TensorParallel, plan_shape
 from imp_mem.errors import InvalidArgument
 
@@ -271,6 +272,7 @@ class EngineMemory:
                 progress=progress,
                 shards=tp.shards(),
                 on_layout=pinner.start if pinner else None,
+                stacks=None if tp.tp > 1 else dummy_stacks(tp.config),
             )
         finally:
             if pinner is not None:
