@@ -538,3 +538,17 @@ def test_dummy_engine_sleeps_and_refills_from_its_seed():
         assert e.generate(ps, 4) == before
         with pytest.raises(InvalidArgument, match="dummy"):
             e.swap_model("/nonexistent")
+
+
+def test_families_refuse_tensor_parallelism():
+    from imp_mem.engine.tensor_parallel import TensorParallel
+
+    config = tiny("llama")
+    c = ModelConfig.from_hf_config(config)
+    weights = random_weights(config, seed=0)
+    with pytest.raises(InvalidArgument, match="tp=1"):
+        build_model(c, weights, tp=TensorParallel(c, tp=2, rank=0))
+    # Its weights by HF name and shape are checked as PagedModel checks them.
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(InvalidArgument, match="up_proj"):
+        build_model(c, weights)
