@@ -92,7 +92,7 @@ def test_reads_a_directory_or_a_file(tmp_path):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"model_type": "llama"}, "model_type"),
+        ({"model_type": "mistral"}, "model_type"),
         ({"layer_types": [FULL] * 3}, "layer_types"),
         ({"layer_types": ["banana"] * 28}, "layer_types"),
         ({"num_key_value_heads": 5}, "num_key_value_heads"),

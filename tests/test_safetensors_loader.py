@@ -169,3 +169,35 @@ def test_bad_files_are_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="'w'"):
         read_header(bad / "x.safetensors")
     system.close()
+
+
+def test_stacks_are_laid_end_to_end_in_one_span(tmp_path):
+    """`stacks`: a group the checkpoint holds whole, with sizes that leave
+    no alignment gap, is laid out in the group's order in one span (one
+    storage: a stacked view over it needs no copy); a group with a missing
+    member, or whose sizes leave gaps, is laid out as usual; every value
+    lands byte for byte either way."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"e.{j}.{k}": torch.randn(8, 16, generator=g) for j in range(3) for k in "ab"}
+    tensors["odd.0"] = torch.randn(3, generator=g)  # 12 B: a gap after it
+    tensors["odd.1"] = torch.randn(3, generator=g)
+    tensors["head"] = torch.randn(4, 16, generator=g)
+    order = ["head", "e.2.b", "e.0.a", "odd.1", "e.1.a", "e.0.b", "e.2.a", "odd.0", "e.1.b"]
+    safetensors_torch.save_file({n: tensors[n] for n in order}, str(tmp_path / "m.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    stack = [f"e.{j}.{k}" for j in range(3) for k in "ab"]
+    with open_system(tmp_path, weights_bytes=64 * MIB) as system:
+        out = load_safetensors(
+            system, tmp_path, stacks=[stack, ["odd.0", "odd.1"], ["head", "missing"]]
+        )
+        for name, t in tensors.items():
+            assert torch.equal(out[name], t), name
+        ptrs = [out[n].data_ptr() for n in stack]
+        assert all(b - a == 8 * 16 * 4 for a, b in pairwise(ptrs))
+        base = out[stack[0]]
+        view = torch.as_strided(base, (3, 16, 16), (256, 16, 1))  # one storage
+        assert torch.equal(view[1, 8:], tensors["e.1.b"])
+        # The gapped pair was not fused: its storages are its own.
+        with pytest.raises(RuntimeError):
+            torch.as_strided(out["odd.0"], (2, 3), (4, 1)).sum()
+        del out, base, view

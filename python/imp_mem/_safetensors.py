@@ -173,20 +173,31 @@ def read_header(file: Path) -> list[TensorEntry]:
 FUSED_ROWS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def fusion_order(entries: list[TensorEntry]) -> tuple[list[TensorEntry], set[str]]:
-    """`entries` in placement order: file order, except that the members of
-    a `FUSED_ROWS` group (same module, same dtype, 2-D with equal columns)
-    follow their group's first member in the group's order. Returns the
-    order and the names placed right after their predecessor, unaligned."""
+def fusion_order(
+    entries: list[TensorEntry], stacked: dict[str, list[str]] | None = None
+) -> tuple[list[TensorEntry], set[str]]:
+    """`entries` in placement order: the given order, except that the
+    members of a `FUSED_ROWS` group (same module, same dtype, 2-D with equal
+    columns) follow their group's first member in the group's order.
+    Returns the order and the names placed right after their predecessor,
+    unaligned. `stacked` (`_complete_groups`: already consecutive in
+    `entries`) are left out of the fused groups; a stack's later members are
+    glued too where every member but the last fills whole alignment units
+    (no gap), with one dtype and no shard runs."""
+    stacked = stacked or {}
     by_name = {t.name: t for t in entries}
     groups: dict[str, list[TensorEntry]] = {}
     for parts in FUSED_ROWS:
         for t in entries:
+            if t.name in stacked:
+                continue
             module, _, leaf = t.name.rpartition(".")
             prefix, _, part = module.rpartition(".")
             if leaf != "weight" or part != parts[0]:
                 continue
             members = [by_name.get(f"{prefix}.{x}.weight") for x in parts]
+            if any(m is not None and m.name in stacked for m in members):
+                continue
             if all(
                 m is not None
                 and m.dtype == t.dtype
@@ -205,16 +216,27 @@ def fusion_order(entries: list[TensorEntry]) -> tuple[list[TensorEntry], set[str
             order.append(m)
             seen.add(m.name)
         glued.update(m.name for m in groups.get(t.name, [t])[1:])
+    for names in {id(g): g for g in stacked.values()}.values():
+        members = [by_name[n] for n in names]
+        if all(
+            m.dtype == members[0].dtype
+            and not m.runs
+            and (m is members[-1] or m.nbytes % ALIGN == 0)
+            for m in members
+        ):
+            glued.update(names[1:])
     return order, glued
 
 
-def plan_layout(entries: list[TensorEntry], limit: int) -> tuple[list[TensorEntry], int]:
+def plan_layout(
+    entries: list[TensorEntry], limit: int, *, stacked: dict[str, list[str]] | None = None
+) -> tuple[list[TensorEntry], int]:
     """Offsets for `entries` in placement order (`fusion_order`): each
     aligned to `ALIGN`, except a fused group's later members, which follow
     the one before them directly. Refuses the first tensor whose end passes
     `limit`. Returns the placed entries and the end."""
     placed, cursor, names = [], 0, set()
-    entries, glued = fusion_order(entries)
+    entries, glued = fusion_order(entries, stacked)
     for t in entries:
         if t.name in names:
             raise InvalidArgument(f"tensor {t.name!r} appears in two files ({t.file})")
@@ -244,6 +266,7 @@ def load_safetensors(
     shards: Mapping[str, Any] | None = None,
     on_layout: Any = None,
     read: bool = True,
+    stacks: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """Loads a safetensors checkpoint (a file or a directory of shards) into
     `system`'s weights arena and returns `{name: torch.Tensor}` viewing it.
@@ -260,10 +283,16 @@ def load_safetensors(
     load lays out in T1 once they are known, before any is copied (the
     engine starts pinning the sleep buffer of exactly that size there, so
     the pinning overlaps the copies). `read=False` lays the tensors out and
-    leaves their bytes as the arena holds them (a probe of the layout)."""
+    leaves their bytes as the arena holds them (a probe of the layout).
+    `stacks`: groups of tensor names to lay out end to end in the given
+    order, each in one span of the arena where their sizes leave no
+    alignment gap (an MoE's experts, which the model then reads as one
+    stacked tensor); a group the checkpoint does not hold whole is laid out
+    as usual."""
     import torch
 
     entries = [t for f in safetensors_files(path) for t in read_header(f)]
+    groups = _complete_groups(entries, stacks or [])
     if shards:
         missing = sorted(set(shards) - {t.name for t in entries})
         if missing:
@@ -277,7 +306,7 @@ def load_safetensors(
         ]
     # Checked before the arena is held here, so a refusal's traceback keeps
     # no tier object alive.
-    placed, total = plan_layout(entries, _weights_room(system))
+    placed, total = plan_layout(entries, _weights_room(system), stacked=groups)
     if on_layout is not None:
         on_layout(total)
     arena = system.weights_arena
@@ -287,7 +316,7 @@ def load_safetensors(
     # One arena span a run of tensors placed back to back (a fused group),
     # carved into each member's bytes.
     runs: list[list[TensorEntry]] = []
-    glued = fusion_order(entries)[1]
+    glued = fusion_order(entries, stacked=groups)[1]
     for t in placed:
         if runs and t.name in glued:
             runs[-1].append(t)
@@ -313,6 +342,25 @@ def load_safetensors(
             raise InvalidArgument(f"device={device} but the weights arena is on {target}")
     if read:
         _stream(system, views, total, chunk_bytes, progress, target)
+    return out
+
+
+def _complete_groups(entries: list[TensorEntry], stacks: list[list[str]]) -> dict[str, list[str]]:
+    """`stacks`' groups the checkpoint holds whole, by member name; the
+    entries reordered in place so each such group's members follow one
+    another where its first member (in file order) was."""
+    index = {t.name: i for i, t in enumerate(entries)}
+    key: dict[str, tuple[int, int]] = {}
+    out: dict[str, list[str]] = {}
+    for group in stacks:
+        if not group or any(n not in index or n in out for n in group):
+            continue
+        first = min(index[n] for n in group)
+        for j, n in enumerate(group):
+            key[n] = (first, j)
+            out[n] = group
+    if key:
+        entries.sort(key=lambda t: key.get(t.name, (index[t.name], 0)))
     return out
 
 

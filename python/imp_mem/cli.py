@@ -101,12 +101,20 @@ def _demo(args: argparse.Namespace) -> int:
         # (--json keeps the planned demo, whose report is the document).
         from imp_mem.engine.demo import run_engine_demo
 
+        config = None
+        if args.engine_config is not None:
+            from imp_mem.engine.config import read_config_json
+
+            config = read_config_json(args.engine_config, "--engine-config")
         return run_engine_demo(
             backend,
             other_processes=others,
             seconds=args.seconds,
             max_batch=args.max_batch,
             max_seq_len=min(args.max_seq_len, 1024),
+            config=config,
+            load_format=args.load_format,
+            seed=args.seed,
         )
     report: dict = {}
     lines: list[str] = []
@@ -193,6 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--json", action="store_true", help="print the plan and the memory report as JSON"
     )
+    demo.add_argument(
+        "--engine-config",
+        default=None,
+        help="on a GPU with torch: the config.json (or its directory) the engine serves "
+        "(a family the engine serves; default Qwen3-0.6B's)",
+    )
+    demo.add_argument(
+        "--load-format",
+        choices=["safetensors", "dummy"],
+        default="safetensors",
+        help="on a GPU with torch: 'dummy' draws random weights in T1 from --seed "
+        "(no checkpoint written); 'safetensors' writes a random checkpoint and loads it",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="the random weights' seed (0)")
     demo.set_defaults(func=_demo)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)

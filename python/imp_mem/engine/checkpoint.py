@@ -8,7 +8,9 @@ the tensors the engine loads. A tied output head is not written (as
 ``save_pretrained`` does); transformers ties it on load.
 
 The scale. Every matrix and the embedding are drawn from N(0, scale²); the
-norm weights from N(1, 0.1²), so a mix-up of two norms shows in the logits.
+norm weights from N(1, 0.1²) (N(0, 0.1²) for Gemma's ``1 + w`` norms), so a
+mix-up of two norms shows in the logits. The engine's ``load_format="dummy"``
+draws the same values in T1 (`imp_mem.engine.dummy`).
 `DEFAULT_SCALE` = 0.02, transformers' own ``initializer_range``, chosen by
 measurement (`benches/measure_checkpoint_scale.py`: Qwen3-0.6B's shape, 28
 layers, random prompts, bf16 against float32 on the same weights, CPU):
@@ -45,6 +47,15 @@ from imp_mem.engine.config import ModelConfig
 DEFAULT_SCALE = 0.02
 NORM_JITTER = 0.1
 
+# transformers' causal-LM class of each served family.
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
 
 def random_weights(
     config_dict: dict[str, Any],
@@ -59,20 +70,17 @@ def random_weights(
     devices, not between runs on one)."""
     import torch
 
+    from imp_mem.engine.dummy import draw, norm_center
     from imp_mem.engine.model import weight_names
 
     config = ModelConfig.from_hf_config(config_dict)
     dtype = getattr(torch, config.dtype)
     device = torch.device(device or "cpu")
     gen = torch.Generator(device=device).manual_seed(seed)
+    center = norm_center(config)
     out = {}
     for name, shape in weight_names(config).items():
-        t = torch.randn(shape, generator=gen, device=device)
-        if name.endswith("norm.weight"):
-            t = 1.0 + NORM_JITTER * t
-        else:
-            t = scale * t
-        out[name] = t.to(dtype)
+        out[name] = draw(name, shape, gen, device, scale, center).to(dtype)
     return out
 
 
@@ -93,7 +101,9 @@ def write_random_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     config_dict = dict(config_dict)
     config_dict.setdefault("torch_dtype", "bfloat16")
-    config_dict.setdefault("architectures", ["Qwen3ForCausalLM"])
+    config_dict.setdefault(
+        "architectures", [ARCHITECTURES.get(config_dict.get("model_type"), "Qwen3ForCausalLM")]
+    )
     weights = random_weights(config_dict, seed=seed, scale=scale, device=device)
     weights = {name: t.cpu() for name, t in weights.items()}
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})

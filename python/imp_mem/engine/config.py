@@ -1,11 +1,16 @@
 """The model configuration the reference engine runs, read from a Hugging Face
 ``config.json``.
 
-`ModelConfig.from_hf_config` reads a config the way transformers 5.17's
-``Qwen3Config`` reads it (its class defaults fill what the file omits, and
-``use_sliding_window: false`` switches the window off), because the engine's
-model is the Qwen3 architecture: RMSNorm, RoPE, per-head q/k RMSNorm, SwiGLU,
-grouped-query attention. A config whose ``layer_types`` mixes
+The engine serves the families of `SUPPORTED_MODEL_TYPES` (one model file
+each, `imp_mem.engine.model`); any other ``model_type`` is refused with a
+message naming them. `ModelConfig.from_hf_config` reads the common fields
+as the family's transformers config class reads them (its class defaults,
+`_FAMILY_DEFAULTS`, fill what the file omits) and the family's own values
+(RoPE scaling, MoE and MLA geometry, Gemma's scalars) into
+`ModelConfig.extra` (`_family_fields`). For ``qwen3`` it reads a config the
+way transformers 5.17's ``Qwen3Config`` reads it (``use_sliding_window:
+false`` switches the window off): RMSNorm, RoPE, per-head q/k RMSNorm,
+SwiGLU, grouped-query attention. A config whose ``layer_types`` mixes
 ``"sliding_attention"`` and ``"full_attention"`` gives a model with both kinds
 of layers; transformers' Qwen3 honours the same field, so HF can be compared
 with it, and imp-mem's planner reads it into a full and an SWA pool.
@@ -53,7 +58,66 @@ _QWEN3_DEFAULTS: dict[str, Any] = {
     "max_window_layers": 28,
 }
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+# The families the engine serves, each a file of `imp_mem.engine.model`.
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v2", "gemma3_text")
+
+# Each family's transformers class defaults where they differ from Qwen3's
+# (a field a config.json omits is read from here, as transformers reads it).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "head_dim": None,
+        "mlp_bias": False,
+    },
+    "qwen3_moe": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 4,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 768,
+        "num_experts_per_tok": 8,
+        "num_experts": 128,
+        "norm_topk_prob": False,
+    },
+    "deepseek_v2": {
+        "vocab_size": 102400,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "moe_intermediate_size": 1407,
+        "moe_layer_freq": 1,
+    },
+    "gemma3_text": {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+    },
+}
 
 
 def qwen3_0_6b_config() -> dict[str, Any]:
@@ -140,6 +204,16 @@ class ModelConfig:
     layer_types: tuple[str, ...] = field(default_factory=tuple)
     dtype: str = "bfloat16"
 
+    # Family-specific values (`_family_fields`): RoPE scaling, MoE and MLA
+    # geometry, Gemma's scalars. Not compared: the fields above decide the
+    # engine's buffers.
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def family(self) -> str:
+        """The model file that serves this config (`imp_mem.engine.model`)."""
+        return self.model_type
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | str | Path) -> ModelConfig:
         """Reads a ``config.json`` dict, a path to one, or a checkpoint
@@ -155,13 +229,14 @@ class ModelConfig:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise InvalidArgument(
-                f"config: model_type {model_type!r} is not supported by the reference engine; "
-                f"it runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"config: model_type {model_type!r} is not served by the reference engine; "
+                f"it serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        defaults = {**_QWEN3_DEFAULTS, **_FAMILY_DEFAULTS.get(model_type, {})}
 
         def get(key: str) -> Any:
             value = config.get(key)
-            return _QWEN3_DEFAULTS[key] if value is None else value
+            return defaults.get(key) if value is None else value
 
         def positive(key: str, value: Any) -> int:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -172,35 +247,63 @@ class ModelConfig:
 
         num_layers = positive("num_hidden_layers", get("num_hidden_layers"))
         num_heads = positive("num_attention_heads", get("num_attention_heads"))
+        hidden = positive("hidden_size", get("hidden_size"))
         kv = config.get("num_key_value_heads")
-        num_kv_heads = positive("num_key_value_heads", num_heads if kv is None else kv)
+        if kv is None:
+            kv = defaults.get("num_key_value_heads", num_heads)
+            kv = num_heads if model_type in ("llama", "deepseek_v2") else kv
+        num_kv_heads = positive("num_key_value_heads", kv)
+        if model_type == "deepseek_v2":
+            # MLA: every query head has its own up-projected K/V.
+            num_kv_heads = num_heads
         if num_heads % num_kv_heads:
             raise InvalidArgument(
                 f"config: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        if get("hidden_act") != "silu":
+        act_key = "hidden_activation" if model_type == "gemma3_text" else "hidden_act"
+        act = get(act_key) or get("hidden_act")
+        want_act = "gelu_pytorch_tanh" if model_type == "gemma3_text" else "silu"
+        if act != want_act:
             raise InvalidArgument(
-                f"config: hidden_act {get('hidden_act')!r} is not supported; use 'silu'"
+                f"config: {act_key} {act!r} is not supported for {model_type}; use {want_act!r}"
             )
         if get("attention_bias"):
             raise InvalidArgument("config: attention_bias true is not supported; use false")
+        if get("mlp_bias"):
+            raise InvalidArgument("config: mlp_bias true is not supported; use false")
 
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        if model_type == "gemma3_text" and isinstance(rope.get("full_attention"), dict):
+            # transformers 5 writes Gemma-3's two RoPEs as one dict per layer type.
+            local = rope.get("sliding_attention") or {}
+            rope = dict(rope["full_attention"])
+            if local.get("rope_theta") is not None:
+                config = {**config, "rope_local_base_freq": local["rope_theta"]}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        allowed = _ROPE_TYPES.get(model_type, ("default",))
+        if rope_type not in allowed:
             raise InvalidArgument(
-                f"config: rope type {rope_type!r} is not supported; only the default RoPE is"
+                f"config: rope type {rope_type!r} is not supported for {model_type}; "
+                f"it takes {', '.join(allowed)}"
             )
         rope_theta = float(rope.get("rope_theta") or get("rope_theta"))
 
-        # Qwen3Config: the window exists only when use_sliding_window is true.
-        window = get("sliding_window") if get("use_sliding_window") else None
+        if model_type == "qwen3":
+            # Qwen3Config: the window exists only when use_sliding_window is true.
+            window = get("sliding_window") if get("use_sliding_window") else None
+        elif model_type == "gemma3_text":
+            window = get("sliding_window")
+        else:
+            window = None
         if window is not None:
             window = positive("sliding_window", window)
         layer_types = config.get("layer_types")
+        if layer_types is None and model_type == "gemma3_text":
+            pattern = positive("sliding_window_pattern", get("sliding_window_pattern"))
+            layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
         if layer_types is None:
-            start = get("max_window_layers")
+            start = get("max_window_layers") if model_type == "qwen3" else num_layers
             layer_types = [
                 SLIDING if window is not None and i >= start else FULL for i in range(num_layers)
             ]
@@ -220,15 +323,19 @@ class ModelConfig:
             raise InvalidArgument(
                 f"config: torch_dtype {dtype!r} is not supported; use bfloat16, float16 or float32"
             )
+        head_dim = get("head_dim") or hidden // num_heads
+        extra = _family_fields(model_type, config, get, positive, rope, num_layers)
+        if model_type == "deepseek_v2":
+            head_dim = extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"]
         return cls(
             model_type=model_type,
             vocab_size=positive("vocab_size", get("vocab_size")),
-            hidden_size=positive("hidden_size", get("hidden_size")),
+            hidden_size=hidden,
             intermediate_size=positive("intermediate_size", get("intermediate_size")),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=positive("head_dim", get("head_dim")),
+            head_dim=positive("head_dim", head_dim),
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=rope_theta,
             tie_word_embeddings=bool(get("tie_word_embeddings")),
@@ -238,6 +345,7 @@ class ModelConfig:
             sliding_window=window if SLIDING in layer_types else None,
             layer_types=layer_types,
             dtype=dtype,
+            extra=extra,
         )
 
     @property
@@ -261,3 +369,77 @@ class ModelConfig:
         if self.layer_types[layer] == FULL:
             return "full", self.full_layers.index(layer)
         return "swa", self.sliding_layers.index(layer)
+
+
+# The RoPE types each family's model computes (`imp_mem.engine.model.rope`).
+_ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "qwen3": ("default",),
+    "llama": ("default", "llama3", "linear"),
+    "qwen3_moe": ("default",),
+    "deepseek_v2": ("default", "yarn"),
+    "gemma3_text": ("default", "linear"),
+}
+
+
+def _family_fields(
+    model_type: str,
+    config: dict[str, Any],
+    get: Any,
+    positive: Any,
+    rope: dict[str, Any],
+    num_layers: int,
+) -> dict[str, Any]:
+    """The values a family's model reads beyond the common fields."""
+    out: dict[str, Any] = {"rope": {k: v for k, v in rope.items() if k != "rope_theta"}}
+    if model_type == "qwen3_moe":
+        experts = positive("num_experts", get("num_experts"))
+        top_k = positive("num_experts_per_tok", get("num_experts_per_tok"))
+        if top_k > experts:
+            raise InvalidArgument(
+                f"config: num_experts_per_tok ({top_k}) is more than num_experts ({experts})"
+            )
+        step = positive("decoder_sparse_step", get("decoder_sparse_step"))
+        dense = set(get("mlp_only_layers") or [])
+        out.update(
+            num_experts=experts,
+            top_k=top_k,
+            moe_intermediate_size=positive("moe_intermediate_size", get("moe_intermediate_size")),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            moe_layers=tuple(
+                i for i in range(num_layers) if i not in dense and (i + 1) % step == 0
+            ),
+            shared_experts=0,
+        )
+    elif model_type == "deepseek_v2":
+        experts = positive("n_routed_experts", get("n_routed_experts"))
+        top_k = positive("num_experts_per_tok", get("num_experts_per_tok") or 1)
+        if get("topk_method") != "greedy":
+            raise InvalidArgument(
+                f"config: topk_method {get('topk_method')!r} is not supported; use 'greedy'"
+            )
+        first = get("first_k_dense_replace")
+        freq = positive("moe_layer_freq", get("moe_layer_freq"))
+        # An explicit null is no q LoRA (DeepSeek-V2-Lite); absent, the class default.
+        q_lora = config["q_lora_rank"] if "q_lora_rank" in config else get("q_lora_rank")
+        out.update(
+            num_experts=experts,
+            top_k=top_k,
+            moe_intermediate_size=positive("moe_intermediate_size", get("moe_intermediate_size")),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+            routed_scaling_factor=float(get("routed_scaling_factor")),
+            moe_layers=tuple(i for i in range(num_layers) if i >= first and i % freq == 0),
+            shared_experts=int(get("n_shared_experts") or 0),
+            kv_lora_rank=positive("kv_lora_rank", get("kv_lora_rank")),
+            q_lora_rank=positive("q_lora_rank", q_lora) if q_lora else None,
+            qk_nope_head_dim=positive("qk_nope_head_dim", get("qk_nope_head_dim")),
+            qk_rope_head_dim=positive("qk_rope_head_dim", get("qk_rope_head_dim")),
+            v_head_dim=positive("v_head_dim", get("v_head_dim")),
+        )
+    elif model_type == "gemma3_text":
+        out.update(
+            query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
+            rope_local_base_freq=float(get("rope_local_base_freq")),
+            final_logit_softcapping=get("final_logit_softcapping"),
+            attn_logit_softcapping=get("attn_logit_softcapping"),
+        )
+    return out

@@ -28,12 +28,15 @@ def run_engine_demo(
     seed: int = 0,
     config: dict[str, Any] | None = None,
     other_processes: int | None = None,
+    load_format: str = "safetensors",
 ) -> int:
     """Serves random requests for `seconds`; prints throughput and the
     memory report. `config`: the model (default Qwen3-0.6B's).
     `other_processes`: device memory in use before this process made its
     CUDA context (read before the backend was opened; default: read here,
-    correct only if no context exists yet). Returns 0."""
+    correct only if no context exists yet). `load_format`: ``"dummy"``
+    serves random weights drawn in T1 from `seed` (no checkpoint written);
+    ``"safetensors"`` writes a random checkpoint and loads it. Returns 0."""
     from imp_mem.engine.checkpoint import write_random_checkpoint
     from imp_mem.engine.config import qwen3_0_6b_config
     from imp_mem.engine.llm_engine import Engine
@@ -45,8 +48,16 @@ def run_engine_demo(
 
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="imp-mem-demo-") as tmp:
-        out("writing a random-weight checkpoint ...")
-        directory = write_random_checkpoint(tmp, config or qwen3_0_6b_config(), seed=seed)
+        source: Any
+        extra: dict[str, Any] = {}
+        if load_format == "dummy":
+            out("random weights drawn in T1 from the seed (load_format='dummy') ...")
+            source = dict(config or qwen3_0_6b_config())
+            extra = {"load_format": "dummy", "seed": seed}
+        else:
+            out("writing a random-weight checkpoint ...")
+            source = write_random_checkpoint(tmp, config or qwen3_0_6b_config(), seed=seed)
+        directory = source
         import torch
 
         import imp_mem
@@ -69,7 +80,11 @@ def run_engine_demo(
             # planned from a measured warm-up of the same engine (seed A3.3).
             out("measuring torch's high-water over a warm-up ...")
             high = measure_torch_high_water(
-                directory, requests=2 * max_batch, max_batch=max_batch, max_seq_len=max_seq_len
+                directory,
+                requests=2 * max_batch,
+                max_batch=max_batch,
+                max_seq_len=max_seq_len,
+                **extra,
             )
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -86,6 +101,7 @@ def run_engine_demo(
             max_seq_len=max_seq_len,
             backend=backend,
             **pooled,
+            **extra,
         ) as e:
             if retained:
                 e.system.set_charge(

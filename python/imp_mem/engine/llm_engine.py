@@ -140,6 +140,11 @@ class Engine:
     backend). `boot_seconds` splits the boot (probe, plan, open, load, pin,
     warm_up, capture); `first_token_seconds` is the first token's time from
     process start.
+    `load_format`: ``"safetensors"`` (default: the checkpoint in `model_dir`)
+    or ``"dummy"``: random weights drawn in T1 from `seed` (scale
+    `dummy_scale`, default `checkpoint.DEFAULT_SCALE`), planned from the
+    config alone; `model_dir` is then a checkpoint directory, a
+    ``config.json`` path or a config dict (`imp_mem.engine.dummy`).
     `group`: a ``torch.distributed`` process group to serve a tensor-parallel
     shard over (module doc); default None, TP = 1. With a group, the default
     backend is `VmmBackend` on device ``LOCAL_RANK`` (else the group rank).
@@ -147,7 +152,7 @@ class Engine:
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model_dir: str | Path | dict[str, Any],
         *,
         max_batch: int = 32,
         max_seq_len: int = 2048,
@@ -172,14 +177,37 @@ class Engine:
         pin_sleep_host: bool | None = None,
         fused: bool | None = None,
         warmup_probe: bool | None = None,
+        load_format: str = "safetensors",
+        seed: int = 0,
+        dummy_scale: float | None = None,
     ) -> None:
         t_open = time.perf_counter()
         self.boot_seconds: dict[str, float] = {}
         self.first_token_seconds: float | None = None
         self.fused = fused
-        self.model_dir = Path(model_dir)
-        self.config_dict = read_config_json(self.model_dir, "model_dir")
-        self.config = ModelConfig.from_hf_config(self.config_dict)
+        if load_format not in ("safetensors", "dummy"):
+            raise InvalidArgument(
+                f"load_format={load_format!r}: pass 'safetensors' (the checkpoint in model_dir) "
+                "or 'dummy' (random weights from `seed`, planned from the config alone)"
+            )
+        self.load_format = load_format
+        if isinstance(model_dir, dict):
+            if load_format != "dummy":
+                raise InvalidArgument(
+                    "model_dir: a config dict has no weights; pass load_format='dummy' or a "
+                    "checkpoint directory"
+                )
+            self.config_dict = dict(model_dir)
+            self.config = ModelConfig.from_hf_config(self.config_dict)
+            self.model_dir = Path(f"dummy-{self.config.model_type}")
+        else:
+            self.model_dir = Path(model_dir)
+            self.config_dict = read_config_json(self.model_dir, "model_dir")
+            self.config = ModelConfig.from_hf_config(self.config_dict)
+        if load_format == "dummy" and group is not None:
+            raise InvalidArgument(
+                "load_format='dummy' serves tp=1; open a tensor-parallel engine on a checkpoint"
+            )
         c = self.config
         self.group = group
         self.tp = TensorParallel(c, group) if group is not None else TensorParallel(c, tp=1)
@@ -206,6 +234,11 @@ class Engine:
             scratch_bytes=scratch_bytes,
             kv_growable=kv_growable,
         )
+        if load_format == "dummy":
+            from imp_mem.engine.checkpoint import DEFAULT_SCALE
+
+            scale = DEFAULT_SCALE if dummy_scale is None else float(dummy_scale)
+            self.memory.dummy = (self.config_dict, int(seed), scale)
         self.stats = EngineStats()
         self._pin_sleep_host = pin_sleep_host
         # The lifecycle: tag -> the level it sleeps at; whether a level-2
@@ -772,8 +805,33 @@ class Engine:
         trainer's checkpoint from disk."""
         from imp_mem.engine.weights import checkpoint_tensors
 
+        if model_dir is None and self.memory.dummy is not None:
+            return self._refill_dummy()
         directory = self.model_dir if model_dir is None else Path(model_dir)
         return self.update_weights(checkpoint_tensors(directory))
+
+    def _refill_dummy(self) -> dict[str, Any]:
+        """`reload_weights` of a dummy engine: its seed's values drawn again in place."""
+        from imp_mem.engine.dummy import fill
+
+        if "weights" in self._asleep:
+            raise InvalidArgument("reload_weights: the weights sleep; wake('weights') first")
+        if self.scheduler.has_work:
+            raise InvalidArgument(
+                "update_weights: requests are waiting or running; finish them (run()) or "
+                "cancel them first, so no sequence mixes two sets of weights"
+            )
+        _, seed, scale = self.memory.dummy
+        t0 = time.perf_counter()
+        with torch.inference_mode(), self.runner.on_stream():
+            fill(self.runner.weights, self.config, seed=seed, scale=scale)
+        self._weights_changed()
+        nbytes = sum(t.numel() * t.element_size() for t in self.runner.weights.values())
+        return {
+            "tensors": len(self.runner.weights),
+            "bytes": nbytes,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def _check_awake(self, what: str) -> None:
         if self._asleep:
@@ -851,6 +909,11 @@ class Engine:
         if self.group is not None:
             raise InvalidArgument(
                 "swap_model: a tensor-parallel engine cannot swap its model; close it and "
+                "open an engine on the new checkpoint"
+            )
+        if self.memory.dummy is not None:
+            raise InvalidArgument(
+                "swap_model: a load_format='dummy' engine has no checkpoint to swap from; "
                 "open an engine on the new checkpoint"
             )
         if self.scheduler.has_work:

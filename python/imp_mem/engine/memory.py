@@ -15,7 +15,9 @@ Order (seed A4.2):
    a group (`imp_mem.distributed.open_rank_system`), every rank learning
    whether every rank got there (`agree`);
 3. `load_weights`: this rank's tensors into T1 (`load_safetensors`: views
-   of the arena), timed;
+   of the arena), timed; with ``load_format="dummy"`` random values drawn
+   on the device from a seed instead (`imp_mem.engine.dummy`), the plan's
+   weights line at exactly their layout;
 4. `kv_manager`: the paged KV manager over the system's pools.
 
 Charges. What imp-mem does not allocate itself but the device holds for
@@ -49,6 +51,7 @@ import torch
 import imp_mem
 from imp_mem._safetensors import load_safetensors, read_header, safetensors_files
 from imp_mem.engine.config import ModelConfig
+from imp_mem.engine.dummy import stacks as dummy_stacks
 from imp_mem.engine.tensor_parallel import TensorParallel, plan_shape
 from imp_mem.errors import InvalidArgument
 
@@ -90,6 +93,8 @@ class EngineMemory:
         self.weights_over_share = 0
         # The kernel modules the warm-up loaded (`warmup.Meter`), once measured.
         self.warmup_modules: int | None = None
+        # load_format="dummy": (config.json dict, seed, scale); None loads safetensors.
+        self.dummy: tuple[dict[str, Any], int, float] | None = None
 
     # ------------------------------------------------------------- the plan
 
@@ -126,7 +131,12 @@ class EngineMemory:
         `default_features` is used. Returns the plan."""
         # The checkpoint's bytes; with ranks, raised where a rank's slices
         # would pass the planner's even split (`plan_shape`).
-        shape, self.rank_weights_bytes = plan_shape(model_dir, config, tp.tp)
+        if self.dummy is not None:
+            from imp_mem.engine import dummy
+
+            shape, self.rank_weights_bytes = dummy.plan_shape(self.dummy[0], config), 0
+        else:
+            shape, self.rank_weights_bytes = plan_shape(model_dir, config, tp.tp)
         if not self.on_gpu:
             context = 8 << 20 if context is None else context
             library_reserve = 4 << 20 if library_reserve is None else library_reserve
@@ -245,6 +255,20 @@ class EngineMemory:
         (`MemorySystem.pin_sleep_host`), so the first sleep copies at the
         line rate; its seconds are `pin_seconds`, inside `load_seconds`."""
         t0 = time.perf_counter()
+        if self.dummy is not None:
+            from imp_mem.engine.dummy import layout_bytes, load_dummy
+
+            _, seed, scale = self.dummy
+            pinner = _Pinner(self.system) if pin else None
+            if pinner is not None:
+                pinner.start(layout_bytes(tp.config))
+            try:
+                weights = load_dummy(self.system, tp.config, seed=seed, scale=scale)
+            finally:
+                if pinner is not None:
+                    self.pin_seconds, self.pinned_bytes = pinner.join()
+            self.load_seconds = time.perf_counter() - t0
+            return weights
         # A warm-up probe (`warmup.probe`) needs the layout, not the values.
         read = not os.environ.get("IMP_MEM_WARMUP_CHILD")
         pinner = _Pinner(self.system) if pin and read else None
@@ -256,6 +280,7 @@ class EngineMemory:
                 shards=tp.shards(),
                 on_layout=pinner.start if pinner else None,
                 read=read,
+                stacks=None if tp.tp > 1 else dummy_stacks(tp.config),
             )
         finally:
             if pinner is not None:
@@ -458,7 +483,9 @@ def _with_engine_blocks(features: Any, blocks: Sequence[int]) -> Any:
     )
 
 
-def measure_torch_high_water(model_dir: str | Path, *, requests: int = 0, **engine_kw: Any) -> int:
+def measure_torch_high_water(
+    model_dir: str | Path | dict[str, Any], *, requests: int = 0, **engine_kw: Any
+) -> int:
     """The most device memory torch's allocator holds for an engine of these
     arguments over its warm-up, graph capture and `requests` random requests
     (torch's default allocator, a fresh engine): what to plan the activations

@@ -46,7 +46,7 @@ import torch
 
 import imp_mem
 from imp_mem.engine.config import ModelConfig
-from imp_mem.engine.model import KvViews, PagedModel
+from imp_mem.engine.model import KvViews, build_model
 from imp_mem.engine.scheduler import Prefill, Request
 from imp_mem.errors import InvalidArgument
 
@@ -224,7 +224,7 @@ class ModelRunner:
         c = self.config
         system = self.memory.system
         self.weights = weights
-        self.model = PagedModel(
+        self.model = build_model(
             c,
             weights,
             attention_backend=attention_backend,
@@ -234,12 +234,20 @@ class ModelRunner:
         )
         kv_dtype = getattr(torch, _KV_DTYPES[self.memory.plan.kv["dtype"]])
         geometry = (self.block_size, tp.kv_heads, c.head_dim)
-        full = self._pool_view(system.kv_pool, len(c.full_layers), geometry, kv_dtype, "kv")
+        # A family with its own page layout (MLA's latents) names its block's shape.
+        block_shape = getattr(self.model, "kv_block_shape", None)
+        shape = block_shape(len(c.full_layers), self.block_size) if block_shape else None
+        full = self._pool_view(
+            system.kv_pool, len(c.full_layers), geometry, kv_dtype, "kv", block=shape
+        )
         swa = None
         if self.sliding:
             if system.swa_pool is None:
                 raise InvalidArgument("the model has sliding layers but the plan has no SWA pool")
-            swa = self._pool_view(system.swa_pool, len(c.sliding_layers), geometry, kv_dtype, "swa")
+            shape = block_shape(len(c.sliding_layers), self.block_size) if block_shape else None
+            swa = self._pool_view(
+                system.swa_pool, len(c.sliding_layers), geometry, kv_dtype, "swa", block=shape
+            )
         self.kv_views = KvViews(full=full, swa=swa, block_size=self.block_size)
         self.kv = kv
         self.reserve_blocks()
@@ -299,13 +307,14 @@ class ModelRunner:
                 self.staging[group] = _Staging(self.memory.backend, specs)
         self.staging["next"] = _Staging(self.memory.backend, {"next": groups["out"]["next"]})
 
-    def _pool_view(self, pool, layers, geometry, dtype, what) -> torch.Tensor:
-        shape = (layers, 2, *geometry)
+    def _pool_view(self, pool, layers, geometry, dtype, what, block=None) -> torch.Tensor:
+        # `block`: a whole block's shape, where the model lays its pages out itself.
+        shape = (layers, 2, *geometry) if block is None else tuple(block)
         want = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if pool.block_bytes != want:
             raise InvalidArgument(
                 f"the {what} pool's blocks are {pool.block_bytes} B; the layout "
-                f"[{layers}, 2, {geometry[0]}, {geometry[1]}, {geometry[2]}] x {dtype} is {want} B"
+                f"[{', '.join(map(str, shape))}] x {dtype} is {want} B"
             )
         name = str(dtype).removeprefix("torch.")
         view = torch.from_dlpack(pool.view(name, shape))
