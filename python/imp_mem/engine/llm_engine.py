@@ -267,7 +267,13 @@ class Engine:
             keep_logits=keep_logits,
             fused=fused,
             progress=False,
+            load_format=load_format,
+            seed=seed,
+            dummy_scale=dummy_scale,
         )
+        # What the probe child boots: the caller's model_dir (a dummy
+        # engine's may be a config dict).
+        self._probe_source = model_dir if isinstance(model_dir, dict) else str(model_dir)
         self._warmup_probe = warmup_probe
         self.warmup_planned: dict[str, int] | None = None
         self.warmup_measured: dict[str, int] | None = None
@@ -444,7 +450,7 @@ class Engine:
         # A swap plans with the system open: a probe child could not fit beside it.
         if got is None and probe and not getattr(self, "_booted", False):
             t0 = time.perf_counter()
-            got = warmup.probe(self.model_dir, self._warmup_kw)
+            got = warmup.probe(self._probe_source, self._warmup_kw)
             warmup.store(self._warmup_fp, got)
             self.boot_seconds["probe"] = time.perf_counter() - t0
         return got

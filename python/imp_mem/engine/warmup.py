@@ -186,13 +186,16 @@ class Meter:
         return self.measured
 
 
-def probe(model_dir: str | Path, engine_kw: dict[str, Any], *, timeout: float = 600) -> dict:
+def probe(
+    model_dir: str | Path | dict[str, Any], engine_kw: dict[str, Any], *, timeout: float = 600
+) -> dict:
     """Boots the engine in a child process over `model_dir`'s layout with
     its weights unread and returns what its warm-up measured
     (``{"torch", "modules"}``). Raises RuntimeError with the child's output
     when it fails."""
     env = dict(os.environ, **{CHILD_ENV: "1"})
-    args = json.dumps({"model_dir": str(model_dir), "engine_kw": engine_kw})
+    source = model_dir if isinstance(model_dir, dict) else str(model_dir)
+    args = json.dumps({"model_dir": source, "engine_kw": engine_kw})
     proc = subprocess.run(
         [sys.executable, "-m", "imp_mem.engine.warmup", args],
         env=env,
