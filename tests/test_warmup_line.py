@@ -109,3 +109,24 @@ def test_the_engine_on_the_cpu_plans_no_warmup_line_and_times_its_boot(tmp_path)
         assert engine.first_token_seconds is None
         engine.generate([[1, 2, 3]], max_new_tokens=2)
         assert engine.first_token_seconds is not None and engine.first_token_seconds > 0
+
+
+def test_the_probe_child_boots_the_same_engine(tmp_path):
+    """`warmup.probe` re-runs the engine's arguments in a child (weights laid
+    out, not read); on the CPU nothing lies outside the tiers, so it
+    measures zeros. A child that fails names its error."""
+    pytest.importorskip("torch")
+    from imp_mem.engine import warmup
+    from imp_mem.engine.checkpoint import write_random_checkpoint
+    from imp_mem.engine.config import qwen3_0_6b_config
+
+    config = qwen3_0_6b_config()
+    config.update(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
+    kw = {"max_batch": 2, "max_seq_len": 64, "budget": "256MiB", "progress": False}
+    assert warmup.probe(directory, kw) == {"torch": 0, "modules": 0}
+    with pytest.raises(RuntimeError, match="max_seq_len"):
+        warmup.probe(directory, dict(kw, max_seq_len=100000))

@@ -218,7 +218,8 @@ def _child(args: str) -> int:
 
     spec = json.loads(args)
     with Engine(spec["model_dir"], **spec["engine_kw"]) as engine:
-        measured = engine.warmup_measured
+        # Nothing outside the tiers where the engine is not on a GPU.
+        measured = engine.warmup_measured or {"torch": 0, "modules": 0}
     print(json.dumps(measured), flush=True)
     return 0
 
