@@ -378,6 +378,29 @@ impl SharedBlockPool {
         self.core().shrink_now(PoolFence(Box::new(fence)))
     }
 
+    /// Shrinks to the chunks holding live blocks plus `keep_chunks` now,
+    /// bypassing the hysteresis (never below the blocks the pool opened
+    /// with); the decommit waits for `fence`. Returns the bytes decommitted
+    /// during this call.
+    pub fn trim<F: FenceLike + Send + 'static>(
+        &self,
+        keep_chunks: u32,
+        fence: F,
+    ) -> Result<u64, MemError> {
+        self.core().trim(keep_chunks, PoolFence(Box::new(fence)))
+    }
+
+    /// The backend its region came from (`None` in slots mode).
+    pub fn backend(&self) -> Option<crate::backend::Backend> {
+        self.core().region.as_ref().map(|r| r.backend().clone())
+    }
+
+    /// One past the highest live block id (0 when none is live): the
+    /// blocks a shrink must keep.
+    pub fn live_top(&self) -> u32 {
+        self.core().live_top_block()
+    }
+
     /// Waits for a pending decommit's fence (blocking) and decommits; the
     /// bytes returned.
     pub fn flush_decommit(&self) -> Result<u64, MemError> {

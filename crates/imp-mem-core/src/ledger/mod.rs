@@ -754,6 +754,16 @@ impl Tenant {
         self.update(|_, me| me.asleep = level)
     }
 
+    /// Records a want of `bytes` (fresh for [`WANT_TTL_MS`]) without
+    /// growing: the other tenants are asked to give it back
+    /// ([`Tenant::pressure`]) so that a later [`Tenant::grow`] finds room.
+    pub fn want(&self, bytes: u64) -> Result<(), MemError> {
+        self.update(|_, me| {
+            me.want = bytes.min(me.cap.saturating_sub(me.committed));
+            me.want_ms = now_ms();
+        })
+    }
+
     /// Withdraws its want (it stopped asking).
     pub fn clear_want(&self) -> Result<(), MemError> {
         self.update(|_, me| me.want = 0)

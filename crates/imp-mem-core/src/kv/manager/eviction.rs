@@ -3,6 +3,7 @@
 
 use super::KVCacheManager;
 use crate::block_pool::{BlockId, BlockToken};
+use crate::decommit::FenceLike;
 use crate::error::MemError;
 use crate::kv::events::Medium;
 use crate::kv::hash::BlockHash;
@@ -80,6 +81,75 @@ impl KVCacheManager {
             started += 1;
         }
         self.poll_copies(true).map(|_| ())
+    }
+
+    /// Gives about `bytes` of the KV pool's memory back (to its backend,
+    /// and so to the device ledger): first the free tail above the live
+    /// blocks, then, chunk by chunk from the top, the prefix-cache blocks
+    /// that are all that keeps a chunk committed — evicted whole chunks at a
+    /// time, so the pages really come free. Stops at a chunk a sequence
+    /// (or a pinned or in-use cache entry) holds. The decommits wait for
+    /// `fence` (blocking). Returns the bytes decommitted.
+    pub fn give_back<F: FenceLike + Send + Sync + 'static>(
+        &mut self,
+        bytes: u64,
+        fence: F,
+    ) -> Result<u64, MemError> {
+        let fence = std::sync::Arc::new(fence);
+        let pool = self.pool.clone();
+        // No copy may read a block released here.
+        let _ = self.poll_copies(true);
+        let mut returned = pool.shrink_now(fence.clone())? + pool.flush_decommit()?;
+        let chunk = pool.stats().chunk_blocks.max(1);
+        while returned < bytes {
+            let top = pool.live_top();
+            // Within the blocks the pool opened with nothing is decommitted.
+            if top <= pool.stats().min_blocks {
+                break;
+            }
+            let from = (top - 1) / chunk * chunk;
+            let evicted = self.cache.evict_from(from);
+            if evicted.is_empty() {
+                break;
+            }
+            let mut tokens = Vec::with_capacity(evicted.len());
+            for (hash, token) in evicted {
+                self.stats.evictions += 1;
+                self.events.removed(hash, Medium::Device);
+                if let Some(host) = self.host.as_mut() {
+                    let _ = host.settle_onboard(token.id());
+                }
+                tokens.push(token);
+            }
+            self.pool.release_tokens(tokens)?;
+            let freed = pool.shrink_now(fence.clone())? + pool.flush_decommit()?;
+            if pool.live_top() >= top {
+                break; // something else holds the chunk
+            }
+            returned += freed;
+        }
+        Ok(returned)
+    }
+
+    /// The ledger's side of one engine step, for a KV pool whose backend
+    /// commits through a device ledger tenant (nothing otherwise): records
+    /// the bytes of live blocks, and gives back what the ledger asks
+    /// ([`crate::ledger::Tenant::pressure`]) with [`Self::give_back`].
+    /// Returns the bytes given back.
+    pub fn ledger_tick<F: FenceLike + Send + Sync + 'static>(
+        &mut self,
+        fence: F,
+    ) -> Result<u64, MemError> {
+        let Some(tenant) = self.pool.backend().and_then(|b| b.tenant()) else {
+            return Ok(0);
+        };
+        let st = self.pool.stats();
+        tenant.set_kv_live(st.live as u64 * st.block_bytes as u64)?;
+        let asked = tenant.pressure()?;
+        if asked == 0 {
+            return Ok(0);
+        }
+        self.give_back(asked, fence)
     }
 
     /// Empties the prefix cache, as vLLM's `reset_prefix_cache`: only when
