@@ -76,7 +76,9 @@ class PlanFailure(ImpMemError):
     at its full target), ``total`` (their sum), ``budget``, ``over_by``
     (``total - budget``), ``levers`` (up to three ``{"setting", "from", "to",
     "frees", "sufficient"}``, largest first), ``kind`` (``"over_budget"`` or
-    ``"below_admission_floor"``) and ``report`` (the message).
+    ``"below_admission_floor"``, or ``"ledger_full"`` when a device ledger
+    refuses a tenant whose floor does not fit beside the others': then the
+    charges are the tenants' floors) and ``report`` (the message).
     """
 
     charges: list[dict]

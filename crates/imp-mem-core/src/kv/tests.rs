@@ -1278,17 +1278,23 @@ fn give_back_evicts_the_cache_chunk_by_chunk_and_keeps_live_sequences() {
     assert_eq!(m.stats().cached, 16);
     // Sequence 3 holds the top chunk: nothing above it is free, and its
     // chunk cannot go, so nothing is given back.
-    assert_eq!(m.give_back(u64::MAX, NothingInFlight).unwrap(), 0);
+    assert_eq!(m.give_back(u64::MAX, 0, NothingInFlight).unwrap(), 0);
     assert_eq!(m.stats().cached, 16, "no entry is evicted for nothing");
+    m.abort(3).unwrap();
+    m.admit(3, &toks(500..508), none()).unwrap(); // 2 blocks of 24..28
+                                                  // Keeping 4 free blocks for running sequences: the tail above them is
+                                                  // kept, and no cached chunk goes.
+    assert_eq!(m.give_back(u64::MAX, 4, NothingInFlight).unwrap(), 0);
+    assert_eq!(m.stats().cached, 16);
     m.abort(3).unwrap();
     // Now: the free tail first (4 blocks), then the cache's chunks from the
     // top; 8 KiB asked is met after one cached chunk.
-    let given = m.give_back(8 * 1024, NothingInFlight).unwrap();
+    let given = m.give_back(8 * 1024, 0, NothingInFlight).unwrap();
     assert_eq!(given, 8 * 1024);
     assert_eq!(pool.stats().committed_bytes, 20 * 1024);
     assert_eq!(m.stats().cached, 12);
     // All of it: down to sequence 1's blocks, which are also the floor.
-    let given = m.give_back(u64::MAX, NothingInFlight).unwrap();
+    let given = m.give_back(u64::MAX, 0, NothingInFlight).unwrap();
     assert_eq!(given, 12 * 1024);
     assert_eq!(pool.stats().committed_bytes, 8 * 1024);
     assert_eq!(m.stats().cached, 0);
@@ -1329,12 +1335,12 @@ fn on_a_ledger_admission_counts_the_granted_room_and_pressure_moves_memory() {
     assert!(matches!(err, MemError::KvCapacity(_)), "{err:?}");
     assert_eq!(tenants[0].pressure().unwrap(), 8 * 1024);
     // a's step answers: evicts two cached chunks and decommits them.
-    assert_eq!(a.ledger_tick(NothingInFlight).unwrap(), 8 * 1024);
+    assert_eq!(a.ledger_tick(0, NothingInFlight).unwrap(), 8 * 1024);
     assert_eq!(tenants[0].record().unwrap().committed, 24 * 1024);
     assert_eq!(tenants[0].record().unwrap().kv_live, 32 * 1024);
     b.admit(2, &toks(1000..1064), none()).unwrap();
     assert_eq!(tenants[1].record().unwrap().committed, 16 * 1024);
-    assert_eq!(a.ledger_tick(NothingInFlight).unwrap(), 0);
+    assert_eq!(a.ledger_tick(0, NothingInFlight).unwrap(), 0);
     let snap = ledger.snapshot().unwrap();
     assert!(snap.committed() <= snap.budget);
     a.check_invariants().unwrap();

@@ -88,19 +88,28 @@ impl KVCacheManager {
     /// blocks, then, chunk by chunk from the top, the prefix-cache blocks
     /// that are all that keeps a chunk committed — evicted whole chunks at a
     /// time, so the pages really come free. Stops at a chunk a sequence
-    /// (or a pinned or in-use cache entry) holds. The decommits wait for
-    /// `fence` (blocking). Returns the bytes decommitted.
+    /// (or a pinned or in-use cache entry) holds. `keep_blocks` free blocks
+    /// above the highest live one stay committed (room the caller promised
+    /// its running sequences). The decommits wait for `fence` (blocking).
+    /// Returns the bytes decommitted.
     pub fn give_back<F: FenceLike + Send + Sync + 'static>(
         &mut self,
         bytes: u64,
+        keep_blocks: u32,
         fence: F,
     ) -> Result<u64, MemError> {
         let fence = std::sync::Arc::new(fence);
         let pool = self.pool.clone();
         // No copy may read a block released here.
         let _ = self.poll_copies(true);
-        let mut returned = pool.shrink_now(fence.clone())? + pool.flush_decommit()?;
         let chunk = pool.stats().chunk_blocks.max(1);
+        let keep_chunks = keep_blocks.div_ceil(chunk);
+        let mut returned = pool.trim(keep_chunks, fence.clone())? + pool.flush_decommit()?;
+        if keep_blocks > 0 {
+            // The promised room sits above the live blocks: nothing under
+            // it is evicted for the sake of a chunk.
+            return Ok(returned);
+        }
         while returned < bytes {
             let top = pool.live_top();
             // Within the blocks the pool opened with nothing is decommitted.
@@ -134,10 +143,12 @@ impl KVCacheManager {
     /// The ledger's side of one engine step, for a KV pool whose backend
     /// commits through a device ledger tenant (nothing otherwise): records
     /// the bytes of live blocks, and gives back what the ledger asks
-    /// ([`crate::ledger::Tenant::pressure`]) with [`Self::give_back`].
+    /// ([`crate::ledger::Tenant::pressure`]) with [`Self::give_back`],
+    /// keeping `keep_blocks` free blocks.
     /// Returns the bytes given back.
     pub fn ledger_tick<F: FenceLike + Send + Sync + 'static>(
         &mut self,
+        keep_blocks: u32,
         fence: F,
     ) -> Result<u64, MemError> {
         let Some(tenant) = self.pool.backend().and_then(|b| b.tenant()) else {
@@ -149,7 +160,7 @@ impl KVCacheManager {
         if asked == 0 {
             return Ok(0);
         }
-        self.give_back(asked, fence)
+        self.give_back(asked, keep_blocks, fence)
     }
 
     /// Empties the prefix cache, as vLLM's `reset_prefix_cache`: only when
