@@ -870,6 +870,19 @@ impl PyKVCacheManager {
         py.detach(|| self.lock().give_back(n, keep, fence)).py()
     }
 
+    /// Makes at least `blocks` KV blocks free now, growing the pool (on a
+    /// device ledger only as far as it grants; cached blocks evicted where
+    /// growth is refused). Returns False, changing nothing, when it
+    /// cannot: the room an engine promises what it admits.
+    fn reserve_free(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let n = convert::u32_arg(blocks, "blocks")?;
+        match py.detach(|| self.lock().reserve_free(n)) {
+            Ok(()) => Ok(true),
+            Err(MemError::OutOfMemory(_) | MemError::KvCapacity(_)) => Ok(false),
+            Err(e) => Err(crate::errors::to_py(e)),
+        }
+    }
+
     /// The device ledger's side of an engine step (a no-op off a ledger):
     /// records the bytes of live KV blocks in the tenant's slot and gives
     /// back what the ledger asks of it (`give_back`). `fence` as for

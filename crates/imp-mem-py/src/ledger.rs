@@ -215,6 +215,12 @@ impl PyLedgerTenant {
         py.detach(|| self.inner.want(n)).py()
     }
 
+    /// Records the bytes of its live KV blocks, for operators.
+    fn set_kv_live(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = convert::bytes(nbytes, "nbytes")?;
+        py.detach(|| self.inner.set_kv_live(n)).py()
+    }
+
     /// Records its sleep level (0: awake), for operators.
     fn set_asleep(&self, py: Python<'_>, level: u8) -> PyResult<()> {
         if level > 2 {

@@ -390,6 +390,14 @@ impl SharedBlockPool {
         self.core().trim(keep_chunks, PoolFence(Box::new(fence)))
     }
 
+    /// Makes at least `n` blocks free now, committing more of a growable
+    /// region if it must (through the backend, so on a device ledger only
+    /// what it grants): room promised ahead to work already admitted. All
+    /// or nothing; a refusal is the growth's error.
+    pub fn reserve_free(&self, n: u32) -> Result<(), MemError> {
+        self.core().ensure_free_pub(n)
+    }
+
     /// The backend its region came from (`None` in slots mode).
     pub fn backend(&self) -> Option<crate::backend::Backend> {
         self.core().region.as_ref().map(|r| r.backend().clone())

@@ -1346,3 +1346,28 @@ fn on_a_ledger_admission_counts_the_granted_room_and_pressure_moves_memory() {
     a.check_invariants().unwrap();
     b.check_invariants().unwrap();
 }
+
+#[test]
+fn reserve_free_commits_ahead_and_evicts_only_where_growth_is_refused() {
+    let fake = FakeBackend::new(FakeConfig {
+        capacity: 24 * 1024,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let (pool, mut m) = elastic(&fake);
+    m.reserve_free(12).unwrap();
+    assert_eq!(pool.stats().free, 12);
+    m.admit(1, &toks(0..64), none()).unwrap(); // 16 blocks
+    m.free(1, None).unwrap(); // all cached; 24 KiB committed = the budget
+    assert_eq!(m.stats().cached, 16);
+    // 24 free: the 16 cached evicted, 8 more committed up to the budget.
+    let before = m.stats().cached;
+    m.reserve_free(24).unwrap();
+    assert_eq!(pool.stats().free, 24);
+    assert!(m.stats().cached < before);
+    // More than the budget allows: refused, nothing changed.
+    let stats = m.stats();
+    assert!(m.reserve_free(25).is_err());
+    assert_eq!(m.stats(), stats);
+    m.check_invariants().unwrap();
+}

@@ -140,6 +140,35 @@ impl KVCacheManager {
         Ok(returned)
     }
 
+    /// Makes at least `blocks` KV blocks free now, growing the pool (on a
+    /// device ledger, only as far as it grants): the room an engine
+    /// promises the sequences it admits, so that none of them is refused a
+    /// block mid-generation. Evicts cached blocks first where growth is
+    /// refused. All or nothing.
+    pub fn reserve_free(&mut self, blocks: u32) -> Result<(), MemError> {
+        match self.pool.reserve_free(blocks) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // Evict only when eviction plus what can still be granted
+                // covers it, so a hopeless request costs the cache nothing.
+                let (free, growable) = self.pool.room();
+                let bb = self.pool.block_bytes().max(1) as u64;
+                let grantable = self
+                    .pool
+                    .backend()
+                    .map_or(0, |b| b.headroom().unwrap_or(0) / bb)
+                    .min(growable as u64);
+                let evictable = self.cache.evictable();
+                let short = blocks.saturating_sub(free);
+                if short == 0 || free as u64 + evictable as u64 + grantable < blocks as u64 {
+                    return Err(e);
+                }
+                self.make_room(short.min(evictable))?;
+                self.pool.reserve_free(blocks)
+            }
+        }
+    }
+
     /// The ledger's side of one engine step, for a KV pool whose backend
     /// commits through a device ledger tenant (nothing otherwise): records
     /// the bytes of live blocks, and gives back what the ledger asks
