@@ -120,6 +120,8 @@ class Backend:
         """Commits through a device ledger tenant from now on."""
     def headroom(self) -> int:
         """Bytes it could commit now (budget, and the ledger's grant)."""
+    def detach_ledger(self) -> None:
+        """Stops committing through the ledger (nothing may be committed)."""
     @property
     def capacity(self) -> int: ...
     @property
@@ -1233,9 +1235,7 @@ class MemorySystem:
 class DeviceLedger:
     """One device's table of imp-mem tenants, shared across processes."""
 
-    def __init__(
-        self, key: str, budget: ByteCount, dir: StrOrBytesPath | None = None
-    ) -> None: ...
+    def __init__(self, key: str, budget: ByteCount, dir: StrOrBytesPath | None = None) -> None: ...
     @property
     def key(self) -> str: ...
     @property

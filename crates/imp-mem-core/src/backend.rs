@@ -422,6 +422,22 @@ impl Backend {
         Ok(())
     }
 
+    /// Stops committing through the device ledger and hands its tenant back
+    /// (`None` when there was none). Refused while anything is committed:
+    /// the ledger would stop counting memory still held.
+    pub fn detach_ledger(&self) -> Result<Option<Arc<Tenant>>, MemError> {
+        let mut state = self.shared.state();
+        let committed = state.ledger.committed();
+        if committed > 0 && state.tenant.is_some() {
+            return Err(MemError::invalid(format!(
+                "cannot leave the device ledger with {} still committed; release the regions \
+                 (close the MemorySystem) first",
+                human_bytes(committed)
+            )));
+        }
+        Ok(state.tenant.take())
+    }
+
     /// The device ledger's tenant this backend commits through.
     pub fn tenant(&self) -> Option<Arc<Tenant>> {
         self.shared.state().tenant.clone()

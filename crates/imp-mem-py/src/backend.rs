@@ -277,6 +277,13 @@ impl PyBackend {
         py.detach(|| self.inner.attach_ledger(t)).py()
     }
 
+    /// Stops committing through the device ledger; refused
+    /// (`InvalidArgument`) while anything is committed. The tenant leaves the
+    /// ledger once no one holds it.
+    fn detach_ledger(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.detach_ledger()).py().map(drop)
+    }
+
     /// Bytes this backend could commit now: its budget less what it holds,
     /// and on a ledger no more than the ledger would grant.
     fn headroom(&self, py: Python<'_>) -> PyResult<u64> {

@@ -153,9 +153,12 @@ fn a_backend_on_the_ledger_commits_only_what_it_grants() {
     kv.decommit(20 * MIB).unwrap();
     assert_eq!(t.record().unwrap().committed, 24 * MIB);
     other.grow(40 * MIB).unwrap().unwrap();
+    assert!(fb.detach_ledger().is_err());
     drop(kv);
     drop(weights);
     assert_eq!(t.record().unwrap().committed, 0);
+    assert!(fb.detach_ledger().unwrap().is_some());
+    assert!(fb.tenant().is_none());
     fb.check_invariants().unwrap();
 }
 
