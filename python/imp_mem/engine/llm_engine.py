@@ -439,7 +439,8 @@ class Engine:
         if self.tenancy is not None:
             self.tenancy.wake_for_work(self)
             prompt = list(prompt)
-            self.tenancy.check_submit(len(prompt) + max_new_tokens, self.kv)
+            if len(prompt) + max_new_tokens <= self.max_seq_len:
+                self.tenancy.check_submit(len(prompt) + max_new_tokens, self.kv)
         return self.scheduler.submit(prompt, max_new_tokens, eos_token_id=eos_token_id)
 
     def idle(self) -> int:
@@ -465,6 +466,8 @@ class Engine:
     ) -> Iterator[tuple[int, int]]:
         """Serves `prompts` to the end, yielding `(prompt index, token)` as
         the tokens are produced."""
+        if self.tenancy is not None:
+            self.tenancy.wake_for_work(self)
         self._check_awake("generate")
         index = {}
         for i, p in enumerate(prompts):

@@ -14,7 +14,8 @@ backend commits only what the ledger grants. Then, each step:
   grants); otherwise it waits, and the shortfall presses on the other
   tenants. So no admitted request is ever refused a block mid-generation
   (no preemption for lack of memory). A request that could not fit even if
-  every other tenant shrank to its floor raises `CapacityError` at submit.
+  every other tenant shrank to its floor raises `CapacityError` at submit;
+  with the floor holding one full sequence, none within `max_seq_len` does.
 * **pressure**: when the ledger asks this tenant for memory, it gives it
   back (`give_back`): free blocks above the room it promised, then
   prefix-cache blocks a chunk at a time;
@@ -114,7 +115,9 @@ class Tenancy:
         kv_floor = self.initial * self.block_bytes
         # What an idle pool keeps above its live blocks: one growth chunk.
         self.chunk = max(1, min(int(kv["blocks"]), (64 << 20) // self.block_bytes))
-        self.outside = (plan.context + plan.library_reserve) if memory.on_gpu else 0
+        # The CUDA context and library reserve are in the plan but held by
+        # no backend; charged to the ledger so its books match the plan's.
+        self.outside = plan.context + plan.library_reserve
         self.floor = plan.total() - int(kv["bytes"]) + kv_floor + slack
         self.cap = plan.budget
         key = cfg.key or device_key(backend, memory.on_gpu)
@@ -124,8 +127,6 @@ class Tenancy:
             cfg.name or name, self.floor, max(self.cap, self.floor), wait_s=cfg.wait_s
         )
         if self.outside:
-            # The CUDA context and library reserve are device memory no
-            # backend holds: charged to the ledger here.
             self.tenant.grow(self.outside)
         backend.attach_ledger(self.tenant)
         self.cfg = cfg
@@ -164,7 +165,9 @@ class Tenancy:
     def check_submit(self, tokens: int, kv: Any) -> None:
         """`CapacityError` for a request no share of the device could hold:
         more KV blocks than this tenant could commit even if every other
-        tenant shrank to its floor."""
+        tenant shrank to its floor. (A request within `max_seq_len` always
+        fits: the floor holds one full sequence. This guards a floor
+        planned smaller.)"""
         need = self.blocks_for(tokens)
         rows = self.ledger.tenants()
         me = self.tenant.slot
