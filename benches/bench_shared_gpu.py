@@ -102,8 +102,8 @@ def worker(name, directory, mode, opts, trace, start_at, out, ready):
         backend=backend,
         max_seq_len=opts["max_seq_len"],
         keep_logits=False,
-        buckets=opts["buckets"],
     )
+    batch = opts["max_batch"]
     if mode == "shared":
         kw["shared"] = SharedGPU(
             cap=opts["caps"][name],
@@ -112,14 +112,20 @@ def worker(name, directory, mode, opts, trace, start_at, out, ready):
             name=name,
             idle_sleep_s=opts["idle_sleep_s"],
         )
-        kw["max_batch"] = opts["max_batch"]
     else:
         kw["budget"] = opts["static_budget"]
-        kw["max_batch"] = opts["static_batch"][name]
-    engine = Engine(directory, **kw)
+    while True:
+        # Static: the largest batch (halving) whose plan fits its third.
+        try:
+            engine = Engine(directory, max_batch=batch, **kw)
+            break
+        except imp_mem.PlanFailure:
+            if mode == "shared" or batch == 1:
+                raise
+            batch //= 2
     engine.generate([[1, 2, 3]] * 2, 2)  # warm-up
     floor = engine.tenancy.floor if engine.tenancy else None
-    ready.put((name, floor))
+    ready.put((name, floor, batch))
     while time.time() < start_at.value:
         engine.idle()
         time.sleep(0.002)
@@ -130,8 +136,33 @@ def worker(name, directory, mode, opts, trace, start_at, out, ready):
     last_arrival = pending[-1][0] if pending else 0.0
     tokens = 0
     t_first_work = None
+    next_report = opts["lead_s"] + opts["window_s"]
+
+    def report(final):
+        ttft = [first[s] - arrivals[s] for s in first]
+        busy = (max(done_at.values()) - t_first_work) if done_at and t_first_work else 0.0
+        out.put(
+            {
+                "name": name,
+                "mode": mode,
+                "batch": batch,
+                "ttft": ttft,
+                "tokens": tokens,
+                "busy_s": busy,
+                "preempted": engine.scheduler.stats.preempted,
+                "finished": len(done_at),
+                "requests": len(pending),
+                "final": final,
+            }
+        )
+
     while True:
         now = time.time() - t0
+        if now >= next_report:
+            # A report at every window's end: a tenant killed later still
+            # has its burst counted.
+            report(False)
+            next_report += opts["window_s"]
         while i < len(pending) and pending[i][0] <= now:
             arr, prompt, new = pending[i]
             req = engine.submit(prompt, new)
@@ -155,20 +186,7 @@ def worker(name, directory, mode, opts, trace, start_at, out, ready):
             engine.idle()
             time.sleep(0.001)
     torch.cuda.synchronize()
-    ttft = [first[s] - arrivals[s] for s in first]
-    busy = (max(done_at.values()) - t_first_work) if done_at and t_first_work else 0.0
-    out.put(
-        {
-            "name": name,
-            "mode": mode,
-            "ttft": ttft,
-            "tokens": tokens,
-            "busy_s": busy,
-            "preempted": engine.scheduler.stats.preempted,
-            "finished": len(done_at),
-            "requests": len(pending),
-        }
-    )
+    report(True)
     engine.close()
 
 
@@ -197,6 +215,7 @@ def run_phase(mode, dirs, args, opts, kill=None):
     start_at = ctx.Value("d", 1e18)
     out, ready = ctx.Queue(), ctx.Queue()
     procs = {}
+    floors: dict[str, tuple] = {}
     names = [n for n, _ in dirs]
     for k, (name, d) in enumerate(dirs):
         tr = trace_for(k, len(dirs), args, 151936, seed=k)
@@ -204,15 +223,17 @@ def run_phase(mode, dirs, args, opts, kill=None):
         p.start()
         procs[name] = p
         if mode == "shared":
-            ready.get(timeout=args.open_timeout)  # one at a time: floors join in order
-    floors = {}
+            # One at a time: the floors join in order.
+            n, f, b = ready.get(timeout=args.open_timeout)
+            floors[n] = (f, b)
     if mode != "shared":
         for _ in names:
-            n, f = ready.get(timeout=args.open_timeout)
-            floors[n] = f
+            n, f, b = ready.get(timeout=args.open_timeout)
+            floors[n] = (f, b)
     start_at.value = time.time() + 1.0
     ledger = imp_mem.DeviceLedger(opts["key"], 1, opts["ledger_dir"]) if mode == "shared" else None
-    footprints, reclaim_s = [], None
+    footprints: dict = {}
+    reclaim_s = None
     t_end = start_at.value + args.lead_s + len(dirs) * args.window_s + args.tail_s
     killed = None
     while time.time() < t_end + 30 and any(p.is_alive() for p in procs.values()):
@@ -220,10 +241,10 @@ def run_phase(mode, dirs, args, opts, kill=None):
         if ledger is not None:
             window = int((now - args.lead_s) // args.window_s) if now > args.lead_s else -1
             into = (now - args.lead_s) % args.window_s
-            if 0 <= window < len(dirs) and abs(into - args.window_s * 0.9) < 0.05:
+            if 0 <= window < len(dirs) and into >= args.window_s * 0.9:
                 for t in ledger.tenants():
                     if t["name"] != names[window]:
-                        footprints.append(dict(t, window=window))
+                        footprints[(window, t["name"])] = dict(t, window=window)
             if kill and killed is None and now >= kill[1]:
                 victim = procs[kill[0]]
                 killed = time.time()
@@ -232,15 +253,20 @@ def run_phase(mode, dirs, args, opts, kill=None):
                 if all(t["name"] != kill[0] for t in ledger.tenants()):
                     reclaim_s = time.time() - killed
         time.sleep(0.01)
-    results = []
-    while not out.empty() or len(results) < len(dirs) - (1 if kill else 0):
-        try:
-            results.append(out.get(timeout=60))
-        except Exception:
+    last: dict[str, dict] = {}
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        finals = sum(1 for r in last.values() if r["final"])
+        if finals >= len(dirs) - (1 if kill else 0) and out.empty():
             break
+        try:
+            r = out.get(timeout=5)
+        except Exception:
+            continue
+        last[r["name"]] = r
     for p in procs.values():
         p.join(30)
-    return results, footprints, reclaim_s
+    return list(last.values()), footprints, reclaim_s, floors
 
 
 def saturation(directory, args, opts, shared):
@@ -291,56 +317,27 @@ def _saturate(directory, batch, opts, shared, q):
         q.put({"tok_s": sum(len(o) for o in out) / dt, "preempted": e.scheduler.stats.preempted})
 
 
-def static_batches(dirs, args, static_budget) -> dict[str, int]:
-    """The largest max_batch (a power of two, at most --max-batch) whose
-    plan fits a third of the budget, per model."""
-    import imp_mem
-    from imp_mem.engine.config import ModelConfig
-    from imp_mem.engine.memory import plan_shape
-
-    out = {}
-    for name, d in dirs:
-        import json
-
-        cfg = ModelConfig.from_hf_config(json.loads((Path(d) / "config.json").read_text()))
-        shape, _ = plan_shape(Path(d), cfg, 1)
-        b = args.max_batch
-        while b >= 1:
-            try:
-                imp_mem.plan_memory(
-                    imp_mem.PlanInput(
-                        shape,
-                        imp_mem.Limits(b, args.max_seq_len),
-                        imp_mem.Features(),
-                        budget=static_budget,
-                    )
-                )
-                break
-            except imp_mem.PlanFailure:
-                b //= 2
-        out[name] = max(b, 1)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--budget", default="60GiB", help="the device budget all three share")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
-    ap.add_argument("--burst", type=int, default=48, help="requests in a model's burst")
+    ap.add_argument("--burst", type=int, default=64, help="requests in a model's burst")
     ap.add_argument("--burst-s", type=float, default=2.0)
-    ap.add_argument("--window-s", type=float, default=8.0)
+    ap.add_argument("--window-s", type=float, default=12.0)
     ap.add_argument("--lead-s", type=float, default=1.0)
     ap.add_argument("--tail-s", type=float, default=3.0)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument(
+        "--max-batch", type=int, default=128, help="shared; static halves it until it plans"
+    )
     ap.add_argument("--sat-batch", type=int, default=64)
     ap.add_argument("--idle-sleep-s", type=float, default=None)
     ap.add_argument("--open-timeout", type=float, default=240.0)
     args = ap.parse_args(argv)
     if args.quick:
-        args.burst, args.window_s, args.prompt_len = 24, 8.0, 512
+        args.burst, args.window_s, args.prompt_len, args.max_batch = 32, 8.0, 512, 64
 
     import torch
 
@@ -372,28 +369,41 @@ def main(argv: list[str] | None = None) -> int:
             "key": LEDGER_KEY_PREFIX + str(os.getpid()),
             "max_seq_len": max_seq_len,
             "max_batch": args.max_batch,
-            "buckets": [1, 2, 4, 8, 16, 32][: args.max_batch.bit_length()],
             "idle_sleep_s": args.idle_sleep_s,
             "static_budget": static_budget,
-            "static_batch": static_batches(dirs, args, static_budget),
             "tail_s": args.tail_s,
+            "lead_s": args.lead_s,
+            "window_s": args.window_s,
         }
         # A cap each: the budget less what the other two must always have
-        # (their weights plus a small margin; the ledger enforces floors).
+        # (their weights plus a margin; the ledger enforces the floors).
         weights = {n: sum(f.stat().st_size for f in Path(d).glob("*.safetensors")) for n, d in dirs}
         opts["caps"] = {
             n: budget - sum(w + 2 * GIB for m, w in weights.items() if m != n) for n, _ in dirs
         }
         print(
-            f"static max_batch per model: {opts['static_batch']}; caps: "
-            f"{ {n: round(c / GIB, 1) for n, c in opts['caps'].items()} } GiB"
+            f"budget {budget / GIB:.0f} GiB; shared caps "
+            f"{ {n: round(c / GIB, 1) for n, c in opts['caps'].items()} } GiB; static "
+            f"{static_budget / GIB:.1f} GiB each"
         )
 
-        shared, footprints, _ = run_phase("shared", dirs, args, opts)
-        static, _, _ = run_phase("static", dirs, args, opts)
+        # The shared run; the last model's burst sees the first model (idle
+        # since its own burst) SIGKILLed.
+        victim = dirs[0][0]
+        kill_at = args.lead_s + (len(dirs) - 1) * args.window_s + args.burst_s * 0.5
+        shared, footprints, reclaim, floors_s = run_phase(
+            "shared", dirs, args, opts, kill=(victim, kill_at)
+        )
+        static, _, _, floors_t = run_phase("static", dirs, args, opts)
+        print(
+            "floors on the ledger: "
+            + ", ".join(f"{n} {f / GIB:.2f} GiB" for n, (f, _b) in floors_s.items())
+            + "; static max_batch: "
+            + ", ".join(f"{n} {b}" for n, (_f, b) in floors_t.items())
+        )
         print()
         print(
-            f"{'model':6s} {'setup':7s} {'TTFT p50 s':>11s} {'TTFT p99 s':>11s} "
+            f"{'model':6s} {'setup':7s} {'batch':>5s} {'TTFT p50 s':>11s} {'TTFT p99 s':>11s} "
             f"{'tok/s':>9s} {'preempt':>8s} {'done':>9s}"
         )
         by = {(r["name"], r["mode"]): r for r in shared + static}
@@ -401,48 +411,60 @@ def main(argv: list[str] | None = None) -> int:
             for mode in ("shared", "static"):
                 r = by.get((name, mode))
                 if r is None:
-                    print(f"{name:6s} {mode:7s} (worker failed)")
+                    print(f"{name:6s} {mode:7s} (no report: the worker failed)")
                     continue
                 tps = r["tokens"] / r["busy_s"] if r["busy_s"] else 0.0
                 p50, p99 = pct(r["ttft"], 0.5), pct(r["ttft"], 0.99)
                 print(
-                    f"{name:6s} {mode:7s} {p50:11.3f} {p99:11.3f} {tps:9.1f} "
+                    f"{name:6s} {mode:7s} {r['batch']:5d} {p50:11.3f} {p99:11.3f} {tps:9.1f} "
                     f"{r['preempted']:8d} {r['finished']:4d}/{r['requests']:<4d}"
                 )
                 rows.append(
                     {
                         "model": name,
                         "setup": mode,
+                        "max_batch": r["batch"],
                         "ttft_p50": p50,
                         "ttft_p99": p99,
                         "tok_s": tps,
                         "preempted": r["preempted"],
                     }
                 )
-            s, t = by.get((name, "shared")), by.get((name, "static"))
-            if s and t:
-                ratio = pct(t["ttft"], 0.99) / max(pct(s["ttft"], 0.99), 1e-9)
+            s_, t_ = by.get((name, "shared")), by.get((name, "static"))
+            if s_ and t_:
+                ratio = pct(t_["ttft"], 0.99) / max(pct(s_["ttft"], 0.99), 1e-9)
                 print(f"{name:6s} TTFT p99 static/shared {ratio:8.2f}x  goal >= 5x")
                 rows.append({"model": name, "ttft_p99_ratio": ratio, "goal": ">= 5"})
 
         print()
-        print("idle footprint (sampled at 90 % of another model's window):")
-        for f in footprints[-len(dirs) * 2 :]:
-            over = f["committed"] - f["floor"] - f["kv_live"]
+        print("idle footprint (each idle tenant at 90 % of another model's window):")
+        for (window, name), f in sorted(footprints.items()):
+            over = f["committed"] - max(f["floor"], f["kv_live"])
             print(
-                f"  {f['name']:6s} committed {f['committed'] / GIB:7.2f} GiB, floor "
-                f"{f['floor'] / GIB:7.2f} GiB, KV live {f['kv_live'] / GIB:6.2f} GiB, "
-                f"above floor+live {over / MIB:8.1f} MiB (goal <= 64 MiB)"
+                f"  window {window} ({dirs[window][0]} bursts): {name:6s} committed "
+                f"{f['committed'] / GIB:7.2f} GiB, floor {f['floor'] / GIB:7.2f} GiB, KV live "
+                f"{f['kv_live'] / GIB:6.2f} GiB, above its floor {over / MIB:8.1f} MiB "
+                "(goal: live blocks + one 64 MiB chunk)"
             )
             rows.append(
                 {
-                    "idle": f["name"],
+                    "idle": name,
+                    "window": window,
                     "committed": f["committed"],
                     "floor": f["floor"],
                     "kv_live": f["kv_live"],
-                    "above_floor_live": over,
                 }
             )
+
+        survivors = [r for r in shared if r["name"] != victim]
+        ok = all(r["finished"] == r["requests"] and r["final"] for r in survivors)
+        print()
+        print(
+            f"SIGKILL of {victim} while {dirs[-1][0]} bursts: share back in "
+            f"{reclaim if reclaim is not None else float('nan'):.3f} s (goal < 1 s); the others "
+            f"{'served every request' if ok else 'did NOT serve every request'}"
+        )
+        rows.append({"sigkill_reclaim_s": reclaim, "survivors_ok": ok, "goal": "< 1"})
 
         alone = saturation(dirs[0][1], args, opts, shared=False)
         on = saturation(dirs[0][1], args, opts, shared=True)
@@ -460,25 +482,6 @@ def main(argv: list[str] | None = None) -> int:
                 "goal": "<= 0.05",
             }
         )
-
-        # SIGKILL: the biggest model killed while the smallest bursts.
-        kill_args = argparse.Namespace(**vars(args))
-        kill_args.window_s = min(args.window_s, 6.0)
-        victim = dirs[-1][0]
-        at = kill_args.lead_s + 0 * kill_args.window_s + kill_args.burst_s * 0.5
-        killed_results, _, reclaim = run_phase(
-            "shared", dirs, kill_args, dict(opts, key=opts["key"] + "-kill"), kill=(victim, at)
-        )
-        survivors = [r for r in killed_results if r["name"] != victim]
-        ok = all(r["finished"] == r["requests"] for r in survivors)
-        print()
-        print(
-            f"SIGKILL of {victim} while {dirs[0][0]} bursts: share back in "
-            f"{reclaim if reclaim is not None else float('nan'):.3f} s (goal < 1 s); "
-            f"survivors {'served every request' if ok else 'FAILED some requests'} "
-            f"({len(survivors)} reported)"
-        )
-        rows.append({"sigkill_reclaim_s": reclaim, "survivors_ok": ok, "goal": "< 1"})
     write_json(args.json, rows)
     return 0
 

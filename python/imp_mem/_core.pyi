@@ -1232,6 +1232,7 @@ class MemorySystem:
     def __enter__(self) -> MemorySystem: ...
     def __exit__(self, *args: object) -> bool: ...
 
+@final
 class DeviceLedger:
     """One device's table of imp-mem tenants, shared across processes."""
 
@@ -1245,6 +1246,7 @@ class DeviceLedger:
     ) -> LedgerTenant: ...
     def tenants(self) -> list[dict[str, Any]]: ...
 
+@final
 class LedgerTenant:
     """An admitted tenant; attach it to a backend with ``attach_ledger``."""
 
