@@ -28,7 +28,10 @@
 //! reservations. When it does not fit beside their *floors* the join is
 //! refused at once ([`MemError::LedgerFull`], naming every tenant and its
 //! floor). When the floors fit but the others hold elastic memory, the
-//! joiner waits in a pending slot whose `want` asks them to give back.
+//! joiner waits in a pending slot whose `want` asks them to give back;
+//! meanwhile its floor counts against the others' elastic growth (not
+//! their growth within their own floors), so what they give back is not
+//! taken again before the joiner is admitted.
 //!
 //! Pressure: a refused grow, or a pending join, records a `want` (fresh
 //! for [`WANT_TTL_MS`]). [`Tenant::pressure`] tells a tenant how much of
@@ -324,16 +327,26 @@ fn fresh_want(s: &Slot, now: u64) -> u64 {
     }
 }
 
-/// How much tenant `i` may grow now.
+/// How much tenant `i` may grow now: up to its floor always (that is
+/// reserved for it), and beyond it into what the others' reservations and
+/// the floors of pending joiners leave (so elastic growth never takes the
+/// room a joiner waits for).
 fn headroom(slots: &[Slot], i: usize, budget: u64) -> u64 {
     let me = &slots[i];
     let others: u64 = slots
         .iter()
         .enumerate()
         .filter(|&(j, _)| j != i)
-        .map(|(_, s)| s.reserved())
+        .map(|(_, s)| match s.state {
+            SlotState::Pending => s.floor,
+            _ => s.reserved(),
+        })
         .sum();
-    let by_budget = budget.saturating_sub(others).saturating_sub(me.committed);
+    let within_floor = me.floor.saturating_sub(me.committed);
+    let by_budget = budget
+        .saturating_sub(others)
+        .saturating_sub(me.committed)
+        .max(within_floor);
     let by_cap = me.cap.saturating_sub(me.committed);
     by_budget.min(by_cap)
 }

@@ -118,6 +118,9 @@ fn a_join_waits_for_elastic_memory_and_gives_up_after_its_wait() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(pressed, 30 * MIB);
+    // Meanwhile a cannot grow into the room b waits for.
+    assert!(a.grow(MIB).unwrap().is_err());
+    a.clear_want().unwrap();
     a.shrink(pressed).unwrap();
     let b = waiter.join().unwrap().unwrap();
     assert_eq!(b.record().unwrap().state, SlotState::Live);
