@@ -23,7 +23,12 @@ and whether the others kept serving.
 
 Usage: ``python benches/bench_shared_gpu.py [--budget 60GiB] [--quick]
 [--json out.json]``. Needs a CUDA device, torch, triton and the imp_mem
-wheel; about 5 minutes on an H200 (``--quick``: smaller shapes, ~2).
+wheel; about 5 minutes on an H200 (``--quick``: smaller shapes).
+``--smoke`` runs the whole script with three tiny models on fake backends
+(CPU, ~1 minute): it checks the orchestration, not the figures.
+
+Not in the ledger: torch's own allocations (CUDA graph pools, its caching
+allocator) unless the engines route them to imp-mem (``torch_pool``).
 """
 
 from __future__ import annotations
@@ -60,8 +65,17 @@ def qwen3_shape(hidden, inter, layers, heads, kv_heads, tie) -> dict:
     return c
 
 
-def shapes(quick: bool) -> list[tuple[str, dict]]:
+def shapes(quick: bool, smoke: bool = False) -> list[tuple[str, dict]]:
     from imp_mem.engine.config import qwen3_0_6b_config
+
+    if smoke:
+        # Three tiny shapes, to check the orchestration on a CPU.
+        def tiny(h, layers):
+            c = qwen3_shape(h, 2 * h, layers, 4, 2, True)
+            c.update(head_dim=16, vocab_size=512, torch_dtype="float32")
+            return c
+
+        return [("a", tiny(64, 2)), ("b", tiny(64, 3)), ("c", tiny(96, 4))]
 
     if quick:
         return [
@@ -86,18 +100,33 @@ def pct(xs: list[float], q: float) -> float:
 # ------------------------------------------------------------------ worker
 
 
+def make_backend(opts):
+    """The device: a VmmBackend, or with --smoke a FakeBackend (CPU)."""
+    import imp_mem
+
+    if opts["smoke"]:
+        return imp_mem.FakeBackend(capacity=opts["budget"])
+    return imp_mem.VmmBackend(device=0, strict=True)
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def worker(name, directory, mode, opts, trace, start_at, out, ready):
     """One engine in its own process: opens, reports ready, serves `trace`
     (``[(arrival_s, prompt, new_tokens)]``) from `start_at`, puts its
     results on `out`."""
-    import torch
 
     import imp_mem
     from imp_mem.engine import Engine
     from imp_mem.engine.shared import SharedGPU
 
     os.environ["IMP_MEM_LEDGER_DIR"] = opts["ledger_dir"]
-    backend = imp_mem.VmmBackend(device=0, strict=True)
+    backend = make_backend(opts)
     kw = dict(
         backend=backend,
         max_seq_len=opts["max_seq_len"],
@@ -185,7 +214,7 @@ def worker(name, directory, mode, opts, trace, start_at, out, ready):
                 break
             engine.idle()
             time.sleep(0.001)
-    torch.cuda.synchronize()
+    sync()
     report(True)
     engine.close()
 
@@ -202,7 +231,8 @@ def trace_for(index, n_models, args, vocab, seed):
     for w in range(n_models):
         if w != index:
             arr = args.lead_s + w * args.window_s + rng.random() * args.window_s
-            out.append((arr, [rng.randrange(vocab) for _ in range(64)], 16))
+            n = min(64, args.prompt_len)
+            out.append((arr, [rng.randrange(vocab) for _ in range(n)], min(16, args.new_tokens)))
     return out
 
 
@@ -218,7 +248,7 @@ def run_phase(mode, dirs, args, opts, kill=None):
     floors: dict[str, tuple] = {}
     names = [n for n, _ in dirs]
     for k, (name, d) in enumerate(dirs):
-        tr = trace_for(k, len(dirs), args, 151936, seed=k)
+        tr = trace_for(k, len(dirs), args, opts["vocab"], seed=k)
         p = ctx.Process(target=worker, args=(name, str(d), mode, opts, tr, start_at, out, ready))
         p.start()
         procs[name] = p
@@ -284,15 +314,12 @@ def saturation(directory, args, opts, shared):
 def _saturate(directory, batch, opts, shared, q):
     import random as _r
 
-    import torch
-
-    import imp_mem
     from imp_mem.engine import Engine
     from imp_mem.engine.shared import SharedGPU
 
     os.environ["IMP_MEM_LEDGER_DIR"] = opts["ledger_dir"]
     kw = dict(
-        backend=imp_mem.VmmBackend(device=0, strict=True),
+        backend=make_backend(opts),
         max_batch=batch,
         max_seq_len=opts["max_seq_len"],
         keep_logits=False,
@@ -307,12 +334,13 @@ def _saturate(directory, batch, opts, shared, q):
         )
     with Engine(directory, **kw) as e:
         rng = _r.Random(7)
-        prompts = [[rng.randrange(151936) for _ in range(256)] for _ in range(batch)]
+        plen = 16 if opts["smoke"] else 256
+        prompts = [[rng.randrange(opts["vocab"]) for _ in range(plen)] for _ in range(batch)]
         e.generate(prompts[:4], 4)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        out = e.generate(prompts, 128)
-        torch.cuda.synchronize()
+        out = e.generate(prompts, opts["sat_new"])
+        sync()
         dt = time.perf_counter() - t0
         q.put({"tok_s": sum(len(o) for o in out) / dt, "preempted": e.scheduler.stats.preempted})
 
@@ -335,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sat-batch", type=int, default=64)
     ap.add_argument("--idle-sleep-s", type=float, default=None)
     ap.add_argument("--open-timeout", type=float, default=240.0)
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny models on fake backends (CPU): checks the run"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.burst, args.window_s, args.prompt_len, args.max_batch = 32, 8.0, 512, 64
@@ -344,8 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     import imp_mem
     from imp_mem.engine.checkpoint import write_random_checkpoint
 
-    if not (imp_mem.cuda_available() and torch.cuda.is_available()):
-        print("bench_shared_gpu: needs a CUDA device", file=sys.stderr)
+    if args.smoke:
+        args.budget = "512MiB"
+        args.burst, args.burst_s, args.window_s, args.lead_s, args.tail_s = 6, 0.5, 3.0, 0.5, 1.0
+        args.prompt_len, args.new_tokens, args.max_batch, args.sat_batch = 24, 6, 8, 8
+    elif not (imp_mem.cuda_available() and torch.cuda.is_available()):
+        print("bench_shared_gpu: needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
     budget = imp_mem.parse_size(args.budget)
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -356,10 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     ):
         t_w = time.perf_counter()
         dirs = []
-        for name, cfg in shapes(args.quick):
-            d = write_random_checkpoint(Path(tmp) / name, cfg, device="cuda")
+        for name, cfg in shapes(args.quick, args.smoke):
+            d = write_random_checkpoint(
+                Path(tmp) / name, cfg, device=None if args.smoke else "cuda"
+            )
             dirs.append((name, d))
-        torch.cuda.empty_cache()
+        if not args.smoke:
+            torch.cuda.empty_cache()
         print(f"checkpoints written in {time.perf_counter() - t_w:.1f} s")
         max_seq_len = args.prompt_len + args.new_tokens + 16
         static_budget = budget // 3
@@ -374,15 +412,19 @@ def main(argv: list[str] | None = None) -> int:
             "tail_s": args.tail_s,
             "lead_s": args.lead_s,
             "window_s": args.window_s,
+            "smoke": args.smoke,
+            "sat_new": 8 if args.smoke else 128,
+            "vocab": 512 if args.smoke else 151936,
         }
         # A cap each: the budget less what the other two must always have
         # (their weights plus a margin; the ledger enforces the floors).
         weights = {n: sum(f.stat().st_size for f in Path(d).glob("*.safetensors")) for n, d in dirs}
+        margin = 32 * MIB if args.smoke else 2 * GIB
         opts["caps"] = {
-            n: budget - sum(w + 2 * GIB for m, w in weights.items() if m != n) for n, _ in dirs
+            n: budget - sum(w + margin for m, w in weights.items() if m != n) for n, _ in dirs
         }
         print(
-            f"budget {budget / GIB:.0f} GiB; shared caps "
+            f"budget {budget / GIB:.2f} GiB; shared caps "
             f"{ {n: round(c / GIB, 1) for n, c in opts['caps'].items()} } GiB; static "
             f"{static_budget / GIB:.1f} GiB each"
         )
