@@ -37,6 +37,8 @@ class OutOfMemory(ImpMemError, MemoryError):
     carries ``needed`` (bytes the tiers not woken need), ``device_free``
     (``None`` where the backend cannot read its device), ``budget_free``,
     ``woken`` and ``still_asleep`` (those tiers still sleep; wake again).
+    Refused by a device ledger (a backend with ``attach_ledger``), it carries
+    ``ledger_headroom``: the bytes the ledger could grant then.
     """
 
     asked: int
