@@ -1,6 +1,7 @@
 //! The device ledger's invariants across processes (issue 27): tenants in
-//! child processes (this test binary re-run as `child_process`) grow and
-//! shrink at random on one table while the parent watches the table and
+//! child processes (this test binary re-run as `child_process`), each a
+//! fake backend attached to its tenant, commit and decommit a growable
+//! region at random on one table while the parent watches the table and
 //! kills some of them with SIGKILL. Checked: the total committed never
 //! passes the budget; every growth within a tenant's floor is granted; a
 //! tenant's record always equals what it was granted less what it gave back
@@ -15,8 +16,12 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use imp_mem_core::error::MemError;
+use imp_mem_core::fake::{FakeBackend, FakeConfig};
 use imp_mem_core::ledger::DeviceLedger;
+use imp_mem_core::tag::Tag;
 
 const MIB: u64 = 1 << 20;
 const BUDGET: u64 = 256 * MIB;
@@ -69,30 +74,48 @@ fn child_process() {
         Err(e) => panic!("join: {e}"),
     };
     println!("\nLEDGER:joined");
+    // A fake backend on the tenant: its region's commits ask the ledger,
+    // its decommits return to it.
+    let fb = FakeBackend::new(FakeConfig {
+        capacity: 1 << 30,
+        granularity: MIB as usize,
+        backed: false,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let tenant = Arc::new(tenant);
+    fb.attach_ledger(Arc::clone(&tenant)).unwrap();
+    let mut region = fb.acquire_growable(cap.max(MIB), 0, Tag::KvCache).unwrap();
     let mut rng = Rng(seed | 1);
-    let mut mine = 0u64;
     for _ in 0..ops {
+        let mine = region.len() as u64;
         let pressed = tenant.pressure().unwrap();
         if pressed > 0 {
             let d = pressed.min(mine.saturating_sub(floor));
-            tenant.shrink(d).unwrap();
-            mine -= d;
+            region.decommit(mine - d).unwrap();
         } else if rng.below(3) < 2 {
-            let d = (1 + rng.below(24)) * MIB;
-            match tenant.grow(d).unwrap() {
-                Ok(()) => mine += d,
-                Err(refused) => assert!(
-                    mine + d > floor,
-                    "a grow within the floor was refused: {mine} + {d} <= {floor}, {refused:?}"
-                ),
+            let d = ((1 + rng.below(24)) * MIB).min(cap.saturating_sub(mine));
+            if d > 0 {
+                match region.commit(mine + d) {
+                    Ok(()) => {}
+                    Err(MemError::OutOfMemory(report)) => {
+                        assert!(report.ledger_headroom.is_some(), "{report:?}");
+                        assert!(
+                            mine + d > floor,
+                            "a grow within the floor was refused: {mine} + {d} <= {floor}"
+                        );
+                    }
+                    Err(e) => panic!("commit: {e}"),
+                }
             }
         } else if mine > 0 {
             let d = ((1 + rng.below(mine / MIB)) * MIB).min(mine);
-            tenant.shrink(d).unwrap();
-            mine -= d;
+            region.decommit(mine - d).unwrap();
         }
+        let mine = region.len() as u64;
         let record = tenant.record().unwrap();
         assert_eq!(record.committed, mine, "lost update");
+        assert_eq!(fb.stats().total.committed, mine);
         assert!(mine <= cap);
         if rng.below(8) == 0 {
             tenant.clear_want().unwrap();
