@@ -564,6 +564,8 @@ class Engine:
             raise
         for tag in tags:
             self._asleep[tag] = level
+        if self.tenancy is not None:
+            self.tenancy.tenant.set_asleep(level)
         return report
 
     def wake(
@@ -595,6 +597,8 @@ class Engine:
                 self.runner.reserve_blocks()
                 self.runner.reset_inputs()
             woken.append(tag)
+        if self.tenancy is not None and not self._asleep:
+            self.tenancy.tenant.set_asleep(0)
         return woken
 
     def update_weights(self, named_tensors: Any) -> dict[str, Any]:

@@ -230,13 +230,11 @@ class Tenancy:
             given += int(kv.give_back(1 << 62))
             engine.sleep(1)
             self.auto_slept = True
-            self.tenant.set_asleep(1)
         return given
 
     def wake_for_work(self, engine: Any) -> None:
         """Wakes an engine the idle clock put to sleep (before a request)."""
         if self.auto_slept and engine.asleep:
             engine.wake()
-            self.tenant.set_asleep(0)
         self.auto_slept = False
         self.last_active = time.perf_counter()
