@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMAND_MODULES: tuple[str, ...] = ("imp_mem._cli_plan",)
+_SUBCOMMAND_MODULES: tuple[str, ...] = ("imp_mem._cli_plan", "imp_mem._cli_ledger")
 
 
 def check_at_least_one(args: argparse.Namespace, *names: str) -> None:

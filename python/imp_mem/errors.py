@@ -37,6 +37,8 @@ class OutOfMemory(ImpMemError, MemoryError):
     carries ``needed`` (bytes the tiers not woken need), ``device_free``
     (``None`` where the backend cannot read its device), ``budget_free``,
     ``woken`` and ``still_asleep`` (those tiers still sleep; wake again).
+    Refused by a device ledger (a backend with ``attach_ledger``), it carries
+    ``ledger_headroom``: the bytes the ledger could grant then.
     """
 
     asked: int
@@ -76,7 +78,9 @@ class PlanFailure(ImpMemError):
     at its full target), ``total`` (their sum), ``budget``, ``over_by``
     (``total - budget``), ``levers`` (up to three ``{"setting", "from", "to",
     "frees", "sufficient"}``, largest first), ``kind`` (``"over_budget"`` or
-    ``"below_admission_floor"``) and ``report`` (the message).
+    ``"below_admission_floor"``, or ``"ledger_full"`` when a device ledger
+    refuses a tenant whose floor does not fit beside the others': then the
+    charges are the tenants' floors) and ``report`` (the message).
     """
 
     charges: list[dict]

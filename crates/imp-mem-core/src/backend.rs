@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
 use crate::error::{try_reserve, MemError, OomReport};
+use crate::ledger::Tenant;
 use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
 use crate::source::{PinnedHostOps, StreamOrder, TierIo};
 use crate::tag::Tag;
@@ -64,6 +65,8 @@ struct State {
     ledger: Ledger,
     budget: u64,
     journal: Option<Vec<JournalEntry>>,
+    /// The device ledger's tenant this backend commits through, if any.
+    tenant: Option<Arc<Tenant>>,
 }
 
 impl State {
@@ -82,22 +85,46 @@ impl State {
     }
 
     fn oom(&self, asked: u64, tag: Tag, capacity: u64, device_refused: bool) -> MemError {
-        MemError::OutOfMemory(OomReport {
+        MemError::OutOfMemory(self.oom_report(asked, tag, capacity, device_refused))
+    }
+
+    fn oom_report(&self, asked: u64, tag: Tag, capacity: u64, device_refused: bool) -> OomReport {
+        OomReport {
             asked,
             live: self.ledger.live(),
             budget: self.budget,
             capacity,
             tag,
             device_refused,
-        })
+            ledger_headroom: None,
+        }
     }
 
-    /// The budget check every acquisition and commit passes.
+    /// The budget check every acquisition and commit passes; on a ledger,
+    /// also the ledger's grant of `asked` bytes, which the caller gives
+    /// back ([`State::refund`]) if the acquisition then fails.
     fn check_budget(&self, asked: u64, tag: Tag, capacity: u64) -> Result<(), MemError> {
         if self.ledger.committed().saturating_add(asked) > self.budget {
             return Err(self.oom(asked, tag, capacity, false));
         }
+        if let (Some(tenant), true) = (&self.tenant, asked > 0) {
+            if let Err(refused) = tenant.grow(asked)? {
+                return Err(MemError::OutOfMemory(OomReport {
+                    ledger_headroom: Some(refused.headroom),
+                    ..self.oom_report(asked, tag, capacity, false)
+                }));
+            }
+        }
         Ok(())
+    }
+
+    /// Gives `bytes` back to the ledger (a release, a decommit, or a grant
+    /// whose acquisition failed). A ledger that cannot be written is left
+    /// to be corrected when this process exits (its slot is reaped).
+    fn refund(&self, bytes: u64) {
+        if let (Some(tenant), true) = (&self.tenant, bytes > 0) {
+            let _ = tenant.shrink(bytes);
+        }
     }
 }
 
@@ -173,6 +200,7 @@ impl Shared {
         state
             .ledger
             .on_release(region.tag, region.reserved as u64, region.committed as u64);
+        state.refund(region.committed as u64);
         state.record(region.tag, region.committed as u64, JournalOp::Release);
     }
 }
@@ -242,6 +270,7 @@ impl Backend {
             ledger: Ledger::default(),
             budget,
             journal: None,
+            tenant: None,
         };
         Ok(Self {
             shared: Arc::new(Shared {
@@ -364,6 +393,72 @@ impl Backend {
         self.shared.state().guard.asleep()
     }
 
+    /// Commits through `tenant` of a device ledger from now on: every
+    /// acquisition and growth asks the ledger first, every release and
+    /// decommit returns to it. What is committed already is charged to the
+    /// tenant now (refused as `OutOfMemory` when the ledger cannot grant
+    /// it). The backend's budget becomes the smaller of itself and the
+    /// tenant's cap. Refused when a tenant is attached already.
+    pub fn attach_ledger(&self, tenant: Arc<Tenant>) -> Result<(), MemError> {
+        let mut state = self.shared.state();
+        if state.tenant.is_some() {
+            return Err(MemError::invalid(
+                "this backend already commits through a device ledger tenant; open another \
+                 backend for another tenant",
+            ));
+        }
+        let record = tenant.record()?;
+        let committed = state.ledger.committed();
+        if committed > 0 {
+            if let Err(refused) = tenant.grow(committed)? {
+                return Err(MemError::OutOfMemory(OomReport {
+                    ledger_headroom: Some(refused.headroom),
+                    ..state.oom_report(committed, Tag::Weights, self.shared.info.capacity, false)
+                }));
+            }
+        }
+        state.tenant = Some(tenant);
+        state.budget = state.budget.min(record.cap.max(committed));
+        Ok(())
+    }
+
+    /// Stops committing through the device ledger and hands its tenant back
+    /// (`None` when there was none). Refused while anything is committed:
+    /// the ledger would stop counting memory still held.
+    pub fn detach_ledger(&self) -> Result<Option<Arc<Tenant>>, MemError> {
+        let mut state = self.shared.state();
+        let committed = state.ledger.committed();
+        if committed > 0 && state.tenant.is_some() {
+            return Err(MemError::invalid(format!(
+                "cannot leave the device ledger with {} still committed; release the regions \
+                 (close the MemorySystem) first",
+                human_bytes(committed)
+            )));
+        }
+        Ok(state.tenant.take())
+    }
+
+    /// The device ledger's tenant this backend commits through.
+    pub fn tenant(&self) -> Option<Arc<Tenant>> {
+        self.shared.state().tenant.clone()
+    }
+
+    /// The bytes this backend could commit now: its budget less what it
+    /// has committed, and on a ledger no more than the ledger would grant.
+    pub fn headroom(&self) -> Result<u64, MemError> {
+        let (local, tenant) = {
+            let state = self.shared.state();
+            (
+                state.budget.saturating_sub(state.ledger.committed()),
+                state.tenant.clone(),
+            )
+        };
+        match tenant {
+            Some(t) => Ok(local.min(t.headroom()?)),
+            None => Ok(local),
+        }
+    }
+
     /// The budget cap.
     pub fn budget(&self) -> u64 {
         self.shared.state().budget
@@ -400,12 +495,20 @@ impl Backend {
         let (region, admission) = {
             let mut state = self.shared.state();
             state.check_budget(bytes, tag, self.shared.info.capacity)?;
-            let admission = state.guard.admit(tag, bytes)?;
-            let base = self
-                .shared
-                .source
-                .allocate(size, align)
-                .map_err(|e| self.shared.map_source_error(&state, e, bytes, tag))?;
+            let admission = match state.guard.admit(tag, bytes) {
+                Ok(a) => a,
+                Err(e) => {
+                    state.refund(bytes);
+                    return Err(e);
+                }
+            };
+            let base = match self.shared.source.allocate(size, align) {
+                Ok(base) => base,
+                Err(e) => {
+                    state.refund(bytes);
+                    return Err(self.shared.map_source_error(&state, e, bytes, tag));
+                }
+            };
             state.ledger.on_acquire(tag, bytes, bytes);
             state.record(tag, bytes, JournalOp::Acquire);
             let region = Region {
@@ -448,17 +551,26 @@ impl Backend {
         let (region, admission) = {
             let mut state = self.shared.state();
             state.check_budget(initial as u64, tag, self.shared.info.capacity)?;
-            let admission = state.guard.admit(tag, initial as u64)?;
-            let base = self
-                .shared
-                .source
-                .reserve(reserved, align)
-                .map_err(|e| self.shared.map_source_error(&state, e, initial as u64, tag))?;
+            let admission = match state.guard.admit(tag, initial as u64) {
+                Ok(a) => a,
+                Err(e) => {
+                    state.refund(initial as u64);
+                    return Err(e);
+                }
+            };
+            let base = match self.shared.source.reserve(reserved, align) {
+                Ok(base) => base,
+                Err(e) => {
+                    state.refund(initial as u64);
+                    return Err(self.shared.map_source_error(&state, e, initial as u64, tag));
+                }
+            };
             if initial > 0 {
                 if let Err(e) = self.shared.source.commit(base, 0, initial) {
                     // SAFETY: `base` was reserved just above with these sizes and
                     // nothing else has seen it.
                     unsafe { self.shared.source.unreserve(base, reserved, 0) };
+                    state.refund(initial as u64);
                     return Err(self.shared.map_source_error(&state, e, initial as u64, tag));
                 }
             }
@@ -703,10 +815,10 @@ impl Region {
         let shared = &self.backend.shared;
         let mut state = shared.state();
         state.check_budget(delta, self.tag, shared.info.capacity)?;
-        shared
-            .source
-            .commit(self.base, self.committed, target)
-            .map_err(|e| shared.map_source_error(&state, e, delta, self.tag))?;
+        if let Err(e) = shared.source.commit(self.base, self.committed, target) {
+            state.refund(delta);
+            return Err(shared.map_source_error(&state, e, delta, self.tag));
+        }
         state.ledger.on_commit(self.tag, delta);
         state.record(self.tag, delta, JournalOp::Commit);
         self.committed = target;
@@ -733,6 +845,7 @@ impl Region {
         unsafe { shared.source.decommit(self.base, target, self.committed) }
             .map_err(|e| shared.map_source_error(&state, e, delta, self.tag))?;
         state.ledger.on_decommit(self.tag, delta);
+        state.refund(delta);
         state.record(self.tag, delta, JournalOp::Decommit);
         self.committed = target;
         Ok(())

@@ -24,6 +24,9 @@ pub struct OomReport {
     /// True when the device itself refused (its memory is used by something
     /// outside this backend), false when the budget cap refused.
     pub device_refused: bool,
+    /// `Some(headroom)` when the device ledger refused: the bytes it could
+    /// grant this tenant then (other tenants hold the rest).
+    pub ledger_headroom: Option<u64>,
 }
 
 impl std::fmt::Display for OomReport {
@@ -35,8 +38,20 @@ impl std::fmt::Display for OomReport {
             capacity,
             tag,
             device_refused,
+            ledger_headroom,
         } = *self;
-        if device_refused {
+        if let Some(headroom) = ledger_headroom {
+            write!(
+                f,
+                "out of memory: the device ledger grants this tenant {} more, and {} was asked \
+                 for tag '{tag}' with {} live (tenant cap {}); the device's other tenants hold \
+                 the rest — wait for them to give memory back, or plan a smaller configuration",
+                human_bytes(headroom),
+                human_bytes(asked),
+                human_bytes(live),
+                human_bytes(budget)
+            )
+        } else if device_refused {
             write!(
                 f,
                 "out of memory: the device refused {} for tag '{tag}' with {} live on this backend \
@@ -133,6 +148,10 @@ pub enum MemError {
     /// The device backend cannot be used on this machine.
     #[error("{0}")]
     BackendUnavailable(String),
+    /// A tenant's floor does not fit on its device beside the floors of
+    /// the tenants already there (the device ledger's admission).
+    #[error("{0}")]
+    LedgerFull(Box<crate::ledger::LedgerRefusal>),
     /// The driver reported an error.
     #[error("driver error: {0}")]
     Driver(String),
@@ -190,6 +209,7 @@ mod tests {
             capacity: 80 << 30,
             tag: Tag::KvCache,
             device_refused: false,
+            ledger_headroom: None,
         };
         let text = MemError::OutOfMemory(report).to_string();
         assert!(text.contains("3.00 GiB"), "{text}");

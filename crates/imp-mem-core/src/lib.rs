@@ -35,6 +35,7 @@ pub mod decommit;
 pub mod error;
 pub mod fake;
 pub mod kv;
+pub mod ledger;
 pub mod phase;
 pub mod pinned;
 pub mod planner;

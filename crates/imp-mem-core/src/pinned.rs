@@ -101,6 +101,7 @@ impl PinnedHost {
                 capacity: 0,
                 tag: Tag::PinnedHost,
                 device_refused: true,
+                ledger_headroom: None,
             }),
             SourceError::Driver(msg) => MemError::Driver(format!("{what}: {msg}")),
             SourceError::Unsupported(msg) => MemError::BackendUnavailable(format!("{what}: {msg}")),

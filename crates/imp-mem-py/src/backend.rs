@@ -16,6 +16,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::convert;
 use crate::errors::{invalid, ImpMemWarning, IntoPyResult};
+use crate::ledger::PyLedgerTenant;
 
 /// The engine's phase, as Python sees it.
 #[pyclass(
@@ -265,6 +266,28 @@ impl PyBackend {
             reason: reason.to_string(),
             guard: Mutex::new(None),
         })
+    }
+
+    /// Commits through `tenant` (a `LedgerTenant` of a `DeviceLedger`) from
+    /// now on: every acquisition and growth asks the ledger first, every
+    /// release and decommit returns to it. What is committed already is
+    /// charged to the tenant now; the budget becomes at most its cap.
+    fn attach_ledger(&self, py: Python<'_>, tenant: &PyLedgerTenant) -> PyResult<()> {
+        let t = std::sync::Arc::clone(&tenant.inner);
+        py.detach(|| self.inner.attach_ledger(t)).py()
+    }
+
+    /// Stops committing through the device ledger; refused
+    /// (`InvalidArgument`) while anything is committed. The tenant leaves the
+    /// ledger once no one holds it.
+    fn detach_ledger(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.detach_ledger()).py().map(drop)
+    }
+
+    /// Bytes this backend could commit now: its budget less what it holds,
+    /// and on a ledger no more than the ledger would grant.
+    fn headroom(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| self.inner.headroom()).py()
     }
 
     /// The budget cap in bytes.

@@ -87,6 +87,9 @@ fn facts(err: MemError) -> (fn(Facts) -> PyErr, Facts) {
             attrs.push(("capacity", Attr::Int(report.capacity)));
             attrs.push(("tag", Attr::Text(report.tag.name().to_string())));
             attrs.push(("device_refused", Attr::Flag(report.device_refused)));
+            if let Some(headroom) = report.ledger_headroom {
+                attrs.push(("ledger_headroom", Attr::Int(headroom)));
+            }
             OutOfMemory::new_err
         }
         MemError::HostOutOfMemory { bytes, .. } => {
@@ -114,6 +117,39 @@ fn facts(err: MemError) -> (fn(Facts) -> PyErr, Facts) {
         MemError::BackendUnavailable(_) => BackendUnavailable::new_err,
         MemError::Driver(_) => DriverError::new_err,
         MemError::Invariant(_) => ImpMemError::new_err,
+        MemError::LedgerFull(refusal) => {
+            // A PlanFailure whose charges are the tenants' floors and the
+            // new one's.
+            let floors: u64 = refusal.tenants.iter().map(|t| t.2).sum();
+            let total = floors.saturating_add(refusal.floor);
+            let mut charges: Vec<serde_json::Value> = refusal
+                .tenants
+                .iter()
+                .map(|(name, pid, floor, _)| {
+                    serde_json::json!({
+                        "key": format!("tenant:{name}"),
+                        "label": format!("{name} (pid {pid}) floor"),
+                        "bytes": floor,
+                    })
+                })
+                .collect();
+            charges.push(serde_json::json!({
+                "key": format!("tenant:{}", refusal.name),
+                "label": format!("{} floor (refused)", refusal.name),
+                "bytes": refusal.floor,
+            }));
+            attrs.push(("kind", Attr::Text("ledger_full".to_string())));
+            attrs.push(("total", Attr::Int(total)));
+            attrs.push(("budget", Attr::Int(refusal.budget)));
+            attrs.push(("over_by", Attr::Int(total.saturating_sub(refusal.budget))));
+            attrs.push(("report", Attr::Text(message.clone())));
+            attrs.push((
+                "charges",
+                Attr::Json(serde_json::Value::Array(charges).to_string()),
+            ));
+            attrs.push(("levers", Attr::Json("[]".to_string())));
+            PlanFailure::new_err
+        }
     };
     (class, Facts { message, attrs })
 }

@@ -844,6 +844,64 @@ impl PyKVCacheManager {
         Ok(self.with(py, |m| m.evict(n)))
     }
 
+    /// Gives about `nbytes` of the KV pool's memory back to its backend
+    /// (and so to a device ledger): the free tail above the live blocks
+    /// first, then prefix-cache blocks evicted a whole chunk at a time from
+    /// the top, so their pages really come free; never a sequence's block.
+    /// `keep_blocks` free blocks above the live ones stay (room promised to
+    /// running sequences; then no cache entry is evicted).
+    /// `fence`: None when nothing in flight touches the pool (synchronize
+    /// first), or an `imp_mem.Fence` recorded after the last work (waited
+    /// for). Returns the bytes decommitted.
+    #[pyo3(signature = (nbytes, keep_blocks = None, fence = None))]
+    fn give_back(
+        &self,
+        py: Python<'_>,
+        nbytes: &Bound<'_, PyAny>,
+        keep_blocks: Option<&Bound<'_, PyAny>>,
+        fence: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let n = convert::bytes(nbytes, "nbytes")?;
+        let keep = match keep_blocks.filter(|k| !k.is_none()) {
+            Some(k) => convert::u32_arg(k, "keep_blocks")?,
+            None => 0,
+        };
+        let fence = crate::ledger::kv_fence(fence)?;
+        py.detach(|| self.lock().give_back(n, keep, fence)).py()
+    }
+
+    /// Makes at least `blocks` KV blocks free now, growing the pool (on a
+    /// device ledger only as far as it grants; cached blocks evicted where
+    /// growth is refused). Returns False, changing nothing, when it
+    /// cannot: the room an engine promises what it admits.
+    fn reserve_free(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let n = convert::u32_arg(blocks, "blocks")?;
+        match py.detach(|| self.lock().reserve_free(n)) {
+            Ok(()) => Ok(true),
+            Err(MemError::OutOfMemory(_) | MemError::KvCapacity(_)) => Ok(false),
+            Err(e) => Err(crate::errors::to_py(e)),
+        }
+    }
+
+    /// The device ledger's side of an engine step (a no-op off a ledger):
+    /// records the bytes of live KV blocks in the tenant's slot and gives
+    /// back what the ledger asks of it (`give_back`). `fence` as for
+    /// `give_back`. Returns the bytes given back.
+    #[pyo3(signature = (keep_blocks = None, fence = None))]
+    fn ledger_tick(
+        &self,
+        py: Python<'_>,
+        keep_blocks: Option<&Bound<'_, PyAny>>,
+        fence: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<u64> {
+        let keep = match keep_blocks.filter(|k| !k.is_none()) {
+            Some(k) => convert::u32_arg(k, "keep_blocks")?,
+            None => 0,
+        };
+        let fence = crate::ledger::kv_fence(fence)?;
+        py.detach(|| self.lock().ledger_tick(keep, fence)).py()
+    }
+
     /// Writes the prefix cache to `path` (str, bytes or os.PathLike)
     /// atomically; returns entries written. The cache is snapshotted under
     /// the manager's lock and written without it, so other calls proceed

@@ -15,6 +15,7 @@ pub mod errors;
 pub mod hooks;
 pub mod input;
 pub mod kv;
+pub mod ledger;
 pub mod planner;
 pub mod system;
 pub mod tiers;
@@ -31,6 +32,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     backend::register(m)?;
     kv::register(m)?;
+    ledger::register(m)?;
     input::register(m)?;
     tiers::register(m)?;
     cuda::register(m)?;

@@ -67,6 +67,7 @@ from imp_mem.engine.config import ModelConfig, read_config_json
 from imp_mem.engine.memory import EngineMemory, measure_torch_high_water
 from imp_mem.engine.model_runner import ModelRunner, default_buckets, t2_bytes
 from imp_mem.engine.scheduler import Request, Scheduler
+from imp_mem.engine.shared import SharedGPU, Tenancy
 from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.engine.weights import check_update, copy_update
 from imp_mem.errors import InvalidArgument
@@ -180,6 +181,7 @@ class Engine:
         load_format: str = "safetensors",
         seed: int = 0,
         dummy_scale: float | None = None,
+        shared: Any = None,
     ) -> None:
         t_open = time.perf_counter()
         self.boot_seconds: dict[str, float] = {}
@@ -225,6 +227,17 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = min(prefill_chunk, max_seq_len)
         self.keep_logits = keep_logits
+        self.shared = SharedGPU.of(shared)
+        self.tenancy: Tenancy | None = None
+        if self.shared is not None:
+            if group is not None:
+                raise InvalidArgument(
+                    "shared: a tensor-parallel engine cannot share its GPUs yet; pass group=None"
+                )
+            # Elastic KV: the pool grows as the ledger grants.
+            kv_growable = True
+            if self.shared.cap is not None:
+                budget = self.shared.cap
         self.kv_growable = kv_growable
         self.activation_bytes = activation_bytes
         self.memory = EngineMemory(
@@ -316,6 +329,15 @@ class Engine:
         )
 
         # -- 2. the memory system ---------------------------------------------
+        if self.shared is not None:
+            self.tenancy = Tenancy(
+                self.shared,
+                memory,
+                self.plan,
+                self.model_dir.name,
+                self.runner.engine_blocks[0],
+            )
+            memory.kv_initial_blocks = self.tenancy.initial
         t0 = time.perf_counter()
         memory.open()
         self.boot_seconds["open"] = time.perf_counter() - t0
@@ -446,6 +468,9 @@ class Engine:
                 and memory.torch_pool is None
                 and self.group is None
                 and self._own_backend
+                # A child outside a shared GPU's ledger would take memory
+                # the other tenants were granted.
+                and getattr(self, "shared", None) is None
             )
         # A swap plans with the system open: a probe child could not fit beside it.
         if got is None and probe and not getattr(self, "_booted", False):
@@ -537,6 +562,10 @@ class Engine:
             weights, self.kv, attention_backend=attention_backend, tp=self.tp, fused=self.fused
         )
         self.scheduler = Scheduler(self.kv, max_batch=self.max_batch, max_seq_len=self.max_seq_len)
+        tenancy = self.tenancy
+        if tenancy is not None:
+            sched, kv = self.scheduler, self.kv
+            sched.gate = lambda req: tenancy.gate(sched, kv, req)
 
     def _serve(self, buckets, graphs, *, begin: bool = True) -> None:
         self.runner.serve(buckets, graphs)
@@ -595,7 +624,13 @@ class Engine:
                 stats.decode_imp_mem_seconds += (
                     sched.kv_seconds - kv_dec + runner.imp_mem_seconds - imp_dec
                 )
-        if self.kv_growable:
+        if self.tenancy is not None:
+            # On a shared GPU: the ledger's pressure answered (the pool's
+            # hysteretic shrink would take room promised to running requests).
+            t0 = time.perf_counter()
+            self.tenancy.tick(sched, self.kv, self.on_gpu, self.device)
+            runner.imp_mem_seconds += time.perf_counter() - t0
+        elif self.kv_growable:
             # The growable pool's hysteretic shrink, fenced after this step.
             fence = None
             if self.on_gpu:
@@ -614,8 +649,25 @@ class Engine:
     def submit(
         self, prompt: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None
     ) -> Request:
-        """Queues a request (served by the next `step()` calls)."""
+        """Queues a request (served by the next `step()` calls). On a shared
+        GPU an engine the idle clock put to sleep wakes first, and a request
+        no share of the device could hold raises `CapacityError`."""
+        if self.tenancy is not None:
+            self.tenancy.wake_for_work(self)
+            prompt = list(prompt)
+            if len(prompt) + max_new_tokens <= self.max_seq_len:
+                self.tenancy.check_submit(len(prompt) + max_new_tokens, self.kv)
         return self.scheduler.submit(prompt, max_new_tokens, eos_token_id=eos_token_id)
+
+    def idle(self) -> int:
+        """What a serving loop calls when there is no work: on a shared GPU,
+        answers the ledger's pressure, shrinks the KV pool to its live
+        blocks plus one chunk once idle for `SharedGPU.idle_trim_s`, and
+        sleeps (level 1) once idle for `idle_sleep_s`. Returns the bytes
+        given back (0 off a shared GPU)."""
+        if self.tenancy is None or self.scheduler.has_work:
+            return 0
+        return self.tenancy.idle(self)
 
     def cancel(self, seq_id: int) -> bool:
         """Cancels a request at any point; False if it already ended."""
@@ -630,6 +682,8 @@ class Engine:
     ) -> Iterator[tuple[int, int]]:
         """Serves `prompts` to the end, yielding `(prompt index, token)` as
         the tokens are produced."""
+        if self.tenancy is not None:
+            self.tenancy.wake_for_work(self)
         self._check_awake("generate")
         index = {}
         for i, p in enumerate(prompts):
@@ -726,6 +780,8 @@ class Engine:
             raise
         for tag in tags:
             self._asleep[tag] = level
+        if self.tenancy is not None:
+            self.tenancy.tenant.set_asleep(level)
         return report
 
     def wake(
@@ -757,6 +813,8 @@ class Engine:
                 self.runner.reserve_blocks()
                 self.runner.reset_inputs()
             woken.append(tag)
+        if self.tenancy is not None and not self._asleep:
+            self.tenancy.tenant.set_asleep(0)
         return woken
 
     def update_weights(self, named_tensors: Any) -> dict[str, Any]:
@@ -1026,7 +1084,15 @@ class Engine:
                 delattr(self, name)
         # Exports held in a reference cycle would keep their tier alive.
         gc.collect()
-        return self.memory.close()
+        report = self.memory.close()
+        # The system's memory is back: leave the device ledger.
+        if self.tenancy is not None:
+            try:
+                self.backend.detach_ledger()
+            except imp_mem.ImpMemError:
+                pass  # memory still held: the tenant stays with the backend
+            self.tenancy = None
+        return report
 
     def __enter__(self) -> Engine:
         return self

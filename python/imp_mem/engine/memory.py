@@ -86,6 +86,8 @@ class EngineMemory:
         self.torch_pool = torch_pool
         self._torch_pool_made = False
         self.system: Any = None
+        # The KV pool's initial (and floor) blocks; None: the system's rule.
+        self.kv_initial_blocks: int | None = None
         self.nccl_bytes = 0
         self.load_seconds = 0.0
         self.pin_seconds = 0.0
@@ -220,6 +222,7 @@ class EngineMemory:
             context=self.context,
             library_reserve=self.library_reserve,
             kv_growable=self.kv_growable,
+            kv_initial_blocks=self.kv_initial_blocks,
             # With the tier torch's, a full tier returns null to torch, which
             # gives its pool's cached segments back and retries.
             activation_strict=True if self.activation_bytes is not None else None,

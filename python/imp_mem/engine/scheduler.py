@@ -134,6 +134,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.kv_seconds = 0.0
         self._ids = itertools.count()
+        # Called with the head of the queue before its admission: False
+        # keeps it waiting (the shared-GPU engine's promise of room).
+        self.gate: Any = None
 
     # ------------------------------------------------------------ requests
 
@@ -213,6 +216,10 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.tokens
             t0 = perf_counter()
+            if self.gate is not None and not self.gate(req):
+                self.kv_seconds += perf_counter() - t0
+                self.stats.capacity_waits += 1
+                break
             try:
                 cached = kv.try_admit(req.seq_id, tokens)
             finally:

@@ -155,6 +155,7 @@ impl ActivationPool {
             capacity: self.inner.capacity,
             tag: Tag::Activations,
             device_refused: false,
+            ledger_headroom: None,
         })
     }
 

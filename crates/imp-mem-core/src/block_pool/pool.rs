@@ -176,6 +176,13 @@ impl PoolCore {
         self.extend(committed)
     }
 
+    /// [`Self::ensure_free`], for `SharedBlockPool::reserve_free`.
+    pub(super) fn ensure_free_pub(&mut self, need: u32) -> Result<(), MemError> {
+        let r = self.ensure_free(need);
+        self.note_high_water();
+        r
+    }
+
     /// Makes at least `need` blocks free, growing if it must: first by
     /// reclaiming blocks withdrawn for a pending decommit, then by
     /// committing more of the region. All or nothing, except that a

@@ -378,6 +378,37 @@ impl SharedBlockPool {
         self.core().shrink_now(PoolFence(Box::new(fence)))
     }
 
+    /// Shrinks to the chunks holding live blocks plus `keep_chunks` now,
+    /// bypassing the hysteresis (never below the blocks the pool opened
+    /// with); the decommit waits for `fence`. Returns the bytes decommitted
+    /// during this call.
+    pub fn trim<F: FenceLike + Send + 'static>(
+        &self,
+        keep_chunks: u32,
+        fence: F,
+    ) -> Result<u64, MemError> {
+        self.core().trim(keep_chunks, PoolFence(Box::new(fence)))
+    }
+
+    /// Makes at least `n` blocks free now, committing more of a growable
+    /// region if it must (through the backend, so on a device ledger only
+    /// what it grants): room promised ahead to work already admitted. All
+    /// or nothing; a refusal is the growth's error.
+    pub fn reserve_free(&self, n: u32) -> Result<(), MemError> {
+        self.core().ensure_free_pub(n)
+    }
+
+    /// The backend its region came from (`None` in slots mode).
+    pub fn backend(&self) -> Option<crate::backend::Backend> {
+        self.core().region.as_ref().map(|r| r.backend().clone())
+    }
+
+    /// One past the highest live block id (0 when none is live): the
+    /// blocks a shrink must keep.
+    pub fn live_top(&self) -> u32 {
+        self.core().live_top_block()
+    }
+
     /// Waits for a pending decommit's fence (blocking) and decommits; the
     /// bytes returned.
     pub fn flush_decommit(&self) -> Result<u64, MemError> {

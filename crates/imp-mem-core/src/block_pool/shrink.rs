@@ -239,6 +239,25 @@ impl PoolCore {
         Ok(returned)
     }
 
+    /// Shrinks to the chunks holding live blocks plus `keep_chunks`, now
+    /// (no hysteresis; never below the floor); the decommit waits for
+    /// `fence`. What an idle ledger tenant does so that a burst elsewhere
+    /// finds the room.
+    pub(super) fn trim(&mut self, keep_chunks: u32, fence: PoolFence) -> Result<u64, MemError> {
+        let mut returned = self.poll()?;
+        let cb = self.lists.chunk_blocks() as u64;
+        let to = (self.live_top() as u64).div_ceil(cb) * cb + keep_chunks as u64 * cb;
+        if self.withdraw(to, fence)? {
+            returned += self.poll()?;
+        }
+        Ok(returned)
+    }
+
+    /// One past the highest live block (0 when none is live).
+    pub(super) fn live_top_block(&self) -> u32 {
+        self.live_top()
+    }
+
     /// Waits for a pending decommit's fence and decommits.
     pub(super) fn flush_decommit(&mut self) -> Result<u64, MemError> {
         let Some(region) = self.region.as_mut() else {

@@ -371,6 +371,33 @@ impl PrefixCache {
         Some((entry.hash, entry.block))
     }
 
+    /// Evicts every evictable entry whose block id is `from` or above (the
+    /// top chunks of a pool that gives memory back), handing over hashes
+    /// and tokens. O(evictable entries).
+    pub fn evict_from(&mut self, from: BlockId) -> Vec<(BlockHash, BlockToken)> {
+        let mut chosen = Vec::new();
+        let mut cursor = self.head;
+        while let Some(e) = self.entry(cursor) {
+            if e.block.id() >= from {
+                chosen.push(cursor);
+            }
+            cursor = e.next;
+        }
+        let mut out = Vec::with_capacity(chosen.len());
+        for idx in chosen {
+            self.unlink(idx);
+            let Some(entry) = self.slab.get_mut(idx as usize).and_then(Option::take) else {
+                continue;
+            };
+            self.vacant.push(idx);
+            if let Ok(bucket) = self.index.find_entry(fold(entry.hash), |&i| i == idx) {
+                bucket.remove();
+            }
+            out.push((entry.hash, entry.block));
+        }
+        out
+    }
+
     /// Empties the cache, handing back every entry's token (for the
     /// manager to release).
     pub fn drain(&mut self) -> Vec<BlockToken> {

@@ -121,6 +121,12 @@ impl KVCacheManager {
         // then an allocation takes withdrawn blocks back anyway.
         let (free, growable) = self.pool.room_hint();
         let evictable = self.cache.evictable().saturating_sub(taken) + self.offloading();
+        let short = (need as u64).saturating_sub(free as u64 + evictable as u64);
+        let growable = if short > 0 && growable > 0 {
+            self.ledger_growable(growable, short)
+        } else {
+            growable
+        };
         if need as u64 > free as u64 + growable as u64 + evictable as u64 {
             return Err(MemError::KvCapacity(KvCapacityReport {
                 what: what(),
@@ -133,6 +139,29 @@ impl KVCacheManager {
             }));
         }
         Ok(free)
+    }
+
+    /// On a backend that commits through a device ledger, the blocks of
+    /// `growable` the ledger would grant now (withdrawn blocks, still
+    /// committed, included); where that is short of the `short` blocks an
+    /// admission needs, the shortfall is recorded as the tenant's want, so
+    /// the other tenants are asked to give memory back. Unchanged off a
+    /// ledger.
+    fn ledger_growable(&self, growable: u32, short: u64) -> u32 {
+        let Some(backend) = self.pool.backend() else {
+            return growable;
+        };
+        let Some(tenant) = backend.tenant() else {
+            return growable;
+        };
+        let st = self.pool.stats();
+        let bb = st.block_bytes.max(1) as u64;
+        let headroom = backend.headroom().unwrap_or(0);
+        let blocks = (headroom / bb + st.pending_blocks as u64).min(growable as u64) as u32;
+        if (blocks as u64) < short {
+            let _ = tenant.want((short - blocks as u64) * bb);
+        }
+        blocks
     }
 
     /// The main pool's free blocks, and the blocks a growable pool can still

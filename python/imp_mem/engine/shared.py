@@ -1,0 +1,240 @@
+"""The engine on a shared GPU (issue 27): its tenancy of the device ledger.
+
+`Engine(..., shared=SharedGPU(cap=...))` (or ``shared=True``) plans the
+model for its cap, joins the device's ledger with a *floor* — everything
+the plan opens except the KV pool's growth, i.e. the weights, T2, T4 and
+the KV blocks of one sequence (plus the engine's own), and on a GPU the
+CUDA context and library reserve — and attaches the backend to it, so the
+backend commits only what the ledger grants. Then, each step:
+
+* **admission** promises room: a request is admitted only when the KV
+  blocks of every running request's remaining tokens plus its own whole
+  length (prompt + max_new_tokens) are committed free
+  (`KVCacheManager.reserve_free`, which grows the pool as far as the ledger
+  grants); otherwise it waits, and the shortfall presses on the other
+  tenants. So no admitted request is ever refused a block mid-generation
+  (no preemption for lack of memory). A request that could not fit even if
+  every other tenant shrank to its floor raises `CapacityError` at submit;
+  with the floor holding one full sequence, none within `max_seq_len` does.
+* **pressure**: when the ledger asks this tenant for memory, it gives it
+  back (`give_back`): free blocks above the room it promised, then
+  prefix-cache blocks a chunk at a time;
+* **idle**: `Engine.idle()` (the serving loop calls it when there is no
+  work) shrinks the KV pool to its live blocks plus one chunk after
+  `idle_trim_s`, answers pressure, and after `idle_sleep_s` puts the engine
+  to sleep (level 1); the next `submit` wakes it, inside that request's
+  time to first token.
+
+Algorithm costs: one ledger read (an flock and an 8 KiB pread) per step for
+the pressure check; `reserve_free` touches the ledger only when the pool
+must grow (64 MiB chunks).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import imp_mem
+from imp_mem.errors import CapacityError, InvalidArgument
+
+
+@dataclass
+class SharedGPU:
+    """How an engine shares its GPU.
+
+    `cap`: the most it may commit (its plan's budget; default: the
+    engine's `budget`). `device_budget`: the ledger's budget, used only by
+    the first tenant of the device (default: the backend's capacity).
+    `key`: the ledger key (default: the GPU's UUID; ``"fake"`` on the
+    fake). `name`: the tenant's name (default: the model directory's).
+    `dir`: the ledgers' directory (default ``$IMP_MEM_LEDGER_DIR`` or
+    ``/dev/shm/imp-mem-ledger``). `wait_s`: how long a join waits for
+    the others to give elastic memory back. `idle_trim_s`: idle seconds
+    before the KV pool shrinks to its live blocks plus one chunk.
+    `idle_sleep_s`: idle seconds before the engine sleeps (None: never).
+    """
+
+    cap: int | str | None = None
+    device_budget: int | str | None = None
+    key: str | None = None
+    name: str | None = None
+    dir: str | None = None
+    wait_s: float = 30.0
+    idle_trim_s: float = 0.05
+    idle_sleep_s: float | None = None
+
+    @staticmethod
+    def of(value: Any) -> SharedGPU | None:
+        """``None``/``False`` → None, ``True`` → the defaults, a
+        `SharedGPU` as it is, a dict as keywords."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return SharedGPU()
+        if isinstance(value, SharedGPU):
+            return value
+        if isinstance(value, dict):
+            return SharedGPU(**value)
+        raise InvalidArgument(
+            f"shared must be None, True, a SharedGPU or a dict of its fields; got "
+            f"{type(value).__name__}"
+        )
+
+
+def device_key(backend: Any, on_gpu: bool) -> str:
+    """The ledger key of the backend's device: its UUID on a GPU."""
+    if on_gpu:
+        import torch
+
+        props = torch.cuda.get_device_properties(backend.device)
+        uuid = getattr(props, "uuid", None)
+        if uuid is not None:
+            return "GPU-" + str(uuid)
+        return f"cuda{backend.device}-pid-namespace-{os.getuid()}"
+    return "fake"
+
+
+class Tenancy:
+    """The engine's side of the ledger: its tenant, its floor, the room it
+    promised, and its idle clock."""
+
+    def __init__(
+        self, cfg: SharedGPU, memory: Any, plan: Any, name: str, engine_kv_blocks: int
+    ) -> None:
+        backend = memory.backend
+        kv = plan.kv
+        self.block_bytes = int(kv["block_bytes"])
+        self.block_size = int(kv["block_size"])
+        # Where a VMM region rounds up to its granularity: one granule a tier.
+        slack = 16 * int(backend.granularity)
+        self.initial = self.initial_blocks(plan, engine_kv_blocks)
+        kv_floor = self.initial * self.block_bytes
+        # What an idle pool keeps above its live blocks: one growth chunk.
+        self.chunk = max(1, min(int(kv["blocks"]), (64 << 20) // self.block_bytes))
+        # The CUDA context and library reserve are in the plan but held by
+        # no backend; charged to the ledger so its books match the plan's.
+        self.outside = plan.context + plan.library_reserve
+        self.floor = plan.total() - int(kv["bytes"]) + kv_floor + slack
+        self.cap = plan.budget
+        key = cfg.key or device_key(backend, memory.on_gpu)
+        budget = cfg.device_budget if cfg.device_budget is not None else backend.capacity
+        self.ledger = imp_mem.DeviceLedger(key, budget, cfg.dir)
+        self.tenant = self.ledger.join(
+            cfg.name or name, self.floor, max(self.cap, self.floor), wait_s=cfg.wait_s
+        )
+        if self.outside:
+            self.tenant.grow(self.outside)
+        backend.attach_ledger(self.tenant)
+        self.cfg = cfg
+        self.last_active = time.perf_counter()
+        self.auto_slept = False
+        self.steps = 0
+
+    @staticmethod
+    def initial_blocks(plan: Any, engine_kv_blocks: int) -> int:
+        """The KV blocks the pool opens with (and never shrinks below): one
+        sequence and the engine's own blocks."""
+        kv = plan.kv
+        return min(int(kv["blocks"]), int(kv["blocks_per_sequence"]) + engine_kv_blocks)
+
+    # ---------------------------------------------------------- admission
+
+    def blocks_for(self, tokens: int) -> int:
+        # The manager holds at most total - 1 tokens (the last is never fed).
+        return math.ceil(max(tokens - 1, 0) / self.block_size)
+
+    def promised(self, sched: Any, kv: Any) -> int:
+        """Blocks the running requests still need to reach their full length."""
+        total = 0
+        for r in sched.running.values():
+            full = self.blocks_for(len(r.prompt) + r.max_new_tokens)
+            held = math.ceil(kv.num_tokens(r.seq_id) / self.block_size)
+            total += max(full - held, 0)
+        return total
+
+    def gate(self, sched: Any, kv: Any, req: Any) -> bool:
+        """Whether `req` may be admitted now: the room for it and for every
+        running request is committed free (grown through the ledger)."""
+        need = self.blocks_for(len(req.prompt) + req.max_new_tokens)
+        return bool(kv.reserve_free(self.promised(sched, kv) + need))
+
+    def check_submit(self, tokens: int, kv: Any) -> None:
+        """`CapacityError` for a request no share of the device could hold:
+        more KV blocks than this tenant could commit even if every other
+        tenant shrank to its floor. (A request within `max_seq_len` always
+        fits: the floor holds one full sequence. This guards a floor
+        planned smaller.)"""
+        need = self.blocks_for(tokens)
+        rows = self.ledger.tenants()
+        me = self.tenant.slot
+        others = sum(t["floor"] for t in rows if t["slot"] != me and t["state"] == "live")
+        mine = next((t["committed"] for t in rows if t["slot"] == me), 0)
+        st = kv.stats()
+        kv_committed = int(st.get("capacity", 0)) * self.block_bytes
+        room = min(self.ledger.budget - others, self.cap) - (mine - kv_committed)
+        ceiling = min(int(st["max_blocks"]), max(room, 0) // self.block_bytes)
+        if need > ceiling:
+            raise CapacityError(
+                f"the request needs {need} KV blocks; this tenant could hold at most {ceiling} "
+                f"even if every other tenant of the device shrank to its floor (cap "
+                f"{self.cap} B, others' floors {others} B); shorten it or raise the cap"
+            )
+
+    # ----------------------------------------------------------- each step
+
+    def tick(self, sched: Any, kv: Any, on_gpu: bool, device: Any) -> int:
+        """Once a step: answers the ledger's pressure; every 16 steps
+        records the KV bytes live. Returns the bytes given back."""
+        self.steps += 1
+        self.last_active = time.perf_counter()
+        if self.steps % 16 == 0:
+            self.tenant.set_kv_live(kv.stats()["live"] * self.block_bytes)
+        asked = self.tenant.pressure()
+        if not asked:
+            return 0
+        if on_gpu:
+            import torch
+
+            torch.cuda.synchronize(device)  # nothing in flight reads what goes
+        return int(kv.give_back(asked, keep_blocks=self.promised(sched, kv)))
+
+    def idle(self, engine: Any) -> int:
+        """Called when there is no work: the fast shrink, pressure, and the
+        idle sleep. Returns the bytes given back."""
+        if engine.asleep:
+            return 0
+        kv = engine.kv
+        now = time.perf_counter()
+        idle_for = now - self.last_active
+        given = 0
+        if engine.on_gpu:
+            import torch
+
+            torch.cuda.synchronize(engine.device)
+        asked = self.tenant.pressure()
+        if asked:
+            given += int(kv.give_back(asked))
+        if idle_for >= self.cfg.idle_trim_s:
+            given += int(kv.give_back(0, keep_blocks=self.chunk))
+        self.tenant.set_kv_live(kv.stats()["live"] * self.block_bytes)
+        sleep_s = self.cfg.idle_sleep_s
+        if sleep_s is not None and idle_for >= sleep_s:
+            # The prefix cache goes at the sleep anyway; without it the pool
+            # shrinks to its floor, so the wake recommits only floor bytes,
+            # which the ledger always grants.
+            kv.reset_prefix_cache()
+            given += int(kv.give_back(1 << 62))
+            engine.sleep(1)
+            self.auto_slept = True
+        return given
+
+    def wake_for_work(self, engine: Any) -> None:
+        """Wakes an engine the idle clock put to sleep (before a request)."""
+        if self.auto_slept and engine.asleep:
+            engine.wake()
+        self.auto_slept = False
+        self.last_active = time.perf_counter()

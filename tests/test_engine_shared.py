@@ -1,0 +1,137 @@
+"""The engine on a shared GPU (issue 27), on fake backends: two engines on
+one device ledger serve what a lone engine serves, commit only what the
+ledger grants, never preempt for memory, shrink when idle, sleep and wake
+inside a request, and refuse what no share could hold."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_engine_runtime import prompts, tiny  # noqa: E402
+
+import imp_mem  # noqa: E402
+from imp_mem import CapacityError, FakeBackend, PlanFailure  # noqa: E402
+from imp_mem.engine import Engine  # noqa: E402
+from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
+from imp_mem.engine.shared import SharedGPU  # noqa: E402
+
+MIB = 1 << 20
+PROMPTS = prompts(6, seed=5)
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("shared") / "m", tiny("full"), seed=3, scale=0.1
+    )
+
+
+def engine(directory, shared=None, **kw) -> Engine:
+    return Engine(
+        directory,
+        backend=FakeBackend(capacity="256MiB"),
+        max_batch=4,
+        max_seq_len=64,
+        block_size=4,
+        prefill_chunk=8,
+        shared=shared,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    with engine(checkpoint) as e:
+        return e.generate(PROMPTS, NEW)
+
+
+def cfg(tmp_path, **kw) -> SharedGPU:
+    kw.setdefault("cap", "64MiB")
+    kw.setdefault("device_budget", "160MiB")
+    return SharedGPU(key="fake-engine", dir=str(tmp_path), **kw)
+
+
+def test_two_engines_on_one_ledger_serve_what_one_serves(checkpoint, expected, tmp_path):
+    a = engine(checkpoint, cfg(tmp_path, name="a"))
+    b = engine(checkpoint, cfg(tmp_path, name="b"))
+    try:
+        led = imp_mem.DeviceLedger("fake-engine", 1, str(tmp_path))
+        rows = {t["name"]: t for t in led.tenants()}
+        assert set(rows) == {"a", "b"}
+        for t in rows.values():
+            assert t["floor"] > 0 and t["committed"] <= t["cap"]
+        assert a.generate(PROMPTS, NEW) == expected
+        assert b.generate(PROMPTS, NEW) == expected
+        assert a.scheduler.stats.preempted == 0 and b.scheduler.stats.preempted == 0
+        rows = led.tenants()
+        assert sum(t["committed"] for t in rows) <= led.budget
+        # A third whose floor does not fit is refused, naming the others.
+        floors = sum(t["floor"] for t in rows)
+        hog = led.join("hog", led.budget - floors - a.tenancy.floor // 2, "1GiB")
+        with pytest.raises(PlanFailure) as info:
+            engine(checkpoint, cfg(tmp_path, name="c"))
+        assert info.value.kind == "ledger_full"
+        for who in ("a (pid", "b (pid", "hog (pid"):
+            assert who in str(info.value)
+        del hog
+        # Idle: the pool shrinks to its live blocks plus a chunk.
+        grown = a.tenancy.tenant.record()["committed"]
+        a.tenancy.cfg.idle_trim_s = 0.0
+        a.kv.reset_prefix_cache()
+        a.idle()
+        assert a.tenancy.tenant.record()["committed"] <= grown
+        assert a.kv.stats()["capacity"] <= a.tenancy.initial + a.tenancy.chunk
+    finally:
+        a.close()
+        b.close()
+    assert led.tenants() == []
+
+
+def test_an_idle_engine_sleeps_and_the_next_request_wakes_it(checkpoint, expected, tmp_path):
+    e = engine(checkpoint, cfg(tmp_path, idle_sleep_s=0.0, idle_trim_s=0.0))
+    try:
+        assert e.generate(PROMPTS[:2], NEW) == expected[:2]
+        awake = e.tenancy.tenant.record()["committed"]
+        e.idle()
+        assert e.asleep
+        rec = e.tenancy.tenant.record()
+        assert rec["asleep"] == 1 and rec["committed"] < awake
+        # The wake happens inside submit: the request's clock includes it.
+        assert e.generate(PROMPTS, NEW) == expected
+        assert not e.asleep and e.tenancy.tenant.record()["asleep"] == 0
+    finally:
+        e.close()
+
+
+def test_with_the_rest_taken_requests_wait_their_turn_and_none_is_preempted(checkpoint, tmp_path):
+    e = engine(checkpoint, cfg(tmp_path, cap="256MiB", device_budget="256MiB"))
+    try:
+        led = e.tenancy.ledger
+        hog = led.join("hog", led.budget - e.tenancy.floor, "1GiB")
+        hog.grow(led.budget - e.tenancy.floor)  # all but this engine's floor
+        # Four sequences of the full length; the floor holds about two.
+        long = [list(range(i, i + 40)) for i in range(4)]
+        out = e.generate(long, 20)
+        assert [len(o) for o in out] == [20] * 4
+        st = e.scheduler.stats
+        assert st.preempted == 0 and st.capacity_waits > 0
+        rows = led.tenants()
+        assert sum(t["committed"] for t in rows) <= led.budget
+        mine = next(t for t in rows if t["name"] != "hog")
+        assert mine["committed"] <= mine["floor"]
+        # A request longer than any share is refused at submit.
+        with pytest.raises((CapacityError, imp_mem.InvalidArgument)):
+            e.submit(list(range(60)), 20)
+        del hog
+    finally:
+        e.close()
+
+
+def test_shared_argument_is_checked(checkpoint):
+    with pytest.raises(imp_mem.InvalidArgument):
+        engine(checkpoint, shared=3)
+    assert SharedGPU.of(None) is None and SharedGPU.of(True) == SharedGPU()
+    assert SharedGPU.of({"cap": "1GiB"}).cap == "1GiB"
