@@ -6,7 +6,10 @@
 //! A host block evicted for room is written, synchronously, to
 //! `<dir>/<hash>.impkv`: a prefix-cache file of one entry in the persistence
 //! format (`kv::persist`; `load_prefix_cache` reads it too), written to a
-//! temporary name and renamed. The tier keeps an LRU of its files within
+//! temporary name and renamed: three writes straight from the host slot's
+//! bytes, unsynced (the files are a cache of this process; a crash loses
+//! the index that names them), and read back straight into the buffer the
+//! host slot is filled from, each byte hashed once for each checksum. The tier keeps an LRU of its files within
 //! `budget` bytes, deleting the oldest for room. A prefix whose hits
 //! continue past the host tier into disk blocks reads each back (checked:
 //! header, hash, both checksums; a bad or missing file is a miss) into a

@@ -17,22 +17,43 @@
 //! trailer      16  xxh3-128 of everything before it
 //! ```
 //!
-//! Saving streams `<path>.tmp-<pid>-<n>` (one block in host memory at a
-//! time), syncs it and renames it over `path`, so a reader sees the old file
-//! or the new one, never half of one. A save first removes the temps of
-//! earlier saves to the same path whose process is gone (a killed save;
-//! Linux, where `/proc` tells), so they do not pile up. Loading streams the
-//! file twice with one block in host memory: the first pass verifies
-//! everything (size, magic, version, header fields against this manager,
-//! each block's checksum, the trailer checksum); then it notes the new
-//! entries, checks capacity, allocates fresh blocks (refs — never raw ids),
-//! and the second pass copies each new block's bytes in through [`BlockIo`],
-//! checking its checksum again (the file may have changed in between). Only
-//! when every copy has succeeded are the entries inserted. Any failure drops
-//! the fresh refs and leaves the manager as it was. Only regular files are
-//! read or replaced (a FIFO would block the open forever). A manager with
-//! prefix caching off refuses a load (`InvalidArgument`): it would hold the
-//! blocks and never hit them.
+//! Saving streams `<path>.tmp-<pid>-<n>`, syncs it and renames it over
+//! `path`, so a reader sees the old file or the new one, never half of one.
+//! A save first removes the temps of earlier saves to the same path whose
+//! process is gone (a killed save; Linux, where `/proc` tells), so they do
+//! not pile up.
+//!
+//! Both directions stream the entries in chunks of about a mebibyte (whole
+//! entries) through three host buffers — pinned where the pool's source
+//! has pinned memory, so a block's device copy is a DMA straight to or
+//! from the chunk — and run their stages on threads of their own at once:
+//! a save copies blocks out of the pool into a chunk laid out as the file
+//! is (this thread), computes their checksums and the trailer's hash (a
+//! second), and writes the chunk (a third); a load reads a chunk (this
+//! thread) while three others take it together: the trailer's hash in file
+//! order, each entry's check (its hash and checksum against the index, its
+//! bytes against its checksum), and the copies of the new entries into
+//! their blocks.
+//!
+//! Loading reads the file once. [`LoadTarget::verify`] checks its size,
+//! magic, version and header fields against this manager and reads its
+//! index (each entry's hash and checksum: 24 bytes of each); the manager
+//! notes the new entries, checks capacity and allocates fresh blocks (refs
+//! — never raw ids, and not in the cache: nothing sees them);
+//! [`PendingLoad::copy_in`] then reads every entry, checking each byte as
+//! above while the new blocks are filled. Only when every check and copy
+//! has passed are the entries inserted. Any failure — a corrupted file, or
+//! one changed or truncated while it is read (its bytes then disagree with
+//! the index, a checksum or the trailer) — drops the fresh refs and leaves
+//! the manager as it was. Only regular files are read or replaced (a FIFO
+//! would block the open forever). A manager with prefix caching off
+//! refuses a load (`InvalidArgument`): it would hold the blocks and never
+//! hit them.
+//!
+//! The checksums are XXH3 (64 bits a block, 128 the trailer), as version 1
+//! has always written: it hashes at memory speed, so with the trailer's
+//! hash and the blocks' on threads of their own it keeps up with the file;
+//! a format of another hash would buy nothing and strand every saved file.
 //!
 //! Thread safety: the file I/O runs outside the manager's lock. A save takes
 //! a [`PrefixSnapshot`] under it (a ref on each cached block, so none is
@@ -45,12 +66,12 @@
 //!
 //! Block bytes travel through [`BlockIo`]; a manager over a pool laid out on
 //! a backend uses [`PoolBlockIo`], which copies each block through its
-//! pool's region and source (device → host buffer → file on a GPU, a memcpy
-//! on the fake). Tests install others to inject faults. Pins are run-time
+//! pool's region and source (device ↔ pinned chunk on a GPU, a memcpy on
+//! the fake). Tests install others to inject faults. Pins are run-time
 //! policy and are not persisted.
 
 use std::fs::{self, File};
-use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -257,34 +278,6 @@ pub(crate) fn refuse(path: &Path, why: impl std::fmt::Display) -> MemError {
     ))
 }
 
-/// A file writer that also feeds everything it writes to the trailer's hash.
-struct HashingWriter {
-    out: BufWriter<File>,
-    hash: Xxh3,
-}
-
-impl HashingWriter {
-    fn new(file: File) -> Self {
-        Self {
-            out: BufWriter::with_capacity(1 << 20, file),
-            hash: Xxh3::new(),
-        }
-    }
-
-    fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.hash.update(bytes);
-        self.out.write_all(bytes)
-    }
-
-    /// Appends the trailer (the hash of everything before it) and syncs.
-    fn finish(mut self) -> std::io::Result<()> {
-        let trailer = self.hash.digest128();
-        self.out.write_all(&trailer.to_le_bytes())?;
-        let file = self.out.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()
-    }
-}
-
 /// The header of a one-block file of the disk tier (`kv::disk_tier`): the
 /// manager's own, for one entry, so a spilled block is a prefix-cache file
 /// of one entry that `load_prefix_cache` also reads.
@@ -311,8 +304,24 @@ impl BlockFileFormat {
         self.header.len()
     }
 
+    /// The bytes before a block's own: magic, version, header length,
+    /// header, and the entry's hash and checksum.
+    fn head(&self, hash: BlockHash, sum: u64) -> Vec<u8> {
+        let mut head = Vec::with_capacity(16 + self.header.len() + 24);
+        head.extend_from_slice(FILE_MAGIC);
+        head.extend_from_slice(&FILE_VERSION.to_le_bytes());
+        head.extend_from_slice(&(self.header.len() as u32).to_le_bytes());
+        head.extend_from_slice(&self.header);
+        head.extend_from_slice(&hash.to_le_bytes());
+        head.extend_from_slice(&sum.to_le_bytes());
+        head
+    }
+
     /// Writes `bytes` as block `hash` to `path`, through a temporary file
-    /// renamed over it (a reader sees a whole file or none).
+    /// renamed over it (a reader sees a whole file or none). Three writes
+    /// straight from the caller's bytes (no copy through a buffer), and no
+    /// sync: the tier's files are a cache of this process, which a crash
+    /// loses with the index that names them.
     pub fn write(&self, path: &Path, hash: BlockHash, bytes: &[u8]) -> Result<(), MemError> {
         if bytes.len() != self.block_bytes {
             return Err(MemError::invalid(format!(
@@ -326,16 +335,16 @@ impl BlockFileFormat {
         let tmp = std::path::PathBuf::from(tmp_name);
         let failed = |e| io_err("cannot write the block file", path, e);
         let written = (|| -> Result<(), MemError> {
-            let mut out = HashingWriter::new(File::create(&tmp).map_err(failed)?);
-            out.put(FILE_MAGIC).map_err(failed)?;
-            out.put(&FILE_VERSION.to_le_bytes()).map_err(failed)?;
-            out.put(&(self.header.len() as u32).to_le_bytes())
+            let head = self.head(hash, xxh3_64(bytes));
+            let mut trailer = Xxh3::new();
+            trailer.update(&head);
+            trailer.update(bytes);
+            let mut out = File::create(&tmp).map_err(failed)?;
+            out.write_all(&head).map_err(failed)?;
+            out.write_all(bytes).map_err(failed)?;
+            out.write_all(&trailer.digest128().to_le_bytes())
                 .map_err(failed)?;
-            out.put(&self.header).map_err(failed)?;
-            out.put(&hash.to_le_bytes()).map_err(failed)?;
-            out.put(&xxh3_64(bytes).to_le_bytes()).map_err(failed)?;
-            out.put(bytes).map_err(failed)?;
-            out.finish().map_err(failed)?;
+            drop(out);
             fs::rename(&tmp, path).map_err(failed)
         })();
         if written.is_err() {
@@ -346,31 +355,38 @@ impl BlockFileFormat {
 
     /// Reads block `hash` back from `path`, refusing a file that is not
     /// exactly what [`Self::write`] wrote for it (header, hash, checksums).
+    /// The block's bytes are read straight into the returned buffer.
     pub fn read(&self, path: &Path, hash: BlockHash) -> Result<Vec<u8>, MemError> {
-        let raw = fs::read(path).map_err(|e| io_err("cannot read the block file", path, e))?;
-        let head = 16 + self.header.len();
-        let want_len = head + 24 + self.block_bytes + 16;
-        if raw.len() != want_len
-            || &raw[..8] != FILE_MAGIC
-            || raw[8..12] != FILE_VERSION.to_le_bytes()
-            || raw[12..16] != (self.header.len() as u32).to_le_bytes()
-            || raw[16..head] != self.header[..]
-        {
-            return Err(refuse(path, "it is not this manager's block file"));
+        let failed = |e| io_err("cannot read the block file", path, e);
+        let not_ours = || refuse(path, "it is not this manager's block file");
+        let mut file = File::open(path).map_err(failed)?;
+        let head_len = 16 + self.header.len() + 24;
+        let want_len = (head_len + self.block_bytes + 16) as u64;
+        if file.metadata().map_err(failed)?.len() != want_len {
+            return Err(not_ours());
         }
-        let (body, trailer) = raw.split_at(want_len - 16);
-        let trailer = u128::from_le_bytes(trailer.try_into().unwrap_or_default());
-        if xxhash_rust::xxh3::xxh3_128(body) != trailer {
+        let mut head = vec![0u8; head_len];
+        let mut bytes = vec![0u8; self.block_bytes];
+        let mut trailer = [0u8; 16];
+        file.read_exact(&mut head).map_err(|_| not_ours())?;
+        file.read_exact(&mut bytes).map_err(|_| not_ours())?;
+        file.read_exact(&mut trailer).map_err(|_| not_ours())?;
+        let entry = &head[head_len - 24..];
+        let sum = u64::from_le_bytes(entry[16..].try_into().unwrap_or_default());
+        if head[..head_len - 24] != self.head(0, 0)[..head_len - 24] {
+            return Err(not_ours());
+        }
+        let mut whole = Xxh3::new();
+        whole.update(&head);
+        whole.update(&bytes);
+        if whole.digest128() != u128::from_le_bytes(trailer) {
             return Err(refuse(path, "the file checksum does not match (corrupted)"));
         }
-        let entry = &body[head..];
         let stored = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
-        let sum = u64::from_le_bytes(entry[16..24].try_into().unwrap_or_default());
-        let bytes = &entry[24..];
-        if stored != hash || xxh3_64(bytes) != sum {
+        if stored != hash || xxh3_64(&bytes) != sum {
             return Err(refuse(path, "it holds another block or a corrupted one"));
         }
-        Ok(bytes.to_vec())
+        Ok(bytes)
     }
 }
 
