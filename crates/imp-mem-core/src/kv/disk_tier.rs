@@ -52,6 +52,9 @@ pub(crate) struct DiskTier {
     index: FastMap<BlockHash, u64>,
     lru: BTreeMap<u64, BlockHash>,
     next: u64,
+    block_bytes: usize,
+    /// A spill's block, kept between spills.
+    scratch: Vec<u8>,
     pub counters: DiskCounters,
 }
 
@@ -81,6 +84,8 @@ impl DiskTier {
             index: FastMap::default(),
             lru: BTreeMap::new(),
             next: 0,
+            block_bytes,
+            scratch: Vec::new(),
             counters: DiskCounters::default(),
         })
     }
@@ -147,23 +152,41 @@ impl DiskTier {
         events.stored_alone(hash, Medium::Disk);
     }
 
-    /// Reads block `hash` back and deletes its file (it moves to a faster
-    /// tier). `None` when it is not here or its file is bad (then dropped).
-    pub fn take(&mut self, hash: &BlockHash, events: &mut EventLog) -> Option<Vec<u8>> {
-        if !self.contains(hash) {
-            return None;
+    /// Writes block `hash` with the bytes `fill` puts in a block-sized
+    /// buffer the tier keeps (no allocation a spill); nothing when `fill`
+    /// says it could not.
+    pub fn spill(
+        &mut self,
+        hash: BlockHash,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+        events: &mut EventLog,
+    ) {
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.resize(self.block_bytes, 0);
+        if fill(&mut buf) {
+            self.store(hash, &buf, events);
         }
-        let read = self.format.read(&self.path(*hash), *hash);
+        self.scratch = buf;
+    }
+
+    /// Reads block `hash` back into `dst` (a block long) and deletes its
+    /// file (it moves to a faster tier). False when it is not here or its
+    /// file is bad (then dropped).
+    pub fn take_into(&mut self, hash: &BlockHash, dst: &mut [u8], events: &mut EventLog) -> bool {
+        if !self.contains(hash) {
+            return false;
+        }
+        let read = self.format.read_into(&self.path(*hash), *hash, dst);
         self.forget(hash);
         events.removed(*hash, Medium::Disk);
         match read {
-            Ok(bytes) => {
+            Ok(()) => {
                 self.counters.loads += 1;
-                Some(bytes)
+                true
             }
             Err(_) => {
                 self.counters.errors += 1;
-                None
+                false
             }
         }
     }

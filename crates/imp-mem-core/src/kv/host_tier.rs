@@ -189,10 +189,8 @@ impl HostTier {
         self.counters.evictions += 1;
         events.removed(hash, Medium::Host);
         if let Some(disk) = self.disk.as_mut() {
-            let mut bytes = vec![0u8; self.io.block_bytes()];
-            if self.io.read_slot(slot, &mut bytes).is_ok() {
-                disk.store(hash, &bytes, events);
-            }
+            let io = &mut self.io;
+            disk.spill(hash, |buf| io.read_slot(slot, buf).is_ok(), events);
         }
         Some(slot)
     }
@@ -215,20 +213,23 @@ impl HostTier {
             return Vec::new();
         };
         // Every file is read before any slot is taken: a spill making room
-        // for one cannot then evict the next from the disk.
-        let mut blocks = Vec::new();
-        for h in hashes {
-            match disk.take(h, events) {
-                Some(bytes) => blocks.push(bytes),
-                None => break,
+        // for one cannot then evict the next from the disk. Into one buffer
+        // (an allocation a block churns the allocator and the page tables).
+        let bb = self.io.block_bytes();
+        let mut staged = vec![0u8; hashes.len() * bb];
+        let mut read = 0;
+        for (h, dst) in hashes.iter().zip(staged.chunks_exact_mut(bb.max(1))) {
+            if !disk.take_into(h, dst, events) {
+                break;
             }
+            read += 1;
         }
         let mut out = Vec::new();
-        for (h, bytes) in hashes.iter().zip(blocks) {
+        for (h, bytes) in hashes[..read].iter().zip(staged.chunks_exact(bb.max(1))) {
             let Some(slot) = self.slot_for_offload(events) else {
                 break;
             };
-            if self.io.write_slot(slot, &bytes).is_err() {
+            if self.io.write_slot(slot, bytes).is_err() {
                 self.free.push(slot);
                 break;
             }

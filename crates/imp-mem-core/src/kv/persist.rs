@@ -353,12 +353,20 @@ impl BlockFileFormat {
         written
     }
 
-    /// Reads block `hash` back from `path`, refusing a file that is not
-    /// exactly what [`Self::write`] wrote for it (header, hash, checksums).
-    /// The block's bytes are read straight into the returned buffer.
-    pub fn read(&self, path: &Path, hash: BlockHash) -> Result<Vec<u8>, MemError> {
+    /// Reads block `hash` back from `path` into `dst` (a block long),
+    /// refusing a file that is not exactly what [`Self::write`] wrote for it
+    /// (header, hash, checksums). The block's bytes are read straight into
+    /// `dst`; on a refusal its contents are unspecified.
+    pub fn read_into(&self, path: &Path, hash: BlockHash, dst: &mut [u8]) -> Result<(), MemError> {
         let failed = |e| io_err("cannot read the block file", path, e);
         let not_ours = || refuse(path, "it is not this manager's block file");
+        if dst.len() != self.block_bytes {
+            return Err(MemError::invalid(format!(
+                "a buffer of {} bytes holds no block of {}",
+                dst.len(),
+                self.block_bytes
+            )));
+        }
         let mut file = File::open(path).map_err(failed)?;
         let head_len = 16 + self.header.len() + 24;
         let want_len = (head_len + self.block_bytes + 16) as u64;
@@ -366,10 +374,9 @@ impl BlockFileFormat {
             return Err(not_ours());
         }
         let mut head = vec![0u8; head_len];
-        let mut bytes = vec![0u8; self.block_bytes];
         let mut trailer = [0u8; 16];
         file.read_exact(&mut head).map_err(|_| not_ours())?;
-        file.read_exact(&mut bytes).map_err(|_| not_ours())?;
+        file.read_exact(dst).map_err(|_| not_ours())?;
         file.read_exact(&mut trailer).map_err(|_| not_ours())?;
         let entry = &head[head_len - 24..];
         let sum = u64::from_le_bytes(entry[16..].try_into().unwrap_or_default());
@@ -378,15 +385,15 @@ impl BlockFileFormat {
         }
         let mut whole = Xxh3::new();
         whole.update(&head);
-        whole.update(&bytes);
+        whole.update(dst);
         if whole.digest128() != u128::from_le_bytes(trailer) {
             return Err(refuse(path, "the file checksum does not match (corrupted)"));
         }
         let stored = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
-        if stored != hash || xxh3_64(&bytes) != sum {
+        if stored != hash || xxh3_64(dst) != sum {
             return Err(refuse(path, "it holds another block or a corrupted one"));
         }
-        Ok(bytes)
+        Ok(())
     }
 }
 
