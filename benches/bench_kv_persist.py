@@ -21,11 +21,12 @@ with the peer, the same bytes as a plain file in the same directory:
   blocks (a fresh ``bytes`` a read, as Python's file reads give).
 * **spill / reload** (the disk tier behind a host tier of as many slots):
   on a fresh manager, one prefix A is evicted to the host tier (timed:
-  *offload*), a second prefix B of the same size is evicted after it, which
-  spills A's blocks from the host tier to disk (timed; *spill* is that time
-  less the offload's, the disk's own share), B is onboarded back to free
-  the host slots, and admitting A again reads each of its blocks from disk
-  into a host slot and onboards it (timed with its wait: *reload*).
+  *offload*, for reference), a second prefix B of the same size is evicted
+  after it, which spills A's blocks from the host tier to disk (timed:
+  *spill*, B's device -> host copies included, as an engine's eviction
+  pays them), B is onboarded back to free the host slots, and admitting A
+  again reads each of its blocks from disk into a host slot and onboards it
+  (timed with its wait: *reload*).
 
 The ratio is the peer's time over ours: 1.0 is the file's own rate (the
 target is >= 0.9). Times are the median turn's. The files live in ``--dir``
@@ -244,7 +245,7 @@ def measure(kind, bb, builds, order, args, tmp_dir):
         for name in order if t % 2 == 0 else order[::-1]:
             off, spill_round, reload = disk_turn(builds[name], kind, blocks, bb, tmp_dir)
             offs[name].append(off)
-            spills[name].append(max(spill_round - off, 1e-9))
+            spills[name].append(spill_round)
             reloads[name].append(reload)
         w, r = file_only(tmp_dir / "peer.bin", blocks, bb)
         peer_w.append(w)

@@ -53,8 +53,9 @@ pub(crate) struct DiskTier {
     lru: BTreeMap<u64, BlockHash>,
     next: u64,
     block_bytes: usize,
-    /// A spill's block, kept between spills.
+    /// A spill's block, kept between spills, and a reload's.
     scratch: Vec<u8>,
+    reload: Vec<u8>,
     pub counters: DiskCounters,
 }
 
@@ -86,6 +87,7 @@ impl DiskTier {
             next: 0,
             block_bytes,
             scratch: Vec::new(),
+            reload: Vec::new(),
             counters: DiskCounters::default(),
         })
     }
@@ -150,6 +152,19 @@ impl DiskTier {
         self.lru.insert(stamp, hash);
         self.counters.spills += 1;
         events.stored_alone(hash, Medium::Disk);
+    }
+
+    /// The block buffer kept for reloads, a block long, taken (give it
+    /// back with [`Self::put_reload_buffer`]).
+    pub fn take_reload_buffer(&mut self) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut self.reload);
+        buf.resize(self.block_bytes, 0);
+        buf
+    }
+
+    /// Gives the reload buffer back.
+    pub fn put_reload_buffer(&mut self, buf: Vec<u8>) {
+        self.reload = buf;
     }
 
     /// Writes block `hash` with the bytes `fill` puts in a block-sized

@@ -212,24 +212,24 @@ impl HostTier {
         let Some(disk) = self.disk.as_mut() else {
             return Vec::new();
         };
-        // Every file is read before any slot is taken: a spill making room
-        // for one cannot then evict the next from the disk. Into one buffer
-        // (an allocation a block churns the allocator and the page tables).
-        let bb = self.io.block_bytes();
-        let mut staged = vec![0u8; hashes.len() * bb];
-        let mut read = 0;
-        for (h, dst) in hashes.iter().zip(staged.chunks_exact_mut(bb.max(1))) {
-            if !disk.take_into(h, dst, events) {
+        // Block by block through one kept buffer: the file is read (and
+        // deleted) before its slot is taken, so the spill that may make room
+        // for it adds a file where one just went and never evicts the next
+        // from the disk.
+        let mut buf = disk.take_reload_buffer();
+        let mut out = Vec::new();
+        for h in hashes {
+            let taken = self
+                .disk
+                .as_mut()
+                .is_some_and(|d| d.take_into(h, &mut buf, events));
+            if !taken {
                 break;
             }
-            read += 1;
-        }
-        let mut out = Vec::new();
-        for (h, bytes) in hashes[..read].iter().zip(staged.chunks_exact(bb.max(1))) {
             let Some(slot) = self.slot_for_offload(events) else {
                 break;
             };
-            if self.io.write_slot(slot, bytes).is_err() {
+            if self.io.write_slot(slot, &buf).is_err() {
                 self.free.push(slot);
                 break;
             }
@@ -238,6 +238,9 @@ impl HostTier {
             // On the host now, on its way to the device.
             events.stored_alone(*h, Medium::Host);
             out.push((slot, stamp));
+        }
+        if let Some(disk) = self.disk.as_mut() {
+            disk.put_reload_buffer(buf);
         }
         out
     }
