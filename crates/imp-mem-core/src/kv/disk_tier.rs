@@ -6,14 +6,16 @@
 //! A host block evicted for room is written, synchronously, to
 //! `<dir>/<hash>.impkv`: a prefix-cache file of one entry in the persistence
 //! format (`kv::persist`; `load_prefix_cache` reads it too), written to a
-//! temporary name and renamed: three writes straight from the host slot's
-//! bytes, unsynced (the files are a cache of this process; a crash loses
-//! the index that names them), and read back straight into the buffer the
-//! host slot is filled from, each byte hashed once for each checksum. The tier keeps an LRU of its files within
+//! temporary name and renamed: three writes from a block buffer the tier
+//! keeps, unsynced (the files are a cache of this process; a crash loses
+//! the index that names them); read back into another kept buffer, each
+//! byte hashed once for each checksum, no allocation a block. The tier keeps an LRU of its files within
 //! `budget` bytes, deleting the oldest for room. A prefix whose hits
 //! continue past the host tier into disk blocks reads each back (checked:
-//! header, hash, both checksums; a bad or missing file is a miss) into a
-//! host slot, deletes the file, and onboards it as a host hit. Each hash
+//! header, hash, both checksums; a bad or missing file is a miss) and
+//! deletes the file before it takes a host slot for it (so the spill that
+//! makes room adds a file where one went, and evicts none), then onboards
+//! it as a host hit. Each hash
 //! is in one tier at a time: a block cached on the device or the host drops
 //! its disk copy.
 //!
