@@ -193,19 +193,34 @@ impl DiskTier {
         if !self.contains(hash) {
             return false;
         }
-        let read = self.format.read_into(&self.path(*hash), *hash, dst);
+        let read = self.format.read_into(&self.path(*hash), *hash, dst).is_ok();
+        self.taken(hash, read, events)
+    }
+
+    /// What a reader of `hash`'s file (read without the tier, as
+    /// [`Self::reader`] lets it) reports: the file goes (its block moves to a
+    /// faster tier, or it was bad), counted. Returns `read`.
+    pub fn taken(&mut self, hash: &BlockHash, read: bool, events: &mut EventLog) -> bool {
         self.forget(hash);
         events.removed(*hash, Medium::Disk);
-        match read {
-            Ok(()) => {
-                self.counters.loads += 1;
-                true
-            }
-            Err(_) => {
-                self.counters.errors += 1;
-                false
-            }
+        if read {
+            self.counters.loads += 1;
+        } else {
+            self.counters.errors += 1;
         }
+        read
+    }
+
+    /// The leading `hashes` held here with their files' paths, and the
+    /// format that reads them: for reads on other threads, each reported
+    /// back through [`Self::taken`].
+    pub fn reader(&self, hashes: &[BlockHash]) -> (Vec<(BlockHash, PathBuf)>, BlockFileFormat) {
+        let files = hashes
+            .iter()
+            .take_while(|h| self.contains(h))
+            .map(|h| (*h, self.path(*h)))
+            .collect();
+        (files, self.format.clone())
     }
 
     /// Deletes every file (a reset).
