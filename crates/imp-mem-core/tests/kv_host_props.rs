@@ -583,3 +583,37 @@ fn a_bad_block_file_in_a_reloaded_prefix_stops_the_reload_there() {
     h.m.check_invariants().unwrap();
     h.check().unwrap();
 }
+
+#[test]
+fn a_spill_whose_write_fails_is_dropped_counted_and_reported_removed() {
+    // The tier's directory goes away: the writer threads' writes fail. The
+    // spilled blocks were indexed at once; the next poll takes them out,
+    // each with a BlockRemoved on disk, as if there were no disk tier.
+    let mut h = Harness::build(true).unwrap();
+    h.apply(Op::Admit { fam: 0, len: 17 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(4), 4);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    std::fs::remove_dir_all(h._dir.as_ref().unwrap().path()).unwrap();
+    let _ = h.m.drain_events();
+    h.apply(Op::Admit { fam: 3, len: 9 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(2), 2);
+    h.m.poll_copies(true).unwrap();
+    let s = h.m.stats();
+    assert_eq!((s.disk_cached, s.disk_spills), (0, 0));
+    let removed: HashSet<BlockHash> =
+        h.m.drain_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium: Medium::Disk,
+                } => Some(block_hashes),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+    assert_eq!(removed.len(), 2, "both failed spills reported");
+    h.m.check_invariants().unwrap();
+}

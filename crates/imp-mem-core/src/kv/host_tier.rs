@@ -212,6 +212,8 @@ impl HostTier {
         let Some(disk) = self.disk.as_mut() else {
             return Vec::new();
         };
+        // Spills still being written are files to read: finished first.
+        disk.flush(events);
         let (files, format) = disk.reader(hashes);
         if files.len() < 2 {
             let mut buf = disk.take_reload_buffer();
@@ -418,6 +420,11 @@ impl HostTier {
         events: &mut EventLog,
     ) -> Result<Reaped, MemError> {
         let mut out = Reaped::default();
+        // The disk tier's spill writes in flight finish too: after a poll
+        // every indexed block has its file.
+        if let Some(disk) = self.disk.as_mut() {
+            disk.flush(events);
+        }
         while let Some(o) = self.offloading.front() {
             if wait {
                 self.io.wait(o.ticket)?;
