@@ -325,7 +325,8 @@ def test_class_light_methods_during_save_and_load_do_not_stall_the_interpreter(t
 # machine twice what the same thread waits with nothing but a sleep beside
 # it (the CPU's share, not ours). A lock (the manager's, or the GIL) held
 # across the file I/O makes the gap the whole save or load, which the
-# second rule catches at any speed: the gaps stay a small part of the work.
+# second rule catches at any speed where the machine is not loaded: the
+# gaps stay a small part of the work.
 READER_GAP_BOUND_S = 0.050
 
 
@@ -381,8 +382,12 @@ def test_a_reader_thread_never_waits_behind_a_save_or_a_load(tmp_path):
         f"a reader waited {worst[1] * 1e3:.1f} ms behind a {worst[0]} of "
         f"{worst[2] * 1e3:.1f} ms (bound {bound * 1e3:.0f} ms); {detail}"
     )
-    share = statistics.median(gap / took for _, gap, took in runs)
-    assert share < 0.5, f"the reader waited {share:.0%} of a save or load; {detail}"
+    # Where the machine leaves the reader the CPU (its waits beside a sleep
+    # are short against the work), its waits must be too: a lock held
+    # across the I/O shows here even when the whole save is under the bound.
+    if max(control) < 0.25 * statistics.median(took for _, _, took in runs):
+        share = statistics.median(gap / took for _, gap, took in runs)
+        assert share < 0.5, f"the reader waited {share:.0%} of a save or load; {detail}"
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
