@@ -362,14 +362,14 @@ def _reader_gaps_while(kv, work) -> tuple[float, float]:
     return max(gaps), took
 
 
-def test_a_reader_thread_never_waits_behind_a_save_or_a_load(tmp_path):
-    """Issue 30: 20 runs (10 saves and 10 loads of 64 MiB) with a thread
-    calling the manager beside each; its worst wait stays under the bound."""
-    kv = _saved_manager(tmp_path)
-    path = tmp_path / "cache.bin"
+def _reader_gap_verdict(kv, path) -> str | None:
+    """20 runs (10 saves and 10 loads of 64 MiB) with a reader beside each,
+    and as long a sleep beside it after each: what breaks the rules, or
+    None."""
     runs, control = [], []
     for _ in range(10):
         runs.append(("save", *_reader_gaps_while(kv, partial(kv.save_prefix_cache, path))))
+        control.append(_reader_gaps_while(kv, partial(time.sleep, runs[-1][2]))[0])
         assert kv.evict(1024) == 1024
         runs.append(("load", *_reader_gaps_while(kv, partial(kv.load_prefix_cache, path))))
         assert kv.stats()["cached"] == 1024
@@ -378,16 +378,35 @@ def test_a_reader_thread_never_waits_behind_a_save_or_a_load(tmp_path):
     bound = max(READER_GAP_BOUND_S, 2 * max(control))
     worst = max(runs, key=lambda r: r[1])
     detail = f"runs (op, worst gap s, took s): {runs}; beside a sleep: {control}"
-    assert worst[1] < bound, (
-        f"a reader waited {worst[1] * 1e3:.1f} ms behind a {worst[0]} of "
-        f"{worst[2] * 1e3:.1f} ms (bound {bound * 1e3:.0f} ms); {detail}"
-    )
+    if worst[1] >= bound:
+        return (
+            f"a reader waited {worst[1] * 1e3:.1f} ms behind a {worst[0]} of "
+            f"{worst[2] * 1e3:.1f} ms (bound {bound * 1e3:.0f} ms); {detail}"
+        )
     # Where the machine leaves the reader the CPU (its waits beside a sleep
     # are short against the work), its waits must be too: a lock held
     # across the I/O shows here even when the whole save is under the bound.
     if max(control) < 0.25 * statistics.median(took for _, _, took in runs):
         share = statistics.median(gap / took for _, gap, took in runs)
-        assert share < 0.5, f"the reader waited {share:.0%} of a save or load; {detail}"
+        if share >= 0.5:
+            return f"the reader waited {share:.0%} of a save or load; {detail}"
+    return None
+
+
+def test_a_reader_thread_never_waits_behind_a_save_or_a_load(tmp_path):
+    """Issue 30: a thread calling the manager beside 20 saves and loads
+    waits under the bound. The best of three tries counts (a busy host can
+    preempt the reader past the bound in any one); a lock held across the
+    I/O fails all three."""
+    kv = _saved_manager(tmp_path)
+    path = tmp_path / "cache.bin"
+    verdicts = []
+    for _ in range(3):
+        verdict = _reader_gap_verdict(kv, path)
+        if verdict is None:
+            return
+        verdicts.append(verdict)
+    raise AssertionError("\n".join(verdicts))
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
