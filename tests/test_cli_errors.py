@@ -44,6 +44,8 @@ BAD = [
     ["plan", "llama-3-8b", "--max-batch", "0"],
     ["plan", "llama-3-8b", "--kv-dtype", "fp7"],
     ["plan", "llama-3-8b", "--block-size", "0"],
+    ["plan", "llama-3-8b", "--block-size", "-3"],
+    ["plan", "llama-3-8b", "--tp", "-2"],
     ["plan", "llama-3-8b", "--weights-bytes", "-1"],
     ["plan", "llama-3-8b", "--plot", "/missing/dir/x.png"],
     ["plan", "llama-3-8b", "--max-batch", "x"],  # argparse's own error
@@ -77,6 +79,15 @@ def test_max_batch_below_one_is_one_rule_with_one_message(command):
     )
     assert "--max-batch must be at least 1, got -4" in first.stderr
     assert "--max-batch must be at least 1, got 0" in second.stderr
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--block-size"])
+def test_tp_and_block_size_below_one_say_at_least_1_as_max_batch_does(flag):
+    for n in ("-2", "0"):
+        done = imp_mem("plan", "llama-3-8b", flag, n)
+        assert done.returncode == 2
+        assert f"{flag} must be at least 1, got {n}" in done.stderr, done.stderr
+        assert "non-negative" not in done.stderr
 
 
 def test_demo_on_a_missing_backend_names_the_cli_option():

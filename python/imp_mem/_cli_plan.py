@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         raise imp_mem.InvalidArgument("CONFIG: give a config.json path or a preset name")
     from imp_mem.cli import check_at_least_one, check_byte_options
 
-    check_at_least_one(args, "max_batch", "max_seq_len")
+    check_at_least_one(args, "max_batch", "max_seq_len", "tp", "block_size")
     check_byte_options(args, "budget", "context", "library_reserve", "weights_bytes")
     if args.plot:
         check_plot_path(args.plot)

@@ -542,3 +542,78 @@ fn a_prefix_spilled_to_disk_comes_back_with_its_bytes() {
     h.m.check_invariants().unwrap();
     h.check().unwrap();
 }
+
+#[test]
+fn a_bad_block_file_in_a_reloaded_prefix_stops_the_reload_there() {
+    // As above, with the second of the two disk blocks' files corrupted:
+    // the reload (read on worker threads) stages the first, drops the bad
+    // one, and the prefix's last block is computed again.
+    let mut h = Harness::build(true).unwrap();
+    let a = tokens(0, 17);
+    h.apply(Op::Admit { fam: 0, len: 17 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(4), 4);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    h.apply(Op::Admit { fam: 3, len: 9 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(2), 2);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    let hashes = h.m.hash_blocks(&a, &ExtraKeys::default());
+    let dir = h._dir.as_ref().unwrap().path().to_path_buf();
+    let bad = dir.join(format!("{:032x}.impkv", hashes[3]));
+    let mut bytes = std::fs::read(&bad).unwrap();
+    let at = bytes.len() - 20; // inside the block's bytes
+    bytes[at] ^= 0x10;
+    std::fs::write(&bad, bytes).unwrap();
+    let got = h.m.admit(51, &a, ExtraKeys::default()).unwrap();
+    assert_eq!((got.cached_tokens, got.onboarded_blocks), (12, 3));
+    h.m.wait_onboarding(51, None).unwrap();
+    for (i, &hash) in hashes.iter().enumerate().take(3) {
+        let (addr, _) = h.m.block_span(51, i).unwrap().unwrap();
+        assert_eq!(
+            h.fake.read(addr, BYTES).unwrap(),
+            pattern(hash),
+            "block {i}"
+        );
+    }
+    let s = h.m.stats();
+    assert_eq!(s.disk_loads, 1);
+    assert!(!bad.exists(), "the bad file is dropped");
+    assert!(!h.m.disk_cached_blocks().contains(&hashes[3]));
+    h.m.check_invariants().unwrap();
+    h.check().unwrap();
+}
+
+#[test]
+fn a_spill_whose_write_fails_is_dropped_counted_and_reported_removed() {
+    // The tier's directory goes away: the writer threads' writes fail. The
+    // spilled blocks were indexed at once; the next poll takes them out,
+    // each with a BlockRemoved on disk, as if there were no disk tier.
+    let mut h = Harness::build(true).unwrap();
+    h.apply(Op::Admit { fam: 0, len: 17 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(4), 4);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    std::fs::remove_dir_all(h._dir.as_ref().unwrap().path()).unwrap();
+    let _ = h.m.drain_events();
+    h.apply(Op::Admit { fam: 3, len: 9 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(2), 2);
+    h.m.poll_copies(true).unwrap();
+    let s = h.m.stats();
+    assert_eq!((s.disk_cached, s.disk_spills), (0, 0));
+    let removed: HashSet<BlockHash> =
+        h.m.drain_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium: Medium::Disk,
+                } => Some(block_hashes),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+    assert_eq!(removed.len(), 2, "both failed spills reported");
+    h.m.check_invariants().unwrap();
+}

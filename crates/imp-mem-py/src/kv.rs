@@ -238,8 +238,9 @@ impl PyKVCacheManager {
 
     /// Runs `f` on the manager. Small work (`small` says, given the
     /// manager) runs with the GIL held when the manager's lock is free at
-    /// once: releasing and re-taking the GIL costs more than such a call's
-    /// work. Anything else — large work, or a lock another thread holds —
+    /// once and it has no disk tier (whose file I/O any call that moves
+    /// blocks may do): releasing and re-taking the GIL costs more than such
+    /// a call's work. Anything else — large work, or a lock another thread holds —
     /// releases the GIL first, so no thread ever waits for the lock while
     /// holding the GIL, and no long operation holds it.
     fn run<R: Send>(
@@ -254,7 +255,9 @@ impl PyKVCacheManager {
             Err(TryLockError::WouldBlock) => None,
         };
         if let Some(mut g) = guard {
-            if small(&g) {
+            // A manager with a disk tier may read or write block files in
+            // any call that moves blocks: never with the GIL held.
+            if small(&g) && !g.has_disk_tier() {
                 return f(&mut g);
             }
         }

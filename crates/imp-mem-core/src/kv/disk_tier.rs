@@ -3,26 +3,38 @@
 //!
 //! # Algorithm
 //!
-//! A host block evicted for room is written, synchronously, to
-//! `<dir>/<hash>.impkv`: a prefix-cache file of one entry in the persistence
-//! format (`kv::persist`; `load_prefix_cache` reads it too), written to a
-//! temporary name and renamed. The tier keeps an LRU of its files within
-//! `budget` bytes, deleting the oldest for room. A prefix whose hits
-//! continue past the host tier into disk blocks reads each back (checked:
-//! header, hash, both checksums; a bad or missing file is a miss) into a
-//! host slot, deletes the file, and onboards it as a host hit. Each hash
-//! is in one tier at a time: a block cached on the device or the host drops
-//! its disk copy.
+//! A host block evicted for room is spilled to `<dir>/<hash>.impkv`: a
+//! prefix-cache file of one entry in the persistence format
+//! (`kv::persist`; `load_prefix_cache` reads it too), written to a
+//! temporary name and renamed, unsynced (the files are a cache of this
+//! process; a crash loses the index that names them). The block's bytes go
+//! into a spare buffer and the file is written by one of up to four writer
+//! threads of the tier while the eviction goes on, at most eight writes in
+//! flight; the block is indexed at once. Whatever reads or deletes a file
+//! waits for its write first (a reload, a discard, an eviction for room),
+//! and `poll_copies` waits for all of them, so after a poll every indexed
+//! block has its file. A write that fails takes its block out of the index
+//! (counted as an error, reported as removed from the disk). The tier keeps
+//! an LRU of its files within `budget` bytes, deleting the oldest for room.
 //!
-//! The I/O runs under the manager's `&mut self`, inside the admission or
-//! eviction that needs it: it is the slow path of a prefix that fell out of
-//! both faster tiers. Files of an earlier run are not indexed (their names
-//! are reused).
+//! A prefix whose hits continue past the host tier into disk blocks reads
+//! them back on up to four threads (checked: header, hash, both checksums;
+//! a bad or missing file is a miss and ends the prefix there), and the
+//! caller deletes each file before it takes a host slot for its block (so
+//! the spill that makes room adds a file where one went, and evicts none),
+//! then onboards it as a host hit. Each hash is in one tier at a time: a
+//! block cached on the device or the host drops its disk copy.
+//!
+//! The tier's bookkeeping runs under the manager's `&mut self`, inside the
+//! admission or eviction that needs it: it is the slow path of a prefix
+//! that fell out of both faster tiers. Files of an earlier run are not
+//! indexed (their names are reused).
 //!
 //! Thread safety: part of the manager.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex};
 
 use crate::error::MemError;
 use crate::kv::events::{EventLog, Medium};
@@ -49,7 +61,73 @@ pub(crate) struct DiskTier {
     index: FastMap<BlockHash, u64>,
     lru: BTreeMap<u64, BlockHash>,
     next: u64,
+    block_bytes: usize,
+    /// A reload's block, kept between reloads.
+    reload: Vec<u8>,
+    /// The threads that write spills, started at the first.
+    writers: Option<Writers>,
+    /// Spills whose write failed, to be reported as removed.
+    failed: Vec<BlockHash>,
     pub counters: DiskCounters,
+}
+
+/// Threads of the tier that write its spills' files; see the module docs.
+#[derive(Debug)]
+struct Writers {
+    jobs: Option<mpsc::Sender<(BlockHash, PathBuf, Vec<u8>)>>,
+    done: mpsc::Receiver<(BlockHash, Vec<u8>, bool)>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    /// Hashes whose file is being written, with their count.
+    pending: FastMap<BlockHash, u32>,
+    in_flight: usize,
+    /// Block buffers back from the writers, for the next spills.
+    spare: Vec<Vec<u8>>,
+}
+
+/// Spill writes at once at most, and threads that write them.
+const IN_FLIGHT: usize = 8;
+const WRITERS: usize = 4;
+
+impl Writers {
+    fn start(format: &BlockFileFormat) -> Self {
+        let (jobs, queue) = mpsc::channel::<(BlockHash, PathBuf, Vec<u8>)>();
+        let (done_tx, done) = mpsc::channel();
+        let queue = Arc::new(Mutex::new(queue));
+        let n = WRITERS.min(std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let threads = (0..n)
+            .map(|_| {
+                let (queue, done_tx, format) = (queue.clone(), done_tx.clone(), format.clone());
+                std::thread::spawn(move || loop {
+                    let job = queue.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    let Ok((hash, path, buf)) = job else {
+                        break;
+                    };
+                    let written = format.write(&path, hash, &buf).is_ok();
+                    if done_tx.send((hash, buf, written)).is_err() {
+                        break;
+                    }
+                })
+            })
+            .collect();
+        Self {
+            jobs: Some(jobs),
+            done,
+            threads,
+            pending: FastMap::default(),
+            in_flight: 0,
+            spare: Vec::new(),
+        }
+    }
+}
+
+impl Drop for Writers {
+    fn drop(&mut self) {
+        // The queue closes; each thread finishes its write and ends.
+        self.jobs = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
 }
 
 impl DiskTier {
@@ -78,6 +156,10 @@ impl DiskTier {
             index: FastMap::default(),
             lru: BTreeMap::new(),
             next: 0,
+            block_bytes,
+            reload: Vec::new(),
+            writers: None,
+            failed: Vec::new(),
             counters: DiskCounters::default(),
         })
     }
@@ -104,7 +186,70 @@ impl DiskTier {
         self.lru.values().copied().collect()
     }
 
+    /// Takes one finished write back (waiting for it when `block`); false
+    /// when none was in flight (or none finished, not blocking).
+    fn reap_write(&mut self, block: bool) -> bool {
+        let Some(w) = self.writers.as_mut() else {
+            return false;
+        };
+        if w.in_flight == 0 {
+            return false;
+        }
+        let got = if block {
+            w.done.recv().ok()
+        } else {
+            w.done.try_recv().ok()
+        };
+        let Some((hash, buf, written)) = got else {
+            return false;
+        };
+        w.in_flight -= 1;
+        if let Some(n) = w.pending.get_mut(&hash) {
+            *n -= 1;
+            if *n == 0 {
+                w.pending.remove(&hash);
+            }
+        }
+        if w.spare.len() < IN_FLIGHT {
+            w.spare.push(buf);
+        }
+        if !written {
+            // As if it had never been spilled: out of the index (and its
+            // temporary, which the write removed), counted, and reported
+            // removed at the next call that records events.
+            if let Some(stamp) = self.index.remove(&hash) {
+                self.lru.remove(&stamp);
+                self.failed.push(hash);
+            }
+            self.counters.errors += 1;
+            self.counters.spills = self.counters.spills.saturating_sub(1);
+        }
+        true
+    }
+
+    /// Waits for every spill's write, and reports the failed ones.
+    pub fn flush(&mut self, events: &mut EventLog) {
+        while self.reap_write(true) {}
+        for hash in self.failed.drain(..) {
+            events.removed(hash, Medium::Disk);
+        }
+    }
+
+    /// Waits for the writes of `hash`'s file, if any.
+    fn settle(&mut self, hash: &BlockHash) {
+        while self
+            .writers
+            .as_ref()
+            .is_some_and(|w| w.pending.contains_key(hash))
+        {
+            if !self.reap_write(true) {
+                break;
+            }
+        }
+    }
+
     fn forget(&mut self, hash: &BlockHash) -> bool {
+        self.settle(hash);
         let Some(stamp) = self.index.remove(hash) else {
             return false;
         };
@@ -120,9 +265,50 @@ impl DiskTier {
         }
     }
 
-    /// Writes block `hash`; the oldest files make room. A failed write
+    /// The block buffer kept for reloads, a block long, taken (give it
+    /// back with [`Self::put_reload_buffer`]).
+    pub fn take_reload_buffer(&mut self) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut self.reload);
+        buf.resize(self.block_bytes, 0);
+        buf
+    }
+
+    /// Gives the reload buffer back.
+    pub fn put_reload_buffer(&mut self, buf: Vec<u8>) {
+        self.reload = buf;
+    }
+
+    /// Spills block `hash`: `fill` puts its bytes in a block buffer (a
+    /// spare one: no allocation a spill once the writers have handed
+    /// theirs back), the oldest files make room, and a writer thread
+    /// writes the file while the caller goes on; the block is indexed at
+    /// once. Nothing when `fill` says it could not. A write that fails
     /// drops the block (counted), as if there were no disk tier.
-    pub fn store(&mut self, hash: BlockHash, bytes: &[u8], events: &mut EventLog) {
+    pub fn spill(
+        &mut self,
+        hash: BlockHash,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+        events: &mut EventLog,
+    ) {
+        while self.reap_write(false) {}
+        for h in std::mem::take(&mut self.failed) {
+            events.removed(h, Medium::Disk);
+        }
+        if self.writers.is_none() {
+            self.writers = Some(Writers::start(&self.format));
+        }
+        let mut buf = self
+            .writers
+            .as_mut()
+            .and_then(|w| w.spare.pop())
+            .unwrap_or_default();
+        buf.resize(self.block_bytes, 0);
+        if !fill(&mut buf) {
+            if let Some(w) = self.writers.as_mut() {
+                w.spare.push(buf);
+            }
+            return;
+        }
         self.discard(&hash, events);
         while self.used() + self.file_bytes > self.budget {
             let Some((_, &oldest)) = self.lru.iter().next() else {
@@ -132,10 +318,27 @@ impl DiskTier {
             self.counters.evictions += 1;
             events.removed(oldest, Medium::Disk);
         }
-        if self.format.write(&self.path(hash), hash, bytes).is_err() {
+        while self
+            .writers
+            .as_ref()
+            .is_some_and(|w| w.in_flight >= IN_FLIGHT)
+        {
+            self.reap_write(true);
+        }
+        let path = self.path(hash);
+        let Some(w) = self.writers.as_mut() else {
+            return;
+        };
+        let sent = w
+            .jobs
+            .as_ref()
+            .is_some_and(|jobs| jobs.send((hash, path, buf)).is_ok());
+        if !sent {
             self.counters.errors += 1;
             return;
         }
+        w.in_flight += 1;
+        *w.pending.entry(hash).or_default() += 1;
         let stamp = self.next;
         self.next += 1;
         self.index.insert(hash, stamp);
@@ -144,29 +347,48 @@ impl DiskTier {
         events.stored_alone(hash, Medium::Disk);
     }
 
-    /// Reads block `hash` back and deletes its file (it moves to a faster
-    /// tier). `None` when it is not here or its file is bad (then dropped).
-    pub fn take(&mut self, hash: &BlockHash, events: &mut EventLog) -> Option<Vec<u8>> {
+    /// Reads block `hash` back into `dst` (a block long) and deletes its
+    /// file (it moves to a faster tier). False when it is not here or its
+    /// file is bad (then dropped).
+    pub fn take_into(&mut self, hash: &BlockHash, dst: &mut [u8], events: &mut EventLog) -> bool {
+        self.settle(hash);
         if !self.contains(hash) {
-            return None;
+            return false;
         }
-        let read = self.format.read(&self.path(*hash), *hash);
+        let read = self.format.read_into(&self.path(*hash), *hash, dst).is_ok();
+        self.taken(hash, read, events)
+    }
+
+    /// What a reader of `hash`'s file (read without the tier, as
+    /// [`Self::reader`] lets it) reports: the file goes (its block moves to a
+    /// faster tier, or it was bad), counted. Returns `read`.
+    pub fn taken(&mut self, hash: &BlockHash, read: bool, events: &mut EventLog) -> bool {
         self.forget(hash);
         events.removed(*hash, Medium::Disk);
-        match read {
-            Ok(bytes) => {
-                self.counters.loads += 1;
-                Some(bytes)
-            }
-            Err(_) => {
-                self.counters.errors += 1;
-                None
-            }
+        if read {
+            self.counters.loads += 1;
+        } else {
+            self.counters.errors += 1;
         }
+        read
+    }
+
+    /// The leading `hashes` held here with their files' paths, and the
+    /// format that reads them: for reads on other threads, each reported
+    /// back through [`Self::taken`].
+    pub fn reader(&self, hashes: &[BlockHash]) -> (Vec<(BlockHash, PathBuf)>, BlockFileFormat) {
+        let files = hashes
+            .iter()
+            .take_while(|h| self.contains(h))
+            .map(|h| (*h, self.path(*h)))
+            .collect();
+        (files, self.format.clone())
     }
 
     /// Deletes every file (a reset).
     pub fn clear(&mut self) {
+        while self.reap_write(true) {}
+        self.failed.clear();
         for h in self.in_order() {
             self.forget(&h);
         }

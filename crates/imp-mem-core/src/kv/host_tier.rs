@@ -189,10 +189,8 @@ impl HostTier {
         self.counters.evictions += 1;
         events.removed(hash, Medium::Host);
         if let Some(disk) = self.disk.as_mut() {
-            let mut bytes = vec![0u8; self.io.block_bytes()];
-            if self.io.read_slot(slot, &mut bytes).is_ok() {
-                disk.store(hash, &bytes, events);
-            }
+            let io = &mut self.io;
+            disk.spill(hash, |buf| io.read_slot(slot, buf).is_ok(), events);
         }
         Some(slot)
     }
@@ -214,31 +212,109 @@ impl HostTier {
         let Some(disk) = self.disk.as_mut() else {
             return Vec::new();
         };
-        // Every file is read before any slot is taken: a spill making room
-        // for one cannot then evict the next from the disk.
-        let mut blocks = Vec::new();
-        for h in hashes {
-            match disk.take(h, events) {
-                Some(bytes) => blocks.push(bytes),
-                None => break,
+        // Spills still being written are files to read: finished first.
+        disk.flush(events);
+        let (files, format) = disk.reader(hashes);
+        if files.len() < 2 {
+            let mut buf = disk.take_reload_buffer();
+            let mut out = Vec::new();
+            if let Some((h, _)) = files.first() {
+                let taken = disk.take_into(h, &mut buf, events);
+                if taken {
+                    out.extend(self.stage_one(*h, &buf, events));
+                }
             }
+            if let Some(disk) = self.disk.as_mut() {
+                disk.put_reload_buffer(buf);
+            }
+            return out;
         }
+        // Several: the files are read and checked on up to four threads,
+        // two blocks ahead of this one each, which stages them in order.
+        // Each file is deleted (here) before its slot is taken, so the
+        // spill that may make room adds a file where one just went and
+        // never evicts the next from the disk.
+        let bb = self.io.block_bytes();
+        let workers = files
+            .len()
+            .min(4)
+            .min(std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let (job_tx, job_rx) = std::sync::mpsc::channel::<(usize, Vec<u8>)>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Vec<u8>, bool)>();
+        let job_rx = std::sync::Mutex::new(job_rx);
         let mut out = Vec::new();
-        for (h, bytes) in hashes.iter().zip(blocks) {
-            let Some(slot) = self.slot_for_offload(events) else {
-                break;
-            };
-            if self.io.write_slot(slot, &bytes).is_err() {
-                self.free.push(slot);
-                break;
+        std::thread::scope(|s| {
+            // Owned by this closure: dropped when it returns, which ends
+            // the workers' loops before the scope joins them.
+            let job_tx = job_tx;
+            for _ in 0..workers {
+                let (files, format, job_rx, done_tx) = (&files, &format, &job_rx, done_tx.clone());
+                s.spawn(move || loop {
+                    let job = job_rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    let Ok((i, mut buf)) = job else {
+                        break;
+                    };
+                    let (hash, path) = &files[i];
+                    let read = format.read_into(path, *hash, &mut buf).is_ok();
+                    if done_tx.send((i, buf, read)).is_err() {
+                        break;
+                    }
+                });
             }
-            let stamp = self.next_stamp;
-            self.next_stamp += 1;
-            // On the host now, on its way to the device.
-            events.stored_alone(*h, Medium::Host);
-            out.push((slot, stamp));
-        }
+            drop(done_tx);
+            let mut next = 0;
+            while next < files.len().min(2 * workers) {
+                let _ = job_tx.send((next, vec![0u8; bb]));
+                next += 1;
+            }
+            let mut ready: FastMap<usize, (Vec<u8>, bool)> = FastMap::default();
+            for (i, (h, _)) in files.iter().enumerate() {
+                let (buf, read) = loop {
+                    if let Some(r) = ready.remove(&i) {
+                        break r;
+                    }
+                    match done_rx.recv() {
+                        Ok((j, buf, read)) => {
+                            ready.insert(j, (buf, read));
+                        }
+                        Err(_) => return,
+                    }
+                };
+                let taken = self.disk.as_mut().is_some_and(|d| d.taken(h, read, events));
+                if !taken {
+                    return;
+                }
+                match self.stage_one(*h, &buf, events) {
+                    Some(staged) => out.push(staged),
+                    None => return,
+                }
+                if next < files.len() {
+                    let _ = job_tx.send((next, buf));
+                    next += 1;
+                }
+            }
+        });
         out
+    }
+
+    /// Takes a host slot for disk block `hash` and copies `bytes` in: its
+    /// slot and stamp, or `None` when there is no slot or the copy failed.
+    fn stage_one(
+        &mut self,
+        hash: BlockHash,
+        bytes: &[u8],
+        events: &mut EventLog,
+    ) -> Option<(u32, u64)> {
+        let slot = self.slot_for_offload(events)?;
+        if self.io.write_slot(slot, bytes).is_err() {
+            self.free.push(slot);
+            return None;
+        }
+        let stamp = self.next_stamp;
+        self.next_stamp += 1;
+        // On the host now, on its way to the device.
+        events.stored_alone(hash, Medium::Host);
+        Some((slot, stamp))
     }
 
     /// Starts copying an evicted device block out. Hands the token back
@@ -344,6 +420,11 @@ impl HostTier {
         events: &mut EventLog,
     ) -> Result<Reaped, MemError> {
         let mut out = Reaped::default();
+        // The disk tier's spill writes in flight finish too: after a poll
+        // every indexed block has its file.
+        if let Some(disk) = self.disk.as_mut() {
+            disk.flush(events);
+        }
         while let Some(o) = self.offloading.front() {
             if wait {
                 self.io.wait(o.ticket)?;

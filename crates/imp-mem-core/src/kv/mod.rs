@@ -79,7 +79,7 @@ pub use hash::{BlockHash, BlockHasher, ExtraKeys, MmSpan, DEFAULT_HASH_SEED, HAS
 pub use host_tier::{host_tier_io, CopyTicket, FakeTierIo, TierIo};
 pub use manager::{Admission, IdSource, KVCacheManager, KvConfig, KvStats, SeqId};
 pub use persist::{
-    BlockIo, LentRefs, LoadTarget, PendingLoad, PoolBlockIo, PrefixSnapshot, VerifiedFile,
+    BlockIo, HostBuf, LentRefs, LoadTarget, PendingLoad, PoolBlockIo, PrefixSnapshot, VerifiedFile,
     FILE_MAGIC, FILE_VERSION,
 };
 

@@ -17,22 +17,43 @@
 //! trailer      16  xxh3-128 of everything before it
 //! ```
 //!
-//! Saving streams `<path>.tmp-<pid>-<n>` (one block in host memory at a
-//! time), syncs it and renames it over `path`, so a reader sees the old file
-//! or the new one, never half of one. A save first removes the temps of
-//! earlier saves to the same path whose process is gone (a killed save;
-//! Linux, where `/proc` tells), so they do not pile up. Loading streams the
-//! file twice with one block in host memory: the first pass verifies
-//! everything (size, magic, version, header fields against this manager,
-//! each block's checksum, the trailer checksum); then it notes the new
-//! entries, checks capacity, allocates fresh blocks (refs — never raw ids),
-//! and the second pass copies each new block's bytes in through [`BlockIo`],
-//! checking its checksum again (the file may have changed in between). Only
-//! when every copy has succeeded are the entries inserted. Any failure drops
-//! the fresh refs and leaves the manager as it was. Only regular files are
-//! read or replaced (a FIFO would block the open forever). A manager with
-//! prefix caching off refuses a load (`InvalidArgument`): it would hold the
-//! blocks and never hit them.
+//! Saving streams `<path>.tmp-<pid>-<n>`, syncs it and renames it over
+//! `path`, so a reader sees the old file or the new one, never half of one.
+//! A save first removes the temps of earlier saves to the same path whose
+//! process is gone (a killed save; Linux, where `/proc` tells), so they do
+//! not pile up.
+//!
+//! Both directions stream the entries in chunks of about a mebibyte (whole
+//! entries) through three host buffers — pinned where the pool's source
+//! has pinned memory, so a block's device copy is a DMA straight to or
+//! from the chunk — and run their stages on threads of their own at once:
+//! a save copies blocks out of the pool into a chunk laid out as the file
+//! is (this thread), computes their checksums and the trailer's hash (a
+//! second), and writes the chunk (a third); a load reads a chunk (this
+//! thread) while three others take it together: the trailer's hash in file
+//! order, each entry's check (its hash and checksum against the index, its
+//! bytes against its checksum), and the copies of the new entries into
+//! their blocks.
+//!
+//! Loading reads the file once. [`LoadTarget::verify`] checks its size,
+//! magic, version and header fields against this manager and reads its
+//! index (each entry's hash and checksum: 24 bytes of each); the manager
+//! notes the new entries, checks capacity and allocates fresh blocks (refs
+//! — never raw ids, and not in the cache: nothing sees them);
+//! [`PendingLoad::copy_in`] then reads every entry, checking each byte as
+//! above while the new blocks are filled. Only when every check and copy
+//! has passed are the entries inserted. Any failure — a corrupted file, or
+//! one changed or truncated while it is read (its bytes then disagree with
+//! the index, a checksum or the trailer) — drops the fresh refs and leaves
+//! the manager as it was. Only regular files are read or replaced (a FIFO
+//! would block the open forever). A manager with prefix caching off
+//! refuses a load (`InvalidArgument`): it would hold the blocks and never
+//! hit them.
+//!
+//! The checksums are XXH3 (64 bits a block, 128 the trailer), as version 1
+//! has always written: it hashes at memory speed, so with the trailer's
+//! hash and the blocks' on threads of their own it keeps up with the file;
+//! a format of another hash would buy nothing and strand every saved file.
 //!
 //! Thread safety: the file I/O runs outside the manager's lock. A save takes
 //! a [`PrefixSnapshot`] under it (a ref on each cached block, so none is
@@ -45,14 +66,15 @@
 //!
 //! Block bytes travel through [`BlockIo`]; a manager over a pool laid out on
 //! a backend uses [`PoolBlockIo`], which copies each block through its
-//! pool's region and source (device → host buffer → file on a GPU, a memcpy
-//! on the fake). Tests install others to inject faults. Pins are run-time
+//! pool's region and source (device ↔ pinned chunk on a GPU, a memcpy on
+//! the fake). Tests install others to inject faults. Pins are run-time
 //! policy and are not persisted.
 
 use std::fs::{self, File};
-use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
@@ -82,6 +104,59 @@ pub trait BlockIo: Send + Sync + std::fmt::Debug {
     fn read_block(&self, block: &SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError>;
     /// Copies `src` (`block_bytes` long) into the block.
     fn write_block(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError>;
+
+    /// A host buffer of `len` bytes for the streamed save and load, whose
+    /// parts [`Self::read_block_staged`] and [`Self::write_block_staged`]
+    /// copy through: pinned where `block`'s pool has pinned host memory (a
+    /// device copy from it is a direct DMA), else heap memory (the default).
+    fn host_buffer(&self, block: &SharedBlockRef, len: usize) -> HostBuf {
+        let _ = block;
+        HostBuf::heap(len)
+    }
+
+    /// [`Self::read_block`] into a part of a [`Self::host_buffer`]; the
+    /// default is `read_block` itself.
+    fn read_block_staged(&self, block: &SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
+        self.read_block(block, dst)
+    }
+
+    /// [`Self::write_block`] from a part of a [`Self::host_buffer`]; the
+    /// default is `write_block` itself.
+    fn write_block_staged(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
+        self.write_block(block, src)
+    }
+}
+
+/// Host memory for the streamed save and load ([`BlockIo::host_buffer`]).
+#[derive(Debug)]
+pub enum HostBuf {
+    /// Pinned memory of the pool's source.
+    Pinned(PinnedBuffer),
+    /// Heap memory.
+    Heap(Vec<u8>),
+}
+
+impl HostBuf {
+    /// `len` zeroed bytes on the heap.
+    pub fn heap(len: usize) -> Self {
+        Self::Heap(vec![0; len])
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Pinned(b) => b.as_slice(),
+            Self::Heap(v) => v,
+        }
+    }
+
+    /// The bytes, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Self::Pinned(b) => b.as_mut_slice(),
+            Self::Heap(v) => v,
+        }
+    }
 }
 
 /// [`BlockIo`] for a pool laid out over a backend: each block through its
@@ -153,6 +228,26 @@ impl BlockIo for PoolBlockIo {
             _ => block.write_from(src),
         })
     }
+
+    fn host_buffer(&self, block: &SharedBlockRef, len: usize) -> HostBuf {
+        if let Some(host) = block.pool().pinned_host() {
+            let buffer = PinnedHost::new(host).allocate_or_empty(len);
+            if buffer.len() == len {
+                return HostBuf::Pinned(buffer);
+            }
+        }
+        HostBuf::heap(len)
+    }
+
+    // The staged copies go straight between the block and the (pinned)
+    // buffer: no second host copy.
+    fn read_block_staged(&self, block: &SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
+        block.read_into(dst)
+    }
+
+    fn write_block_staged(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
+        block.write_from(src)
+    }
 }
 
 /// The file's JSON header: what a file must match to load (every field but
@@ -183,34 +278,6 @@ pub(crate) fn refuse(path: &Path, why: impl std::fmt::Display) -> MemError {
     ))
 }
 
-/// A file writer that also feeds everything it writes to the trailer's hash.
-struct HashingWriter {
-    out: BufWriter<File>,
-    hash: Xxh3,
-}
-
-impl HashingWriter {
-    fn new(file: File) -> Self {
-        Self {
-            out: BufWriter::with_capacity(1 << 20, file),
-            hash: Xxh3::new(),
-        }
-    }
-
-    fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        self.hash.update(bytes);
-        self.out.write_all(bytes)
-    }
-
-    /// Appends the trailer (the hash of everything before it) and syncs.
-    fn finish(mut self) -> std::io::Result<()> {
-        let trailer = self.hash.digest128();
-        self.out.write_all(&trailer.to_le_bytes())?;
-        let file = self.out.into_inner().map_err(|e| e.into_error())?;
-        file.sync_all()
-    }
-}
-
 /// The header of a one-block file of the disk tier (`kv::disk_tier`): the
 /// manager's own, for one entry, so a spilled block is a prefix-cache file
 /// of one entry that `load_prefix_cache` also reads.
@@ -237,8 +304,24 @@ impl BlockFileFormat {
         self.header.len()
     }
 
+    /// The bytes before a block's own: magic, version, header length,
+    /// header, and the entry's hash and checksum.
+    fn head(&self, hash: BlockHash, sum: u64) -> Vec<u8> {
+        let mut head = Vec::with_capacity(16 + self.header.len() + 24);
+        head.extend_from_slice(FILE_MAGIC);
+        head.extend_from_slice(&FILE_VERSION.to_le_bytes());
+        head.extend_from_slice(&(self.header.len() as u32).to_le_bytes());
+        head.extend_from_slice(&self.header);
+        head.extend_from_slice(&hash.to_le_bytes());
+        head.extend_from_slice(&sum.to_le_bytes());
+        head
+    }
+
     /// Writes `bytes` as block `hash` to `path`, through a temporary file
-    /// renamed over it (a reader sees a whole file or none).
+    /// renamed over it (a reader sees a whole file or none). Three writes
+    /// straight from the caller's bytes (no copy through a buffer), and no
+    /// sync: the tier's files are a cache of this process, which a crash
+    /// loses with the index that names them.
     pub fn write(&self, path: &Path, hash: BlockHash, bytes: &[u8]) -> Result<(), MemError> {
         if bytes.len() != self.block_bytes {
             return Err(MemError::invalid(format!(
@@ -252,16 +335,16 @@ impl BlockFileFormat {
         let tmp = std::path::PathBuf::from(tmp_name);
         let failed = |e| io_err("cannot write the block file", path, e);
         let written = (|| -> Result<(), MemError> {
-            let mut out = HashingWriter::new(File::create(&tmp).map_err(failed)?);
-            out.put(FILE_MAGIC).map_err(failed)?;
-            out.put(&FILE_VERSION.to_le_bytes()).map_err(failed)?;
-            out.put(&(self.header.len() as u32).to_le_bytes())
+            let head = self.head(hash, xxh3_64(bytes));
+            let mut trailer = Xxh3::new();
+            trailer.update(&head);
+            trailer.update(bytes);
+            let mut out = File::create(&tmp).map_err(failed)?;
+            out.write_all(&head).map_err(failed)?;
+            out.write_all(bytes).map_err(failed)?;
+            out.write_all(&trailer.digest128().to_le_bytes())
                 .map_err(failed)?;
-            out.put(&self.header).map_err(failed)?;
-            out.put(&hash.to_le_bytes()).map_err(failed)?;
-            out.put(&xxh3_64(bytes).to_le_bytes()).map_err(failed)?;
-            out.put(bytes).map_err(failed)?;
-            out.finish().map_err(failed)?;
+            drop(out);
             fs::rename(&tmp, path).map_err(failed)
         })();
         if written.is_err() {
@@ -270,33 +353,47 @@ impl BlockFileFormat {
         written
     }
 
-    /// Reads block `hash` back from `path`, refusing a file that is not
-    /// exactly what [`Self::write`] wrote for it (header, hash, checksums).
-    pub fn read(&self, path: &Path, hash: BlockHash) -> Result<Vec<u8>, MemError> {
-        let raw = fs::read(path).map_err(|e| io_err("cannot read the block file", path, e))?;
-        let head = 16 + self.header.len();
-        let want_len = head + 24 + self.block_bytes + 16;
-        if raw.len() != want_len
-            || &raw[..8] != FILE_MAGIC
-            || raw[8..12] != FILE_VERSION.to_le_bytes()
-            || raw[12..16] != (self.header.len() as u32).to_le_bytes()
-            || raw[16..head] != self.header[..]
-        {
-            return Err(refuse(path, "it is not this manager's block file"));
+    /// Reads block `hash` back from `path` into `dst` (a block long),
+    /// refusing a file that is not exactly what [`Self::write`] wrote for it
+    /// (header, hash, checksums). The block's bytes are read straight into
+    /// `dst`; on a refusal its contents are unspecified.
+    pub fn read_into(&self, path: &Path, hash: BlockHash, dst: &mut [u8]) -> Result<(), MemError> {
+        let failed = |e| io_err("cannot read the block file", path, e);
+        let not_ours = || refuse(path, "it is not this manager's block file");
+        if dst.len() != self.block_bytes {
+            return Err(MemError::invalid(format!(
+                "a buffer of {} bytes holds no block of {}",
+                dst.len(),
+                self.block_bytes
+            )));
         }
-        let (body, trailer) = raw.split_at(want_len - 16);
-        let trailer = u128::from_le_bytes(trailer.try_into().unwrap_or_default());
-        if xxhash_rust::xxh3::xxh3_128(body) != trailer {
+        let mut file = File::open(path).map_err(failed)?;
+        let head_len = 16 + self.header.len() + 24;
+        let want_len = (head_len + self.block_bytes + 16) as u64;
+        if file.metadata().map_err(failed)?.len() != want_len {
+            return Err(not_ours());
+        }
+        let mut head = vec![0u8; head_len];
+        let mut trailer = [0u8; 16];
+        file.read_exact(&mut head).map_err(|_| not_ours())?;
+        file.read_exact(dst).map_err(|_| not_ours())?;
+        file.read_exact(&mut trailer).map_err(|_| not_ours())?;
+        let entry = &head[head_len - 24..];
+        let sum = u64::from_le_bytes(entry[16..].try_into().unwrap_or_default());
+        if head[..head_len - 24] != self.head(0, 0)[..head_len - 24] {
+            return Err(not_ours());
+        }
+        let mut whole = Xxh3::new();
+        whole.update(&head);
+        whole.update(dst);
+        if whole.digest128() != u128::from_le_bytes(trailer) {
             return Err(refuse(path, "the file checksum does not match (corrupted)"));
         }
-        let entry = &body[head..];
         let stored = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
-        let sum = u64::from_le_bytes(entry[16..24].try_into().unwrap_or_default());
-        let bytes = &entry[24..];
-        if stored != hash || xxh3_64(bytes) != sum {
+        if stored != hash || xxh3_64(dst) != sum {
             return Err(refuse(path, "it holds another block or a corrupted one"));
         }
-        Ok(bytes.to_vec())
+        Ok(())
     }
 }
 
@@ -426,14 +523,59 @@ pub struct PrefixSnapshot {
     pub(crate) refs: LentRefs,
 }
 
+/// Bytes a streamed save or load moves per chunk (rounded to whole
+/// entries, at least one), and the chunks in flight. The load reads at most
+/// [`BUFFERS`] chunks ahead of its copies, so a file changed after the
+/// first copy is seen by the reads of the chunks after those.
+const CHUNK_BYTES: usize = 1 << 20;
+const BUFFERS: usize = 3;
+
+/// Entries per chunk for entries of `stride` bytes.
+fn entries_per_chunk(stride: usize) -> usize {
+    (CHUNK_BYTES / stride.max(1)).max(1)
+}
+
+/// The chunk buffers of a streamed save or load: through `io`'s host
+/// memory for `block`'s pool where there is a block, else heap memory.
+fn chunk_buffers(io: &dyn BlockIo, block: Option<&SharedBlockRef>, len: usize) -> Vec<HostBuf> {
+    (0..BUFFERS)
+        .map(|_| match block {
+            Some(b) => io.host_buffer(b, len),
+            None => HostBuf::heap(len),
+        })
+        .collect()
+}
+
+/// Hands a chunk buffer back to the reader once its last user is done.
+fn recycle(buf: Arc<HostBuf>, free: &SyncSender<HostBuf>) {
+    if let Some(buf) = Arc::into_inner(buf) {
+        // The channel holds every buffer, so this never blocks; a reader
+        // gone (done) drops it.
+        let _ = free.send(buf);
+    }
+}
+
+/// A pipeline stage's result; its panic goes on unwinding here.
+fn joined<T>(stage: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    stage
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+}
+
 /// Temps of one save: a counter keeps two saves of one process apart.
 static SAVES: AtomicU64 = AtomicU64::new(0);
 
 impl PrefixSnapshot {
     /// Writes the file atomically; returns the entries written.
+    ///
+    /// Streamed in chunks of whole entries through [`BUFFERS`] host
+    /// buffers (pinned where the pool has pinned memory) passed along three
+    /// stages at once: this thread copies blocks out of the pool into a
+    /// chunk laid out as the file is, a second computes the blocks'
+    /// checksums into it and feeds it to the trailer's hash, and a third
+    /// writes it to the file.
     pub fn write(self, path: &Path) -> Result<u64, MemError> {
         refuse_irregular(path, "write the prefix cache to")?;
-        let bb = self.io.block_bytes();
         let file_name = path
             .file_name()
             .ok_or_else(|| MemError::invalid(format!("{} names no file", path.display())))?;
@@ -452,20 +594,12 @@ impl PrefixSnapshot {
                 .create_new(true)
                 .open(&tmp)
                 .map_err(failed)?;
-            let mut out = HashingWriter::new(file);
-            out.put(FILE_MAGIC).map_err(failed)?;
-            out.put(&FILE_VERSION.to_le_bytes()).map_err(failed)?;
-            out.put(&(self.header.len() as u32).to_le_bytes())
-                .map_err(failed)?;
-            out.put(&self.header).map_err(failed)?;
-            let mut buf = vec![0u8; bb];
-            for (hash, block) in self.hashes.iter().zip(&self.refs.refs) {
-                self.io.read_block(block, &mut buf)?;
-                out.put(&hash.to_le_bytes()).map_err(failed)?;
-                out.put(&xxh3_64(&buf).to_le_bytes()).map_err(failed)?;
-                out.put(&buf).map_err(failed)?;
-            }
-            out.finish().map_err(failed)?;
+            let file = self.stream(file).map_err(|e| match e {
+                Streamed::Io(e) => failed(e),
+                Streamed::Mem(e) => e,
+            })?;
+            file.sync_all().map_err(failed)?;
+            drop(file);
             fs::rename(&tmp, path).map_err(failed)
         })();
         if let Err(e) = written {
@@ -481,6 +615,99 @@ impl PrefixSnapshot {
         }
         Ok(self.hashes.len() as u64)
     }
+
+    /// Writes magic, version, header, entries and trailer to `file` (the
+    /// three-stage pipeline of [`Self::write`]); returns the file, unsynced.
+    fn stream(&self, mut file: File) -> Result<File, Streamed> {
+        let io = &*self.io;
+        let bb = io.block_bytes();
+        let stride = 24 + bb;
+        let per = entries_per_chunk(stride);
+        let mut head = Vec::with_capacity(16 + self.header.len());
+        head.extend_from_slice(FILE_MAGIC);
+        head.extend_from_slice(&FILE_VERSION.to_le_bytes());
+        head.extend_from_slice(&(self.header.len() as u32).to_le_bytes());
+        head.extend_from_slice(&self.header);
+        file.write_all(&head).map_err(Streamed::Io)?;
+        let refs = &self.refs.refs;
+        let n = refs.len();
+        let stop = AtomicBool::new(false);
+        let (free_tx, free_rx) = sync_channel::<HostBuf>(BUFFERS);
+        for buf in chunk_buffers(io, refs.first(), per.min(n.max(1)) * stride) {
+            let _ = free_tx.send(buf);
+        }
+        let (hash_tx, hash_rx) = sync_channel::<(usize, HostBuf)>(BUFFERS);
+        let (write_tx, write_rx) = sync_channel::<(usize, HostBuf)>(BUFFERS);
+        std::thread::scope(|s| {
+            let stop = &stop;
+            let hasher = s.spawn(move || {
+                let mut trailer = Xxh3::new();
+                trailer.update(&head);
+                for (len, mut buf) in hash_rx {
+                    let chunk = &mut buf.as_mut_slice()[..len];
+                    for entry in chunk.chunks_exact_mut(stride) {
+                        let sum = xxh3_64(&entry[24..]);
+                        entry[16..24].copy_from_slice(&sum.to_le_bytes());
+                    }
+                    trailer.update(chunk);
+                    if write_tx.send((len, buf)).is_err() {
+                        break;
+                    }
+                }
+                trailer.digest128()
+            });
+            let writer = s.spawn(move || {
+                let mut failed = None;
+                for (len, buf) in write_rx {
+                    if failed.is_none() {
+                        if let Err(e) = file.write_all(&buf.as_slice()[..len]) {
+                            failed = Some(e);
+                            stop.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    let _ = free_tx.send(buf);
+                }
+                failed.map_or(Ok(file), Err)
+            });
+            // This thread: the blocks out of the pool, chunk by chunk.
+            let mut copy_failed = None;
+            let mut k = 0;
+            while k < n && !stop.load(Ordering::Relaxed) {
+                let Ok(mut buf) = free_rx.recv() else {
+                    break;
+                };
+                let count = per.min(n - k);
+                let chunk = &mut buf.as_mut_slice()[..count * stride];
+                for (j, entry) in chunk.chunks_exact_mut(stride).enumerate() {
+                    entry[..16].copy_from_slice(&self.hashes[k + j].to_le_bytes());
+                    if let Err(e) = io.read_block_staged(&refs[k + j], &mut entry[24..]) {
+                        copy_failed = Some(e);
+                        break;
+                    }
+                }
+                if copy_failed.is_some() || hash_tx.send((count * stride, buf)).is_err() {
+                    break;
+                }
+                k += count;
+            }
+            drop(hash_tx);
+            let trailer = joined(hasher);
+            let file = joined(writer);
+            if let Some(e) = copy_failed {
+                return Err(Streamed::Mem(e));
+            }
+            let mut file = file.map_err(Streamed::Io)?;
+            file.write_all(&trailer.to_le_bytes())
+                .map_err(Streamed::Io)?;
+            Ok(file)
+        })
+    }
+}
+
+/// A streamed save's failure: of the file, or of a block's copy.
+enum Streamed {
+    Io(std::io::Error),
+    Mem(MemError),
 }
 
 /// Refuses `path` when it exists and is not a regular file: opening a FIFO
@@ -542,15 +769,18 @@ pub struct LoadTarget {
     pub(crate) io: Arc<dyn BlockIo>,
 }
 
-/// A file whose every checksum and header field was verified.
+/// A file whose size, magic, version and header fields were checked, and
+/// whose entries were indexed; the checksums are checked as the blocks are
+/// read in ([`PendingLoad::copy_in`]).
 #[derive(Debug)]
 pub struct VerifiedFile {
     pub(crate) path: PathBuf,
-    file: BufReader<File>,
+    file: File,
     io: Arc<dyn BlockIo>,
-    body: u64,
+    /// Magic, version, header length and header: the trailer's first bytes.
+    head: Vec<u8>,
     stride: u64,
-    /// `(hash, index in the file, block checksum)` of every entry.
+    /// `(hash, index in the file, block checksum)` of every entry, in order.
     pub(crate) entries: Vec<(BlockHash, u64, u64)>,
 }
 
@@ -563,8 +793,13 @@ pub struct PendingLoad {
 }
 
 impl LoadTarget {
-    /// Pass 1: opens `path` and verifies everything.
+    /// Opens `path`, checks its size, magic, version and header against
+    /// this manager, and reads the entries' index (each entry's hash and
+    /// checksum, 24 bytes of each): what the manager needs to choose the
+    /// entries it lacks and allocate their blocks. The block bytes and every
+    /// checksum are read and checked once, by [`PendingLoad::copy_in`].
     pub fn verify(self, path: &Path) -> Result<VerifiedFile, MemError> {
+        use std::os::unix::fs::FileExt;
         let bb = self.io.block_bytes();
         let read_err = |e| io_err("cannot read the prefix cache", path, e);
         refuse_irregular(path, "read the prefix cache")?;
@@ -572,9 +807,11 @@ impl LoadTarget {
         let meta = file.metadata().map_err(read_err)?;
         refuse_irregular(path, "read the prefix cache")?;
         let len = meta.len();
-        let mut file = BufReader::with_capacity(1 << 20, file);
         let mut prefix = [0u8; 16];
-        if len < 16 + 16 || file.read_exact(&mut prefix).is_err() || &prefix[..8] != FILE_MAGIC {
+        if len < 16 + 16
+            || file.read_exact_at(&mut prefix, 0).is_err()
+            || &prefix[..8] != FILE_MAGIC
+        {
             return Err(refuse(
                 path,
                 "it is not an imp-mem prefix cache (bad magic or too short)",
@@ -595,9 +832,12 @@ impl LoadTarget {
         if body + 16 > len {
             return Err(refuse(path, "truncated inside the header"));
         }
-        let mut header_bytes = vec![0u8; header_len as usize];
-        file.read_exact(&mut header_bytes).map_err(read_err)?;
-        let header: Header = serde_json::from_slice(&header_bytes)
+        let mut head = vec![0u8; body as usize];
+        file.read_exact_at(&mut head, 0).map_err(read_err)?;
+        if head[..16] != prefix {
+            return Err(refuse(path, "it changed while it was being loaded"));
+        }
+        let header: Header = serde_json::from_slice(&head[16..])
             .map_err(|e| refuse(path, format!("unreadable header ({e})")))?;
         check_header(path, &header, &self.want)?;
         let n = header.entries;
@@ -620,73 +860,172 @@ impl LoadTarget {
                 ),
             ));
         }
-
-        // Every checksum; the entries noted.
-        let mut trailer_hash = Xxh3::new();
-        trailer_hash.update(&prefix);
-        trailer_hash.update(&header_bytes);
-        let mut entry = vec![0u8; stride as usize];
-        let mut bad_block = None;
-        let mut entries = Vec::new();
+        // The index: each entry's hash and checksum. What they claim is
+        // checked against the bytes (and the trailer) by `copy_in`.
+        let mut entries = Vec::with_capacity(n as usize);
+        let mut at = [0u8; 24];
         for k in 0..n {
-            file.read_exact(&mut entry).map_err(read_err)?;
-            trailer_hash.update(&entry);
-            let (h, rest) = entry.split_at(16);
-            let (c, bytes) = rest.split_at(8);
-            let sum = u64::from_le_bytes(c.try_into().unwrap_or_default());
-            if xxh3_64(bytes) != sum {
-                bad_block.get_or_insert(k);
-                continue;
-            }
-            let hash = u128::from_le_bytes(h.try_into().unwrap_or_default());
+            file.read_exact_at(&mut at, body + k * stride)
+                .map_err(|_| refuse(path, "it changed while it was being loaded"))?;
+            let hash = u128::from_le_bytes(at[..16].try_into().unwrap_or_default());
+            let sum = u64::from_le_bytes(at[16..].try_into().unwrap_or_default());
             entries.push((hash, k, sum));
         }
-        let mut trailer = [0u8; 16];
-        file.read_exact(&mut trailer).map_err(read_err)?;
-        if trailer_hash.digest128() != u128::from_le_bytes(trailer) {
-            return Err(refuse(path, "the file checksum does not match (corrupted)"));
-        }
-        if let Some(k) = bad_block {
-            return Err(refuse(
-                path,
-                format!("block {k}'s checksum does not match (corrupted)"),
-            ));
-        }
+        let mut file = file;
+        file.seek(SeekFrom::Start(body)).map_err(read_err)?;
         Ok(VerifiedFile {
             path: path.to_path_buf(),
             file,
             io: self.io,
-            body,
+            head,
             stride,
             entries,
         })
     }
 }
 
+/// A chunk of a load: its first entry, its entries, the bytes.
+type LoadChunk = (usize, usize, Arc<HostBuf>);
+
 impl PendingLoad {
-    /// Pass 2: the new blocks' bytes, straight from the file into them, in
-    /// file order (skips stay inside the reader's buffer when short).
+    /// Reads the file's entries once, in chunks of whole entries, and
+    /// checks every byte while the new blocks' bytes are copied into their
+    /// fresh (not yet visible) blocks: each entry against the index and its
+    /// checksum, and the whole file against the trailer. Any mismatch fails
+    /// it (the caller then drops the fresh blocks: nothing was loaded).
+    ///
+    /// [`BUFFERS`] host buffers (pinned where the pool has pinned memory)
+    /// go around a pipeline: this thread reads a chunk into a free buffer,
+    /// and three threads take it at once — the trailer's hash (in file
+    /// order), the entries' checks, the copies into the blocks — the last
+    /// of them handing the buffer back.
     pub fn copy_in(&mut self) -> Result<(), MemError> {
         let f = &mut self.file;
         let path = f.path.as_path();
-        let read_err = |e| io_err("cannot read the prefix cache", path, e);
-        let bb = f.io.block_bytes();
-        f.file.seek(SeekFrom::Start(f.body)).map_err(read_err)?;
-        let mut pos = f.body;
-        let mut block = vec![0u8; bb];
-        for (r, &(_, k, sum)) in self.refs.refs.iter().zip(&self.fresh) {
-            let want = f.body + k * f.stride + 24;
-            let skip = i64::try_from(want - pos).map_err(|_| refuse(path, "absurd offset"))?;
-            f.file.seek_relative(skip).map_err(read_err)?;
-            f.file.read_exact(&mut block).map_err(read_err)?;
-            pos = want + bb as u64;
-            if xxh3_64(&block) != sum {
-                return Err(refuse(
-                    path,
-                    format!("block {k} changed while it was being loaded"),
-                ));
+        let io = &*f.io;
+        let bb = io.block_bytes();
+        let stride = f.stride as usize;
+        let n = f.entries.len();
+        let per = entries_per_chunk(stride);
+        let refs = &self.refs.refs;
+        let mut target: Vec<Option<usize>> = vec![None; n];
+        for (i, &(_, k, _)) in self.fresh.iter().enumerate() {
+            if let Some(t) = target.get_mut(k as usize) {
+                *t = Some(i);
             }
-            f.io.write_block(r, &block)?;
+        }
+        let (target, entries, head) = (&target, &f.entries, &f.head);
+        let stop = AtomicBool::new(false);
+        let (free_tx, free_rx) = sync_channel::<HostBuf>(BUFFERS);
+        for buf in chunk_buffers(io, refs.first(), per.min(n.max(1)) * stride) {
+            let _ = free_tx.send(buf);
+        }
+        let (trail_tx, trail_rx) = sync_channel::<LoadChunk>(BUFFERS);
+        let (check_tx, check_rx) = sync_channel::<LoadChunk>(BUFFERS);
+        let (copy_tx, copy_rx) = sync_channel::<LoadChunk>(BUFFERS);
+        let file = &mut f.file;
+        let (trailer, checked, copied, read) = std::thread::scope(|s| {
+            let stop = &stop;
+            let free = free_tx.clone();
+            let trailer = s.spawn(move || {
+                let mut trailer = Xxh3::new();
+                trailer.update(head);
+                for (_, count, buf) in trail_rx {
+                    if !stop.load(Ordering::Relaxed) {
+                        trailer.update(&buf.as_slice()[..count * stride]);
+                    }
+                    recycle(buf, &free);
+                }
+                trailer.digest128()
+            });
+            let free = free_tx.clone();
+            let checker = s.spawn(move || {
+                let mut bad = None;
+                for (first, count, buf) in check_rx {
+                    let chunk = &buf.as_slice()[..count * stride];
+                    for (j, entry) in chunk.chunks_exact(stride).enumerate() {
+                        if bad.is_some() || stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let k = first + j;
+                        let hash = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
+                        let sum = u64::from_le_bytes(entry[16..24].try_into().unwrap_or_default());
+                        let why = if (hash, sum) != (entries[k].0, entries[k].2) {
+                            format!("block {k} changed while it was being loaded")
+                        } else if xxh3_64(&entry[24..]) != sum {
+                            format!(
+                                "block {k}'s checksum does not match (corrupted, or changed \
+                                 while it was being loaded)"
+                            )
+                        } else {
+                            continue;
+                        };
+                        bad = Some(refuse(path, why));
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    recycle(buf, &free);
+                }
+                bad.map_or(Ok(()), Err)
+            });
+            let free = free_tx;
+            let copier = s.spawn(move || {
+                let mut failed = None;
+                for (first, count, buf) in copy_rx {
+                    let chunk = &buf.as_slice()[..count * stride];
+                    for (j, entry) in chunk.chunks_exact(stride).enumerate() {
+                        if failed.is_some() || stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let Some(i) = target[first + j] else {
+                            continue;
+                        };
+                        if let Err(e) = io.write_block_staged(&refs[i], &entry[24..24 + bb]) {
+                            failed = Some(e);
+                            stop.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    recycle(buf, &free);
+                }
+                failed.map_or(Ok(()), Err)
+            });
+            // This thread: the reads, at most BUFFERS chunks ahead.
+            let read = (|| -> Result<[u8; 16], std::io::Error> {
+                let mut k = 0;
+                while k < n && !stop.load(Ordering::Relaxed) {
+                    let Ok(mut buf) = free_rx.recv() else {
+                        break;
+                    };
+                    let count = per.min(n - k);
+                    file.read_exact(&mut buf.as_mut_slice()[..count * stride])?;
+                    let buf = Arc::new(buf);
+                    let sent = trail_tx.send((k, count, buf.clone())).is_ok()
+                        && check_tx.send((k, count, buf.clone())).is_ok()
+                        && copy_tx.send((k, count, buf)).is_ok();
+                    if !sent {
+                        break;
+                    }
+                    k += count;
+                }
+                let mut trailer = [0u8; 16];
+                file.read_exact(&mut trailer)?;
+                Ok(trailer)
+            })();
+            drop((trail_tx, check_tx, copy_tx));
+            let trailer = joined(trailer);
+            let checked = joined(checker);
+            let copied = joined(copier);
+            (trailer, checked, copied, read)
+        });
+        checked?;
+        let stored = read.map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => {
+                refuse(path, "it was truncated while it was being loaded")
+            }
+            _ => io_err("cannot read the prefix cache", path, e),
+        })?;
+        copied?;
+        if stop.load(Ordering::Relaxed) || trailer != u128::from_le_bytes(stored) {
+            return Err(refuse(path, "the file checksum does not match (corrupted)"));
         }
         Ok(())
     }

@@ -1,4 +1,4 @@
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::*;
@@ -1369,5 +1369,189 @@ fn reserve_free_commits_ahead_and_evicts_only_where_growth_is_refused() {
     let stats = m.stats();
     assert!(m.reserve_free(25).is_err());
     assert_eq!(m.stats(), stats);
+    m.check_invariants().unwrap();
+}
+
+// ------------------------------------------ issue 31 (the single-pass load)
+
+/// A manager with 5 cached blocks of `bb` bytes saved to a file, then
+/// evicted; the file's bytes.
+fn saved_five(
+    bb: usize,
+) -> (
+    KVCacheManager,
+    FakeBackend,
+    tempfile::TempDir,
+    PathBuf,
+    Vec<u8>,
+) {
+    let (mut m, fake) = backed(16, bb);
+    m.admit(1, &toks(0..21), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (dir, path) = tmp("c.bin");
+    assert_eq!(m.save_prefix_cache(&path).unwrap(), 5);
+    let good = std::fs::read(&path).unwrap();
+    assert_eq!(m.evict(100), 5);
+    (m, fake, dir, path, good)
+}
+
+fn refused_unchanged(m: &mut KVCacheManager, path: &Path, what: &str) {
+    let before = m.stats();
+    let err = m.load_prefix_cache(path).unwrap_err().to_string();
+    assert!(err.contains("nothing was loaded"), "{what}: {err}");
+    assert_eq!(m.stats(), before, "{what}");
+    assert!(m.cached_blocks().is_empty(), "{what}");
+}
+
+#[test]
+fn every_truncation_and_every_bit_flip_is_refused_and_loads_nothing() {
+    let (mut m, fake, dir, path, good) = saved_five(48);
+    let bad = dir.path().join("bad.bin");
+    for cut in 0..good.len() {
+        std::fs::write(&bad, &good[..cut]).unwrap();
+        refused_unchanged(&mut m, &bad, &format!("cut at {cut}"));
+    }
+    // One bit of every byte (a different bit from byte to byte): magic,
+    // version, header, the index, the block bytes and the trailer.
+    for at in 0..good.len() {
+        let mut b = good.clone();
+        b[at] ^= 1 << (at % 8);
+        std::fs::write(&bad, &b).unwrap();
+        refused_unchanged(&mut m, &bad, &format!("bit {} of byte {at}", at % 8));
+    }
+    m.check_invariants().unwrap();
+    assert_eq!(
+        m.load_prefix_cache(&path).unwrap(),
+        5,
+        "the good file loads"
+    );
+    for (h, _, addr) in m.cached_blocks() {
+        assert_eq!(fake.read(addr.unwrap(), 48).unwrap(), pattern(h, 48));
+    }
+    m.check_invariants().unwrap();
+}
+
+/// `good` with its entry count replaced by `entries` (the header is JSON),
+/// its length fixed to match when `fit`, and a correct trailer.
+fn crafted(good: &[u8], entries: u64, fit: bool, bb: usize) -> Vec<u8> {
+    let header_len = u32::from_le_bytes(good[12..16].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&good[16..16 + header_len]).unwrap();
+    header["entries"] = entries.into();
+    let header = serde_json::to_vec(&header).unwrap();
+    let mut out = good[..12].to_vec();
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    let body = &good[16 + header_len..good.len() - 16];
+    let want = (24 + bb) * entries.min(1 << 20) as usize;
+    if fit && want <= body.len() {
+        out.extend_from_slice(&body[..want]);
+    } else {
+        out.extend_from_slice(body);
+    }
+    let trailer = xxhash_rust::xxh3::xxh3_128(&out);
+    out.extend_from_slice(&trailer.to_le_bytes());
+    out
+}
+
+#[test]
+fn crafted_headers_and_entries_are_refused_and_a_consistent_subset_loads() {
+    let (mut m, _fake, dir, _path, good) = saved_five(48);
+    let bad = dir.path().join("bad.bin");
+    for (what, bytes) in [
+        ("entries past the file", crafted(&good, 6, false, 48)),
+        ("absurd entries", crafted(&good, u64::MAX / 2, false, 48)),
+        ("fewer entries, long file", crafted(&good, 3, false, 48)),
+        ("header length past the end", {
+            let mut b = good.clone();
+            b[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+            b
+        }),
+        ("a block's checksum, trailer recomputed", {
+            let mut b = good.clone();
+            let header_len = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+            b[16 + header_len + 2 * 72 + 16] ^= 4;
+            let n = b.len() - 16;
+            let t = xxhash_rust::xxh3::xxh3_128(&b[..n]);
+            b[n..].copy_from_slice(&t.to_le_bytes());
+            b
+        }),
+    ] {
+        std::fs::write(&bad, &bytes).unwrap();
+        refused_unchanged(&mut m, &bad, what);
+    }
+    // A header that promises 3 entries over 3 entries, trailer correct: a
+    // consistent file of its own, which loads.
+    std::fs::write(&bad, crafted(&good, 3, true, 48)).unwrap();
+    assert_eq!(m.load_prefix_cache(&bad).unwrap(), 3);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_file_rewritten_between_the_index_and_the_copies_loads_nothing() {
+    // Another save of the same hashes, other bytes: the same length.
+    let (mut m, fake, dir, path, good) = saved_five(48);
+    let other_path = dir.path().join("other.bin");
+    let (mut o, ofake) = backed(16, 48);
+    o.admit(1, &toks(0..21), none()).unwrap();
+    for i in 0..5 {
+        let (addr, len) = o.block_span(1, i).unwrap().unwrap();
+        ofake.write(addr, &vec![0xA5 ^ i as u8; len]).unwrap();
+    }
+    o.free(1, None).unwrap();
+    o.save_prefix_cache(&other_path).unwrap();
+    let other = std::fs::read(&other_path).unwrap();
+    assert_eq!(other.len(), good.len());
+    let before = m.stats();
+    // In place (the same inode, as a writer that truncates and rewrites).
+    let file = m.load_target().unwrap().verify(&path).unwrap();
+    let mut pending = m.reserve_load(file).unwrap();
+    std::fs::write(&path, &other).unwrap();
+    let err = pending.copy_in().unwrap_err().to_string();
+    assert!(err.contains("changed while it was being loaded"), "{err}");
+    drop(pending);
+    assert_eq!(m.stats(), before);
+    m.check_invariants().unwrap();
+    // Replaced by a rename: the open file is the one read, whole.
+    std::fs::write(&path, &good).unwrap();
+    let file = m.load_target().unwrap().verify(&path).unwrap();
+    let mut pending = m.reserve_load(file).unwrap();
+    std::fs::rename(&other_path, &path).unwrap();
+    pending.copy_in().unwrap();
+    assert_eq!(m.finish_load(pending).unwrap(), 5);
+    for (h, _, addr) in m.cached_blocks() {
+        assert_eq!(fake.read(addr.unwrap(), 48).unwrap(), pattern(h, 48));
+    }
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_load_and_a_save_of_many_chunks_keep_every_byte() {
+    // 2 000 blocks of 1 000 bytes: a little under two megabytes, two chunks
+    // and more, the last one short.
+    const BB: usize = 1000;
+    let (mut m, fake) = backed(2048, BB);
+    m.admit(1, &toks(0..8000), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("c.bin");
+    assert_eq!(m.save_prefix_cache(&path).unwrap(), 2000);
+    let data = std::fs::read(&path).unwrap();
+    let (rest, trailer) = data.split_at(data.len() - 16);
+    assert_eq!(
+        xxhash_rust::xxh3::xxh3_128(rest),
+        u128::from_le_bytes(trailer.try_into().unwrap())
+    );
+    let saved = m.cached_blocks();
+    assert_eq!(m.evict(u32::MAX), 2000);
+    assert_eq!(m.load_prefix_cache(&path).unwrap(), 2000);
+    let loaded = m.cached_blocks();
+    assert_eq!(
+        loaded.iter().map(|c| c.0).collect::<Vec<_>>(),
+        saved.iter().map(|c| c.0).collect::<Vec<_>>()
+    );
+    for (h, _, addr) in loaded {
+        assert_eq!(fake.read(addr.unwrap(), BB).unwrap(), pattern(h, BB));
+    }
     m.check_invariants().unwrap();
 }

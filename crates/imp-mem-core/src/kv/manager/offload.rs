@@ -61,6 +61,12 @@ impl KVCacheManager {
         Ok(tickets.len() as u32)
     }
 
+    /// True when a disk tier backs the host tier (calls that move blocks
+    /// may then read or write its files).
+    pub fn has_disk_tier(&self) -> bool {
+        self.host.as_ref().is_some_and(|h| h.disk.is_some())
+    }
+
     /// Hashes in the disk tier, least recently written first.
     pub fn disk_cached_blocks(&self) -> Vec<BlockHash> {
         self.host
