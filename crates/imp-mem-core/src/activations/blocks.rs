@@ -77,6 +77,12 @@ pub(super) struct Core {
     /// While the region sleeps: its level and the committed bytes to
     /// restore.
     pub(super) asleep: Option<(u8, usize)>,
+    /// A measured pool that has not been frozen: it commits as it grows.
+    pub(super) measuring: bool,
+    /// The highest end offset a block has reached.
+    pub(super) extent_peak: u64,
+    /// What the freeze fixed.
+    pub(super) frozen: Option<super::config::Frozen>,
 }
 
 impl Core {
@@ -250,6 +256,49 @@ impl Core {
         let units = self.slab[idx as usize].size >> shift;
         self.lanes[lane as usize].remove(&mut self.slab, idx, units);
         self.slab[idx as usize].lane = lane;
+    }
+
+    /// Cuts the region at `target` (a freeze): the block ending at `cap` must
+    /// be free (or parked) and start at or below `target`; it is shortened to
+    /// end there, or dropped when it starts there. False, nothing changed,
+    /// when the top block is live or starts past `target`.
+    pub(super) fn trim_top(&mut self, cap: u64, target: u64, shift: u32) -> bool {
+        if target >= cap {
+            return true;
+        }
+        let Some(top) = self
+            .slab
+            .iter()
+            .position(|b| b.state != BlockState::Spare && b.size > 0 && b.offset + b.size == cap)
+        else {
+            return false;
+        };
+        let top = top as u32;
+        let b = self.slab[top as usize];
+        if b.state == BlockState::Live || b.offset > target {
+            return false;
+        }
+        let listed = b.state == BlockState::Free;
+        if listed {
+            self.unlist(top, shift);
+        }
+        if b.offset == target {
+            if b.prev_phys != NONE {
+                self.slab[b.prev_phys as usize].next_phys = NONE;
+            }
+            if b.state == BlockState::Parked {
+                self.c.parked_blocks -= 1;
+            }
+            self.drop_slot(top);
+            return true;
+        }
+        let rest = target - b.offset;
+        self.slab[top as usize].size = rest;
+        if listed {
+            let lane = b.lane;
+            self.lanes[lane as usize].insert(&mut self.slab, top, rest >> shift, lane);
+        }
+        true
     }
 
     /// Moves every free block of lane `from` to `stream`'s lane, merging.
