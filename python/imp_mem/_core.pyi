@@ -945,7 +945,7 @@ class Limits:
         kv_dtype: str | None = None,
         block_size: int | None = None,
         max_batch_tokens: int | None = None,
-        kv_policy: Literal["full", "fit"] = "full",
+        kv_policy: Literal["full", "fit", "none"] = "full",
     ) -> None: ...
     @property
     def max_batch(self) -> int: ...
@@ -958,7 +958,7 @@ class Limits:
     @property
     def max_batch_tokens(self) -> int | None: ...
     @property
-    def kv_policy(self) -> Literal["full", "fit"]: ...
+    def kv_policy(self) -> Literal["full", "fit", "none"]: ...
 
 @final
 class Features:
