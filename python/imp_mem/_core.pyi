@@ -634,7 +634,15 @@ class ActivationPool:
     CuPy's own allocations go through, via the C hooks once ``install()``-ed.
     ``strict=None`` follows the backend's phase mode: strict refuses on
     exhaustion (``OutOfMemory``; the hooks return null), production falls back
-    to a backend acquisition (counted while SERVING)."""
+    to a backend acquisition (counted while SERVING).
+
+    A *measured* pool (``measure_chunk=``, a growable backend): ``capacity``
+    is reserved as address space and committed in chunks of
+    ``measure_chunk`` bytes as blocks reach past the committed end
+    (addresses never move); ``freeze(margin)`` fixes it at its
+    ``high_water`` plus ``margin``, rounded up to a chunk, and decommits the
+    rest. Route a torch ``MemPool`` into one with ``imp_mem.torch.region``
+    (``measure_chunk=``) or ``imp_mem.torch.serve``."""
 
     def __init__(
         self,
@@ -644,7 +652,26 @@ class ActivationPool:
         strict: bool | None = None,
         align: int | None = None,
         growable: bool | None = None,
+        measure_chunk: ByteCount | None = None,
     ) -> None: ...
+    @property
+    def measuring(self) -> bool:
+        """A measured pool not frozen yet: it commits chunks as it grows."""
+    @property
+    def high_water(self) -> int:
+        """The highest end offset any block has reached (bytes)."""
+    @property
+    def committed(self) -> int:
+        """Bytes committed now."""
+    @property
+    def frozen(self) -> dict[str, int] | None:
+        """What ``freeze`` fixed (``high_water``, ``margin``, ``size``,
+        ``committed_before``, ``decommitted``), or None before it."""
+    def freeze(self, margin: ByteCount | None = None) -> dict[str, int]:
+        """Fixes a measured pool at ``high_water + margin`` rounded up to a
+        chunk: exactly that is committed, the rest decommitted, nothing live
+        moves, nothing is committed after. InvalidArgument on a pool that does
+        not measure, was frozen, or sleeps."""
     def allocate(self, nbytes: ByteCount, stream: int | None = None) -> int:
         """An address of at least ``nbytes`` for work on ``stream`` (a raw
         ``cudaStream_t``; 0 is the legacy default stream)."""
@@ -1109,11 +1136,21 @@ class MemorySystem:
         apply_budget: bool = True,
         activation_strict: bool | None = None,
         sleepable: bool | None = None,
-    ) -> None: ...
+        activation_measure: ByteCount | None = None,
+        activation_margin: ByteCount | None = None,
+    ) -> None:
+        """``activation_measure=CHUNK`` opens the activation tier as a measured
+        one: the plan's activation line is reserved, committed in chunks as the
+        warm-up asks, and ``begin_serving()`` fixes it at its high-water plus
+        ``activation_margin`` (see ``measured()``)."""
     @property
     def backend(self) -> Backend: ...
     @property
     def plan(self) -> MemoryPlan: ...
+    def measured(self) -> list[dict[str, Any]]:
+        """The measured tiers: ``tier``, ``state`` (``measuring`` /
+        ``frozen``), ``high_water``, ``margin``, ``size``, ``committed``,
+        ``decommitted`` (bytes)."""
     @property
     def phase(self) -> Phase: ...
     @property

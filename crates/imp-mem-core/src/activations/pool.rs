@@ -116,7 +116,8 @@ impl ActivationPool {
                 }
                 if chunk == 0 || chunk > capacity {
                     return Err(MemError::invalid(format!(
-                        "measure chunk of {chunk} B: expected 1 B up to the capacity ({capacity}                          B); e.g. 2 MiB"
+                        "measure_chunk of {chunk} B: expected 1 B up to the capacity ({capacity} B); \
+                         e.g. 2 MiB"
                     )));
                 }
                 chunk.div_ceil(granule) * granule
