@@ -125,7 +125,9 @@ figures = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     model=json_value.filter(lambda m: m not in (None, "")),
     shapes=json_value,
@@ -266,3 +268,20 @@ def test_serve_arguments_are_checked():
         torch_mod.serve(backend=fb, budget=0)
     with pytest.raises(InvalidArgument, match="chunk"):
         torch_mod.serve(backend=fb, chunk="nope")
+
+
+def test_reset_high_water_forgets_a_compile_peak_and_the_freeze_gives_it_back():
+    fb = imp_mem.FakeBackend(capacity=64 * MIB, granularity=GRANULE)
+    pool = imp_mem.ActivationPool(fb, RESERVE, strict=True, measure_chunk=CHUNK)
+    weights = pool.allocate(CHUNK)
+    compile_tmp = pool.allocate(8 * CHUNK)
+    pool.free(compile_tmp)
+    assert pool.high_water == 9 * CHUNK and _committed(fb) == 9 * CHUNK
+    pool.reset_high_water()
+    assert pool.high_water == CHUNK
+    step = pool.allocate(2 * CHUNK)
+    pool.free(step)
+    frozen = pool.freeze(0)
+    assert frozen["size"] == 3 * CHUNK and frozen["decommitted"] == 6 * CHUNK
+    assert _committed(fb) == 3 * CHUNK
+    pool.free(weights)

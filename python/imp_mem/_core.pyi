@@ -660,6 +660,10 @@ class ActivationPool:
     @property
     def high_water(self) -> int:
         """The highest end offset any block has reached (bytes)."""
+    def reset_high_water(self) -> None:
+        """Starts ``high_water`` again from the blocks live now (after a
+        compile or a first warm-up whose temporaries are gone); the freeze
+        then decommits the chunks only that needed. A no-op unless measuring."""
     @property
     def committed(self) -> int:
         """Bytes committed now."""

@@ -401,6 +401,19 @@ class Served:
         """Whether this start measures (no figure was remembered)."""
         return self.recalled is None
 
+    def reset_high_water(self) -> None:
+        """Forgets the measured peak of what ran so far (a ``torch.compile``,
+        a first warm-up): the high-water starts again from the tensors live
+        now, and the freeze decommits the chunks only that needed. Call it
+        before the last warm-up pass (after a ``torch.cuda.synchronize()``)."""
+        if self.device >= 0 and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+        if self.pool is not None:
+            self.pool.trim()
+        act = self.system.activations
+        if act is not None:
+            act.reset_high_water()
+
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         """``mode="scope"``: the block's torch allocations go to the tier (a
         MemPool over it); ``mode="process"``: every allocation already does,

@@ -12,6 +12,8 @@
 //!   rounded up to the granularity), moves no live block (every address and
 //!   marker intact) and commits nothing after: later requests are served
 //!   inside the frozen size or refused.
+//! * A reset of the high-water brings it down to the highest live end; the
+//!   freeze after it decommits the chunks only the earlier peak needed.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
 
@@ -29,12 +31,14 @@ const RESERVE: u64 = 64 * CHUNK;
 enum Op {
     Alloc { bytes: u64, stream: u64 },
     Free { pick: usize },
+    Reset,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         5 => (1u64..=3 * CHUNK, 1u64..=2).prop_map(|(bytes, stream)| Op::Alloc { bytes, stream }),
         4 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        1 => Just(Op::Reset),
     ]
 }
 
@@ -97,6 +101,9 @@ proptest! {
         prop_assert_eq!(committed(&fb), 0);
         let mut live: Vec<Live> = Vec::new();
         let mut marker = 0u8;
+        // The most the high-water has been (a reset lowers the figure, never
+        // the commit).
+        let mut ever = 0u64;
         for op in &ops {
             match *op {
                 Op::Alloc { bytes, stream } => match pool.allocate(bytes, stream) {
@@ -127,13 +134,19 @@ proptest! {
                         pool.free(l.addr, 1).unwrap();
                     }
                 }
+                Op::Reset => {
+                    pool.reset_high_water();
+                    let top = live.iter().map(|l| (l.addr - pool.base()) as u64 + round_up(l.bytes, 512)).max();
+                    prop_assert_eq!(pool.high_water(), top.unwrap_or(0));
+                }
             }
+            ever = ever.max(pool.high_water());
             pool.check_invariants().unwrap();
             let c = committed(&fb);
             prop_assert!(c <= budget && c <= RESERVE, "committed {c} past budget {budget}");
             prop_assert_eq!(c % CHUNK, 0);
             // Only the chunks a block reached.
-            prop_assert_eq!(c, round_up(pool.high_water(), CHUNK).min(RESERVE));
+            prop_assert_eq!(c, round_up(ever, CHUNK).min(RESERVE));
         }
         let high_water = pool.high_water();
         let end = |l: &Live| (l.addr - pool.base()) as u64 + round_up(l.bytes, 512);
@@ -153,7 +166,7 @@ proptest! {
             }
             Err(MemError::OutOfMemory(_)) | Err(MemError::Capacity(_)) => {
                 // The margin did not fit the budget: still measuring, as it was.
-                prop_assert!(round_up(high_water + margin, CHUNK).min(RESERVE) > budget);
+                prop_assert!(round_up(high_water + margin, CHUNK).clamp(CHUNK, RESERVE) > budget);
                 prop_assert!(pool.measuring());
                 prop_assert_eq!(committed(&fb), before);
                 return Ok(());
@@ -186,6 +199,13 @@ proptest! {
                         intact(&fb, &l)?;
                         pool.free(l.addr, 1).unwrap();
                     }
+                }
+                Op::Reset => {
+                    // A no-op once frozen.
+                    let before = pool.high_water();
+                    pool.reset_high_water();
+                    prop_assert_eq!(pool.high_water(), before);
+                    prop_assert!(before <= size);
                 }
             }
             prop_assert_eq!(committed(&fb), size);

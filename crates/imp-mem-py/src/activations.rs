@@ -197,6 +197,14 @@ impl PyActivationPool {
         self.pool.high_water()
     }
 
+    /// Starts the high-water again from the blocks live now: what ran
+    /// before (a compile, a first warm-up) no longer counts, and a freeze
+    /// after it decommits the chunks only that needed. Nothing moves; a
+    /// no-op on a pool that does not measure.
+    fn reset_high_water(&self) {
+        self.pool.reset_high_water();
+    }
+
     /// Bytes committed now.
     #[getter]
     fn committed(&self) -> u64 {

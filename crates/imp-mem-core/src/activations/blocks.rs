@@ -258,47 +258,65 @@ impl Core {
         self.slab[idx as usize].lane = lane;
     }
 
-    /// Cuts the region at `target` (a freeze): the block ending at `cap` must
-    /// be free (or parked) and start at or below `target`; it is shortened to
-    /// end there, or dropped when it starts there. False, nothing changed,
-    /// when the top block is live or starts past `target`.
+    /// Cuts the region at `target` (a freeze): every block that ends above
+    /// `target` must be free (or parked); those starting at or past it are
+    /// dropped, and the one across it is shortened to end there. False,
+    /// nothing changed, when a live block ends above `target`.
     pub(super) fn trim_top(&mut self, cap: u64, target: u64, shift: u32) -> bool {
         if target >= cap {
             return true;
         }
-        let Some(top) = self
+        let live_above = self
             .slab
             .iter()
-            .position(|b| b.state != BlockState::Spare && b.size > 0 && b.offset + b.size == cap)
-        else {
-            return false;
-        };
-        let top = top as u32;
-        let b = self.slab[top as usize];
-        if b.state == BlockState::Live || b.offset > target {
+            .any(|b| b.state == BlockState::Live && b.offset + b.size > target);
+        if live_above {
             return false;
         }
-        let listed = b.state == BlockState::Free;
-        if listed {
-            self.unlist(top, shift);
-        }
-        if b.offset == target {
-            if b.prev_phys != NONE {
-                self.slab[b.prev_phys as usize].next_phys = NONE;
+        let mut end = cap;
+        while end > target {
+            let Some(top) = self.slab.iter().position(|b| {
+                matches!(b.state, BlockState::Free | BlockState::Parked)
+                    && b.size > 0
+                    && b.offset + b.size == end
+            }) else {
+                return false;
+            };
+            let top = top as u32;
+            let b = self.slab[top as usize];
+            if b.state == BlockState::Free {
+                self.unlist(top, shift);
             }
-            if b.state == BlockState::Parked {
-                self.c.parked_blocks -= 1;
+            if b.offset >= target {
+                if b.prev_phys != NONE {
+                    self.slab[b.prev_phys as usize].next_phys = NONE;
+                }
+                if b.state == BlockState::Parked {
+                    self.c.parked_blocks -= 1;
+                }
+                self.drop_slot(top);
+                end = b.offset;
+                continue;
             }
-            self.drop_slot(top);
-            return true;
-        }
-        let rest = target - b.offset;
-        self.slab[top as usize].size = rest;
-        if listed {
-            let lane = b.lane;
-            self.lanes[lane as usize].insert(&mut self.slab, top, rest >> shift, lane);
+            let rest = target - b.offset;
+            self.slab[top as usize].size = rest;
+            if b.state == BlockState::Free {
+                let lane = b.lane;
+                self.lanes[lane as usize].insert(&mut self.slab, top, rest >> shift, lane);
+            }
+            end = target;
         }
         true
+    }
+
+    /// The highest end of a live block (0 when none is live).
+    pub(super) fn live_extent(&self) -> u64 {
+        self.slab
+            .iter()
+            .filter(|b| b.state == BlockState::Live)
+            .map(|b| b.offset + b.size)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Moves every free block of lane `from` to `stream`'s lane, merging.

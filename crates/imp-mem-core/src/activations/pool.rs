@@ -297,6 +297,18 @@ impl ActivationPool {
         self.core().extent_peak
     }
 
+    /// Starts the high-water again from the blocks live now (the highest
+    /// end of a live block): what ran before (a compile, a first warm-up
+    /// whose temporaries are gone) no longer counts, and a freeze after it
+    /// decommits the chunks only that needed. Nothing moves; a no-op on a
+    /// pool that does not measure.
+    pub fn reset_high_water(&self) {
+        let mut core = self.core();
+        if core.measuring {
+            core.extent_peak = core.live_extent();
+        }
+    }
+
     /// What the freeze fixed, once it ran.
     pub fn frozen(&self) -> Option<Frozen> {
         self.core().frozen
