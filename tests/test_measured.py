@@ -219,9 +219,7 @@ def test_serve_measures_then_the_second_start_recalls(tmp_path):
 
     def start():
         fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
-        return torch_mod.serve(
-            fingerprint=fp, backend=fb, margin=MIB, chunk=CHUNK, cache_path=path
-        )
+        return torch_mod.serve(fingerprint=fp, backend=fb, margin=MIB, chunk=CHUNK, cache_path=path)
 
     first = start()
     assert first.measuring and first.recalled is None
@@ -285,3 +283,34 @@ def test_reset_high_water_forgets_a_compile_peak_and_the_freeze_gives_it_back():
     assert frozen["size"] == 3 * CHUNK and frozen["decommitted"] == 6 * CHUNK
     assert _committed(fb) == 3 * CHUNK
     pool.free(weights)
+
+
+def _readme_serve_example() -> str:
+    import re
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    found = [b for b in blocks if "imp_mem.torch.serve(" in b]
+    assert len(found) == 1, "the README has one serve() example"
+    return found[0]
+
+
+def test_the_readme_serve_example_runs_on_the_cpu(monkeypatch, tmp_path, capsys):
+    """The README's one-call example, on the fake backend and the CPU (torch's
+    tensors stay on the CPU, so the tier sees none; the GPU test runs it for
+    real: tests/gpu/test_torch_serve_gpu.py)."""
+    pytest.importorskip("transformers")
+    import functools
+
+    example = _readme_serve_example()
+    fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+    monkeypatch.setenv("IMP_MEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch_mod, "serve", functools.partial(torch_mod.serve, backend=fb))
+    ns: dict = {}
+    exec(example.replace('"cuda"', '"cpu"'), ns)
+    system = ns["system"]
+    assert system.measured()[0]["state"] == "frozen"
+    assert system.remembered == tmp_path / "measured.json"
+    assert ns["out"].shape == (4, 64 + 8)
+    assert "measured tier activations: frozen" in capsys.readouterr().out
