@@ -145,7 +145,13 @@ def _imp_figures(system, tokens, dt) -> dict:
     b = backend.stats()
     report = system.report()
     pool = imt.memory_stats(system)
-    mempool_reserved = torch.cuda.memory_reserved() if system.mode == "scope" else 0
+    # Scope mode: every tensor of the run was made inside the scope, so the
+    # MemPool's segments are the tier's (torch's memory_reserved counts them
+    # too); what torch's default pool holds outside it is added.
+    outside = 0
+    if system.mode == "scope":
+        outside = max(0, torch.cuda.memory_reserved() - int(b["committed"]))
+    mempool_reserved = outside
     return {
         "tokens": tokens.tolist(),
         "seconds": dt,

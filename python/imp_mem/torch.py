@@ -541,7 +541,8 @@ def serve(
     else:
         context, capacity = 0, int(backend.stats()["capacity"])
     plan_budget = capacity if budget is None else _bytes(budget, "budget")
-    tier = plan_budget - context
+    # The planner counts whole MiB: the tier is the budget's whole MiB left.
+    tier = (plan_budget - context) // (1 << 20) * (1 << 20)
     if tier <= 0:
         raise InvalidArgument(
             f"budget: {plan_budget} B leaves nothing for the tier after the CUDA context "
