@@ -671,7 +671,7 @@ class ActivationPool:
     def frozen(self) -> dict[str, int] | None:
         """What ``freeze`` fixed (``high_water``, ``margin``, ``size``,
         ``committed_before``, ``decommitted``), or None before it."""
-    def freeze(self, margin: ByteCount | None = None) -> dict[str, int]:
+    def freeze(self, margin: ByteCount = 0) -> dict[str, int]:
         """Fixes a measured pool at ``high_water + margin`` rounded up to a
         chunk: exactly that is committed, the rest decommitted, nothing live
         moves, nothing is committed after. InvalidArgument on a pool that does
