@@ -75,11 +75,16 @@ Known limits of torch's pluggable allocators (torch 2.11):
 * In process-wide mode torch keeps no statistics of its own
   (``torch.cuda.memory_stats`` raises or is empty); :func:`memory_stats`
   gives the tier's, under torch's key names.
-* torch.compile: inductor's workspaces and the CUDA graph trees of
-  ``mode="reduce-overhead"`` allocate through the current allocator, so in
-  process-wide mode they are blocks of the tier like any tensor (counted in
-  its high-water and frozen with it); a graph tree's private pool is carved
-  from the tier too. Compile during the warm-up, before ``begin_serving()``.
+* torch.compile: inductor's kernels and workspaces allocate through the
+  current allocator, so they are blocks of the tier like any tensor (counted
+  in its high-water and frozen with it); compile during the warm-up, before
+  ``begin_serving()`` (``Served.reset_high_water()`` forgets the compiler's
+  own peak). ``mode="reduce-overhead"`` (inductor's CUDA graph trees) needs
+  the caching allocator's checkpoint state of its graph pool, which a
+  process-wide pluggable allocator does not have (torch raises "does not yet
+  support getCheckpointState"), so it runs in the scope mode: there
+  :func:`graph_pool` makes the trees capture into a ``MemPool`` over the tier
+  (``Served.scope()`` does it), so their memory is the tier's too.
 * CUDA graphs: capture with ``torch.cuda.graph(g, pool=pool.id)`` *outside*
   ``use_mem_pool`` (torch refuses a capture inside it: "already recording to
   mempool_id"); :meth:`Pool.graph` does that.
@@ -113,6 +118,7 @@ __all__ = [
     "DEFAULT_MARGIN",
     "Pool",
     "Served",
+    "graph_pool",
     "serve",
     "hook_stats",
     "install",
@@ -207,6 +213,8 @@ class Pool:
         _install_hooks(self.activations, self.device, weights_arena)
         allocator = pluggable_allocator().allocator()
         self.mempool: Any = torch.cuda.MemPool(allocator)
+        # The MemPool CUDA graphs capture into (graph_pool), made on first use.
+        self.graph_mempool: Any = None
 
     @property
     def id(self) -> tuple[int, int]:
@@ -414,13 +422,17 @@ class Served:
         if act is not None:
             act.reset_high_water()
 
-    def scope(self) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Served]:
         """``mode="scope"``: the block's torch allocations go to the tier (a
-        MemPool over it); ``mode="process"``: every allocation already does,
-        so this is a no-op."""
+        MemPool over it), and CUDA graphs torch's compiler captures in it too
+        (:func:`graph_pool`); ``mode="process"``: every allocation already
+        does, so this is a no-op."""
         if self.pool is None:
-            return contextlib.nullcontext()
-        return self.pool.scope()
+            yield self
+            return
+        with self.pool.scope(), graph_pool(self.pool):
+            yield self
 
     def begin_serving(self) -> None:
         """Charges what the warm-up took outside every allocator, trims
@@ -462,6 +474,32 @@ class Served:
     def __repr__(self) -> str:
         state = "measuring" if self.recalled is None else f"recalled {self.recalled['size']} B"
         return f"imp_mem.torch.Served(device={self.device}, mode={self.mode!r}, {state})"
+
+
+@contextlib.contextmanager
+def graph_pool(target: Any) -> Iterator[Any]:
+    """While the block runs, ``torch.cuda.graph_pool_handle()`` (the pool
+    inductor's CUDA graph trees capture into, and anyone's who asks for a
+    fresh graph pool) returns the id of a ``MemPool`` over ``target``'s tier
+    (a :class:`Pool`, whose graph pool is made once and kept with it; or
+    a MemorySystem / ActivationPool, through :func:`pool`): the graphs'
+    memory is the tier's, counted in its high-water. torch's caching
+    allocator still manages that pool (its checkpoint state, which the trees
+    need, exists). Yields the MemPool."""
+    p = target if isinstance(target, Pool) else pool(target)
+    if p.graph_mempool is None:
+        p.graph_mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
+    handle = p.graph_mempool.id
+    original = torch.cuda.graph_pool_handle
+
+    def _handle() -> Any:
+        return handle
+
+    torch.cuda.graph_pool_handle = _handle  # type: ignore[assignment]
+    try:
+        yield p.graph_mempool
+    finally:
+        torch.cuda.graph_pool_handle = original  # type: ignore[assignment]
 
 
 def _bytes(value: Any, what: str) -> int:
