@@ -350,16 +350,26 @@ impl ActivationPool {
             .min(cap);
         // Round to the alignment too: the blocks are multiples of it.
         let target = (target / self.inner.align * self.inner.align).max(self.inner.align);
-        let mut region = self.region();
-        let committed_before = region.len() as u64;
-        region.commit(target)?;
-        if !core.trim_top(cap, target, self.inner.shift) {
+        if core.live_extent() > target {
             return Err(MemError::Invariant(format!(
-                "activation pool freeze: the block ending at {cap} is not free below the                  high-water {}",
+                "activation pool freeze: a live block ends at {} B, past the high-water {} B",
+                core.live_extent(),
                 core.extent_peak
             )));
         }
+        // Commit or decommit first (a refusal leaves the pool as it was):
+        // everything past `target` is free, and the state lock keeps it so
+        // until the cut.
+        let mut region = self.region();
+        let committed_before = region.len() as u64;
+        region.commit(target)?;
         region.decommit(target)?;
+        if !core.trim_top(cap, target, self.inner.shift) {
+            return Err(MemError::Invariant(format!(
+                "activation pool freeze: the blocks past {target} B are not free blocks ending at \
+                 the capacity {cap} B"
+            )));
+        }
         self.inner.capacity.store(target, Ordering::Release);
         let frozen = Frozen {
             high_water: core.extent_peak,
