@@ -110,7 +110,9 @@ impl ActivationPool {
                 let granule = backend.info().granularity.max(1) as u64;
                 if !backend.info().growable {
                     return Err(MemError::BackendUnavailable(
-                        "a measured activation pool grows by commits inside one reservation;                          this backend cannot (open it on a VMM backend, or the fake one with                          growth), or give the pool a fixed capacity instead"
+                        "a measured activation pool grows by commits inside one reservation; \
+                         this backend cannot (open it on a VMM backend, or the fake one with \
+                         growth), or give the pool a fixed capacity instead"
                             .into(),
                     ));
                 }
@@ -330,7 +332,8 @@ impl ActivationPool {
                     "the activation pool is already frozen at {}; freeze it once",
                     human_bytes(f.size)
                 ),
-                None => "the activation pool does not measure (it is committed whole); open it                          with a measure chunk to freeze it"
+                None => "the activation pool does not measure (it is committed whole); open it \
+                         with a measure chunk to freeze it"
                     .into(),
             }));
         }
