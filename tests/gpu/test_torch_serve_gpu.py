@@ -37,8 +37,9 @@ def test_the_readme_serve_example_runs(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     (example,) = [b for b in blocks if "imp_mem.torch.serve(" in b]
     check = (
-        "\nm = system.measured()[0]\n"
-        "assert m['state'] == 'frozen' and m['committed'] == m['size'], m\n"
+        "\nfor m in system.measured():  # none on the second start: nothing measured\n"
+        "    assert m['state'] == 'frozen' and m['committed'] == m['size'], m\n"
+        "assert system.measuring == (system.recalled is None)\n"
         "st = system.backend.stats()\n"
         "assert sum(st['steady_state_allocations_total'].values()) == 0, st\n"
         "print('MEASURED', system.measuring)\n"
@@ -57,7 +58,8 @@ def test_the_readme_serve_example_runs(tmp_path):
     ]
     for run in runs:
         assert run.returncode == 0, run.stderr[-4000:]
-        assert "measured tier activations: frozen" in run.stdout or "activations" in run.stdout
+        assert "activation pool" in run.stdout, run.stdout[-2000:]
+    assert "measured tier activations: frozen" in runs[0].stdout
     assert "MEASURED True" in runs[0].stdout
     assert "MEASURED False" in runs[1].stdout, "the second start reads the remembered figure"
 
