@@ -186,8 +186,9 @@ def child_imp(args) -> dict:
     with system.scope():
         model, ids = build(args.batch, args.prompt, args.compile)
         generate(model, ids, args.new, args.compile)  # the warm-up (compiles, if asked)
-        if args.compile != "none":  # forget the compiler's own peak; warm up once more
-            system.reset_high_water()
+    if args.compile != "none":  # forget the compiler's own peak, then warm up once more
+        system.reset_high_water()
+        with system.scope():
             generate(model, ids, args.new, args.compile)
     system.begin_serving()
     # --- (the user's serving generate() is the timed one below)

@@ -413,7 +413,9 @@ class Served:
         """Forgets the measured peak of what ran so far (a ``torch.compile``,
         a first warm-up): the high-water starts again from the tensors live
         now, and the freeze decommits the chunks only that needed. Call it
-        before the last warm-up pass (after a ``torch.cuda.synchronize()``)."""
+        before the last warm-up pass, outside :meth:`scope` (in the scope
+        mode it first trims torch's cache inside the pool, which only takes
+        effect outside it)."""
         if self.device >= 0 and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
         if self.pool is not None:
