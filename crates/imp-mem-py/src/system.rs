@@ -437,7 +437,10 @@ impl PyMemorySystem {
     /// (`measuring` / `frozen`), `high_water`, `margin`, `size`,
     /// `committed`, `decommitted`.
     fn measured(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        to_py_object(py, &self.open()?.measured())
+        // No Python object is built under the system's lock (a GC callback
+        // may touch this system meanwhile).
+        let lines = self.open()?.measured();
+        to_py_object(py, &lines)
     }
 
     /// Names memory in use outside the backend (another allocator's pool,
