@@ -648,7 +648,15 @@ class ActivationPool:
     CuPy's own allocations go through, via the C hooks once ``install()``-ed.
     ``strict=None`` follows the backend's phase mode: strict refuses on
     exhaustion (``OutOfMemory``; the hooks return null), production falls back
-    to a backend acquisition (counted while SERVING)."""
+    to a backend acquisition (counted while SERVING).
+
+    A *measured* pool (``measure_chunk=``, a growable backend): ``capacity``
+    is reserved as address space and committed in chunks of
+    ``measure_chunk`` bytes as blocks reach past the committed end
+    (addresses never move); ``freeze(margin)`` fixes it at its
+    ``high_water`` plus ``margin``, rounded up to a chunk, and decommits the
+    rest. Route a torch ``MemPool`` into one with ``imp_mem.torch.region``
+    (``measure_chunk=``) or ``imp_mem.torch.serve``."""
 
     def __init__(
         self,
@@ -658,7 +666,30 @@ class ActivationPool:
         strict: bool | None = None,
         align: int | None = None,
         growable: bool | None = None,
+        measure_chunk: ByteCount | None = None,
     ) -> None: ...
+    @property
+    def measuring(self) -> bool:
+        """A measured pool not frozen yet: it commits chunks as it grows."""
+    @property
+    def high_water(self) -> int:
+        """The highest end offset any block has reached (bytes)."""
+    def reset_high_water(self) -> None:
+        """Starts ``high_water`` again from the blocks live now (after a
+        compile or a first warm-up whose temporaries are gone); the freeze
+        then decommits the chunks only that needed. A no-op unless measuring."""
+    @property
+    def committed(self) -> int:
+        """Bytes committed now."""
+    @property
+    def frozen(self) -> dict[str, int] | None:
+        """What ``freeze`` fixed (``high_water``, ``margin``, ``size``,
+        ``committed_before``, ``decommitted``), or None before it."""
+    def freeze(self, margin: ByteCount = 0) -> dict[str, int]:
+        """Fixes a measured pool at ``high_water + margin`` rounded up to a
+        chunk: exactly that is committed, the rest decommitted, nothing live
+        moves, nothing is committed after. InvalidArgument on a pool that does
+        not measure, was frozen, or sleeps."""
     def allocate(self, nbytes: ByteCount, stream: int | None = None) -> int:
         """An address of at least ``nbytes`` for work on ``stream`` (a raw
         ``cudaStream_t``; 0 is the legacy default stream)."""
@@ -959,7 +990,7 @@ class Limits:
         kv_dtype: str | None = None,
         block_size: int | None = None,
         max_batch_tokens: int | None = None,
-        kv_policy: Literal["full", "fit"] = "full",
+        kv_policy: Literal["full", "fit", "none"] = "full",
     ) -> None: ...
     @property
     def max_batch(self) -> int: ...
@@ -972,7 +1003,7 @@ class Limits:
     @property
     def max_batch_tokens(self) -> int | None: ...
     @property
-    def kv_policy(self) -> Literal["full", "fit"]: ...
+    def kv_policy(self) -> Literal["full", "fit", "none"]: ...
 
 @final
 class Features:
@@ -1130,11 +1161,21 @@ class MemorySystem:
         apply_budget: bool = True,
         activation_strict: bool | None = None,
         sleepable: bool | None = None,
-    ) -> None: ...
+        activation_measure: ByteCount | None = None,
+        activation_margin: ByteCount | None = None,
+    ) -> None:
+        """``activation_measure=CHUNK`` opens the activation tier as a measured
+        one: the plan's activation line is reserved, committed in chunks as the
+        warm-up asks, and ``begin_serving()`` fixes it at its high-water plus
+        ``activation_margin`` (see ``measured()``)."""
     @property
     def backend(self) -> Backend: ...
     @property
     def plan(self) -> MemoryPlan: ...
+    def measured(self) -> list[dict[str, Any]]:
+        """The measured tiers: ``tier``, ``state`` (``measuring`` /
+        ``frozen``), ``high_water``, ``margin``, ``size``, ``committed``,
+        ``decommitted`` (bytes)."""
     @property
     def phase(self) -> Phase: ...
     @property

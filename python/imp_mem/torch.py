@@ -33,6 +33,23 @@ segments to pinned host memory first when ``cpu_backup``, and
 so every tensor made inside is where and what it was. While paused, run no
 torch code inside the region and touch none of its tensors.
 
+**One call** (:func:`serve`): ``system = imp_mem.torch.serve(fingerprint=...)``
+opens a VMM backend and a system for the device's free memory with a
+*measured* activations tier and no KV pool, and makes the tier torch's
+allocator process-wide; the caller's warm-up runs next (every torch
+allocation commits the tier in chunks, addresses never move), and
+``system.begin_serving()`` freezes the tier at its high-water plus the margin,
+decommits the rest and remembers the figure under the fingerprint
+(:mod:`imp_mem.measured`), so the next start plans the tier at that size and
+does not measure::
+
+    import imp_mem.torch
+    system = imp_mem.torch.serve(fingerprint={"model": "Qwen3-0.6B", "batch": 32})
+    model = build_model().cuda()          # every tensor is in the tier
+    model.generate(**warmup_inputs)        # the warm-up: the tier grows
+    system.begin_serving()                 # frozen; 0 allocations from here
+    model.generate(**inputs)
+
 Weights: :func:`to_arena` moves a module's parameters and buffers into T1
 (tensors viewing the weights arena), and :meth:`Pool.loading` routes the
 allocations of a loading scope into T1 as well (a later free of such a
@@ -58,6 +75,16 @@ Known limits of torch's pluggable allocators (torch 2.11):
 * In process-wide mode torch keeps no statistics of its own
   (``torch.cuda.memory_stats`` raises or is empty); :func:`memory_stats`
   gives the tier's, under torch's key names.
+* torch.compile: inductor's kernels and workspaces allocate through the
+  current allocator, so they are blocks of the tier like any tensor (counted
+  in its high-water and frozen with it); compile during the warm-up, before
+  ``begin_serving()`` (``Served.reset_high_water()`` forgets the compiler's
+  own peak). ``mode="reduce-overhead"`` (inductor's CUDA graph trees) needs
+  the caching allocator's checkpoint state of its graph pool, which a
+  process-wide pluggable allocator does not have (torch raises "does not yet
+  support getCheckpointState"), so it runs in the scope mode: there
+  :func:`graph_pool` makes the trees capture into a ``MemPool`` over the tier
+  (``Served.scope()`` does it), so their memory is the tier's too.
 * CUDA graphs: capture with ``torch.cuda.graph(g, pool=pool.id)`` *outside*
   ``use_mem_pool`` (torch refuses a capture inside it: "already recording to
   mempool_id"); :meth:`Pool.graph` does that.
@@ -80,13 +107,19 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
     ) from exc
 
 from imp_mem import _core
+from imp_mem import measured as _measured
 from imp_mem._frameworks import activations_of as _activations_of
 from imp_mem.errors import BackendUnavailable, InvalidArgument, PhaseViolation
 
 __all__ = [
     "MALLOC_SYMBOL",
     "FREE_SYMBOL",
+    "DEFAULT_CHUNK",
+    "DEFAULT_MARGIN",
     "Pool",
+    "Served",
+    "graph_pool",
+    "serve",
     "hook_stats",
     "install",
     "installed",
@@ -180,6 +213,8 @@ class Pool:
         _install_hooks(self.activations, self.device, weights_arena)
         allocator = pluggable_allocator().allocator()
         self.mempool: Any = torch.cuda.MemPool(allocator)
+        # The MemPool CUDA graphs capture into (graph_pool), made on first use.
+        self.graph_mempool: Any = None
 
     @property
     def id(self) -> tuple[int, int]:
@@ -217,6 +252,25 @@ class Pool:
             del loading_pool
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def trim(self) -> None:
+        """Gives torch's cache inside the pool back to the tier: the pool's
+        MemPool is replaced by a fresh one, so torch releases every free
+        segment of the old one now and each remaining one when its last
+        tensor dies (torch's ``empty_cache`` does not release a live private
+        pool's segments). Run it at a phase change (before
+        ``begin_serving()``), outside :meth:`scope`; the pool's ``id``
+        changes, so capture CUDA graphs after it."""
+        if self.mempool is None:
+            raise InvalidArgument("pool: this Pool was closed; make a new one")
+        old = self.mempool
+        self.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
+        del old
+        import gc
+
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Drops the MemPool: torch gives its free segments back to the tier at
@@ -304,6 +358,294 @@ def install(system: Any, *, device: Any = None) -> None:
             f"opening the MemorySystem, before any tensor is created on the GPU): {exc}"
         ) from exc
     _installed["process_wide"] = True
+
+
+DEFAULT_CHUNK = 2 << 20
+"""Bytes a measured tier commits at a time while it grows (:func:`serve`)."""
+DEFAULT_MARGIN = 0.01
+"""The margin :func:`serve` keeps above the measured high-water: a share of it."""
+
+
+class Served:
+    """What :func:`serve` returns: the :class:`~imp_mem.MemorySystem` (every
+    attribute of it is here too) plus the figures of the start.
+
+    ``begin_serving()`` measures the device memory the warm-up took outside
+    every allocator (torch's runtime, kernels loaded into the context,
+    library handles) and charges it (``torch_runtime``), then freezes the
+    measured tier and remembers its figure under the fingerprint."""
+
+    def __init__(
+        self,
+        system: Any,
+        *,
+        device: int,
+        mode: str,
+        fingerprint: dict[str, Any] | None,
+        cache_path: Any,
+        recalled: dict[str, int] | None,
+        other_processes: int,
+    ) -> None:
+        self.system = system
+        self.device = device
+        self.mode = mode
+        self.fingerprint = fingerprint
+        self.cache_path = cache_path
+        self.recalled = recalled
+        self.other_processes = other_processes
+        self.remembered: Any = None
+        self.outside_charge: int | None = None
+        self._free_at_open = _core.cuda_mem_get_info(device)[0] if device >= 0 else 0
+        self._committed_at_open = int(system.backend.stats()["committed"])
+        self.pool: Pool | None = None
+        # A float margin: a share of the high-water, known at the freeze.
+        self.margin_share: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.system, name)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this start measures (no figure was remembered)."""
+        return self.recalled is None
+
+    def reset_high_water(self) -> None:
+        """Forgets the measured peak of what ran so far (a ``torch.compile``,
+        a first warm-up): the high-water starts again from the tensors live
+        now, and the freeze decommits the chunks only that needed. Call it
+        before the last warm-up pass, outside :meth:`scope` (in the scope
+        mode it first trims torch's cache inside the pool, which only takes
+        effect outside it)."""
+        if self.device >= 0 and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+        if self.pool is not None:
+            self.pool.trim()
+        act = self.system.activations
+        if act is not None:
+            act.reset_high_water()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Served]:
+        """``mode="scope"``: the block's torch allocations go to the tier (a
+        MemPool over it), and CUDA graphs torch's compiler captures in it too
+        (:func:`graph_pool`); ``mode="process"``: every allocation already
+        does, so this is a no-op."""
+        if self.pool is None:
+            yield self
+            return
+        with self.pool.scope(), graph_pool(self.pool):
+            yield self
+
+    def begin_serving(self) -> None:
+        """Charges what the warm-up took outside every allocator, trims
+        torch's cache inside the scope's pool back to the tier, freezes the
+        measured tier (high-water + margin; the rest decommitted) and
+        remembers its figure under the fingerprint; then SERVING."""
+        if self.device >= 0 and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+        if self.pool is not None:
+            self.pool.trim()
+        if self.device >= 0 and self.outside_charge is None:
+            free, _ = _core.cuda_mem_get_info(self.device)
+            committed = int(self.system.backend.stats()["committed"])
+            charge = max(0, (self._free_at_open - free) - (committed - self._committed_at_open))
+            self.system.set_charge(
+                "torch_runtime", charge, "torch runtime + kernels + library handles (measured)"
+            )
+            self.outside_charge = charge
+        act = self.system.activations
+        if self.margin_share is not None and act is not None and act.measuring:
+            act.freeze(int(act.high_water * self.margin_share))
+        self.system.begin_serving()
+        if self.recalled is None and self.fingerprint is not None:
+            for line in self.system.measured():
+                if line["state"] == "frozen":
+                    self.remembered = _measured.remember(
+                        self.fingerprint, line, line["tier"], self.cache_path
+                    )
+
+    def report(self) -> dict[str, Any]:
+        """``mem_report`` with the device reading, less what other processes
+        held at the start."""
+        return self.system.mem_report(device=True, other_processes=self.other_processes)
+
+    def report_text(self) -> str:
+        """The text of :meth:`report`."""
+        return self.system.mem_report_text(device=True, other_processes=self.other_processes)
+
+    def __repr__(self) -> str:
+        state = "measuring" if self.recalled is None else f"recalled {self.recalled['size']} B"
+        return f"imp_mem.torch.Served(device={self.device}, mode={self.mode!r}, {state})"
+
+
+@contextlib.contextmanager
+def graph_pool(target: Any) -> Iterator[Any]:
+    """While the block runs, ``torch.cuda.graph_pool_handle()`` (the pool
+    inductor's CUDA graph trees capture into, and anyone's who asks for a
+    fresh graph pool) returns the id of a ``MemPool`` over ``target``'s tier
+    (a :class:`Pool`, whose graph pool is made once and kept with it; or
+    a MemorySystem / ActivationPool, through :func:`pool`): the graphs'
+    memory is the tier's, counted in its high-water. torch's caching
+    allocator still manages that pool (its checkpoint state, which the trees
+    need, exists). Yields the MemPool."""
+    p = target if isinstance(target, Pool) else pool(target)
+    if p.graph_mempool is None:
+        p.graph_mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
+    handle = p.graph_mempool.id
+    original = torch.cuda.graph_pool_handle
+
+    def _handle() -> Any:
+        return handle
+
+    torch.cuda.graph_pool_handle = _handle  # type: ignore[assignment]
+    try:
+        yield p.graph_mempool
+    finally:
+        torch.cuda.graph_pool_handle = original  # type: ignore[assignment]
+
+
+def _bytes(value: Any, what: str) -> int:
+    if isinstance(value, str):
+        return _core.parse_size(value, what)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(
+            f'{what}: expected bytes (a positive int, or a string such as "64GiB"), got {value!r}'
+        )
+    return value
+
+
+def _check_margin(margin: Any) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+        raise InvalidArgument(
+            f"margin: expected a share of the high-water (a float such as 0.01) or bytes "
+            f"(an int), non-negative; got {margin!r}"
+        )
+
+
+def serve(
+    budget: Any = None,
+    *,
+    device: Any = None,
+    fingerprint: Any = None,
+    shapes: Any = None,
+    margin: float | int = DEFAULT_MARGIN,
+    chunk: Any = DEFAULT_CHUNK,
+    mode: str = "process",
+    cache_path: Any = None,
+    backend: Any = None,
+    other_processes: int | None = None,
+) -> Served:
+    """One call for a process: a VMM backend on ``device`` and a
+    :class:`~imp_mem.MemorySystem` for ``budget`` (default: the device's
+    memory less what other processes hold) with one tier, the activations
+    tier, *measured* (it grows in ``chunk``-byte commits while the warm-up
+    runs, addresses never moving) and no KV pool; the tier is then made
+    torch's allocator (``mode="process"``: process-wide, so call this before
+    torch's first CUDA tensor; ``mode="scope"``: a MemPool over it, entered
+    with ``served.scope()``). Returns a :class:`Served`.
+
+    The warm-up is the caller's code between this and
+    ``served.begin_serving()``, which freezes the tier at its high-water plus
+    ``margin`` (a float: a share of the high-water; an int: bytes), rounded
+    up to a chunk, and remembers the figure under ``fingerprint`` (the
+    model's identity; with ``shapes`` and the torch / CUDA / driver versions,
+    see :mod:`imp_mem.measured`). A later start with the same fingerprint
+    plans the tier at the remembered size, committed at open, and does not
+    measure (``served.measuring`` is False)."""
+    if mode not in ("process", "scope"):
+        raise InvalidArgument(f'mode: expected "process" or "scope", got {mode!r}')
+    _check_margin(margin)
+    from imp_mem import MemorySystem, VmmBackend
+    from imp_mem import _core as core
+
+    dev = 0 if device is None else _device_index(device)
+    fp = None
+    recalled = None
+    if fingerprint is not None:
+        fp = _measured.fingerprint(fingerprint, shapes, device=dev)
+        recalled = _measured.recall(fp, "activations", cache_path)
+    if other_processes is None:
+        if backend is None:
+            from imp_mem.reserve import device_used_by_all_processes
+
+            other_processes = device_used_by_all_processes(dev) or 0
+        else:
+            other_processes = 0
+    if backend is None:
+        backend = VmmBackend(dev)
+    is_device = not isinstance(backend, core.FakeBackend)
+    if is_device:
+        free, total = core.cuda_mem_get_info(dev)
+        context = max(0, total - free - other_processes)
+        capacity = total - other_processes
+    else:
+        context, capacity = 0, int(backend.stats()["capacity"])
+    plan_budget = capacity if budget is None else _bytes(budget, "budget")
+    # The planner counts whole MiB: the tier is the budget's whole MiB left.
+    tier = (plan_budget - context) // (1 << 20) * (1 << 20)
+    if tier <= 0:
+        raise InvalidArgument(
+            f"budget: {plan_budget} B leaves nothing for the tier after the CUDA context "
+            f"({context} B); give a larger budget"
+        )
+    chunk_bytes = _bytes(chunk, "chunk")
+    if recalled is not None:
+        tier = min(tier, recalled["size"])
+    plan = _placeholder_plan(tier, plan_budget, context)
+    measure = None if recalled is not None else chunk_bytes
+    system = MemorySystem(
+        backend,
+        plan,
+        context=context,
+        library_reserve=0,
+        activation_strict=mode == "scope",
+        activation_measure=measure,
+        activation_margin=0 if isinstance(margin, float) else int(margin),
+    )
+    served = Served(
+        system,
+        device=dev if is_device else -1,
+        mode=mode,
+        fingerprint=fp,
+        cache_path=cache_path,
+        recalled=recalled,
+        other_processes=other_processes,
+    )
+    if isinstance(margin, float):
+        served.margin_share = margin
+    if mode == "process":
+        if is_device:
+            install(system, device=dev)
+    else:
+        served.pool = Pool(system, device=dev)
+    return served
+
+
+def _placeholder_plan(tier: int, budget: int, context: int) -> Any:
+    """A plan of one tier: the activations (``tier`` bytes), no weights, no
+    KV pool, no scratch; the context charged as measured."""
+    from imp_mem import Features, Limits, ModelShape, PlanInput, plan_memory
+
+    shape = ModelShape.from_hf_config(_PLACEHOLDER_CONFIG).with_weights_bytes(0)
+    features = Features(activation_bytes=tier, scratch_bytes=0, engine_persistent_bytes=0)
+    limits = Limits(1, 16, kv_policy="none")
+    return plan_memory(
+        PlanInput(shape, limits, features, budget=budget, context=context, library_reserve=0)
+    )
+
+
+# The planner needs a model shape; serve() routes a model it does not know
+# (its weights are torch tensors in the tier), so the plan's model is empty.
+_PLACEHOLDER_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "vocab_size": 16,
+    "torch_dtype": "bfloat16",
+}
 
 
 def hook_stats() -> dict[str, int]:
@@ -431,14 +773,28 @@ class Region:
     :meth:`scope`, in a ``torch.cuda.MemPool`` of its own."""
 
     def __init__(
-        self, backend: Any, tag: str, capacity: Any, *, cpu_backup: bool, device: Any
+        self,
+        backend: Any,
+        tag: str,
+        capacity: Any,
+        *,
+        cpu_backup: bool,
+        device: Any,
+        measure_chunk: Any = None,
     ) -> None:
         self.tag = tag
         self.cpu_backup = cpu_backup
         self.backend = backend
         self.device = 0 if device is None else _device_index(device)
         self.capacity = capacity
-        self.activations: Any = _core.ActivationPool(backend, capacity, strict=True, growable=True)
+        if measure_chunk is None:
+            self.activations: Any = _core.ActivationPool(
+                backend, capacity, strict=True, growable=True
+            )
+        else:
+            self.activations = _core.ActivationPool(
+                backend, capacity, strict=True, measure_chunk=measure_chunk
+            )
         _core.add_hook_region(self.activations, device=self.device)
         self.mempool: Any = None
 
@@ -467,6 +823,22 @@ class Region:
         finally:
             stack.pop()
             _core.set_hook_region(stack[-1] if stack else None)
+
+    def freeze(self, margin: Any = 0) -> dict[str, int]:
+        """A measured region (``measure_chunk=``): fixes it at its high-water
+        plus ``margin`` bytes (rounded up to a chunk), the rest decommitted
+        (``ActivationPool.freeze``). Trims torch's cache inside the region's
+        MemPool first (its free segments go back to the tier)."""
+        if self.mempool is not None:
+            old = self.mempool
+            self.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
+            del old
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return self.activations.freeze(margin)
 
     def pause(self) -> int:
         """See :func:`pause`."""
@@ -520,6 +892,7 @@ def region(
     capacity: Any = None,
     cpu_backup: bool = True,
     device: Any = None,
+    measure_chunk: Any = None,
 ) -> contextlib.AbstractContextManager[Region]:
     """``with imp_mem.torch.region(backend, "train", capacity="8GiB"): ...``
     routes the block's torch allocations (on this thread) to the region of
@@ -528,7 +901,13 @@ def region(
     ``cpu_backup`` (fixed at first use): whether :func:`pause` keeps the
     bytes in pinned host memory (True) or drops them (False: the tensors
     hold garbage after :func:`resume`). Later uses of the tag take the same
-    region; ``capacity`` and ``cpu_backup`` must then match or be left out."""
+    region; ``capacity`` and ``cpu_backup`` must then match or be left out.
+    ``measure_chunk`` (bytes, fixed at first use) makes it a *measured*
+    region: ``capacity`` is reserved and committed in chunks of that size as
+    the code inside asks, until :meth:`Region.freeze` fixes it at its
+    high-water plus a margin (a CUDA graph pool or ``torch.compile``'s
+    workspaces sized by measuring; :mod:`imp_mem.measured` remembers the
+    figure)."""
     tag = _check_tag(tag)
     if not isinstance(cpu_backup, bool):
         raise InvalidArgument(f"cpu_backup: expected True or False, got {cpu_backup!r}")
@@ -545,7 +924,14 @@ def region(
                 f"target: expected a Backend (a VmmBackend) or a MemorySystem, got "
                 f"{type(target).__name__}"
             )
-        found = Region(backend, tag, capacity, cpu_backup=cpu_backup, device=device)
+        found = Region(
+            backend,
+            tag,
+            capacity,
+            cpu_backup=cpu_backup,
+            device=device,
+            measure_chunk=measure_chunk,
+        )
         _regions[tag] = found
     else:
         if capacity is not None and capacity not in (found.capacity, found.activations.capacity):

@@ -46,13 +46,16 @@ impl PyActivationPool {
 #[pymethods]
 impl PyActivationPool {
     #[new]
-    #[pyo3(signature = (backend, capacity, *, strict = None, align = None, growable = None))]
+    #[pyo3(signature = (
+        backend, capacity, *, strict = None, align = None, growable = None, measure_chunk = None
+    ))]
     fn new(
         backend: &Bound<'_, PyBackend>,
         capacity: &Bound<'_, PyAny>,
         strict: Option<&Bound<'_, PyAny>>,
         align: Option<&Bound<'_, PyAny>>,
         growable: Option<&Bound<'_, PyAny>>,
+        measure_chunk: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let strict = convert::opt(strict, "strict", convert::flag)?;
         let growable = convert::opt(growable, "growable", convert::flag)?;
@@ -63,6 +66,13 @@ impl PyActivationPool {
         }
         config.strict = strict;
         config.growable = growable.unwrap_or(false);
+        config.measure_chunk = convert::opt_bytes(measure_chunk, "measure_chunk")?;
+        if config.measure_chunk.is_some() && config.growable {
+            return Err(invalid(
+                "growable and measure_chunk: a measured pool commits as it grows, so it is not \
+                 also committed whole; pass one of them",
+            ));
+        }
         let core = &backend.get().inner;
         let order = core.stream_order().py()?;
         let pool = ActivationPool::new(core, &config, order).py();
@@ -151,7 +161,12 @@ impl PyActivationPool {
         d.set_item("fallback_bytes_total", s.fallback_bytes_total)?;
         d.set_item("fallback_live", s.fallback_live)?;
         d.set_item("fallback_bytes", s.fallback_bytes)?;
-        d.set_item("reserved", s.capacity + s.fallback_bytes)?;
+        let reserved = if s.measuring {
+            self.pool.committed()
+        } else {
+            s.capacity
+        };
+        d.set_item("reserved", reserved + s.fallback_bytes)?;
         d.set_item("reserved_peak", s.reserved_peak)?;
         d.set_item("ooms", s.ooms)?;
         d.set_item("refused_frees", s.refused_frees)?;
@@ -162,7 +177,63 @@ impl PyActivationPool {
         d.set_item("reclaims", s.reclaims)?;
         d.set_item("streams", s.streams)?;
         d.set_item("parked_blocks", s.parked_blocks)?;
+        d.set_item("measuring", s.measuring)?;
+        d.set_item("high_water", s.high_water)?;
+        d.set_item("committed", self.pool.committed())?;
         Ok(d)
+    }
+
+    /// Whether this is a measured pool not yet frozen: it commits chunks
+    /// as blocks reach past its committed end.
+    #[getter]
+    fn measuring(&self) -> bool {
+        self.pool.measuring()
+    }
+
+    /// The highest end offset any block has reached (bytes): what a
+    /// measured pool needed.
+    #[getter]
+    fn high_water(&self) -> u64 {
+        self.pool.high_water()
+    }
+
+    /// Starts the high-water again from the blocks live now: what ran
+    /// before (a compile, a first warm-up) no longer counts, and a freeze
+    /// after it decommits the chunks only that needed. Nothing moves; a
+    /// no-op on a pool that does not measure.
+    fn reset_high_water(&self) {
+        self.pool.reset_high_water();
+    }
+
+    /// Bytes committed now.
+    #[getter]
+    fn committed(&self) -> u64 {
+        self.pool.committed()
+    }
+
+    /// What the freeze fixed (a dict: `high_water`, `margin`, `size`,
+    /// `committed_before`, `decommitted`), or None before it.
+    #[getter]
+    fn frozen<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.pool.frozen().map(|f| frozen_dict(py, &f)).transpose()
+    }
+
+    /// Fixes a measured pool at its high-water plus `margin` bytes, rounded
+    /// up to whole chunks (at most its capacity): the commit becomes exactly
+    /// that size, the rest is decommitted, no live block moves, and the
+    /// pool commits nothing after. Returns what it fixed (see `frozen`).
+    /// `InvalidArgument` on a pool that does not measure, was frozen, or
+    /// sleeps.
+    #[pyo3(signature = (margin = None), text_signature = "($self, margin=0)")]
+    fn freeze<'py>(
+        &self,
+        py: Python<'py>,
+        margin: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let margin = convert::opt_bytes(margin, "margin")?.unwrap_or(0);
+        let pool = self.pool.clone();
+        let frozen = py.detach(move || pool.freeze(margin)).py()?;
+        frozen_dict(py, &frozen)
     }
 
     /// The counters under `torch.cuda.memory_stats` key names, for what the
@@ -172,6 +243,12 @@ impl PyActivationPool {
         let s = self.pool.stats();
         let d = PyDict::new(py);
         let segments = 1 + s.fallback_live;
+        // A measured pool holds what it committed, not its reservation.
+        let reserved = if s.measuring {
+            self.pool.committed()
+        } else {
+            s.capacity
+        };
         let items: [(&str, u64); 22] = [
             ("allocated_bytes.all.current", s.in_use),
             ("allocated_bytes.all.peak", s.in_use_peak),
@@ -180,7 +257,7 @@ impl PyActivationPool {
             ("requested_bytes.all.current", s.requested),
             ("active_bytes.all.current", s.in_use),
             ("active_bytes.all.peak", s.in_use_peak),
-            ("reserved_bytes.all.current", s.capacity + s.fallback_bytes),
+            ("reserved_bytes.all.current", reserved + s.fallback_bytes),
             ("reserved_bytes.all.peak", s.reserved_peak),
             ("allocation.all.current", s.live),
             ("allocation.all.peak", s.live_peak),
@@ -347,4 +424,17 @@ impl PyActivationPool {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyActivationPool>()?;
     Ok(())
+}
+
+fn frozen_dict<'py>(
+    py: Python<'py>,
+    f: &imp_mem_core::activations::Frozen,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("high_water", f.high_water)?;
+    d.set_item("margin", f.margin)?;
+    d.set_item("size", f.size)?;
+    d.set_item("committed_before", f.committed_before)?;
+    d.set_item("decommitted", f.decommitted)?;
+    Ok(d)
 }

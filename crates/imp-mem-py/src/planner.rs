@@ -376,6 +376,7 @@ impl PyLimits {
         match self.inner.kv_policy {
             KvPolicy::Full => "full",
             KvPolicy::Fit => "fit",
+            KvPolicy::None => "none",
         }
     }
 

@@ -166,7 +166,8 @@ impl PyMemorySystem {
     #[pyo3(signature = (
         backend, plan, *, context = None, library_reserve = None, kv_growable = None,
         kv_initial_blocks = None, kv_grow_blocks = None, apply_budget = true,
-        activation_strict = None, sleepable = None
+        activation_strict = None, sleepable = None, activation_measure = None,
+        activation_margin = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -181,6 +182,8 @@ impl PyMemorySystem {
         apply_budget: bool,
         activation_strict: Option<bool>,
         sleepable: Option<bool>,
+        activation_measure: Option<&Bound<'_, PyAny>>,
+        activation_margin: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let core_backend = backend.get().inner.clone();
         let options = SystemOptions {
@@ -193,6 +196,9 @@ impl PyMemorySystem {
             sleepable,
             activation_strict,
             activation_order: None,
+            activation_measure: convert::opt_bytes(activation_measure, "activation_measure")?,
+            activation_margin: convert::opt_bytes(activation_margin, "activation_margin")?
+                .unwrap_or(0),
         };
         let result = MemorySystem::open(&core_backend, plan.get().core(), options);
         backend.get().notices.emit(py)?;
@@ -424,6 +430,17 @@ impl PyMemorySystem {
         let result = self.open()?.begin_serving();
         self.emit(py)?;
         result.py()
+    }
+
+    /// The measured tiers (an activation tier opened with
+    /// `activation_measure`): per tier a dict of `tier`, `state`
+    /// (`measuring` / `frozen`), `high_water`, `margin`, `size`,
+    /// `committed`, `decommitted`.
+    fn measured(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        // No Python object is built under the system's lock (a GC callback
+        // may touch this system meanwhile).
+        let lines = self.open()?.measured();
+        to_py_object(py, &lines)
     }
 
     /// Names memory in use outside the backend (another allocator's pool,

@@ -43,12 +43,13 @@ impl ActivationPool {
                 core.c.ooms += 1;
                 return Err(reserve_err("pointer map"));
             }
-            if let Some(idx) = Self::find_own(&core, stream, units, need) {
+            let own = Self::find_own(&core, stream, units, need);
+            if let Some(idx) = own.filter(|&idx| self.reach(&mut core, idx, need)) {
                 core.take(idx, shift);
                 core.carve(idx, need, stream, bytes, shift);
                 return Ok(inner.base + core.slab[idx as usize].offset as usize);
             }
-            if need <= inner.capacity {
+            if need <= self.capacity() {
                 if let Some(addr) = self.take_other_lane(&mut core, stream, units, need, bytes)? {
                     return Ok(addr);
                 }
@@ -97,6 +98,9 @@ impl ActivationPool {
         let Some((idx, producer)) = found else {
             return Ok(None);
         };
+        if !self.reach(core, idx, need) {
+            return Ok(None);
+        }
         if producer != FRESH_STREAM {
             self.inner.order.order_after(stream, producer)?;
             core.c.cross_stream_reuses += 1;
@@ -142,17 +146,43 @@ impl ActivationPool {
         }
         core.c.reclaims += 1;
         let idx = Self::find_own(core, stream, units, need)?;
+        if !self.reach(core, idx, need) {
+            return None;
+        }
         core.take(idx, shift);
         core.carve(idx, need, stream, bytes, shift);
         Some(self.inner.base + core.slab[idx as usize].offset as usize)
+    }
+
+    /// Whether the first `need` bytes of free block `idx` are committed,
+    /// committing whole chunks up to them first while the pool measures
+    /// (false when the backend refuses the commit: the request is then
+    /// exhausted, as if the block did not fit). Records the extent reached.
+    fn reach(&self, core: &mut Core, idx: u32, need: u64) -> bool {
+        let end = core.slab[idx as usize].offset + need;
+        if core.measuring {
+            let mut region = self.region();
+            if end > region.len() as u64 {
+                let chunk = self.inner.chunk;
+                let target = end
+                    .div_ceil(chunk)
+                    .saturating_mul(chunk)
+                    .min(self.capacity());
+                if region.commit(target).is_err() {
+                    return false;
+                }
+            }
+        }
+        core.extent_peak = core.extent_peak.max(end);
+        true
     }
 
     fn oom(&self, core: &Core, bytes: u64) -> MemError {
         MemError::OutOfMemory(OomReport {
             asked: bytes,
             live: core.c.allocated,
-            budget: self.inner.capacity,
-            capacity: self.inner.capacity,
+            budget: self.capacity(),
+            capacity: self.capacity(),
             tag: Tag::Activations,
             device_refused: false,
             ledger_headroom: None,
@@ -193,7 +223,7 @@ impl ActivationPool {
         c.fallbacks_total += 1;
         c.fallback_bytes_total += need;
         c.fallback_bytes += need;
-        c.reserved_peak = c.reserved_peak.max(inner.capacity + c.fallback_bytes);
+        c.reserved_peak = c.reserved_peak.max(self.capacity() + c.fallback_bytes);
         c.in_use_peak = c.in_use_peak.max(c.allocated + c.fallback_bytes);
         c.requested += bytes;
         c.live += 1;

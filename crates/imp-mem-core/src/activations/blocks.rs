@@ -77,6 +77,12 @@ pub(super) struct Core {
     /// While the region sleeps: its level and the committed bytes to
     /// restore.
     pub(super) asleep: Option<(u8, usize)>,
+    /// A measured pool that has not been frozen: it commits as it grows.
+    pub(super) measuring: bool,
+    /// The highest end offset a block has reached.
+    pub(super) extent_peak: u64,
+    /// What the freeze fixed.
+    pub(super) frozen: Option<super::config::Frozen>,
 }
 
 impl Core {
@@ -250,6 +256,67 @@ impl Core {
         let units = self.slab[idx as usize].size >> shift;
         self.lanes[lane as usize].remove(&mut self.slab, idx, units);
         self.slab[idx as usize].lane = lane;
+    }
+
+    /// Cuts the region at `target` (a freeze): every block that ends above
+    /// `target` must be free (or parked); those starting at or past it are
+    /// dropped, and the one across it is shortened to end there. False,
+    /// nothing changed, when a live block ends above `target`.
+    pub(super) fn trim_top(&mut self, cap: u64, target: u64, shift: u32) -> bool {
+        if target >= cap {
+            return true;
+        }
+        let live_above = self
+            .slab
+            .iter()
+            .any(|b| b.state == BlockState::Live && b.offset + b.size > target);
+        if live_above {
+            return false;
+        }
+        let mut end = cap;
+        while end > target {
+            let Some(top) = self.slab.iter().position(|b| {
+                matches!(b.state, BlockState::Free | BlockState::Parked)
+                    && b.size > 0
+                    && b.offset + b.size == end
+            }) else {
+                return false;
+            };
+            let top = top as u32;
+            let b = self.slab[top as usize];
+            if b.state == BlockState::Free {
+                self.unlist(top, shift);
+            }
+            if b.offset >= target {
+                if b.prev_phys != NONE {
+                    self.slab[b.prev_phys as usize].next_phys = NONE;
+                }
+                if b.state == BlockState::Parked {
+                    self.c.parked_blocks -= 1;
+                }
+                self.drop_slot(top);
+                end = b.offset;
+                continue;
+            }
+            let rest = target - b.offset;
+            self.slab[top as usize].size = rest;
+            if b.state == BlockState::Free {
+                let lane = b.lane;
+                self.lanes[lane as usize].insert(&mut self.slab, top, rest >> shift, lane);
+            }
+            end = target;
+        }
+        true
+    }
+
+    /// The highest end of a live block (0 when none is live).
+    pub(super) fn live_extent(&self) -> u64 {
+        self.slab
+            .iter()
+            .filter(|b| b.state == BlockState::Live)
+            .map(|b| b.offset + b.size)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Moves every free block of lane `from` to `stream`'s lane, merging.

@@ -21,6 +21,14 @@ pub struct ActivationConfig {
     ///
     /// [`ActivationPool::sleep`]: super::ActivationPool::sleep
     pub growable: bool,
+    /// A *measured* pool: reserve `capacity` bytes of address space and
+    /// commit them in chunks of this many bytes (rounded up to the
+    /// backend's granularity) as requests reach past the committed end,
+    /// until [`ActivationPool::freeze`] fixes the pool at its high-water
+    /// plus a margin. Needs a growable backend; `None`: committed whole.
+    ///
+    /// [`ActivationPool::freeze`]: super::ActivationPool::freeze
+    pub measure_chunk: Option<u64>,
 }
 
 impl ActivationConfig {
@@ -31,6 +39,7 @@ impl ActivationConfig {
             align: DEFAULT_ACTIVATION_ALIGN,
             strict: None,
             growable: false,
+            measure_chunk: None,
         }
     }
 }
@@ -38,8 +47,16 @@ impl ActivationConfig {
 /// A snapshot of one pool's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ActivationStats {
-    /// Bytes of the region.
+    /// Bytes of the region the blocks tile (a measured pool: its
+    /// reservation until the freeze, the frozen size after).
     pub capacity: u64,
+    /// A measured pool that has not been frozen yet: it commits as it grows.
+    pub measuring: bool,
+    /// The highest end offset any block has reached: the bytes a measured
+    /// pool needed (before the chunk rounding).
+    pub high_water: u64,
+    /// What the freeze fixed, once it ran.
+    pub frozen: Option<Frozen>,
     /// The alignment and size granule.
     pub align: u64,
     /// Bytes in live blocks of the region (rounded sizes).
@@ -95,6 +112,23 @@ pub struct ActivationStats {
     /// Free blocks that could be listed nowhere (metadata allocation failed);
     /// their bytes are counted free but never reused.
     pub parked_blocks: u64,
+}
+
+/// What [`ActivationPool::freeze`](super::ActivationPool::freeze) fixed: the
+/// measured figure a later start plans with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Frozen {
+    /// The highest end offset any block reached while measuring.
+    pub high_water: u64,
+    /// The margin asked for on top of it.
+    pub margin: u64,
+    /// The pool's size from now on: `high_water + margin` rounded up to
+    /// whole chunks, at most the reservation.
+    pub size: u64,
+    /// Bytes that were committed while measuring.
+    pub committed_before: u64,
+    /// Bytes decommitted by the freeze (whole chunks past `size`).
+    pub decommitted: u64,
 }
 
 /// What a free released.

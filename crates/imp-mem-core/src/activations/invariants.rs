@@ -76,16 +76,16 @@ impl ActivationPool {
             prev = at;
             at = b.next_phys;
         }
-        if offset != self.inner.capacity {
+        if offset != self.capacity() {
             return bad(format!(
                 "blocks cover {offset} B of a {} B region",
-                self.inner.capacity
+                self.capacity()
             ));
         }
-        if live_bytes + free_bytes != self.inner.capacity {
+        if live_bytes + free_bytes != self.capacity() {
             return bad(format!(
                 "free {free_bytes} + live {live_bytes} != capacity {}",
-                self.inner.capacity
+                self.capacity()
             ));
         }
         if live_n as usize != core.live.len() {

@@ -40,6 +40,17 @@
 //! counts as a steady-state acquisition while SERVING; the region is kept by
 //! its address, and freeing that address releases it.
 //!
+//! **Measured pools** (`ActivationConfig::measure_chunk`). The pool reserves
+//! its capacity as address space and commits it in whole chunks from the
+//! low end as blocks reach past the committed end (never-used memory is one
+//! block at the top, carved from its head, so the extent grows only as the
+//! workload needs it; addresses never move). It records the highest end
+//! any block reached (`high_water`). [`ActivationPool::freeze`] fixes the
+//! pool at `high_water + margin` rounded up to a chunk: the free top block
+//! is cut there, the capacity lowered, the commit made exactly that (whole
+//! chunks past it decommitted), and no commit happens after. The figure is
+//! what a later start plans a fixed tier with, without measuring.
+//!
 //! **Misuse.** A free of an address that is not a live block's start (a
 //! foreign pointer, a double free, an interior pointer) is refused and
 //! counted, and changes nothing.
@@ -75,7 +86,7 @@ mod pool;
 pub mod stream;
 pub(crate) mod tlsf;
 
-pub use config::{ActivationConfig, ActivationStats, Freed, RefusedFree};
+pub use config::{ActivationConfig, ActivationStats, Freed, Frozen, RefusedFree};
 pub use pool::ActivationPool;
 pub use stream::{FakeStreamOrder, NoStreams, StreamOrder};
 

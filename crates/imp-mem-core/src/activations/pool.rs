@@ -2,6 +2,8 @@
 //! sleep / wake, the counters and the description.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::config::Frozen;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::backend::{Backend, Region, DEFAULT_ALIGNMENT, MAX_ALIGNMENT};
@@ -19,7 +21,12 @@ use super::{DEFAULT_ACTIVATION_ALIGN, FRESH_STREAM, INITIAL_BLOCKS, INITIAL_LANE
 pub(super) struct Inner {
     id: u64,
     pub(super) base: usize,
-    pub(super) capacity: u64,
+    /// Bytes the blocks tile: fixed, except that a measured pool's freeze
+    /// lowers it once (under the state lock) to its frozen size.
+    pub(super) capacity: AtomicU64,
+    /// A measured pool's commit granule (a multiple of the backend's
+    /// granularity); 0 for a pool committed whole.
+    pub(super) chunk: u64,
     pub(super) align: u64,
     pub(super) shift: u32,
     pub(super) strict: bool,
@@ -45,7 +52,7 @@ impl std::fmt::Debug for ActivationPool {
         f.debug_struct("ActivationPool")
             .field("id", &self.inner.id)
             .field("base", &format_args!("{:#x}", self.inner.base))
-            .field("capacity", &self.inner.capacity)
+            .field("capacity", &self.capacity())
             .field("align", &self.inner.align)
             .field("strict", &self.inner.strict)
             .finish()
@@ -98,7 +105,30 @@ impl ActivationPool {
         let mut live: OffsetMap<u32> = OffsetMap::default();
         live.try_reserve(INITIAL_BLOCKS)
             .map_err(|_| reserve_err("pointer map"))?;
-        let region = if config.growable {
+        let chunk = match config.measure_chunk {
+            Some(chunk) => {
+                let granule = backend.info().granularity.max(1) as u64;
+                if !backend.info().growable {
+                    return Err(MemError::BackendUnavailable(
+                        "a measured activation pool grows by commits inside one reservation; \
+                         this backend cannot (open it on a VMM backend, or the fake one with \
+                         growth), or give the pool a fixed capacity instead"
+                            .into(),
+                    ));
+                }
+                if chunk == 0 || chunk > capacity {
+                    return Err(MemError::invalid(format!(
+                        "measure_chunk of {chunk} B: expected 1 B up to the capacity ({capacity} B); \
+                         e.g. 2 MiB"
+                    )));
+                }
+                chunk.div_ceil(granule) * granule
+            }
+            None => 0,
+        };
+        let region = if chunk > 0 {
+            backend.acquire_growable(capacity, 0, Tag::Activations)?
+        } else if config.growable {
             backend.acquire_growable(capacity, capacity, Tag::Activations)?
         } else {
             backend.acquire(
@@ -118,6 +148,9 @@ impl ActivationPool {
                 ..Counters::default()
             },
             asleep: None,
+            measuring: chunk > 0,
+            extent_peak: 0,
+            frozen: None,
         };
         core.slab.push(Block {
             offset: 0,
@@ -129,7 +162,8 @@ impl ActivationPool {
             inner: Arc::new(Inner {
                 id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
                 base: region.base(),
-                capacity,
+                capacity: AtomicU64::new(capacity),
+                chunk,
                 align,
                 shift: align.trailing_zeros(),
                 strict,
@@ -162,9 +196,10 @@ impl ActivationPool {
         self.inner.base
     }
 
-    /// Bytes of the region.
+    /// Bytes of the region the blocks tile (a measured pool: its
+    /// reservation until the freeze, its frozen size after).
     pub fn capacity(&self) -> u64 {
-        self.inner.capacity
+        self.inner.capacity.load(Ordering::Acquire)
     }
 
     /// The alignment and size granule.
@@ -252,9 +287,108 @@ impl ActivationPool {
         Ok(())
     }
 
+    /// Whether the pool is a measured one that has not been frozen: it
+    /// commits chunks as blocks reach past its committed end.
+    pub fn measuring(&self) -> bool {
+        self.core().measuring
+    }
+
+    /// The highest end offset any block has reached (the bytes a measured
+    /// pool needed).
+    pub fn high_water(&self) -> u64 {
+        self.core().extent_peak
+    }
+
+    /// Starts the high-water again from the blocks live now (the highest
+    /// end of a live block): what ran before (a compile, a first warm-up
+    /// whose temporaries are gone) no longer counts, and a freeze after it
+    /// decommits the chunks only that needed. Nothing moves; a no-op on a
+    /// pool that does not measure.
+    pub fn reset_high_water(&self) {
+        let mut core = self.core();
+        if core.measuring {
+            core.extent_peak = core.live_extent();
+        }
+    }
+
+    /// What the freeze fixed, once it ran.
+    pub fn frozen(&self) -> Option<Frozen> {
+        self.core().frozen
+    }
+
+    /// Fixes a measured pool at its high-water plus `margin` bytes, rounded
+    /// up to whole chunks (at most the reservation): the free top block is
+    /// cut there and the capacity lowered, the commit becomes exactly that
+    /// size (chunks past it decommitted, the margin committed now), and the
+    /// pool commits nothing after. No live block moves or changes. Refused
+    /// with `InvalidArgument` on a pool that does not measure (or was
+    /// frozen) and while it sleeps; a refused commit of the margin leaves
+    /// the pool measuring.
+    pub fn freeze(&self, margin: u64) -> Result<Frozen, MemError> {
+        let mut core = self.core();
+        if !core.measuring {
+            return Err(MemError::invalid(match core.frozen {
+                Some(f) => format!(
+                    "the activation pool is already frozen at {}; freeze it once",
+                    human_bytes(f.size)
+                ),
+                None => "the activation pool does not measure (it is committed whole); open it \
+                         with a measure chunk to freeze it"
+                    .into(),
+            }));
+        }
+        if let Some((level, _)) = core.asleep {
+            return Err(MemError::invalid(format!(
+                "the activation pool sleeps (level {level}); wake() it before the freeze"
+            )));
+        }
+        let chunk = self.inner.chunk;
+        let cap = self.capacity();
+        let target = core
+            .extent_peak
+            .saturating_add(margin)
+            .max(1)
+            .div_ceil(chunk)
+            .saturating_mul(chunk)
+            .min(cap);
+        // Round to the alignment too: the blocks are multiples of it.
+        let target = (target / self.inner.align * self.inner.align).max(self.inner.align);
+        if core.live_extent() > target {
+            return Err(MemError::Invariant(format!(
+                "activation pool freeze: a live block ends at {} B, past the high-water {} B",
+                core.live_extent(),
+                core.extent_peak
+            )));
+        }
+        // Commit or decommit first (a refusal leaves the pool as it was):
+        // everything past `target` is free, and the state lock keeps it so
+        // until the cut.
+        let mut region = self.region();
+        let committed_before = region.len() as u64;
+        region.commit(target)?;
+        region.decommit(target)?;
+        if !core.trim_top(cap, target, self.inner.shift) {
+            return Err(MemError::Invariant(format!(
+                "activation pool freeze: the blocks past {target} B are not free blocks ending at \
+                 the capacity {cap} B"
+            )));
+        }
+        self.inner.capacity.store(target, Ordering::Release);
+        let frozen = Frozen {
+            high_water: core.extent_peak,
+            margin,
+            size: target,
+            committed_before,
+            decommitted: committed_before.saturating_sub(region.len() as u64),
+        };
+        core.measuring = false;
+        core.frozen = Some(frozen);
+        Ok(frozen)
+    }
+
     /// Whether `addr` lies inside the region.
     pub fn contains(&self, addr: usize) -> bool {
-        addr >= self.inner.base && ((addr - self.inner.base) as u64) < self.inner.capacity
+        addr >= self.inner.base && ((addr - self.inner.base) as u64) < self.capacity()
     }
 
     /// The requested size of the live allocation at `addr`, if it is one.
@@ -273,8 +407,8 @@ impl ActivationPool {
 
     /// Resets the peaks to the current values.
     pub fn reset_peak(&self) {
-        let cap = self.inner.capacity;
         let mut core = self.core();
+        let cap = self.capacity();
         let c = &mut core.c;
         c.allocated_peak = c.allocated;
         c.in_use_peak = c.allocated + c.fallback_bytes;
@@ -296,7 +430,10 @@ impl ActivationPool {
             }
         }
         ActivationStats {
-            capacity: self.inner.capacity,
+            capacity: self.capacity(),
+            measuring: core.measuring,
+            high_water: core.extent_peak,
+            frozen: core.frozen,
             align: self.inner.align,
             allocated: c.allocated,
             allocated_peak: c.allocated_peak,
@@ -335,7 +472,7 @@ impl ActivationPool {
     pub fn describe(&self) -> String {
         format!(
             "activation pool of {} (align {} B, {})",
-            human_bytes(self.inner.capacity),
+            human_bytes(self.capacity()),
             self.inner.align,
             if self.inner.strict {
                 "strict"

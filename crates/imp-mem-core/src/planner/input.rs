@@ -19,16 +19,22 @@ pub enum KvPolicy {
     /// fails only below one full sequence (seed D8); admission then bounds
     /// concurrency.
     Fit,
+    /// No KV pool: the caller keeps its KV cache itself (a Hugging Face
+    /// model's KV lives in torch tensors, on the activations tier). The
+    /// plan has no KV or SWA blocks; `max_batch` and `max_seq_len` still
+    /// size the scratch and the per-sequence state.
+    None,
 }
 
 impl KvPolicy {
-    /// Parses `full` or `fit`.
+    /// Parses `full`, `fit` or `none`.
     pub fn parse(text: &str) -> Result<KvPolicy, MemError> {
         match text.trim().to_ascii_lowercase().as_str() {
             "full" => Ok(KvPolicy::Full),
             "fit" => Ok(KvPolicy::Fit),
+            "none" => Ok(KvPolicy::None),
             other => Err(MemError::invalid(format!(
-                "kv_policy: unknown policy '{other}'; expected full or fit"
+                "kv_policy: unknown policy '{other}'; expected full, fit or none"
             ))),
         }
     }

@@ -334,7 +334,7 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
         state: mib(state),
         kv_bytes_per_token: per_token.full,
         kv_blocks_per_seq,
-        kv_target: if per_token.full > 0 {
+        kv_target: if per_token.full > 0 && l.kv_policy != KvPolicy::None {
             batch
                 .saturating_mul(kv_blocks_per_seq)
                 .saturating_add(f.engine_kv_blocks)
@@ -343,7 +343,7 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
         },
         swa_bytes_per_token,
         swa_blocks_per_seq,
-        swa_target: if swa_blocks_per_seq > 0 {
+        swa_target: if swa_blocks_per_seq > 0 && l.kv_policy != KvPolicy::None {
             batch
                 .saturating_mul(swa_blocks_per_seq)
                 .saturating_add(f.engine_swa_blocks)
@@ -376,7 +376,9 @@ fn demand(input: &PlanInput) -> Result<Demand, MemError> {
 }
 
 fn kv_label(input: &PlanInput, blocks: u64, target: u64, bs: u32) -> String {
-    if blocks == target {
+    if input.limits.kv_policy == KvPolicy::None {
+        "KV pool (none: the caller keeps its KV)".into()
+    } else if blocks == target {
         let engine = match input.features.engine_kv_blocks {
             0 => String::new(),
             n => format!(" + {n} engine blocks"),
@@ -501,7 +503,7 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
         d.kv_target
     } else {
         match input.limits.kv_policy {
-            KvPolicy::Full => return Err(fail(FailureKind::OverBudget)),
+            KvPolicy::Full | KvPolicy::None => return Err(fail(FailureKind::OverBudget)),
             KvPolicy::Fit => {
                 let before_kv = d.fixed().saturating_add(swa_bytes);
                 if before_kv >= budget || kv_block_bytes == 0 {

@@ -1123,3 +1123,44 @@ fn engine_blocks_add_to_the_kv_targets_and_name_themselves() {
     let err = plan_memory(&huge).unwrap_err().to_string();
     assert!(err.contains("engine_kv_blocks"), "{err}");
 }
+
+#[test]
+fn kv_policy_none_plans_no_kv_or_swa_pool() {
+    for config in [llama3_8b(), gemma2_9b()] {
+        let mut inp = input(shape(&config), 32, 1088, 80 * GIB);
+        let with_pool = plan_memory(&inp).unwrap();
+        assert!(with_pool.kv.blocks > 0);
+        inp.limits.kv_policy = KvPolicy::None;
+        let plan = plan_memory(&inp).unwrap();
+        assert_eq!(
+            (plan.kv.blocks, plan.kv.bytes, plan.kv.target_blocks),
+            (0, 0, 0)
+        );
+        assert!(
+            plan.swa.as_ref().is_none_or(|s| s.blocks == 0),
+            "{:?}",
+            plan.swa
+        );
+        assert_eq!(
+            plan.total,
+            with_pool.total - with_pool.kv.bytes - with_pool.swa.as_ref().map_or(0, |s| s.bytes)
+        );
+        assert!(
+            plan.table().contains("none: the caller keeps its KV"),
+            "{}",
+            plan.table()
+        );
+        // Nothing is sized from a residual, so an over-budget plan fails
+        // as `full` does, never below an admission floor.
+        inp.budget = plan.total - 1;
+        let Err(PlanError::DoesNotFit(failure)) = plan_memory(&inp) else {
+            panic!("over budget")
+        };
+        assert_eq!(failure.kind, FailureKind::OverBudget);
+    }
+    assert_eq!(KvPolicy::parse(" None ").unwrap(), KvPolicy::None);
+    assert!(KvPolicy::parse("nope")
+        .unwrap_err()
+        .to_string()
+        .contains("full, fit or none"));
+}

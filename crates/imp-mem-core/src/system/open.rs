@@ -74,6 +74,16 @@ pub struct SystemOptions {
     /// events on a device), asked once at open when the plan has an
     /// activation pool and kept in the system's options for its swaps.
     pub activation_order: Option<ActivationOrder>,
+    /// Open the activation pool as a *measured* tier: the plan's activation
+    /// line is reserved as address space and committed in chunks of this
+    /// many bytes as the warm-up asks, and `begin_serving` fixes it at its
+    /// high-water plus `activation_margin` (see
+    /// [`ActivationPool::freeze`]). Needs a growable backend; `None`: the
+    /// tier is committed whole at open.
+    pub activation_measure: Option<u64>,
+    /// The margin (bytes) a measured activation tier keeps above its
+    /// high-water when `begin_serving` freezes it.
+    pub activation_margin: u64,
 }
 
 impl Default for SystemOptions {
@@ -88,6 +98,8 @@ impl Default for SystemOptions {
             sleepable: None,
             activation_strict: None,
             activation_order: None,
+            activation_measure: None,
+            activation_margin: 0,
         }
     }
 }
@@ -442,7 +454,9 @@ impl MemorySystem {
             // it to a granule, as for T1.
             let rounded = round(bytes);
             config.growable = options.sleepable.unwrap_or_else(|| backend.info().growable)
-                && rounded - bytes <= spare;
+                && rounded - bytes <= spare
+                && options.activation_measure.is_none();
+            config.measure_chunk = options.activation_measure;
             let cost = if config.growable {
                 spare -= rounded - bytes;
                 rounded

@@ -171,6 +171,28 @@ pub struct StayLine {
     pub bytes: u64,
 }
 
+/// A measured tier (the activation pool opened with
+/// `SystemOptions::activation_measure`): growing while measuring, fixed by
+/// `begin_serving` at its high-water plus the margin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MeasuredLine {
+    /// The tier's key (`activations`).
+    pub tier: String,
+    /// `measuring` (it still grows) or `frozen`.
+    pub state: &'static str,
+    /// The highest end offset any block reached: the measured figure.
+    pub high_water: u64,
+    /// The margin the freeze added (0 while measuring).
+    pub margin: u64,
+    /// The tier's size: the reservation while measuring, the frozen size
+    /// after.
+    pub size: u64,
+    /// Bytes committed now.
+    pub committed: u64,
+    /// Bytes the freeze decommitted.
+    pub decommitted: u64,
+}
+
 /// One snapshot of the whole system (see the module documentation).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MemReport {
@@ -227,6 +249,8 @@ pub struct MemReport {
     /// measured). They add up to `attributed + planned_unclaimed`. Empty
     /// while nothing sleeps.
     pub asleep_stays: Vec<StayLine>,
+    /// The measured tiers: what each needed, and what it was fixed at.
+    pub measured: Vec<MeasuredLine>,
 }
 
 impl MemorySystem {
@@ -447,8 +471,10 @@ impl MemorySystem {
         } else {
             stays(&tiers, &outside, &charges)
         };
+        let measured = self.measured();
         let info = self.backend.info();
         MemReport {
+            measured,
             backend: info.name.clone(),
             device_ordinal: info.device,
             phase: stats.phase.name(),

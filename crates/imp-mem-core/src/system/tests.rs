@@ -1094,3 +1094,76 @@ fn the_kv_host_tier_is_the_plans_unless_told_otherwise_and_its_sources() {
         .kv_manager_with_host_tier(system.kv_config().unwrap(), Some(0))
         .is_ok());
 }
+
+#[test]
+fn a_measured_activation_tier_grows_then_freezes_at_begin_serving_with_no_kv_pool() {
+    let mut limits = Limits::new(4, 1024);
+    limits.kv_policy = KvPolicy::None;
+    let plan = plan_memory(&PlanInput {
+        model: shape(),
+        limits,
+        features: Features {
+            activation_bytes: Some(64 * MIB),
+            ..Features::default()
+        },
+        tp: 1,
+        budget: 256 * MIB,
+        context_bytes: 8 * MIB,
+        library_reserve_bytes: 4 * MIB,
+    })
+    .unwrap();
+    assert_eq!(plan.kv.blocks, 0);
+    let fb = fake(1 << 30, true);
+    let chunk = 2 * MIB;
+    let options = SystemOptions {
+        activation_measure: Some(chunk),
+        activation_margin: 3 * MIB,
+        activation_strict: Some(true),
+        ..SystemOptions::default()
+    };
+    let sys = MemorySystem::open(&fb, &plan, options).unwrap();
+    assert!(
+        !sys.tier_keys().contains(&"kv_pool"),
+        "{:?}",
+        sys.tier_keys()
+    );
+    let act = sys.activations().unwrap();
+    let committed = |sys: &MemorySystem| sys.backend().stats().tags[&Tag::Activations].committed;
+    assert_eq!(committed(&sys), 0);
+    sys.begin_planning().unwrap();
+    // The warm-up: 5 MiB live at its peak, 1 MiB after.
+    let a = act.allocate(4 * MIB, 0).unwrap();
+    let b = act.allocate(MIB, 0).unwrap();
+    assert_eq!(committed(&sys), 6 * MIB);
+    act.free(a, 0).unwrap();
+    let line = &sys.measured()[0];
+    assert_eq!(
+        (line.state, line.high_water, line.size),
+        ("measuring", 5 * MIB, 64 * MIB)
+    );
+    sys.begin_serving().unwrap();
+    let line = sys.measured()[0].clone();
+    assert_eq!(line.state, "frozen");
+    assert_eq!(
+        (line.high_water, line.margin, line.size),
+        (5 * MIB, 3 * MIB, 8 * MIB)
+    );
+    assert_eq!((committed(&sys), line.committed), (8 * MIB, 8 * MIB));
+    // `b` did not move; serving takes what the frozen size holds, no more.
+    assert_eq!(act.requested_size(b), Some(MIB));
+    let c = act.allocate(4 * MIB, 0).unwrap();
+    let d = act.allocate(3 * MIB, 0).unwrap();
+    assert!(act.allocate(512, 0).is_err());
+    assert_eq!(committed(&sys), 8 * MIB);
+    let report = sys.report(&ReportInput::default());
+    assert_eq!(report.measured, vec![line]);
+    assert!(
+        report.text().contains("measured tier activations: frozen"),
+        "{}",
+        report.text()
+    );
+    act.free(b, 0).unwrap();
+    act.free(c, 0).unwrap();
+    act.free(d, 0).unwrap();
+    sys.check().unwrap();
+}

@@ -33,6 +33,20 @@ impl MemReport {
             mib1(self.plan_total),
             mib1(self.plan_headroom)
         );
+        for m in &self.measured {
+            let _ = writeln!(
+                out,
+                "measured tier {}: {}, high-water {} MiB, margin {} MiB, size {} MiB, committed \
+                 {} MiB ({} MiB decommitted by the freeze)",
+                m.tier,
+                m.state,
+                mib1(m.high_water),
+                mib1(m.margin),
+                mib1(m.size),
+                mib1(m.committed),
+                mib1(m.decommitted)
+            );
+        }
         if !self.asleep.is_empty() {
             let _ = writeln!(
                 out,

@@ -284,6 +284,13 @@ impl MemorySystem {
         if self.closed {
             return Err(self.closed_error());
         }
+        if self.backend.phase() != Phase::Serving {
+            // A measured tier is fixed at its high-water plus the margin
+            // before the phase changes: nothing commits while serving.
+            if let Some(p) = self.activations().filter(|p| p.measuring()) {
+                p.freeze(self.options.activation_margin)?;
+            }
+        }
         match self.backend.phase() {
             Phase::Serving => Ok(()),
             Phase::Loading => {
@@ -291,6 +298,40 @@ impl MemorySystem {
                 self.backend.begin_serving()
             }
             Phase::Planning => self.backend.begin_serving(),
+        }
+    }
+
+    /// The measured tiers (an activation pool opened with
+    /// [`SystemOptions::activation_measure`]): each one's high-water and,
+    /// once `begin_serving` froze it, the size it was fixed at. A later
+    /// start plans the tier at `high_water + margin` without measuring.
+    ///
+    /// [`SystemOptions::activation_measure`]: super::SystemOptions::activation_measure
+    pub fn measured(&self) -> Vec<super::MeasuredLine> {
+        let Some(p) = self.activations() else {
+            return Vec::new();
+        };
+        let stats = p.stats();
+        match stats.frozen {
+            Some(f) => vec![super::MeasuredLine {
+                tier: "activations".into(),
+                state: "frozen",
+                high_water: f.high_water,
+                margin: f.margin,
+                size: f.size,
+                committed: p.committed(),
+                decommitted: f.decommitted,
+            }],
+            None if stats.measuring => vec![super::MeasuredLine {
+                tier: "activations".into(),
+                state: "measuring",
+                high_water: stats.high_water,
+                margin: 0,
+                size: stats.capacity,
+                committed: p.committed(),
+                decommitted: 0,
+            }],
+            None => Vec::new(),
         }
     }
 

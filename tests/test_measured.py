@@ -1,0 +1,316 @@
+"""Measured tiers on the CPU (issue 28): the binding's freeze as a property
+(high-water kept, the rest decommitted, nothing live moved, the commit never
+past the budget), the fingerprint cache, a plan with no KV pool, and
+``imp_mem.torch.serve`` on the fake backend (measure on the first start,
+remember, plan without measuring on the second). Routing torch's CUDA
+allocations needs a GPU: ``tests/gpu/test_torch_serve_gpu.py``; the freeze is
+proved in Rust too (``crates/imp-mem-core/tests/measured_props.rs``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import imp_mem
+from imp_mem import InvalidArgument, measured
+
+MIB = 1 << 20
+GRANULE = 64 * 1024
+CHUNK = 4 * GRANULE
+RESERVE = 32 * CHUNK
+
+
+def _committed(fb) -> int:
+    return int(fb.stats()["tags"]["activations"]["committed"])
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(1, 3 * CHUNK)),
+        st.tuples(st.just("free"), st.integers(0, 1 << 16)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, margin=st.integers(0, 4 * CHUNK), budget_chunks=st.integers(6, 40))
+def test_freeze_keeps_the_high_water_and_moves_nothing(ops, margin, budget_chunks):
+    budget = budget_chunks * CHUNK
+    fb = imp_mem.FakeBackend(capacity=64 * MIB, budget=budget, granularity=GRANULE)
+    pool = imp_mem.ActivationPool(fb, RESERVE, strict=True, measure_chunk=CHUNK)
+    assert pool.measuring and pool.committed == 0
+    live: dict[int, bytes] = {}
+    for i, (kind, n) in enumerate(ops):
+        if kind == "alloc":
+            try:
+                addr = pool.allocate(n)
+            except imp_mem.OutOfMemory:
+                continue
+            data = bytes([i % 251 + 1]) * n
+            fb.write(addr, data)  # refused if any byte were not committed
+            live[addr] = data
+        elif live:
+            addr = sorted(live)[n % len(live)]
+            assert fb.read(addr, len(live[addr])) == live.pop(addr)
+            pool.free(addr)
+        c = _committed(fb)
+        assert c <= budget and c % CHUNK == 0
+        assert c == min(-(-pool.high_water // CHUNK) * CHUNK, RESERVE)
+    high_water = pool.high_water
+    before = _committed(fb)
+    size = min(max(-(-(high_water + margin) // CHUNK) * CHUNK, CHUNK), RESERVE)
+    if size > budget:
+        with pytest.raises(imp_mem.ImpMemError):
+            pool.freeze(margin)
+        assert pool.measuring and _committed(fb) == before
+        return
+    frozen = pool.freeze(margin)
+    assert frozen == {
+        "high_water": high_water,
+        "margin": margin,
+        "size": size,
+        "committed_before": before,
+        "decommitted": max(0, before - size),
+    }
+    assert pool.frozen == frozen and not pool.measuring
+    assert _committed(fb) == size == pool.capacity
+    for addr, data in live.items():
+        assert fb.read(addr, len(data)) == data
+    pool.check_invariants()
+    # Nothing is committed after the freeze: a request past the size is refused.
+    with pytest.raises(imp_mem.OutOfMemory):
+        pool.allocate(size + 1)
+    assert _committed(fb) == size
+    with pytest.raises(InvalidArgument, match="already frozen"):
+        pool.freeze(0)
+    for addr in live:
+        pool.free(addr)
+
+
+def test_measure_arguments_are_checked():
+    fb = imp_mem.FakeBackend(capacity=64 * MIB, granularity=GRANULE)
+    with pytest.raises(InvalidArgument, match="measure_chunk"):
+        imp_mem.ActivationPool(fb, RESERVE, measure_chunk=0)
+    with pytest.raises(InvalidArgument, match="growable and measure_chunk"):
+        imp_mem.ActivationPool(fb, RESERVE, growable=True, measure_chunk=CHUNK)
+    fixed = imp_mem.ActivationPool(fb, RESERVE)
+    with pytest.raises(InvalidArgument, match="does not measure"):
+        fixed.freeze()
+    pool = imp_mem.ActivationPool(fb, RESERVE, measure_chunk=CHUNK)
+    with pytest.raises(InvalidArgument, match="margin"):
+        pool.freeze(-1)
+    assert pool.stats()["measuring"] is True
+    assert pool.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.text(max_size=8))
+json_value = st.recursive(
+    json_leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+figures = st.fixed_dictionaries(
+    {
+        "high_water": st.integers(0, 1 << 40),
+        "margin": st.integers(0, 1 << 30),
+        "size": st.integers(1, 1 << 41),
+    }
+)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    model=json_value.filter(lambda m: m not in (None, "")),
+    shapes=json_value,
+    other=json_value,
+    fig=figures,
+    fig2=figures,
+)
+def test_the_cache_recalls_what_it_remembered_under_that_fingerprint_only(
+    tmp_path, model, shapes, other, fig, fig2
+):
+    path = tmp_path / "m.json"
+    path.unlink(missing_ok=True)
+    env = {"torch": "x", "cuda": "12.8", "driver": 1}
+    fp = measured.fingerprint(model, shapes, env=env)
+    assert measured.recall(fp, path=path) is None
+    measured.remember(fp, dict(fig, extra="ignored"), path=path)
+    assert measured.recall(fp, path=path) == fig
+    assert measured.recall(fp, "graphs", path=path) is None
+    # Any other model, shapes or software is a miss.
+    for fp2 in (
+        measured.fingerprint(model, [shapes, other], env=env),
+        measured.fingerprint(model, shapes, env=dict(env, torch="y")),
+        measured.fingerprint([model], shapes, env=env),
+    ):
+        assert measured.recall(fp2, path=path) is None
+    # A second tier under the same key, and a second store replaces.
+    measured.remember(fp, fig2, "graphs", path=path)
+    measured.remember(fp, fig2, path=path)
+    assert measured.recall(fp, path=path) == fig2
+    assert measured.recall(fp, "graphs", path=path) == fig2
+
+
+def test_an_unreadable_cache_is_a_miss_and_is_replaced(tmp_path):
+    path = tmp_path / "m.json"
+    fp = measured.fingerprint("m", None, env={})
+    fig = {"high_water": 5, "margin": 1, "size": 8}
+    for junk in ("{", "[]", json.dumps({"version": 99, "entries": {}}), "\x00"):
+        path.write_text(junk)
+        assert measured.recall(fp, path=path) is None
+    measured.remember(fp, fig, path=path)
+    assert measured.recall(fp, path=path) == fig
+    # A hand-edited entry with a bad figure is a miss, not an error.
+    data = json.loads(path.read_text())
+    key = measured.fingerprint_key(fp)
+    data["entries"][key]["tiers"]["activations"]["size"] = "big"
+    path.write_text(json.dumps(data))
+    assert measured.recall(fp, path=path) is None
+    with pytest.raises(InvalidArgument, match="measured"):
+        measured.remember(fp, {"high_water": -1, "margin": 0, "size": 1}, path=path)
+    with pytest.raises(InvalidArgument, match="model"):
+        measured.fingerprint("", None, env={})
+    with pytest.raises(InvalidArgument, match="model"):
+        measured.fingerprint(object(), None, env={})
+
+
+def test_a_plan_with_no_kv_pool():
+    shape = imp_mem.ModelShape.from_hf_config(
+        {
+            "model_type": "qwen3",
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "torch_dtype": "bfloat16",
+        }
+    )
+    limits = imp_mem.Limits(32, 1088, kv_policy="none")
+    assert limits.kv_policy == "none"
+    features = imp_mem.Features(activation_bytes=4 << 30)
+    plan = imp_mem.plan_memory(imp_mem.PlanInput(shape, limits, features, budget=40 << 30))
+    assert plan.kv["blocks"] == 0 and plan.kv["bytes"] == 0
+    fb = imp_mem.FakeBackend(capacity=40 << 30, backed=False)
+    system = imp_mem.MemorySystem(fb, plan, activation_measure=2 * MIB)
+    assert "kv_pool" not in [t["key"] for t in system.mem_report()["tiers"]]
+    assert system.kv_pool is None
+    with pytest.raises(InvalidArgument, match="full, fit or none"):
+        imp_mem.Limits(1, 16, kv_policy="nothing")
+
+
+torch_mod = pytest.importorskip("imp_mem.torch")
+
+
+def test_serve_measures_then_the_second_start_recalls(tmp_path):
+    path = tmp_path / "measured.json"
+    fp = {"model": "toy", "batch": 4}
+
+    def start():
+        fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+        return torch_mod.serve(fingerprint=fp, backend=fb, margin=MIB, chunk=CHUNK, cache_path=path)
+
+    first = start()
+    assert first.measuring and first.recalled is None
+    act = first.activations
+    assert act.measuring and act.committed == 0
+    assert "kv_pool" not in [t["key"] for t in first.mem_report()["tiers"]]
+    # The warm-up: 5 MiB + a bit at the peak.
+    a = act.allocate(5 * MIB + 1)
+    b = act.allocate(MIB)
+    act.free(a)
+    first.begin_serving()
+    line = first.measured()[0]
+    want = -(-(6 * MIB + 512 + MIB) // CHUNK) * CHUNK
+    assert (line["state"], line["high_water"], line["size"]) == ("frozen", 6 * MIB + 512, want)
+    assert act.committed == want
+    assert first.remembered == path
+    assert measured.recall(first.fingerprint, path=path)["size"] == want
+    act.free(b)
+
+    second = start()
+    assert not second.measuring and second.recalled["size"] == want
+    act2 = second.activations
+    # Planned at the remembered size (the planner counts whole MiB).
+    assert not act2.measuring and second.measured() == []
+    assert act2.capacity == -(-want // MIB) * MIB
+    second.begin_serving()
+    assert "activations" in second.mem_report_text()
+    # A share as the margin.
+    fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+    third = torch_mod.serve(backend=fb, margin=0.5, chunk=CHUNK)
+    c = third.activations.allocate(4 * MIB)
+    third.begin_serving()
+    assert third.measured()[0]["size"] == 6 * MIB and third.remembered is None
+    third.activations.free(c)
+
+
+def test_serve_arguments_are_checked():
+    fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+    with pytest.raises(InvalidArgument, match="mode"):
+        torch_mod.serve(backend=fb, mode="both")
+    with pytest.raises(InvalidArgument, match="margin"):
+        torch_mod.serve(backend=fb, margin=-0.1)
+    with pytest.raises(InvalidArgument, match="budget"):
+        torch_mod.serve(backend=fb, budget=0)
+    with pytest.raises(InvalidArgument, match="chunk"):
+        torch_mod.serve(backend=fb, chunk="nope")
+
+
+def test_reset_high_water_forgets_a_compile_peak_and_the_freeze_gives_it_back():
+    fb = imp_mem.FakeBackend(capacity=64 * MIB, granularity=GRANULE)
+    pool = imp_mem.ActivationPool(fb, RESERVE, strict=True, measure_chunk=CHUNK)
+    weights = pool.allocate(CHUNK)
+    compile_tmp = pool.allocate(8 * CHUNK)
+    pool.free(compile_tmp)
+    assert pool.high_water == 9 * CHUNK and _committed(fb) == 9 * CHUNK
+    pool.reset_high_water()
+    assert pool.high_water == CHUNK
+    step = pool.allocate(2 * CHUNK)
+    pool.free(step)
+    frozen = pool.freeze(0)
+    assert frozen["size"] == 3 * CHUNK and frozen["decommitted"] == 6 * CHUNK
+    assert _committed(fb) == 3 * CHUNK
+    pool.free(weights)
+
+
+def _readme_serve_example() -> str:
+    import re
+    from pathlib import Path
+
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+    found = [b for b in blocks if "imp_mem.torch.serve(" in b]
+    assert len(found) == 1, "the README has one serve() example"
+    return found[0]
+
+
+def test_the_readme_serve_example_runs_on_the_cpu(monkeypatch, tmp_path, capsys):
+    """The README's one-call example, on the fake backend and the CPU (torch's
+    tensors stay on the CPU, so the tier sees none; the GPU test runs it for
+    real: tests/gpu/test_torch_serve_gpu.py)."""
+    pytest.importorskip("transformers")
+    import functools
+
+    example = _readme_serve_example()
+    fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+    monkeypatch.setenv("IMP_MEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch_mod, "serve", functools.partial(torch_mod.serve, backend=fb))
+    ns: dict = {}
+    exec(example.replace('"cuda"', '"cpu"'), ns)
+    system = ns["system"]
+    assert system.measured()[0]["state"] == "frozen"
+    assert system.remembered == tmp_path / "measured.json"
+    assert ns["out"].shape == (4, 64 + 8)
+    assert "measured tier activations: frozen" in capsys.readouterr().out
