@@ -367,14 +367,14 @@ def boot_child(spec: dict) -> int:
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             free, whole = torch.cuda.mem_get_info()
-            report = e.mem_report()
+            report = e.mem_report(other_processes=spec["other"])
             out["workloads"].append(
                 {
                     "batch": batch,
                     "tok_s": (e.stats.decode_tokens - tokens0) / dt,
                     "step_s": dt / max(1, e.stats.decode_steps - steps0),
                     "tokens": [r.output[:8] for r in reqs[:4]],
-                    "device_used": whole - free,
+                    "device_used": whole - free - spec["other"],
                     "attributed_pct": (report.get("device") or {}).get("attribution_pct"),
                     "unattributed": (report.get("device") or {}).get("unattributed"),
                     "steady_state": sum(
@@ -389,6 +389,14 @@ def boot_child(spec: dict) -> int:
 
 
 def run_boot(spec: dict, env: dict) -> dict:
+    import torch
+
+    # This process's own device memory (its context, the weights it wrote),
+    # left out of the child's figures.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, whole = torch.cuda.mem_get_info()
+    spec = dict(spec, other=whole - free)
     proc = subprocess.run(
         [sys.executable, __file__, "--boot-child", json.dumps(spec)],
         env=env,

@@ -283,6 +283,10 @@ class Engine:
             load_format=load_format,
             seed=seed,
             dummy_scale=dummy_scale,
+            # torch routed into the activations tier: the child routes it
+            # too, so it measures only what stays outside (the modules).
+            torch_pool="imp_mem" if torch_pool == "imp_mem" else None,
+            activation_bytes=activation_bytes if torch_pool == "imp_mem" else None,
         )
         # What the probe child boots: the caller's model_dir (a dummy
         # engine's may be a config dict).
