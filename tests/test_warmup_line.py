@@ -130,3 +130,52 @@ def test_the_probe_child_boots_the_same_engine(tmp_path):
     assert warmup.probe(directory, kw) == {"torch": 0, "modules": 0}
     with pytest.raises(RuntimeError, match="max_seq_len"):
         warmup.probe(directory, dict(kw, max_seq_len=100000))
+
+
+def test_the_meter_names_only_what_no_line_holds(monkeypatch):
+    """`Meter`: the device's growth across the warm-up less torch's, less
+    what the backend and its source hold (handle cache, rounding), less the
+    library reserve its own line charges: the kernel modules. torch's
+    reserved bytes are charged only when they lie outside the tiers. The
+    device is simulated: the arithmetic is what is checked."""
+    torch = pytest.importorskip("torch")
+    from imp_mem.engine import warmup
+
+    state = {"used": 1000 * MIB, "reserved": 0, "committed": 500 * MIB, "cache": 0}
+
+    class Backend:
+        def stats(self):
+            return {"committed": state["committed"]}
+
+    class System:
+        def mem_report(self):
+            return {
+                "charges": [
+                    {"key": "vmm_handle_cache", "bytes": state["cache"]},
+                    {"key": "context", "bytes": 500 * MIB},
+                ]
+            }
+
+    total = 80 << 30
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (total - state["used"], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: state["reserved"])
+    for outside in (True, False):
+        meter = warmup.Meter(
+            None, Backend(), torch_outside=outside, system=System(), library_reserve=66 * MIB
+        )
+        meter.start()
+        # The warm-up: torch caches 80 MiB, the KV pool grows by 100 MiB, the
+        # source keeps 32 MiB of handles, cuBLAS takes its 66 MiB and the
+        # kernels' modules 250 MiB.
+        grow = {"reserved": 80 * MIB, "committed": 100 * MIB, "cache": 32 * MIB}
+        for k, v in grow.items():
+            state[k] += v
+        state["used"] += 80 * MIB + 100 * MIB + 32 * MIB + 66 * MIB + 250 * MIB
+        got = meter.stop()
+        assert got == {"torch": state["reserved"] if outside else 0, "modules": 250 * MIB}
+    # A device that shrank (something freed) never gives negative modules.
+    meter = warmup.Meter(None, Backend(), torch_outside=True, system=None)
+    meter.start()
+    state["used"] -= 400 * MIB
+    assert meter.stop()["modules"] == 0

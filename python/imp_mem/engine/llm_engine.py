@@ -350,7 +350,11 @@ class Engine:
             from imp_mem.engine.warmup import Meter
 
             self._meter = Meter(
-                memory.device, memory.backend, torch_outside=memory.torch_pool is None
+                memory.device,
+                memory.backend,
+                torch_outside=memory.torch_pool is None,
+                system=memory.system,
+                library_reserve=int(memory.library_reserve or 0),
             )
             self._meter.start()
         try:

@@ -29,8 +29,11 @@ So the engine plans them as one line, ``warmup`` (`Features.warmup_bytes`):
 Measurement. ``torch`` is torch's reserved bytes after the capture (its
 cache emptied of the warm-up's transients first); ``modules`` is what the
 device's used memory grew by from the system's opening to the first token,
-less what torch's reserved bytes and imp-mem's committed bytes grew by in
-the same interval: what CUDA took for code and library handles.
+less what torch's reserved bytes, imp-mem's committed bytes and what the
+backend's source holds past them (a VMM handle cache, chunk rounding) grew
+by in the same interval, and less the library reserve (cuBLAS claims it at
+the first GEMM, and the report charges it on its own line): what CUDA took
+for code and library handles.
 
 Needs torch with CUDA for the measurement; the cache and the fingerprint
 are plain Python.
@@ -158,10 +161,22 @@ class Meter:
     ``{"torch", "modules"}``. `torch_outside`: torch's own allocator serves
     the forward pass (its reserved bytes are outside the tiers)."""
 
-    def __init__(self, device: Any, backend: Any, *, torch_outside: bool) -> None:
+    def __init__(
+        self,
+        device: Any,
+        backend: Any,
+        *,
+        torch_outside: bool,
+        system: Any = None,
+        library_reserve: int = 0,
+    ) -> None:
         self.device = device
         self.backend = backend
+        self.system = system
         self.torch_outside = torch_outside
+        # cuBLAS claims its reserve at the warm-up's first GEMM; the report
+        # charges it on its own line, so it is no kernel module.
+        self.library_reserve = library_reserve
         self.measured: dict[str, int] | None = None
 
     def _reading(self) -> tuple[int, int, int]:
@@ -169,8 +184,16 @@ class Meter:
 
         torch.cuda.synchronize(self.device)
         free, whole = torch.cuda.mem_get_info(self.device)
-        committed = int(self.backend.stats()["committed"])
-        return whole - free, torch.cuda.memory_reserved(self.device), committed
+        held = int(self.backend.stats()["committed"])
+        if self.system is not None:
+            # What the source holds past its ledger (a VMM backend's handle
+            # cache and chunk rounding): the report charges it by name.
+            held += sum(
+                int(c["bytes"])
+                for c in self.system.mem_report()["charges"]
+                if str(c["key"]).startswith("vmm_")
+            )
+        return whole - free, torch.cuda.memory_reserved(self.device), held
 
     def start(self) -> None:
         self._before = self._reading()
@@ -178,7 +201,12 @@ class Meter:
     def stop(self) -> dict[str, int]:
         used0, reserved0, committed0 = self._before
         used, reserved, committed = self._reading()
-        modules = (used - used0) - (reserved - reserved0) - (committed - committed0)
+        modules = (
+            (used - used0)
+            - (reserved - reserved0)
+            - (committed - committed0)
+            - self.library_reserve
+        )
         self.measured = {
             "torch": reserved if self.torch_outside else 0,
             "modules": max(0, modules),
