@@ -87,7 +87,11 @@ bench_rc=${PIPESTATUS[0]}
 "$PYTHON" benches/bench_torch_alloc.py --json "$OUT/bench_torch_alloc.json" "${quick[@]}" 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 # IMP_MEM_BENCHES names the scripts to run (default: all of them); the RL
-# cycle writes two 16 GiB checkpoints and takes about two minutes.
+# cycle writes two 16 GiB checkpoints and takes about two minutes, and
+# bench_engine's roofline part boots Qwen3-8B's numbers four times (about
+# three minutes). Left out by default for their length: bench_shared_gpu
+# (about six minutes) and bench_engine_families (about five); name them in
+# IMP_MEM_BENCHES for a call of their own.
 extras=${IMP_MEM_BENCHES:-bench_paged_attention bench_engine bench_sleep bench_kv_host bench_kv_persist bench_rl_colocate}
 for extra in $extras; do
     [ -f "benches/$extra.py" ] || continue
