@@ -38,7 +38,7 @@ from imp_mem.engine.model.attention import (
     slots,
     store_kv,
 )
-from imp_mem.engine.model.layers import KvViews
+from imp_mem.engine.model.layers import KvViews, check_decode_args, check_prefill_args, check_tables
 from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.errors import InvalidArgument
 
@@ -209,17 +209,10 @@ class DecoderModel:
         """`PagedModel.prefill`: positions ``[start_pos, start_pos + T)`` of
         one sequence; float32 logits ``[T, vocab]`` (``[1, vocab]`` with
         `last_only`)."""
-        if input_ids.dim() != 1 or input_ids.shape[0] == 0:
-            raise InvalidArgument(
-                f"prefill: input_ids must be a non-empty 1-D tensor, got shape "
-                f"{tuple(input_ids.shape)}"
-            )
-        end = start_pos + input_ids.shape[0]
-        if start_pos < 0 or end > self.max_positions:
-            raise InvalidArgument(
-                f"prefill: positions [{start_pos}, {end}) must lie in [0, {self.max_positions})"
-            )
-        self._check_tables(kv, block_table, swa_block_table, end)
+        end = check_prefill_args(input_ids, start_pos, self.max_positions)
+        check_tables(
+            self.config, kv, block_table, swa_block_table, end, self.kv_block_shape, "prefill"
+        )
         positions = torch.arange(start_pos, end, device=self.device)
         step = self._step("prefill", positions, kv, block_table, swa_block_table, start_pos)
         x = self._embed(input_ids)
@@ -239,23 +232,14 @@ class DecoderModel:
     ) -> torch.Tensor:
         """`PagedModel.decode`: one token per sequence at ``positions[b]``;
         float32 logits ``[B, vocab]``. Capturable in a CUDA graph."""
-        batch = input_ids.shape[0]
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise InvalidArgument(
-                f"decode: input_ids and positions must both be [B]; got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
-        for name, table in (("block_tables", block_tables), ("swa_block_tables", swa_block_tables)):
-            if table is not None and (table.dim() != 2 or table.shape[0] != batch):
-                raise InvalidArgument(
-                    f"decode: {name} must be [B={batch}, M]; got {tuple(table.shape)}"
-                )
-        tables = {"full": block_tables, "swa": swa_block_tables}
-        for pool in {layer.pool for layer in self.layers}:
-            if tables[pool] is None or getattr(kv, pool) is None:
-                raise InvalidArgument(
-                    f"decode: the model has {pool} layers; pass kv.{pool} and its block tables"
-                )
+        check_decode_args(
+            {layer.pool for layer in self.layers},
+            input_ids,
+            positions,
+            block_tables,
+            swa_block_tables,
+            kv,
+        )
         step = self._step("decode", positions, kv, block_tables, swa_block_tables, 0)
         x = self._embed(input_ids)
         for layer in self.layers:
@@ -272,30 +256,3 @@ class DecoderModel:
         return Step(
             mode, positions, kv, tables, slot, start_pos, self.attention_backend, self.split_blocks
         )
-
-    def _check_tables(self, kv, table, swa_table, end) -> None:
-        c = self.config
-        for pool, t, tname in (
-            ("full", table, "block_table"),
-            ("swa", swa_table, "swa_block_table"),
-        ):
-            layers = c.full_layers if pool == "full" else c.sliding_layers
-            pages = kv.full if pool == "full" else kv.swa
-            if not layers:
-                continue
-            if pages is None or t is None:
-                raise InvalidArgument(
-                    f"prefill: the model has {len(layers)} {pool} layers; pass kv.{pool} "
-                    f"and {tname}"
-                )
-            want = self.kv_block_shape(len(layers), kv.block_size)
-            if tuple(pages.shape[1:]) != want:
-                raise InvalidArgument(
-                    f"prefill: kv.{pool} has shape {tuple(pages.shape)}; expected "
-                    f"[blocks, {', '.join(map(str, want))}]"
-                )
-            if t.shape[-1] * kv.block_size < end:
-                raise InvalidArgument(
-                    f"prefill: {tname} has {t.shape[-1]} blocks of {kv.block_size} tokens, "
-                    f"fewer than the {end} positions asked for"
-                )

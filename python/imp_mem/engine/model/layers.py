@@ -7,11 +7,13 @@ Nothing here holds state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from imp_mem.engine.config import ModelConfig
+from imp_mem.errors import InvalidArgument
 
 
 @dataclass
@@ -74,3 +76,87 @@ def fused_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
         at += p.numel()
     rows = sum(p.shape[0] for p in parts)
     return first.new_empty(0).set_(storage, first.storage_offset(), (rows, first.shape[1]))
+
+
+# -- the argument checks every family's two entry points make ---------------
+
+
+def check_prefill_args(input_ids: torch.Tensor, start_pos: int, max_positions: int) -> int:
+    """A prefill's ids (non-empty, 1-D) and positions (inside the RoPE
+    tables); returns the end position. Host-side checks: prefill is never
+    captured."""
+    if input_ids.dim() != 1 or input_ids.shape[0] == 0:
+        raise InvalidArgument(
+            f"prefill: input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}"
+        )
+    end = start_pos + input_ids.shape[0]
+    if start_pos < 0 or end > max_positions:
+        raise InvalidArgument(
+            f"prefill: positions [{start_pos}, {end}) must lie in [0, {max_positions})"
+        )
+    return end
+
+
+def check_decode_args(
+    pools: set[str],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    block_tables: torch.Tensor,
+    swa_block_tables: torch.Tensor | None,
+    kv: KvViews,
+) -> dict[str, torch.Tensor | None]:
+    """A decode's shapes (metadata only, no device sync: capturable), and
+    that every pool the model's layers read (`pools`) has its pages and
+    tables. Returns the tables by pool."""
+    batch = input_ids.shape[0]
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise InvalidArgument(
+            f"decode: input_ids and positions must both be [B]; got "
+            f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+        )
+    for name, table in (("block_tables", block_tables), ("swa_block_tables", swa_block_tables)):
+        if table is not None and (table.dim() != 2 or table.shape[0] != batch):
+            raise InvalidArgument(
+                f"decode: {name} must be [B={batch}, M]; got {tuple(table.shape)}"
+            )
+    tables = {"full": block_tables, "swa": swa_block_tables}
+    for pool in pools:
+        if tables[pool] is None or getattr(kv, pool) is None:
+            raise InvalidArgument(
+                f"decode: the model has {pool} layers; pass kv.{pool} and its block tables"
+            )
+    return tables
+
+
+def check_tables(
+    config: ModelConfig,
+    kv: KvViews,
+    table: torch.Tensor | None,
+    swa_table: torch.Tensor | None,
+    end: int,
+    block_shape: Callable[[int, int], tuple[int, ...]],
+    where: str,
+) -> None:
+    """A prefill's pages and tables: each pool the model has is passed, its
+    pages have `block_shape(layers, block_size)` per block, and its table
+    reaches position `end`."""
+    for pool, t, tname in (("full", table, "block_table"), ("swa", swa_table, "swa_block_table")):
+        layers = config.full_layers if pool == "full" else config.sliding_layers
+        pages = kv.full if pool == "full" else kv.swa
+        if not layers:
+            continue
+        if pages is None or t is None:
+            raise InvalidArgument(
+                f"{where}: the model has {len(layers)} {pool} layers; pass kv.{pool} and {tname}"
+            )
+        want = block_shape(len(layers), kv.block_size)
+        if tuple(pages.shape[1:]) != want:
+            raise InvalidArgument(
+                f"{where}: kv.{pool} has shape {tuple(pages.shape)}; expected "
+                f"[blocks, {', '.join(map(str, want))}]"
+            )
+        if t.shape[-1] * kv.block_size < end:
+            raise InvalidArgument(
+                f"{where}: {tname} has {t.shape[-1]} blocks of {kv.block_size} tokens, "
+                f"fewer than the {end} positions asked for"
+            )

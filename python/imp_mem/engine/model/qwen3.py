@@ -46,7 +46,16 @@ from imp_mem.engine.model.attention import (
     slots,
     store_kv,
 )
-from imp_mem.engine.model.layers import KvViews, fused_rows, rms_norm, rope_tables, rotate_half
+from imp_mem.engine.model.layers import (
+    KvViews,
+    check_decode_args,
+    check_prefill_args,
+    check_tables,
+    fused_rows,
+    rms_norm,
+    rope_tables,
+    rotate_half,
+)
 from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.errors import InvalidArgument
 
@@ -178,18 +187,10 @@ class PagedModel:
         sequence, whose earlier tokens are already in the pages; writes the new
         K/V. Returns float32 logits ``[T, vocab]`` (``[1, vocab]``, the last
         token's, with `last_only`)."""
-        if input_ids.dim() != 1 or input_ids.shape[0] == 0:
-            raise InvalidArgument(
-                f"prefill: input_ids must be a non-empty 1-D tensor, got shape "
-                f"{tuple(input_ids.shape)}"
-            )
-        tokens = input_ids.shape[0]
-        end = start_pos + tokens
-        if start_pos < 0 or end > self.max_positions:
-            raise InvalidArgument(
-                f"prefill: positions [{start_pos}, {end}) must lie in [0, {self.max_positions})"
-            )
-        self._check_tables(kv, block_table, swa_block_table, end, "prefill")
+        end = check_prefill_args(input_ids, start_pos, self.max_positions)
+        check_tables(
+            self.config, kv, block_table, swa_block_table, end, self.kv_block_shape, "prefill"
+        )
         positions = torch.arange(start_pos, end, device=self.device)
         tables = {"full": block_table, "swa": swa_block_table}
         slot = {
@@ -234,24 +235,14 @@ class PagedModel:
         """One new token per sequence at ``positions[b]``: writes its K/V and
         attends over the pages. Returns float32 logits ``[B, vocab]``.
         Capturable in a CUDA graph (no host syncs, static shapes)."""
-        batch = input_ids.shape[0]
-        # Shapes only: metadata, no device sync.
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise InvalidArgument(
-                f"decode: input_ids and positions must both be [B]; got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
-        for name, table in (("block_tables", block_tables), ("swa_block_tables", swa_block_tables)):
-            if table is not None and (table.dim() != 2 or table.shape[0] != batch):
-                raise InvalidArgument(
-                    f"decode: {name} must be [B={batch}, M]; got {tuple(table.shape)}"
-                )
-        tables = {"full": block_tables, "swa": swa_block_tables}
-        for pool in {layer.pool for layer in self.layers}:
-            if tables[pool] is None or getattr(kv, pool) is None:
-                raise InvalidArgument(
-                    f"decode: the model has {pool} layers; pass kv.{pool} and its block tables"
-                )
+        tables = check_decode_args(
+            {layer.pool for layer in self.layers},
+            input_ids,
+            positions,
+            block_tables,
+            swa_block_tables,
+            kv,
+        )
         slot = {
             name: slots(table, positions, kv.block_size)
             for name, table in tables.items()
@@ -376,31 +367,9 @@ class PagedModel:
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return self.tp.gather_logits(F.linear(x, self.lm_head)).float()
 
-    def _check_tables(self, kv, table, swa_table, end, where):
-        c = self.config
-        for pool, t, tname in (
-            ("full", table, "block_table"),
-            ("swa", swa_table, "swa_block_table"),
-        ):
-            layers = c.full_layers if pool == "full" else c.sliding_layers
-            pages = kv.full if pool == "full" else kv.swa
-            if not layers:
-                continue
-            if pages is None or t is None:
-                raise InvalidArgument(
-                    f"{where}: the model has {len(layers)} {pool} layers; pass kv.{pool} "
-                    f"and {tname}"
-                )
-            if pages.shape[1:] != (len(layers), 2, kv.block_size, self.kv_heads, c.head_dim):
-                raise InvalidArgument(
-                    f"{where}: kv.{pool} has shape {tuple(pages.shape)}; expected "
-                    f"[blocks, {len(layers)}, 2, {kv.block_size}, {self.kv_heads}, {c.head_dim}]"
-                )
-            if t.shape[-1] * kv.block_size < end:
-                raise InvalidArgument(
-                    f"{where}: {tname} has {t.shape[-1]} blocks of {kv.block_size} tokens, "
-                    f"fewer than the {end} positions asked for"
-                )
+    def kv_block_shape(self, layers: int, block_size: int) -> tuple[int, ...]:
+        """One KV block of a pool of `layers` layers, as the model reads it."""
+        return (layers, 2, block_size, self.kv_heads, self.config.head_dim)
 
 
 def _project(h: torch.Tensor, fused: torch.Tensor | None, parts: list[torch.Tensor]):
