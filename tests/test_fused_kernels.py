@@ -250,3 +250,17 @@ def test_the_fused_model_matches_the_unfused_one(tmp_path, dtype):
 
     gc.collect()
     system.close()
+
+
+def test_the_dummy_load_lays_the_fused_groups_out_as_the_loader_does():
+    """`load_format="dummy"` shares q/k/v's and gate/up's spans too, so a
+    dummy engine runs the one-GEMM path."""
+    from imp_mem.engine.config import ModelConfig
+    from imp_mem.engine.dummy import layout
+
+    spans, _ = layout(ModelConfig.from_hf_config(_tiny_config("bfloat16")))
+    groups = [g for g, _ in spans]
+    for i in range(3):
+        p = f"model.layers.{i}."
+        assert [p + f"self_attn.{x}_proj.weight" for x in "qkv"] in groups
+        assert [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"] in groups

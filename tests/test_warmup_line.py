@@ -179,3 +179,12 @@ def test_the_meter_names_only_what_no_line_holds(monkeypatch):
     meter.start()
     state["used"] -= 400 * MIB
     assert meter.stop()["modules"] == 0
+
+
+@pytest.mark.parametrize("kw", [{"fused": "yes"}, {"warmup_probe": 1}])
+def test_the_engines_switches_are_booleans(tmp_path, kw):
+    pytest.importorskip("torch")
+    from imp_mem.engine import Engine
+
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        Engine(tmp_path, **kw)

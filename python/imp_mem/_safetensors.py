@@ -81,6 +81,9 @@ class TensorEntry:
     # A shard's byte ranges of the file, (start, length), in arena order;
     # empty: the whole [begin, end).
     runs: tuple[tuple[int, int], ...] = ()
+    # Placed right after the entry before it, in the same span (a fused
+    # group's or a stack's later member; `plan_layout`).
+    glued: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -173,41 +176,48 @@ def read_header(file: Path) -> list[TensorEntry]:
 FUSED_ROWS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+def fused_groups(names: list[str]) -> list[list[str]]:
+    """The `FUSED_ROWS` groups `names` holds whole (every member of a
+    module's group), each in its group's order, in the order of their first
+    members. The rule the safetensors load and the dummy load share."""
+    present = set(names)
+    out = []
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        prefix, _, part = module.rpartition(".")
+        for parts in FUSED_ROWS:
+            group = [f"{prefix}.{x}.weight" for x in parts]
+            if leaf == "weight" and part == parts[0] and all(n in present for n in group):
+                out.append(group)
+    return out
+
+
 def fusion_order(
     entries: list[TensorEntry], stacked: dict[str, list[str]] | None = None
 ) -> tuple[list[TensorEntry], set[str]]:
     """`entries` in placement order: the given order, except that the
-    members of a `FUSED_ROWS` group (same module, same dtype, 2-D with equal
-    columns) follow their group's first member in the group's order.
-    Returns the order and the names placed right after their predecessor,
-    unaligned. `stacked` (`_complete_groups`: already consecutive in
-    `entries`) are left out of the fused groups; a stack's later members are
-    glued too where every member but the last fills whole alignment units
-    (no gap), with one dtype and no shard runs."""
+    members of a `fused_groups` group (same dtype, 2-D with equal columns)
+    follow their group's first member in the group's order. Returns the
+    order and the names placed right after their predecessor, unaligned.
+    `stacked` (`_complete_groups`: already consecutive in `entries`) are
+    left out of the fused groups; a stack's later members are glued too
+    where every member but the last fills whole alignment units (no gap),
+    with one dtype and no shard runs."""
     stacked = stacked or {}
     by_name = {t.name: t for t in entries}
     groups: dict[str, list[TensorEntry]] = {}
-    for parts in FUSED_ROWS:
-        for t in entries:
-            if t.name in stacked:
-                continue
-            module, _, leaf = t.name.rpartition(".")
-            prefix, _, part = module.rpartition(".")
-            if leaf != "weight" or part != parts[0]:
-                continue
-            members = [by_name.get(f"{prefix}.{x}.weight") for x in parts]
-            if any(m is not None and m.name in stacked for m in members):
-                continue
-            if all(
-                m is not None
-                and m.dtype == t.dtype
-                and len(m.shape) == 2
-                and m.shape[1] == t.shape[1]
-                for m in members
-            ):
-                group = [m for m in members if m is not None]
-                for m in group:
-                    groups[m.name] = group
+    for names in fused_groups(list(by_name)):
+        members = [by_name[n] for n in names]
+        first = members[0]
+        if all(
+            m.name not in stacked
+            and m.dtype == first.dtype
+            and len(m.shape) == 2
+            and m.shape[1] == first.shape[1]
+            for m in members
+        ):
+            for m in members:
+                groups[m.name] = members
     order, seen, glued = [], set(), set()
     for t in entries:
         if t.name in seen:
@@ -251,7 +261,7 @@ def plan_layout(
             )
             err.tensor, err.end, err.limit = t.name, end, limit
             raise err
-        placed.append(replace(t, offset=offset))
+        placed.append(replace(t, offset=offset, glued=t.name in glued))
         cursor = end
     return placed, cursor
 
@@ -316,9 +326,8 @@ def load_safetensors(
     # One arena span a run of tensors placed back to back (a fused group),
     # carved into each member's bytes.
     runs: list[list[TensorEntry]] = []
-    glued = fusion_order(entries, stacked=groups)[1]
     for t in placed:
-        if runs and t.name in glued:
+        if runs and t.glued:
             runs[-1].append(t)
         else:
             runs.append([t])

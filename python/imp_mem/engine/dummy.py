@@ -7,7 +7,9 @@ gets a view of the weights arena, in name order, each 256-byte aligned as
 the safetensors loader aligns them, except a family's *stacks*
 (`model_class(config).weight_stacks`): tensors laid end to end in one span
 with no gap, so that the model can read them as one stacked tensor (the
-MoE's experts, for a grouped GEMM) while each keeps its checkpoint name.
+MoE's experts, for a grouped GEMM) while each keeps its checkpoint name,
+and the fused projections (q/k/v, gate/up: `_safetensors.fused_groups`),
+which share a span for one GEMM each, as the safetensors loader lays them.
 `layout_bytes` is exactly what the load takes; the plan's weights line is
 planned at it (`ModelShape.from_hf_config(config, weights_bytes=...)`).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from imp_mem._safetensors import ALIGN
+from imp_mem._safetensors import ALIGN, fused_groups
 from imp_mem.engine.config import ModelConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -52,6 +54,15 @@ def layout(config: ModelConfig) -> tuple[list[tuple[list[str], int]], int]:
     for group in stacks(config):
         for name in group:
             group_of[name] = group
+    # The fused projections share a span as the safetensors load lays them
+    # (`_safetensors.fused_groups`), so the model multiplies each as one matrix.
+    for group in fused_groups(list(names)):
+        shapes = [names[n] for n in group]
+        if not any(n in group_of for n in group) and all(
+            len(x) == 2 and x[1] == shapes[0][1] for x in shapes
+        ):
+            for name in group:
+                group_of[name] = group
     spans, cursor, placed = [], 0, set()
     for name in names:
         if name in placed:

@@ -184,6 +184,9 @@ class Engine:
         shared: Any = None,
     ) -> None:
         t_open = time.perf_counter()
+        for name, value in (("fused", fused), ("warmup_probe", warmup_probe)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be True, False or None, got {value!r}")
         self.boot_seconds: dict[str, float] = {}
         self.first_token_seconds: float | None = None
         self.fused = fused

@@ -198,14 +198,14 @@ class PagedModel:
             for name, table in tables.items()
             if table is not None
         }
+
+        def attend(q, layer, pool):
+            return prefill_attention(
+                q, pool, layer.index, tables[layer.pool], start_pos, window=layer.window
+            )
+
         if self.fused_prefill:
-
-            def attend_fused(q, layer, pages):
-                return prefill_attention(
-                    q, pages, layer.index, tables[layer.pool], start_pos, window=layer.window
-                )
-
-            x = self._forward_fused(input_ids, positions, slot, kv, attend_fused)
+            x = self._forward_fused(input_ids, positions, slot, kv, attend)
             return self._head(x[-1:] if last_only else x)
         cos = self.cos[start_pos:end].unsqueeze(1)
         sin = self.sin[start_pos:end].unsqueeze(1)
@@ -213,13 +213,11 @@ class PagedModel:
         for layer in self.layers:
             pages = kv.full if layer.pool == "full" else kv.swa
 
-            def attend(q, k, v, layer=layer, pages=pages):
+            def store_and_attend(q, k, v, layer=layer, pages=pages):
                 store_kv(pages, layer.index, k, v, *slot[layer.pool])
-                return prefill_attention(
-                    q, pages, layer.index, tables[layer.pool], start_pos, window=layer.window
-                )
+                return attend(q, layer, pages)
 
-            x = self._block(x, layer, cos, sin, attend)
+            x = self._block(x, layer, cos, sin, store_and_attend)
         if last_only:
             x = x[-1:]
         return self._logits(x)
@@ -248,41 +246,32 @@ class PagedModel:
             for name, table in tables.items()
             if table is not None
         }
+
+        def attend(q, layer, pool):
+            return paged_decode_attention(
+                q,
+                pool,
+                layer.index,
+                tables[layer.pool],
+                positions,
+                window=layer.window,
+                backend=self.attention_backend,
+                split_blocks=self.split_blocks,
+            )
+
         if self.fused:
-
-            def attend_fused(q, layer, pages):
-                return paged_decode_attention(
-                    q,
-                    pages,
-                    layer.index,
-                    tables[layer.pool],
-                    positions,
-                    window=layer.window,
-                    backend=self.attention_backend,
-                    split_blocks=self.split_blocks,
-                )
-
-            return self._head(self._forward_fused(input_ids, positions, slot, kv, attend_fused))
+            return self._head(self._forward_fused(input_ids, positions, slot, kv, attend))
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = self.tp.embed(input_ids, self.embed)
         for layer in self.layers:
             pages = kv.full if layer.pool == "full" else kv.swa
 
-            def attend(q, k, v, layer=layer, pages=pages):
+            def store_and_attend(q, k, v, layer=layer, pages=pages):
                 store_kv(pages, layer.index, k, v, *slot[layer.pool])
-                return paged_decode_attention(
-                    q,
-                    pages,
-                    layer.index,
-                    tables[layer.pool],
-                    positions,
-                    window=layer.window,
-                    backend=self.attention_backend,
-                    split_blocks=self.split_blocks,
-                )
+                return attend(q, layer, pages)
 
-            x = self._block(x, layer, cos, sin, attend)
+            x = self._block(x, layer, cos, sin, store_and_attend)
         return self._logits(x)
 
     # -- pieces ---------------------------------------------------------------
@@ -325,7 +314,7 @@ class PagedModel:
         for i, layer in enumerate(self.layers):
             w = layer.w
             n = x.shape[0]
-            pages = (kv.full if layer.pool == "full" else kv.swa)[:, layer.index]
+            pool = kv.full if layer.pool == "full" else kv.swa
             blocks, offsets = slot[layer.pool]
             qkv = _project(h, layer.qkv, [w[f"self_attn.{p}_proj.weight"] for p in "qkv"])
             q = fk.qkv_norm_rope_store(
@@ -335,14 +324,14 @@ class PagedModel:
                 self.cos,
                 self.sin,
                 positions,
-                pages,
+                pool[:, layer.index],
                 blocks,
                 offsets,
                 heads=self.heads,
                 kv_heads=self.kv_heads,
                 eps=eps,
             )
-            a = attend(q, layer, kv.full if layer.pool == "full" else kv.swa)
+            a = attend(q, layer, pool)
             delta = self.tp.reduce(
                 F.linear(a.reshape(n, self.heads * d), w["self_attn.o_proj.weight"])
             )
