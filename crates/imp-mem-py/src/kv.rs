@@ -928,7 +928,10 @@ impl PyKVCacheManager {
             let file = target.verify(&path)?;
             let reserved = self.lock().reserve_load(file);
             let mut pending = reserved?;
-            pending.copy_in()?;
+            if let Err(e) = pending.copy_in() {
+                self.lock().abandon_load(pending)?;
+                return Err(e);
+            }
             let loaded = self.lock().finish_load(pending);
             loaded
         })

@@ -390,6 +390,20 @@ impl SharedBlockPool {
         self.core().trim(keep_chunks, PoolFence(Box::new(fence)))
     }
 
+    /// Gives back the free tail above `blocks` now, bypassing the
+    /// hysteresis (never below the live blocks or the blocks the pool
+    /// opened with); the decommit waits for `fence`. What an operation that
+    /// grew the pool and then failed calls with the capacity it found, so
+    /// that the failure leaves the pool as it was. Returns the bytes
+    /// decommitted during this call.
+    pub fn shrink_to<F: FenceLike + Send + 'static>(
+        &self,
+        blocks: u32,
+        fence: F,
+    ) -> Result<u64, MemError> {
+        self.core().shrink_to(blocks, PoolFence(Box::new(fence)))
+    }
+
     /// Makes at least `n` blocks free now, committing more of a growable
     /// region if it must (through the backend, so on a device ledger only
     /// what it grants): room promised ahead to work already admitted. All

@@ -253,6 +253,18 @@ impl PoolCore {
         Ok(returned)
     }
 
+    /// Gives back the free tail above `blocks` now (never below the floor
+    /// or the highest live block; rounded up to the region's granularity),
+    /// the decommit waiting for `fence`: how an operation that grew the
+    /// pool and then failed returns the growth it made.
+    pub(super) fn shrink_to(&mut self, blocks: u32, fence: PoolFence) -> Result<u64, MemError> {
+        let mut returned = self.poll()?;
+        if self.withdraw(blocks as u64, fence)? {
+            returned += self.poll()?;
+        }
+        Ok(returned)
+    }
+
     /// One past the highest live block (0 when none is live).
     pub(super) fn live_top_block(&self) -> u32 {
         self.live_top()

@@ -790,6 +790,10 @@ pub struct PendingLoad {
     pub(crate) refs: LentRefs,
     pub(crate) fresh: Vec<(BlockHash, u64, u64)>,
     pub(crate) file: VerifiedFile,
+    /// The main pool's capacity before the reservation grew it: what
+    /// [`KVCacheManager::abandon_load`](crate::kv::KVCacheManager::abandon_load)
+    /// shrinks back to.
+    pub(crate) capacity_before: u32,
 }
 
 impl LoadTarget {

@@ -90,13 +90,16 @@ impl KVCacheManager {
     /// Refuses a truncated, corrupted or mismatched file, or one that does
     /// not fit, and then changes nothing. Returns the entries added. (The
     /// binding runs the steps — [`Self::load_target`], [`LoadTarget::verify`],
-    /// [`Self::reserve_load`], [`PendingLoad::copy_in`],
-    /// [`Self::finish_load`] — taking its lock only for the second and the
-    /// last.)
+    /// [`Self::reserve_load`], [`PendingLoad::copy_in`], then
+    /// [`Self::finish_load`], or [`Self::abandon_load`] when the copy
+    /// fails — taking its lock only for the second and the last.)
     pub fn load_prefix_cache(&mut self, path: &Path) -> Result<u64, MemError> {
         let file = self.load_target()?.verify(path)?;
         let mut pending = self.reserve_load(file)?;
-        pending.copy_in()?;
+        if let Err(e) = pending.copy_in() {
+            self.abandon_load(pending)?;
+            return Err(e);
+        }
         self.finish_load(pending)
     }
 
@@ -145,14 +148,30 @@ impl KVCacheManager {
         }
         // Evicting to make room is the one change that precedes the copies;
         // it drops only entries eviction could have dropped at any time.
-        let free = self.pool().stats().free;
-        self.make_room(need.saturating_sub(free))?;
+        let stats = self.pool().stats();
+        self.make_room(need.saturating_sub(stats.free))?;
         let refs = self.pool().allocate_many_unchecked(need)?.into_refs();
         Ok(PendingLoad {
             refs: LentRefs::new(refs, &self.lent),
             fresh,
             file,
+            capacity_before: stats.capacity,
         })
+    }
+
+    /// Releases the blocks of a load whose copy failed (the file turned out
+    /// corrupted, truncated or unreadable part-way) and gives back the
+    /// growth its reservation made, so that a refused load leaves the pool
+    /// as it found it (but for the evictions that made room). The copies
+    /// are synchronous, so nothing is in flight on the blocks.
+    pub fn abandon_load(&mut self, mut pending: PendingLoad) -> Result<(), MemError> {
+        let refs = pending.refs.take();
+        drop(refs);
+        if self.pool().stats().capacity > pending.capacity_before {
+            self.pool()
+                .shrink_to(pending.capacity_before, crate::decommit::NothingInFlight)?;
+        }
+        Ok(())
     }
 
     /// Inserts the copied blocks into the cache; returns the entries added.
