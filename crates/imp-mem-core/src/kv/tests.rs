@@ -1266,6 +1266,39 @@ fn elastic(fake: &FakeBackend) -> (crate::SharedBlockPool, KVCacheManager) {
     (pool, m)
 }
 
+/// A load whose file proves corrupted only in its last block (found while
+/// copying, after the reservation grew the pool) gives the growth back: the
+/// refusal leaves the capacity and the committed bytes as they were.
+#[test]
+fn a_load_refused_part_way_gives_back_the_growth_it_made() {
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (pool, mut m) = elastic(&fake);
+    m.admit(1, &toks(0..64), none()).unwrap(); // 16 blocks: grown from 8
+    m.free(1, None).unwrap();
+    let (_dir, path) = tmp("c.bin");
+    assert_eq!(m.save_prefix_cache(&path).unwrap(), 16);
+    assert_eq!(m.evict(u32::MAX), 16);
+    pool.shrink_now(NothingInFlight).unwrap();
+    assert_eq!(pool.stats().capacity, 8);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.len() - 16 - 7; // the last block's bytes, before the trailer
+    bytes[at] ^= 0x10;
+    let bad = path.with_file_name("bad.bin");
+    std::fs::write(&bad, bytes).unwrap();
+    let before = m.stats();
+    assert!(m.load_prefix_cache(&bad).is_err());
+    assert_eq!(m.stats(), before, "a refused load changes nothing");
+    assert_eq!(pool.stats().capacity, 8);
+    assert_eq!(pool.stats().committed_bytes, 8 * 1024);
+    m.check_invariants().unwrap();
+    assert_eq!(
+        m.load_prefix_cache(&path).unwrap(),
+        16,
+        "the good file loads"
+    );
+    assert_eq!(pool.stats().capacity, 16);
+}
+
 #[test]
 fn give_back_evicts_the_cache_chunk_by_chunk_and_keeps_live_sequences() {
     let fake = FakeBackend::new(FakeConfig::default()).unwrap();
