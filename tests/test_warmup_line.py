@@ -104,11 +104,22 @@ def test_the_engine_on_the_cpu_plans_no_warmup_line_and_times_its_boot(tmp_path)
     directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
     with Engine(directory, max_batch=2, max_seq_len=64, budget="256MiB") as engine:
         assert engine.plan.warmup == 0 and engine.warmup_measured is None
-        assert {"plan", "open", "load", "warm_up", "capture"} <= set(engine.boot_seconds)
-        assert all(v >= 0 for v in engine.boot_seconds.values())
-        assert engine.first_token_seconds is None
+        boot = dict(engine.boot_seconds)
+        phases = {"process", "backend", "plan", "open", "load", "warm_up", "capture", "other"}
+        assert phases <= set(boot)
+        assert all(v >= 0 for v in boot.values())
+        # The phases inside the constructor (the pinning overlaps the load)
+        # add up to its time: "other" is the remainder, never hidden.
+        inside = sum(v for k, v in boot.items() if k not in ("process", "pin"))
+        assert inside == pytest.approx(engine.open_seconds, abs=1e-6)
+        assert engine.first_token_seconds is None and "first_step" not in boot
         engine.generate([[1, 2, 3]], max_new_tokens=2)
         assert engine.first_token_seconds is not None and engine.first_token_seconds > 0
+        first = engine.boot_seconds["first_step"]
+        assert first > 0
+        assert boot["process"] + engine.open_seconds + first == pytest.approx(
+            engine.first_token_seconds, abs=1e-6
+        )
 
 
 def test_the_probe_child_boots_the_same_engine(tmp_path):

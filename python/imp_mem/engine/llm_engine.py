@@ -138,9 +138,11 @@ class Engine:
     in a child process before planning, so the plan's ``warmup`` line and
     the KV pool are exact on the first boot (`imp_mem.engine.warmup`;
     default: on a GPU with torch's own allocator, TP = 1 and the default
-    backend). `boot_seconds` splits the boot (probe, plan, open, load, pin,
-    warm_up, capture); `first_token_seconds` is the first token's time from
-    process start.
+    backend). `boot_seconds` splits the boot: process (start to this
+    call), probe, reserve, backend, plan, open, load, pin (beside the load),
+    warm_up, capture, other (what no phase names) and, once served,
+    first_step (boot to first token); `first_token_seconds` is the first
+    token's time from process start.
     `load_format`: ``"safetensors"`` (default: the checkpoint in `model_dir`)
     or ``"dummy"``: random weights drawn in T1 from `seed` (scale
     `dummy_scale`, default `checkpoint.DEFAULT_SCALE`), planned from the
@@ -184,10 +186,13 @@ class Engine:
         shared: Any = None,
     ) -> None:
         t_open = time.perf_counter()
+        before = _since_process_start()
         for name, value in (("fused", fused), ("warmup_probe", warmup_probe)):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be True, False or None, got {value!r}")
-        self.boot_seconds: dict[str, float] = {}
+        # "process": from process start to this call (the interpreter, the
+        # imports and the caller's own code before the engine).
+        self.boot_seconds: dict[str, float] = {"process": before}
         self.first_token_seconds: float | None = None
         self.fused = fused
         if load_format not in ("safetensors", "dummy"):
@@ -300,7 +305,9 @@ class Engine:
         error = None
         try:
             self._own_backend = backend is None
+            t0 = time.perf_counter()
             memory.resolve_backend(backend, budget, self.tp)
+            self.boot_seconds["backend"] = time.perf_counter() - t0
             self.runner = ModelRunner(
                 memory,
                 max_batch=max_batch,
@@ -369,6 +376,9 @@ class Engine:
         # The pinning runs beside the copies: its seconds overlap the load's.
         self.boot_seconds["load"] = memory.load_seconds
         self.boot_seconds["pin"] = memory.pin_seconds
+        # What no phase above names (the pinning overlaps the load).
+        timed = sum(v for k, v in self.boot_seconds.items() if k not in ("process", "pin"))
+        self.boot_seconds["other"] = max(0.0, self.open_seconds - timed)
         self._booted = True
 
     # ------------------------------------------------- what the rooms hold
@@ -624,6 +634,11 @@ class Engine:
             batch = sched.prepare_decode()
             if out and self.first_token_seconds is None:
                 self.first_token_seconds = _since_process_start()
+                # From the engine's boot to its first token: the caller's
+                # code between, and the first prefills (their kernels'
+                # first launches included).
+                booted = self.boot_seconds["process"] + self.open_seconds
+                self.boot_seconds["first_step"] = max(0.0, self.first_token_seconds - booted)
             if batch:
                 tokens, b = runner.decode(batch)
                 stats.bucket_steps[b] = stats.bucket_steps.get(b, 0) + 1
