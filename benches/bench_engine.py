@@ -359,6 +359,8 @@ def boot_child(spec: dict) -> int:
             e.step()  # admits and prefills every request, decodes once
             if "first_token_seconds" not in out:
                 out["first_token_seconds"] = e.first_token_seconds
+                out["boot_seconds"] = dict(e.boot_seconds)  # with first_step
+                out["probe_boot_seconds"] = dict(e.probe_boot_seconds)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             steps0, tokens0 = e.stats.decode_steps, e.stats.decode_tokens
@@ -501,6 +503,11 @@ def roofline_and_boots(quick: bool) -> None:
                 r = runs[boot]
                 w = r["workloads"][0]
                 split = ", ".join(f"{k} {v:.2f}" for k, v in r["boot_seconds"].items())
+                if r.get("probe_boot_seconds"):
+                    child = r["probe_boot_seconds"]
+                    split += "; the probe child: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in child.items()
+                    )
                 off = (w["device_used"] / r["plan_total"] - 1) * 100
                 print(
                     f"{name} {boot} boot: first token {r['first_token_seconds']:.2f} s from "

@@ -138,7 +138,11 @@ def test_the_probe_child_boots_the_same_engine(tmp_path):
     )  # fmt: skip
     directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
     kw = {"max_batch": 2, "max_seq_len": 64, "budget": "256MiB", "progress": False}
-    assert warmup.probe(directory, kw) == {"torch": 0, "modules": 0}
+    boot: dict[str, float] = {}
+    assert warmup.probe(directory, kw, boot=boot) == {"torch": 0, "modules": 0}
+    # The child's boot, split as the engine splits its own, and its exit.
+    assert {"process", "backend", "plan", "load", "warm_up", "other", "exit"} <= set(boot)
+    assert all(v >= 0 for v in boot.values()) and boot["process"] > 0
     with pytest.raises(RuntimeError, match="max_seq_len"):
         warmup.probe(directory, dict(kw, max_seq_len=100000))
 

@@ -193,6 +193,8 @@ class Engine:
         # "process": from process start to this call (the interpreter, the
         # imports and the caller's own code before the engine).
         self.boot_seconds: dict[str, float] = {"process": before}
+        # A cold boot's probe child, split the same way (plus "exit").
+        self.probe_boot_seconds: dict[str, float] = {}
         self.first_token_seconds: float | None = None
         self.fused = fused
         if load_format not in ("safetensors", "dummy"):
@@ -496,7 +498,7 @@ class Engine:
         # A swap plans with the system open: a probe child could not fit beside it.
         if got is None and probe and not getattr(self, "_booted", False):
             t0 = time.perf_counter()
-            got = warmup.probe(self._probe_source, self._warmup_kw)
+            got = warmup.probe(self._probe_source, self._warmup_kw, boot=self.probe_boot_seconds)
             warmup.store(self._warmup_fp, got)
             self.boot_seconds["probe"] = time.perf_counter() - t0
         return got

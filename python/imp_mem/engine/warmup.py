@@ -47,6 +47,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,12 +216,19 @@ class Meter:
 
 
 def probe(
-    model_dir: str | Path | dict[str, Any], engine_kw: dict[str, Any], *, timeout: float = 600
+    model_dir: str | Path | dict[str, Any],
+    engine_kw: dict[str, Any],
+    *,
+    timeout: float = 600,
+    boot: dict[str, float] | None = None,
 ) -> dict:
     """Boots the engine in a child process over `model_dir`'s layout with
     its weights unread and returns what its warm-up measured
-    (``{"torch", "modules"}``). Raises RuntimeError with the child's output
-    when it fails."""
+    (``{"torch", "modules"}``). `boot`, when given, is filled with the
+    child's `Engine.boot_seconds` and ``"exit"``, the seconds from its boot
+    to its end (the tiers given back, the interpreter's exit). Raises
+    RuntimeError with the child's output when it fails."""
+    t0 = time.perf_counter()
     env = dict(os.environ, **{CHILD_ENV: "1"})
     source = model_dir if isinstance(model_dir, dict) else str(model_dir)
     args = json.dumps({"model_dir": source, "engine_kw": engine_kw})
@@ -238,6 +246,10 @@ def probe(
             + (proc.stderr or proc.stdout)[-4000:]
         )
     got = json.loads(lines[-1])
+    if boot is not None:
+        child = {str(k): float(v) for k, v in got.get("boot", {}).items()}
+        booted = child.get("process", 0.0) + float(got.get("open_seconds", 0.0))
+        boot.update(child, exit=max(0.0, time.perf_counter() - t0 - booted))
     return {"torch": int(got["torch"]), "modules": int(got["modules"])}
 
 
@@ -248,7 +260,9 @@ def _child(args: str) -> int:
     with Engine(spec["model_dir"], **spec["engine_kw"]) as engine:
         # Nothing outside the tiers where the engine is not on a GPU.
         measured = engine.warmup_measured or {"torch": 0, "modules": 0}
-    print(json.dumps(measured), flush=True)
+        boot = dict(engine.boot_seconds)
+        opened = engine.open_seconds
+    print(json.dumps({**measured, "boot": boot, "open_seconds": opened}), flush=True)
     return 0
 
 
