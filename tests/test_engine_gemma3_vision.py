@@ -437,3 +437,25 @@ def test_prefix_cache_is_keyed_by_the_image():
     with engine(config) as fresh:
         assert fresh.generate([p], 4, images=[image(2)]) == other
         assert fresh.generate([p], 4, images=[image(1)]) == first
+
+
+def test_demo_serves_gemma3_with_images():
+    """The demo's engine path (``demo --engine-config ... --load-format
+    dummy``) serves a vision model: every other prompt holds an image."""
+    from imp_mem.engine.demo import run_engine_demo
+
+    lines: list[str] = []
+    rc = run_engine_demo(
+        FakeBackend(capacity="1GiB"),
+        lines.append,
+        seconds=0.3,
+        max_batch=2,
+        max_seq_len=64,
+        prompt_len=(6, 20),
+        max_new_tokens=(2, 4),
+        config=tiny(),
+        load_format="dummy",
+        seed=4,
+    )
+    assert rc == 0
+    assert "decode tokens" in "\n".join(lines)
