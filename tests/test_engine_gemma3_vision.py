@@ -459,3 +459,22 @@ def test_demo_serves_gemma3_with_images():
     )
     assert rc == 0
     assert "decode tokens" in "\n".join(lines)
+
+
+def test_update_weights_takes_transformers_parameter_names():
+    """A trainer's ``named_parameters()`` (transformers' module names, the
+    tower's included) updates T1 in place: the engine then serves what an
+    engine drawn from the trainer's seed serves."""
+    from imp_mem.engine.dummy import transformers_model
+
+    config = tiny()
+    rng = random.Random(6)
+    ps, imgs = [prompt(rng, 2, 5)], [image(5)]
+    with engine(config, seed=12) as e:
+        want = e.generate(ps, 4, images=imgs)
+    trainer = transformers_model(config, seed=12, scale=SCALE, device="cpu")
+    with engine(config) as e:
+        before = e.generate(ps, 4, images=imgs)
+        done = e.update_weights(trainer.named_parameters())
+        assert done["tensors"] == len(e.weights)
+        assert e.generate(ps, 4, images=imgs) == want != before
