@@ -14,10 +14,13 @@ above 1e-3.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -305,6 +308,63 @@ def test_prefill_and_decode_with_an_image_match_transformers(checkpoint):
         model.prefill(
             torch.tensor(seq[:7]), 0, cache.table(1, "full"), cache.table(1, "swa"), cache.kv, mm=mm
         )
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    config, directory, _ = checkpoint
+    from safetensors.torch import load_file
+
+    return build_model(
+        ModelConfig.from_hf_config(config), load_file(str(directory / "model.safetensors"))
+    )
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_chunking_that_keeps_the_image_whole_gives_the_same_logits(model, data):
+    """Invariant of the prefill with an image: cut the prompt into chunks
+    anywhere outside the image's tokens (a prefix in the pages, the rest
+    later) and the logits are the one-call prefill's; a cut inside the
+    image is refused, never computed with half its bidirectional keys."""
+    c = model.config
+    lo = data.draw(st.integers(0, 14), label="image start")
+    total = data.draw(st.integers(lo + MM + 1, 30), label="length")
+    rng = random.Random(data.draw(st.integers(0, 2**16), label="seed"))
+    seq = [rng.randrange(IMG) for _ in range(lo)] + [IMG] * MM
+    seq += [rng.randrange(IMG) for _ in range(total - len(seq))]
+    emb = model.encode_images(image(rng.randrange(100))[None])[0]
+    mm = (lo, lo + MM, emb)
+    legal = [x for x in range(1, total) if not lo < x < lo + MM]
+    cuts = sorted(data.draw(st.sets(st.sampled_from(legal), max_size=4), label="cuts"))
+
+    def run(bounds):
+        cache = PagedCache(c, num_blocks=64, block_size=4, max_blocks_per_seq=10)
+        cache.new_sequence(0)
+        out = []
+        for start, end in itertools.pairwise(bounds):
+            cache.ensure(0, end)
+            cache.slide(0, start)
+            out.append(
+                model.prefill(
+                    torch.tensor(seq[start:end]),
+                    start,
+                    cache.table(0, "full"),
+                    cache.table(0, "swa"),
+                    cache.kv,
+                    mm=mm,
+                )
+            )
+        return torch.cat(out)
+
+    whole = run([0, total])
+    chunked = run([0, *cuts, total])
+    assert (chunked - whole).abs().max().item() <= 1e-5
+    inside = data.draw(st.integers(lo + 1, lo + MM - 1), label="bad cut")
+    with pytest.raises(InvalidArgument, match="image"):
+        run([0, inside, total])
 
 
 # -- the engine ---------------------------------------------------------------------
