@@ -538,3 +538,26 @@ def test_update_weights_takes_transformers_parameter_names():
         done = e.update_weights(trainer.named_parameters())
         assert done["tensors"] == len(e.weights)
         assert e.generate(ps, 4, images=imgs) == want != before
+
+
+def test_the_tower_runs_in_the_warm_up_and_once_per_image(monkeypatch):
+    """The warm-up encodes one image of the tower's shape (its working set
+    then sits where the warm-up's is measured and planned); serving
+    encodes each request's image once, however many chunks its prompt
+    takes, and a request without an image not at all."""
+    from imp_mem.engine.model.gemma3 import Gemma3VisionModel
+
+    calls: list[tuple[int, ...]] = []
+    encode = Gemma3VisionModel.encode_images
+
+    def counted(self, pixels):
+        calls.append(tuple(pixels.shape))
+        return encode(self, pixels)
+
+    monkeypatch.setattr(Gemma3VisionModel, "encode_images", counted)
+    rng = random.Random(8)
+    with engine(tiny(), prefill_chunk=5) as e:
+        assert calls == [(1, 3, 16, 16)]
+        ps = [prompt(rng, 12, 9), prompt(rng, 0, 3), [5, 6, 7]]
+        e.generate(ps, 3, images=[image(1), image(2), None])
+        assert calls == [(1, 3, 16, 16)] * 3

@@ -93,26 +93,6 @@ def is_layer_norm(name: str) -> bool:
     )
 
 
-def activation_bytes(vision: dict[str, Any], text_hidden: int, mm_tokens: int, item: int) -> int:
-    """The largest working set one image's tower and projector hold at once
-    in `encode` (element size `item`), counted from its shapes: in an
-    encoder layer the residual, the normed input, q, k, v, the attention
-    output and the MLP's intermediate (twice: fc1's output and its GeLU),
-    with the attention's scores ``[heads, P, P]`` in float32 where SDPA's
-    fused kernels do not run (the CPU). For the report beside what the
-    warm-up measures (`ModelRunner.serve`)."""
-    d, inter, heads = (
-        vision["hidden_size"],
-        vision["intermediate_size"],
-        vision["num_attention_heads"],
-    )
-    patches = (vision["image_size"] // vision["patch_size"]) ** 2
-    layer = patches * (6 * d + 2 * inter) * item
-    scores = heads * patches * patches * 4
-    projector = (patches * d + mm_tokens * (2 * d + text_hidden)) * 4
-    return max(layer + scores, projector)
-
-
 def encode(
     w: dict[str, torch.Tensor], vision: dict[str, Any], mm_tokens: int, pixels: torch.Tensor
 ) -> torch.Tensor:
