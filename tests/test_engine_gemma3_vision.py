@@ -561,3 +561,27 @@ def test_the_tower_runs_in_the_warm_up_and_once_per_image(monkeypatch):
         ps = [prompt(rng, 12, 9), prompt(rng, 0, 3), [5, 6, 7]]
         e.generate(ps, 3, images=[image(1), image(2), None])
         assert calls == [(1, 3, 16, 16)] * 3
+
+
+def test_an_image_token_past_the_vocabulary_is_embedded_as_transformers_does():
+    """``image_token_index`` at or past the vocabulary (transformers embeds
+    it as token 0 before the image replaces it): the engine's tokens are
+    transformers' with the image."""
+    from imp_mem.engine.dummy import transformers_model
+
+    config = {**tiny(), "image_token_index": 300}
+    hf = transformers_model(config, seed=3, scale=SCALE, device="cpu")
+    rng = random.Random(1)
+    p = [rng.randrange(IMG) for _ in range(3)] + [300] * MM + [rng.randrange(IMG) for _ in range(4)]
+    with engine(config, seed=3) as e:
+        out = e.generate([p], 5, images=[image(3)])[0]
+    ids = torch.tensor([p + out[:-1]])
+    with torch.no_grad():
+        logits = hf(
+            input_ids=ids, pixel_values=image(3)[None], token_type_ids=(ids == 300).long()
+        ).logits[0]
+    rows = logits[len(p) - 1 :]
+    top2 = rows.topk(2, dim=-1).values
+    sure = (top2[:, 0] - top2[:, 1]) > MARGIN
+    assert sure.sum() >= 3
+    assert (rows.argmax(-1) == torch.tensor(out))[sure].all()
