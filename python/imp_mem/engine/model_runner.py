@@ -31,6 +31,15 @@ uncomputed: models with sliding layers run with prefix caching off, and are
 planned for `max_batch` plus the ring's sequences' worth of SWA blocks
 (`engine_blocks`).
 
+Images (a model with a vision tower, Gemma-3). A request's image is
+encoded once at its prefill, when its image tokens are not all in the
+prefix cache; the image's tokens attend to each other both ways, so a
+chunk ends before them rather than inside them and they are prefilled in
+one call (`prefill_chunk` >= ``mm_tokens_per_image``, checked by the
+engine). After the graph capture the runner encodes one zero image, so the
+tower's working set sits in torch's cache (or the activations tier) when
+the warm-up is measured: planned, not grown while serving.
+
 Thread safety: none; one thread drives the runner.
 """
 
