@@ -4,7 +4,10 @@ GPU from a seed (``load_format="dummy"``; no checkpoint on disk: the H200's
 64 GiB disk cannot hold Qwen3-30B-A3B's 61 GB).
 
 Models (their ``config.json`` numbers): Llama-3.1-8B, Qwen3-30B-A3B,
-gemma-3-4b (its language model), DeepSeek-V2-Lite (with its YaRN RoPE).
+gemma-3-4b (its language model), gemma-3-4b with its vision tower (each
+prompt holds one 896 x 896 image's 256 tokens; transformers is given the
+same pixel values and ``token_type_ids``), DeepSeek-V2-Lite (with its YaRN
+RoPE).
 
 Per model and batch size (32 and 128; ``--quick``: 32 only, fewer tokens):
 
@@ -115,6 +118,38 @@ def gemma_3_4b() -> dict:
     }
 
 
+def gemma_3_4b_vision() -> dict:
+    """google/gemma-3-4b-it's config.json: the language model above (its
+    class defaults fill the rest) and its SigLIP tower."""
+    return {
+        "model_type": "gemma3",
+        "image_token_index": IMAGE_TOKEN,
+        "mm_tokens_per_image": 256,
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+IMAGE_TOKEN = 262144
+
+
 def deepseek_v2_lite() -> dict:
     return {
         "model_type": "deepseek_v2",
@@ -157,6 +192,7 @@ MODELS = {
     "llama": ("Llama-3.1-8B", llama_3_1_8b, None),
     "qwen3_moe": ("Qwen3-30B-A3B", qwen3_30b_a3b, 8),
     "gemma3_text": ("gemma-3-4b (text)", gemma_3_4b, None),
+    "gemma3": ("gemma-3-4b (vision)", gemma_3_4b_vision, None),
     "deepseek_v2": ("DeepSeek-V2-Lite", deepseek_v2_lite, 8),
 }
 
@@ -164,7 +200,7 @@ ROWS: list[dict] = []
 
 
 def with_layers(config: dict, layers: int | None) -> dict:
-    if layers is None or layers >= config["num_hidden_layers"]:
+    if layers is None or layers >= config.get("num_hidden_layers", layers):
         return config
     out = dict(config, num_hidden_layers=layers)
     if "layer_types" in out:
@@ -178,9 +214,11 @@ def step_bytes(config: dict, batch: int, context: int) -> float:
     import imp_mem
     from imp_mem.engine.config import ModelConfig
     from imp_mem.engine.model import weight_names
+    from imp_mem.engine.model.siglip import is_vision_name
 
     c = ModelConfig.from_hf_config(config)
-    names = weight_names(c)
+    # A decode step reads the language model only (the tower runs at prefill).
+    names = {n: s for n, s in weight_names(c).items() if not is_vision_name(n)}
     item = 2
     dense = sum(math.prod(s) for n, s in names.items() if ".mlp.experts." not in n) * item
     experts = sum(math.prod(s) for n, s in names.items() if ".mlp.experts." in n) * item
@@ -191,6 +229,22 @@ def step_bytes(config: dict, batch: int, context: int) -> float:
         dense -= c.vocab_size * c.hidden_size * item  # the input embedding: B rows only
     kv = imp_mem.ModelShape.from_hf_config(config).kv_bytes_per_token("bf16")
     return dense + experts + batch * context * kv["total"]
+
+
+def make_prompt(rng: random.Random, top: int, length: int, image: list[int]) -> list[int]:
+    """`length` random tokens below `top`, with `image`'s tokens after the eighth."""
+    t = [rng.randrange(top) for _ in range(length)]
+    return t[:8] + image + t[8:]
+
+
+def image_for(config: dict, prompt: list[int]):
+    """A vision model's pixel values for `prompt` (None without image tokens)."""
+    import torch
+
+    if config.get("model_type") != "gemma3" or IMAGE_TOKEN not in prompt:
+        return None
+    g = torch.Generator().manual_seed(len(prompt))
+    return torch.rand(3, 896, 896, generator=g).mul_(2).sub_(1)
 
 
 def ours(config, prompts, new_tokens, max_batch):
@@ -214,10 +268,10 @@ def ours(config, prompts, new_tokens, max_batch):
     ) as e:
         out["open_s"] = time.perf_counter() - t_open
         for batch, ps in prompts.items():
-            e.generate(ps[:2], 2)  # warm the serving path
+            e.generate(ps[:2], 2, images=[image_for(config, p) for p in ps[:2]])  # warm up
             e.stats = EngineStats()
             for p in ps:
-                e.submit(p, new_tokens)
+                e.submit(p, new_tokens, image=image_for(config, p))
             e.step()  # admits and prefills every request, decodes once
             torch.cuda.synchronize()
             tokens0, steps0 = e.stats.decode_tokens, e.stats.decode_steps
@@ -252,14 +306,22 @@ def transformers_side(config, prompts, new_tokens):
     for batch, ps in prompts.items():
         ids = torch.tensor(ps, device="cuda")
         mask = torch.ones_like(ids)
+        extra = {}
+        imgs = [image_for(config, p) for p in ps]
+        if imgs[0] is not None:
+            extra = {
+                "pixel_values": torch.stack(imgs).to("cuda", torch.bfloat16),
+                "token_type_ids": (ids == IMAGE_TOKEN).long(),
+            }
 
-        def gen(n, ids=ids, mask=mask, model=model):
+        def gen(n, ids=ids, mask=mask, model=model, extra=extra):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.no_grad():
                 model.generate(
                     input_ids=ids,
                     attention_mask=mask,
+                    **extra,
                     max_new_tokens=n,
                     min_new_tokens=n,
                     do_sample=False,
@@ -302,13 +364,15 @@ def main(argv: list[str] | None = None) -> int:
         hf_layers = args.hf_layers or hf_layers
         full = make()
         rng = random.Random(0)
-        prompts = {
-            b: [[rng.randrange(full["vocab_size"]) for _ in range(prompt_len)] for _ in range(b)]
-            for b in batches
-        }
+        text = full.get("text_config", full)
+        vocab = text.get("vocab_size", 262208)
+        # A vision model's prompts: text, one image's 256 tokens, text.
+        image = [IMAGE_TOKEN] * 256 if full["model_type"] == "gemma3" else []
+        top = IMAGE_TOKEN if image else vocab
+        prompts = {b: [make_prompt(rng, top, prompt_len, image) for _ in range(b)] for b in batches}
         compared = with_layers(full, hf_layers)
-        depth = compared["num_hidden_layers"]
-        layers = full["num_hidden_layers"]
+        depth = compared.get("text_config", compared)["num_hidden_layers"]
+        layers = text["num_hidden_layers"]
         print(f"== {title}: {layers} layers; transformers at {depth}", flush=True)
         peer = transformers_side(compared, prompts, new_tokens)
         gc.collect()  # transformers' model is gone with its frame
@@ -316,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         mine = ours(compared, prompts, new_tokens, max(batches))
         whole = mine if compared is full else ours(full, prompts, new_tokens, max(batches))
         for b in batches:
-            context = prompt_len + new_tokens // 2
+            context = prompt_len + len(image) + new_tokens // 2
             roofline = step_bytes(full, b, context) / whole[b]["step_s"] / (args.hbm_tbs * 1e12)
             ROWS.append(
                 {

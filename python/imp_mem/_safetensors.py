@@ -4,7 +4,8 @@ Algorithm. Every file's header is read first (an 8-byte little-endian
 length, then that much JSON: per tensor its dtype, shape and byte range
 after the header). The tensors are laid out in file order in the arena, each
 at a 256-byte aligned offset, and the whole layout is checked against the
-plan's weights line before a byte is taken: the first tensor whose end
+plan's weights line (and its vision-tower line: a Gemma-3 checkpoint holds
+its tower) before a byte is taken: the first tensor whose end
 passes `plan.weights` is refused by name (`WeightsOverflow`), and so is a
 header whose sizes do not match its shapes. Then each tensor's bytes are
 taken from `system.weights_arena` and the file is streamed through two
@@ -374,11 +375,14 @@ def _complete_groups(entries: list[TensorEntry], stacks: list[list[str]]) -> dic
 
 
 def _weights_room(system: Any) -> int:
-    """The bytes a load may take: the plan's weights, at most what T1 has left."""
+    """The bytes a load may take: the plan's weights and vision-tower lines
+    (a checkpoint holds both), at most what T1 has left."""
     arena = system.weights_arena
     if arena is None:
         raise InvalidArgument("this MemorySystem has no weights arena (T1); plan weights first")
-    return min(int(system.plan.weights), arena.capacity - arena.used)
+    plan = system.plan
+    vision = int(plan.to_dict().get("vision_tower", 0)) if hasattr(plan, "to_dict") else 0
+    return min(int(plan.weights) + vision, arena.capacity - arena.used)
 
 
 def _torch_device(system: Any) -> Any:

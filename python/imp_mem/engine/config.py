@@ -30,7 +30,7 @@ Pure Python, no torch; a `ModelConfig` is an immutable value.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,30 @@ _QWEN3_DEFAULTS: dict[str, Any] = {
 }
 
 # The families the engine serves, each a file of `imp_mem.engine.model`.
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3",
+    "llama",
+    "qwen3_moe",
+    "deepseek_v2",
+    "gemma3_text",
+    "gemma3",
+)
+
+# transformers 5.24 SiglipVisionConfig class defaults (Gemma-3's tower), and
+# Gemma3Config's own (``image_token_index`` is also read as ``image_token_id``).
+_SIGLIP_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6,
+    "vision_use_head": True,
+}
+_GEMMA3_DEFAULTS: dict[str, Any] = {"mm_tokens_per_image": 256, "image_token_index": 262_144}
 
 # Each family's transformers class defaults where they differ from Qwen3's
 # (a field a config.json omits is read from here, as transformers reads it).
@@ -224,6 +247,8 @@ class ModelConfig:
             raise TypeError(
                 f"config: expected a config.json dict or path, got {type(config).__name__}"
             )
+        if config.get("model_type") == "gemma3":
+            return _gemma3_vision(cls, config)
         if "text_config" in config and isinstance(config["text_config"], dict):
             config = {**config, **config["text_config"]}
         model_type = config.get("model_type")
@@ -349,6 +374,13 @@ class ModelConfig:
         )
 
     @property
+    def vision(self) -> dict[str, Any] | None:
+        """The vision tower's fields (``gemma3``: SigLIP's, with
+        ``mm_tokens_per_image`` and ``image_token_index``); None for a text
+        model."""
+        return self.extra.get("vision")
+
+    @property
     def full_layers(self) -> list[int]:
         """Indices of the full-attention layers, in model order."""
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
@@ -443,3 +475,86 @@ def _family_fields(
             attn_logit_softcapping=get("attn_logit_softcapping"),
         )
     return out
+
+
+def _gemma3_vision(cls: Any, config: dict[str, Any]) -> ModelConfig:
+    """A ``gemma3`` (``Gemma3ForConditionalGeneration``) config: its
+    ``text_config`` read exactly as a ``gemma3_text`` config (the top
+    level's dtype and tied head where the text config leaves them out), its
+    ``vision_config`` as transformers' ``SiglipVisionConfig`` reads it, and
+    the projector's ``mm_tokens_per_image`` and ``image_token_index``."""
+
+    def positive(key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgument(
+                f"config: field {key!r} must be a positive integer, got {value!r}"
+            )
+        return value
+
+    text = config.get("text_config") or {}
+    vis = config.get("vision_config") or {}
+    if not isinstance(text, dict) or not isinstance(vis, dict):
+        raise InvalidArgument("config: gemma3's text_config and vision_config must be dicts")
+    text = {**text, "model_type": "gemma3_text"}
+    for key in ("torch_dtype", "dtype"):
+        if text.get(key) is None and config.get(key) is not None:
+            text[key] = config[key]
+    if text.get("tie_word_embeddings") is None:
+        text["tie_word_embeddings"] = config.get("tie_word_embeddings", True)
+    base = cls.from_hf_config(text)
+    if not base.tie_word_embeddings:
+        raise InvalidArgument(
+            "config: gemma3 with tie_word_embeddings false is not supported; Gemma-3 ties its "
+            "output head to the embedding"
+        )
+
+    def get(key: str) -> Any:
+        value = vis.get(key)
+        return _SIGLIP_DEFAULTS[key] if value is None else value
+
+    vision: dict[str, Any] = {
+        key: positive(f"vision_config.{key}", get(key))
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_channels",
+            "image_size",
+            "patch_size",
+        )
+    }
+    vision["layer_norm_eps"] = float(get("layer_norm_eps"))
+    if get("hidden_act") != "gelu_pytorch_tanh":
+        raise InvalidArgument(
+            f"config: vision_config.hidden_act {get('hidden_act')!r} is not supported; use "
+            "'gelu_pytorch_tanh'"
+        )
+    if get("vision_use_head"):
+        raise InvalidArgument(
+            "config: vision_config.vision_use_head true is not supported for gemma3 (its tower "
+            "has no pooling head); set it to false"
+        )
+    if vision["hidden_size"] % vision["num_attention_heads"]:
+        raise InvalidArgument(
+            f"config: vision_config.hidden_size ({vision['hidden_size']}) must be a multiple of "
+            f"num_attention_heads ({vision['num_attention_heads']})"
+        )
+    mm = positive(
+        "mm_tokens_per_image",
+        config.get("mm_tokens_per_image") or _GEMMA3_DEFAULTS["mm_tokens_per_image"],
+    )
+    token = config.get("image_token_index", config.get("image_token_id"))
+    token = _GEMMA3_DEFAULTS["image_token_index"] if token is None else token
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise InvalidArgument(f"config: image_token_index must be a token id, got {token!r}")
+    side, patch = vision["image_size"], vision["patch_size"]
+    per_side = int(mm**0.5)
+    if side % patch or per_side * per_side != mm or (side // patch) % per_side:
+        raise InvalidArgument(
+            f"config: the tower's {side // patch} x {side // patch} patch grid "
+            f"(image_size {side}, patch_size {patch}) cannot pool to mm_tokens_per_image={mm} "
+            "tokens: it must be a square whose side divides the grid's"
+        )
+    vision.update(mm_tokens_per_image=mm, image_token_index=token)
+    return replace(base, model_type="gemma3", extra={**base.extra, "vision": vision})

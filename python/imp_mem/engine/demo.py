@@ -115,11 +115,30 @@ def run_engine_demo(
             vocab = e.config.vocab_size
             budget = max_seq_len - 1
 
+            vision = e.config.vision
+            # A vision model's prompts: every other one holds an image (one of
+            # four random ones) after its first token, where it fits.
+            pictures = []
+            if vision is not None:
+                import torch
+
+                side, ch = vision["image_size"], vision["num_channels"]
+                g = torch.Generator().manual_seed(0)
+                pictures = [torch.rand(ch, side, side, generator=g) * 2 - 1 for _ in range(4)]
+
             def top_up() -> None:
                 while len(e.scheduler.waiting) + len(e.scheduler.running) < 2 * max_batch:
                     n = rng.randint(*prompt_len)
                     new = min(rng.randint(*max_new_tokens), budget - n)
-                    e.submit([rng.randrange(vocab) for _ in range(n)], max(1, new))
+                    ids = [rng.randrange(vocab) for _ in range(n)]
+                    image = None
+                    if vision is not None:
+                        token, mm = vision["image_token_index"], vision["mm_tokens_per_image"]
+                        ids = [0 if t == token else t for t in ids]
+                        if n > mm and rng.random() < 0.5:
+                            ids[1 : 1 + mm] = [token] * mm
+                            image = rng.choice(pictures)
+                    e.submit(ids, max(1, new), image=image)
 
             fmt = "{l_bar}{bar}| {n:.1f}/{total:.1f} s"
             bar = tqdm(total=seconds, desc="serving", bar_format=fmt) if tqdm else None

@@ -80,12 +80,31 @@ def layout_bytes(config: ModelConfig) -> int:
     return layout(config)[1]
 
 
+def vision_bytes(config: ModelConfig) -> int:
+    """The T1 bytes of a vision tower and its projector as the load lays
+    them out (after the language model's tensors, from the 256-byte
+    boundary past them): the plan's ``vision_tower`` line; 0 for a text
+    model."""
+    if config.vision is None:
+        return 0
+    from imp_mem.engine.model.siglip import is_vision_name
+
+    spans, total = layout(config)
+    vision = [is_vision_name(group[0]) for group, _ in spans]
+    # `weight_names` lists the tower after the language model.
+    first = vision.index(True)
+    assert all(vision[first:]), "the tower's tensors must follow the language model's"
+    return total - spans[first][1]
+
+
 def plan_shape(config_dict: dict[str, Any], config: ModelConfig) -> Any:
     """The `ModelShape` a dummy engine plans with: the config's, its
-    weights line at exactly the bytes the load lays out."""
+    weights line at exactly the bytes the load lays out (less a vision
+    tower's, which the plan's ``vision_tower`` line holds)."""
     from imp_mem import ModelShape
 
-    return ModelShape.from_hf_config(config_dict, weights_bytes=layout_bytes(config))
+    text = layout_bytes(config) - vision_bytes(config)
+    return ModelShape.from_hf_config(config_dict, weights_bytes=text)
 
 
 def load_dummy(system: Any, config: ModelConfig, *, seed: int, scale: float) -> dict[str, Any]:
@@ -99,12 +118,14 @@ def load_dummy(system: Any, config: ModelConfig, *, seed: int, scale: float) -> 
 
     names = weight_names(config)
     spans, total = layout(config)
-    arena = system.weights_arena
-    room = min(int(system.plan.weights), arena.capacity - arena.used)
+    from imp_mem._safetensors import _weights_room
+
+    room = _weights_room(system)
     if total > room:
         raise InvalidArgument(
             f"load_format='dummy': the weights take {total} B; the plan gave {room} B"
         )
+    arena = system.weights_arena
     dtype = getattr(torch, config.dtype)
     out: dict[str, Any] = {}
     for group, _ in spans:
@@ -147,12 +168,16 @@ def norm_center(config: ModelConfig) -> float:
 
 
 def draw(name: str, shape: tuple[int, ...], gen: Any, device: Any, scale: float, center: float):
-    """One tensor's float32 values (`random_weights`' rule)."""
+    """One tensor's float32 values (`random_weights`' rule): a vision
+    tower's LayerNorm weights centre on 1 whatever the family's norms do."""
     import torch
 
     from imp_mem.engine.checkpoint import NORM_JITTER
+    from imp_mem.engine.model.siglip import is_layer_norm
 
     t = torch.randn(shape, generator=gen, device=device)
+    if is_layer_norm(name):
+        return t.mul_(NORM_JITTER).add_(1.0)
     if name.endswith("norm.weight"):
         return t.mul_(NORM_JITTER).add_(center)
     return t.mul_(scale)
@@ -189,6 +214,11 @@ def transformers_model(
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     params = dict(model.named_parameters())
+    if config.vision is not None:
+        # transformers' modules under ``model.``; the checkpoint's names here.
+        from imp_mem.engine.model.siglip import canonical_name
+
+        params = {canonical_name(n): p for n, p in params.items()}
     expert = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
     gen = torch.Generator(device=device).manual_seed(seed)
     center = norm_center(config)
@@ -213,7 +243,7 @@ def transformers_model(
     untouched = [
         n
         for n in params
-        if n not in done and not (n == "lm_head.weight" and config.tie_word_embeddings)
+        if n not in done and not (n.endswith("lm_head.weight") and config.tie_word_embeddings)
     ]
     if untouched:
         raise ValueError(

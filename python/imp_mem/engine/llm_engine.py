@@ -233,6 +233,12 @@ class Engine:
             prefill_chunk = c.sliding_window if c.sliding_layers else 512
         if prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        if c.vision is not None and prefill_chunk < c.vision["mm_tokens_per_image"]:
+            # An image's tokens are prefilled in one call (they attend both ways).
+            raise InvalidArgument(
+                f"prefill_chunk={prefill_chunk} is below the model's mm_tokens_per_image "
+                f"({c.vision['mm_tokens_per_image']}); an image is prefilled in one chunk"
+            )
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.prefill_chunk = min(prefill_chunk, max_seq_len)
@@ -675,17 +681,30 @@ class Engine:
     # -------------------------------------------------------------- requests
 
     def submit(
-        self, prompt: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+        image: Any = None,
     ) -> Request:
         """Queues a request (served by the next `step()` calls). On a shared
         GPU an engine the idle clock put to sleep wakes first, and a request
-        no share of the device could hold raises `CapacityError`."""
+        no share of the device could hold raises `CapacityError`.
+        `image`: pixel values ``[channels, size, size]`` (or with a leading
+        1) for a model with a vision tower, whose image tokens the prompt
+        holds (`imp_mem.engine.images`); a bad one is `InvalidArgument`."""
+        from imp_mem.engine.images import check_image
+
+        prompt = list(prompt)
+        pixels, mm = check_image(self.config, prompt, image)
         if self.tenancy is not None:
             self.tenancy.wake_for_work(self)
-            prompt = list(prompt)
             if len(prompt) + max_new_tokens <= self.max_seq_len:
                 self.tenancy.check_submit(len(prompt) + max_new_tokens, self.kv)
-        return self.scheduler.submit(prompt, max_new_tokens, eos_token_id=eos_token_id)
+        return self.scheduler.submit(
+            prompt, max_new_tokens, eos_token_id=eos_token_id, image=pixels, mm=mm
+        )
 
     def idle(self) -> int:
         """What a serving loop calls when there is no work: on a shared GPU,
@@ -707,15 +726,29 @@ class Engine:
         max_new_tokens: int,
         *,
         eos_token_id: int | None = None,
+        images: Sequence[Any] | None = None,
     ) -> Iterator[tuple[int, int]]:
         """Serves `prompts` to the end, yielding `(prompt index, token)` as
-        the tokens are produced."""
+        the tokens are produced. `images`: one image or None per prompt
+        (`submit`'s `image`)."""
+        if images is not None and len(images) != len(prompts):
+            raise InvalidArgument(
+                f"images: {len(images)} given for {len(prompts)} prompts; pass one image (or "
+                "None) per prompt"
+            )
         if self.tenancy is not None:
             self.tenancy.wake_for_work(self)
         self._check_awake("generate")
+        from imp_mem.engine.images import check_image
+
+        # Every request is checked before any is queued.
+        each = list(images) if images is not None else [None] * len(prompts)
+        for p, image in zip(prompts, each, strict=True):
+            check_image(self.config, list(p), image)
         index = {}
         for i, p in enumerate(prompts):
-            index[self.submit(p, max_new_tokens, eos_token_id=eos_token_id).seq_id] = i
+            req = self.submit(p, max_new_tokens, eos_token_id=eos_token_id, image=each[i])
+            index[req.seq_id] = i
         live = set(index)
         while live:
             for sid, tok in self.step():
@@ -731,10 +764,14 @@ class Engine:
         max_new_tokens: int,
         *,
         eos_token_id: int | None = None,
+        images: Sequence[Any] | None = None,
     ) -> list[list[int]]:
-        """Greedy continuations of `prompts` (token ids), continuously batched."""
+        """Greedy continuations of `prompts` (token ids), continuously
+        batched; `images`: one image or None per prompt (`submit`)."""
         out: list[list[int]] = [[] for _ in prompts]
-        for i, tok in self.stream(prompts, max_new_tokens, eos_token_id=eos_token_id):
+        for i, tok in self.stream(
+            prompts, max_new_tokens, eos_token_id=eos_token_id, images=images
+        ):
             out[i].append(tok)
         return out
 

@@ -9,7 +9,9 @@ Order (seed A4.2):
    the KV blocks the engine holds itself (`model_runner.engine_blocks`);
    under tensor parallelism the planner's per-rank plan, the weights
    raised where a rank's slices pass the even split
-   (`tensor_parallel.plan_shape`);
+   (`tensor_parallel.plan_shape`); a vision tower (Gemma-3's SigLIP and
+   projector) on the plan's own ``vision_tower`` line at the bytes its
+   tensors take in T1 (`dummy.vision_bytes`), the weights line the rest;
 2. `open`: a `MemorySystem` on the backend (`VmmBackend` on a GPU,
    `FakeBackend` otherwise): T2, T1, the KV pools, T4; collectively with
    a group (`imp_mem.distributed.open_rank_system`), every rank learning
@@ -25,7 +27,12 @@ the engine is named in the report: NCCL's communicator (measured across
 the engine's first collective), torch's caching allocator (activations,
 graph pools) when torch's own allocator serves the forward pass.
 
-Activations. `torch_pool` routes torch's own allocations: a callable
+Activations. A vision tower's working set (one image) is torch's like
+the prefill's: the runner's warm-up encodes one image after the graph
+capture and leaves its segments in torch's cache, so the measured
+``warmup`` line holds them (torch's own allocator), or the activations
+tier does (``torch_pool="imp_mem"``, sized by `measure_torch_high_water`,
+whose warm-up encodes it too). `torch_pool` routes torch's own allocations: a callable
 called once with the opened `MemorySystem` that returns a
 ``torch.cuda.MemPool`` (used around eager work and as the graphs' pool),
 or a zero-argument factory of a context manager to enter around every
@@ -93,6 +100,9 @@ class EngineMemory:
         self.pin_seconds = 0.0
         self.pinned_bytes = 0
         self.weights_over_share = 0
+        # The vision tower's and projector's T1 bytes (the plan's
+        # ``vision_tower`` line); 0 for a text model.
+        self.vision_bytes = 0
         # The kernel modules the warm-up loaded (`warmup.Meter`), once measured.
         self.warmup_modules: int | None = None
         # load_format="dummy": (config.json dict, seed, scale); None loads safetensors.
@@ -133,12 +143,16 @@ class EngineMemory:
         `default_features` is used. Returns the plan."""
         # The checkpoint's bytes; with ranks, raised where a rank's slices
         # would pass the planner's even split (`plan_shape`).
-        if self.dummy is not None:
-            from imp_mem.engine import dummy
+        from imp_mem.engine import dummy
 
+        # A vision tower is its own line (`vision_tower`), not the weights'.
+        self.vision_bytes = dummy.vision_bytes(config)
+        if self.dummy is not None:
             shape, self.rank_weights_bytes = dummy.plan_shape(self.dummy[0], config), 0
         else:
             shape, self.rank_weights_bytes = plan_shape(model_dir, config, tp.tp)
+            if self.vision_bytes:
+                shape = shape.with_weights_bytes(max(1, shape.weights_bytes - self.vision_bytes))
         if not self.on_gpu:
             context = 8 << 20 if context is None else context
             library_reserve = 4 << 20 if library_reserve is None else library_reserve
@@ -146,9 +160,9 @@ class EngineMemory:
         self.plan_input = imp_mem.PlanInput(
             shape,
             limits,
-            _with_engine_blocks(features, engine_blocks)
+            _with_engine_blocks(features, engine_blocks, self.vision_bytes)
             if features is not None
-            else default_features,
+            else _with_engine_blocks(default_features, (0, 0), self.vision_bytes),
             budget=budget if budget is not None else self.backend.budget,
             tp=tp.tp,
             context=context,
@@ -469,20 +483,22 @@ class _Pinner:
         return self.seconds, self.pinned
 
 
-def _with_engine_blocks(features: Any, blocks: Sequence[int]) -> Any:
+def _with_engine_blocks(features: Any, blocks: Sequence[int], vision: int = 0) -> Any:
     """`features` (a caller's `imp_mem.Features`) with the engine's own KV
-    blocks added to what it already plans for."""
+    blocks added to what it already plans for, and the vision tower's line
+    at least the model's tower (`dummy.vision_bytes`)."""
     # Every field Features has (its getters are its keyword arguments).
     names = [
         n
         for n, v in vars(imp_mem.Features).items()
         if type(v).__name__ == "getset_descriptor"
-        and n not in ("engine_kv_blocks", "engine_swa_blocks")
+        and n not in ("engine_kv_blocks", "engine_swa_blocks", "vision_tower_bytes")
     ]
     return imp_mem.Features(
         **{n: getattr(features, n) for n in names},
         engine_kv_blocks=features.engine_kv_blocks + blocks[0],
         engine_swa_blocks=features.engine_swa_blocks + blocks[1],
+        vision_tower_bytes=max(features.vision_tower_bytes, vision),
     )
 
 
@@ -504,9 +520,13 @@ def measure_torch_high_water(
     torch.cuda.reset_peak_memory_stats(dev)
     with Engine(model_dir, **engine_kw) as e:
         rng = random.Random(0)
+        # Text only: a vision model's image token would need an image (its
+        # tower's working set is in the warm-up's, which encodes one).
+        image = (e.config.vision or {}).get("image_token_index")
         for _ in range(requests):
             n = rng.randint(1, max(1, e.max_seq_len // 2))
-            e.submit([rng.randrange(e.config.vocab_size) for _ in range(n)], 8)
+            ids = [rng.randrange(e.config.vocab_size) for _ in range(n)]
+            e.submit([0 if t == image else t for t in ids], 8)
         e.run()
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_reserved(dev) - base

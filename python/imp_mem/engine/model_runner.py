@@ -31,6 +31,15 @@ uncomputed: models with sliding layers run with prefix caching off, and are
 planned for `max_batch` plus the ring's sequences' worth of SWA blocks
 (`engine_blocks`).
 
+Images (a model with a vision tower, Gemma-3). A request's image is
+encoded once at its prefill, when its image tokens are not all in the
+prefix cache; the image's tokens attend to each other both ways, so a
+chunk ends before them rather than inside them and they are prefilled in
+one call (`prefill_chunk` >= ``mm_tokens_per_image``, checked by the
+engine). After the graph capture the runner encodes one zero image, so the
+tower's working set sits in torch's cache (or the activations tier) when
+the warm-up is measured: planned, not grown while serving.
+
 Thread safety: none; one thread drives the runner.
 """
 
@@ -380,6 +389,12 @@ class ModelRunner:
             self._capture()
             memory.empty_torch_cache()
         self.capture_seconds = time.perf_counter() - t0
+        if hasattr(self.model, "encode_images"):
+            # One image's working set, left in torch's cache (or the
+            # activations tier) after the capture, so the warm-up's
+            # measurement plans it (`memory`'s module doc).
+            with torch.inference_mode(), self.on_stream(), memory.torch_ctx():
+                self._warm_tower()
         memory.charge_torch()
 
     def _warm_up(self) -> None:
@@ -404,6 +419,14 @@ class ModelRunner:
         with torch.inference_mode(), self.memory.torch_ctx():
             for b in sorted(self.buckets, reverse=True):
                 self.decode_body(b)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+
+    def _warm_tower(self) -> None:
+        """Encodes one zero image (the tower's kernels loaded, its working
+        set in the allocator that serves it)."""
+        pixels = torch.zeros((1, *self.model.image_shape), device=self.device)
+        self.model.encode_images(pixels)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
 
@@ -437,14 +460,22 @@ class ModelRunner:
 
     def prefill(self, p: Prefill) -> tuple[int, int]:
         """Prefills a request from its first uncached token, in chunks;
-        returns ``(greedy token, tokens prefilled)``."""
+        returns ``(greedy token, tokens prefilled)``. A request with an
+        image runs the vision tower once (when its image tokens are not all
+        cached) and ends a chunk before the image's tokens rather than
+        inside them, so the image is prefilled in one call (its tokens
+        attend to each other both ways)."""
         tokens, n = p.tokens, len(p.tokens)
         sid = p.request.seq_id
         start = p.start
+        mm = self._image_embeddings(p.request, start)
         logits = None
         while start < n:
             end = min(n, start + self.prefill_chunk)
-            logits = self.prefill_chunk_logits(sid, tokens, start, end)
+            if mm is not None and start < mm[0] < end < mm[1]:
+                end = mm[0]
+            touches = mm is not None and start < mm[1] and mm[0] < end
+            logits = self.prefill_chunk_logits(sid, tokens, start, end, mm if touches else None)
             start = end
         nxt = self.staging["next"]
         nxt.t["next"][:1].copy_(logits[0].argmax(-1, keepdim=True))
@@ -482,9 +513,23 @@ class ModelRunner:
         nxt.t["next"][:b].copy_(self.t2["next"][:b])  # blocking: waits for the step
         return nxt.np["next"][:n].tolist(), b
 
-    def prefill_chunk_logits(self, sid: int, tokens, start: int, end: int) -> torch.Tensor:
+    def _image_embeddings(self, req: Request, start: int) -> Any:
+        """``(s, e, embeddings)`` of a request's image when a prefill from
+        `start` reaches its tokens ``[s, e)``; None otherwise."""
+        if req.image is None or not req.mm:
+            return None
+        lo, hi, _ = req.mm[0]
+        if hi <= start:
+            return None
+        pixels = req.image.to(self.device, non_blocking=True)
+        return lo, hi, self.model.encode_images(pixels)[0]
+
+    def prefill_chunk_logits(
+        self, sid: int, tokens, start: int, end: int, mm: Any = None
+    ) -> torch.Tensor:
         """Prefills positions [start, end) of sequence `sid`; the last
-        token's logits."""
+        token's logits. `mm`: the image's ``(s, e, embeddings)`` when the
+        chunk holds its tokens."""
         staged, t2 = self.staging["prefill_in"], self.t2
         host = staged.np
         n = end - start
@@ -506,6 +551,7 @@ class ModelRunner:
             t2["prefill_swa"] if self.sliding else None,
             self.kv_views,
             last_only=True,
+            **({"mm": mm} if mm is not None else {}),
         )
 
     def _fill_ring(self, swa, start: int, end: int) -> None:

@@ -76,6 +76,12 @@ class Request:
     # How often it was preempted (freed for room and queued again).
     preemptions: int = 0
     finish_reason: str | None = None
+    # An image the prompt's image tokens stand for (pixel values, checked by
+    # the engine), and the KV manager's multimodal keys for it:
+    # ``[(start, end, content_hash)]``, so a prefix hit never shares blocks
+    # computed with another image behind the same token ids.
+    image: Any = None
+    mm: list[tuple[int, int, int]] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -147,8 +153,11 @@ class Scheduler:
         *,
         eos_token_id: int | None = None,
         seq_id: int | None = None,
+        image: Any = None,
+        mm: list[tuple[int, int, int]] | None = None,
     ) -> Request:
-        """Queues a request; returns it (its `seq_id` names it from now)."""
+        """Queues a request; returns it (its `seq_id` names it from now).
+        `image` and `mm`: an image and its multimodal keys (`Request`)."""
         tokens = [int(t) for t in prompt]
         if not tokens:
             raise InvalidArgument("prompt is empty; give at least one token")
@@ -173,7 +182,7 @@ class Scheduler:
                 seq_id = next(self._ids)
         elif seq_id in self.requests:
             raise InvalidArgument(f"seq_id {seq_id} is already in use; pick another")
-        req = Request(seq_id, tokens, max_new_tokens, eos_token_id)
+        req = Request(seq_id, tokens, max_new_tokens, eos_token_id, image=image, mm=mm)
         self.requests[seq_id] = req
         self.waiting.append(req)
         self.stats.submitted += 1
@@ -221,7 +230,7 @@ class Scheduler:
                 self.stats.capacity_waits += 1
                 break
             try:
-                cached = kv.try_admit(req.seq_id, tokens)
+                cached = kv.try_admit(req.seq_id, tokens, mm=req.mm)
             finally:
                 self.kv_seconds += perf_counter() - t0
             if cached is None:

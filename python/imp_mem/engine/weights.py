@@ -104,6 +104,14 @@ def check_update(
     full = weight_names(config)
     seen: set[str] = set()
     plan = []
+    # A vision model's tensors also answer to transformers' module names
+    # (``model.language_model.*``, a trainer's ``named_parameters()``) and to
+    # the Hub's tower names, whichever the checkpoint used.
+    alias: dict[str, str] = {}
+    if getattr(config, "vision", None) is not None:
+        from imp_mem.engine.model.siglip import canonical_name
+
+        alias = {canonical_name(k): k for k in weights}
     for item in items:
         try:
             name, tensor = item
@@ -118,6 +126,9 @@ def check_update(
                 f"update_weights: {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
             )
         dst = weights.get(name)
+        if dst is None and alias:
+            name = alias.get(canonical_name(name), name)
+            dst = weights.get(name)
         if dst is None:
             raise InvalidArgument(
                 f"update_weights: {name!r} is no tensor of this checkpoint; give the "

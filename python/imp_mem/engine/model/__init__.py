@@ -6,7 +6,8 @@
 * `qwen3`: the Qwen3 architecture (`PagedModel`);
 * `decoder`: the frame the other families share (`DecoderModel`, `Step`);
   `rope`: RoPE's scaled frequencies; `moe`: routing and the experts;
-* `llama`, `qwen3_moe`, `deepseek_v2` (MLA), `gemma3`: one family each.
+* `llama`, `qwen3_moe`, `deepseek_v2` (MLA), `gemma3`: one family each
+  (`gemma3` also serves Gemma-3 with its vision tower, `siglip`).
 
 `model_class(config)` is the class that serves a config, `build_model` one
 over its weights, `weight_names(config)` every tensor it reads by its
@@ -48,6 +49,10 @@ def model_class(config: ModelConfig) -> Any:
         from imp_mem.engine.model.gemma3 import Gemma3Model
 
         return Gemma3Model
+    if family == "gemma3":
+        from imp_mem.engine.model.gemma3 import Gemma3VisionModel
+
+        return Gemma3VisionModel
     raise ValueError(f"no model file serves model_type {family!r}")
 
 

@@ -173,10 +173,15 @@ def prefill_attention(
     *,
     window: int | None = None,
     scale: float | None = None,
+    bidirectional: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of the queries at positions ``[start_pos, start_pos +
     T)`` (`q` is ``[T, heads, head_dim]``) over the keys in the pages, which
     already hold those tokens and everything before them (a prefix hit).
+    `bidirectional` ``(s, e)``: the positions ``[s, e)`` (an image's tokens)
+    also attend to each other ahead of themselves, as transformers' Gemma-3
+    masks them (OR with the causal mask, then AND with the window); every
+    key of the span must be in the pages (``e <= start_pos + T``).
     Returns ``[T, heads, head_dim]`` in q's dtype."""
     tokens, heads, head_dim = q.shape
     kv_heads = kv.shape[4]
@@ -185,7 +190,13 @@ def prefill_attention(
     key_pos = torch.arange(first, end, device=q.device)
     keys, values, present = _gather_keys(kv, layer, block_table, key_pos)
     q_pos = torch.arange(start_pos, end, device=q.device).unsqueeze(1)
-    allowed = present.unsqueeze(0) & (key_pos.unsqueeze(0) <= q_pos)
+    seen = key_pos.unsqueeze(0) <= q_pos
+    if bidirectional is not None:
+        lo, hi = bidirectional
+        k_in = (key_pos >= lo) & (key_pos < hi)
+        q_in = (q_pos >= lo) & (q_pos < hi)
+        seen = seen | (q_in & k_in.unsqueeze(0))
+    allowed = present.unsqueeze(0) & seen
     if window is not None:
         allowed &= key_pos.unsqueeze(0) > q_pos - window
     # Query head h reads KV head h // group, as transformers' repeat_kv; the

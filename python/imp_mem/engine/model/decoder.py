@@ -71,6 +71,9 @@ class Step:
     # Per-call values a family computes once and every layer reuses (its
     # RoPE's cos/sin at these positions).
     cache: dict[str, Any] = field(default_factory=dict)
+    # Prefill: positions ``[s, e)`` that attend to each other both ways (an
+    # image's tokens, Gemma-3's rule); None: causal only.
+    bidirectional: tuple[int, int] | None = None
 
     def pages(self, layer: Layer) -> torch.Tensor:
         pages = self.kv.full if layer.pool == "full" else self.kv.swa
@@ -87,7 +90,14 @@ class Step:
         table = self.tables[layer.pool]
         if self.mode == "prefill":
             return prefill_attention(
-                q, pages, layer.slot, table, self.start_pos, window=layer.window, scale=scale
+                q,
+                pages,
+                layer.slot,
+                table,
+                self.start_pos,
+                window=layer.window,
+                scale=scale,
+                bidirectional=self.bidirectional,
             )
         return paged_decode_attention(
             q,
@@ -132,7 +142,7 @@ class DecoderModel:
                 "served for qwen3"
             )
         self.tp = tp or TensorParallel(config, tp=1)
-        expected = self.weight_names(config)
+        expected = self.decoder_names(config)
         missing = [name for name in expected if name not in weights]
         if missing:
             raise InvalidArgument(
@@ -178,6 +188,11 @@ class DecoderModel:
 
     # -- what a family writes -------------------------------------------------
 
+    def decoder_names(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The tensors this frame checks and groups (``model.*``, the head):
+        `weight_names`, unless the family reads more (a vision tower)."""
+        return self.weight_names(config)
+
     def setup(self, weights: dict[str, torch.Tensor]) -> None:
         """Once, after the weights are grouped: tables, stacked views."""
 
@@ -190,6 +205,13 @@ class DecoderModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(input_ids, self.embed)
+
+    def _embed_image(
+        self, input_ids: torch.Tensor, start_pos: int, mm: tuple[int, int, torch.Tensor]
+    ) -> torch.Tensor:
+        raise InvalidArgument(
+            f"image: model_type {self.config.model_type!r} has no vision tower; pass no image"
+        )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -205,17 +227,25 @@ class DecoderModel:
         kv: KvViews,
         *,
         last_only: bool = False,
+        mm: tuple[int, int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`PagedModel.prefill`: positions ``[start_pos, start_pos + T)`` of
         one sequence; float32 logits ``[T, vocab]`` (``[1, vocab]`` with
-        `last_only`)."""
+        `last_only`). `mm` ``(s, e, embeddings)``: the sequence's image
+        tokens are at positions ``[s, e)`` and take `embeddings`
+        (``[e - s, hidden]``) in place of their token embeddings (a family
+        with a vision tower only)."""
         end = check_prefill_args(input_ids, start_pos, self.max_positions)
         check_tables(
             self.config, kv, block_table, swa_block_table, end, self.kv_block_shape, "prefill"
         )
         positions = torch.arange(start_pos, end, device=self.device)
         step = self._step("prefill", positions, kv, block_table, swa_block_table, start_pos)
-        x = self._embed(input_ids)
+        if mm is None:
+            x = self._embed(input_ids)
+        else:
+            x = self._embed_image(input_ids, start_pos, mm)
+            step.bidirectional = (mm[0], mm[1])
         for layer in self.layers:
             x = self._layer(x, layer, step)
         if last_only:

@@ -112,3 +112,105 @@ class Gemma3Model(DecoderModel):
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
+
+
+class Gemma3VisionModel(Gemma3Model):
+    """Gemma-3 with its vision tower (``model_type: gemma3``,
+    ``Gemma3ForConditionalGeneration``): the language model above, read
+    from the checkpoint's ``language_model.model.*`` tensors, and the
+    SigLIP tower and projector (`siglip`) over their own views of T1.
+
+    Images enter at prefill as transformers' ``Gemma3Model.forward`` puts
+    them: the prompt's ``mm_tokens_per_image`` image tokens
+    (``image_token_index``; an id at or past the vocabulary is embedded as
+    token 0 first) take the projector's output in place of their scaled
+    token embeddings (the image embeddings are not scaled), and, as with
+    the ``token_type_ids`` transformers' processor passes, the image's
+    tokens attend to each other both ways in every layer (the sliding
+    layers within their window too). Decode is the text model's: an image
+    token never follows the prompt. As transformers'
+    ``Gemma3ForConditionalGeneration``, the logits are not soft-capped
+    (its ``forward`` ignores ``final_logit_softcapping``, which Gemma-3's
+    own configs leave null)."""
+
+    family = "gemma3"
+
+    @staticmethod
+    def weight_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensors: the language model's under
+        ``language_model.``, then the projector's and the tower's."""
+        from imp_mem.engine.model import siglip
+
+        names = {"language_model." + k: v for k, v in Gemma3Model.weight_names(config).items()}
+        names.update(siglip.weight_names(config.extra["vision"], config.hidden_size))
+        return names
+
+    def decoder_names(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        return Gemma3Model.weight_names(config)
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], **kw) -> None:
+        from imp_mem.engine.model import siglip
+
+        weights = {siglip.canonical_name(k): v for k, v in weights.items()}
+        vision = siglip.weight_names(config.extra["vision"], config.hidden_size)
+        for name, shape in vision.items():
+            if name not in weights:
+                raise InvalidArgument(
+                    f"weights: the vision tower's {name!r} is missing; pass every tensor of the "
+                    "checkpoint by its Hugging Face name"
+                )
+            if tuple(weights[name].shape) != shape:
+                raise InvalidArgument(
+                    f"weights: {name!r} has shape {tuple(weights[name].shape)}, the config "
+                    f"needs {shape}"
+                )
+        self.vision_weights = {name: weights[name] for name in vision}
+        text = {
+            k[len("language_model.") :]: v
+            for k, v in weights.items()
+            if k.startswith("language_model.")
+        }
+        super().__init__(config, text, **kw)
+        v = config.extra["vision"]
+        self.vision = v
+        self.image_token = v["image_token_index"]
+        self.mm_tokens = v["mm_tokens_per_image"]
+        self.image_shape = (v["num_channels"], v["image_size"], v["image_size"])
+
+    def setup(self, weights: dict[str, torch.Tensor]) -> None:
+        super().setup(weights)
+        self.softcap = None
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The projector's output for `pixels` (``[B, channels, size,
+        size]``): ``[B, mm_tokens_per_image, hidden]`` in the model's dtype."""
+        from imp_mem.engine.model import siglip
+
+        return siglip.encode(self.vision_weights, self.vision, self.mm_tokens, pixels)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.image_token >= self.config.vocab_size:
+            input_ids = input_ids.masked_fill(input_ids == self.image_token, 0)
+        return super()._embed(input_ids)
+
+    def _embed_image(
+        self, input_ids: torch.Tensor, start_pos: int, mm: tuple[int, int, torch.Tensor]
+    ) -> torch.Tensor:
+        lo, hi, emb = mm
+        x = self._embed(input_ids)
+        end = start_pos + x.shape[0]
+        a, b = max(lo, start_pos), min(hi, end)
+        if a < b and hi > end:
+            # The span's early tokens attend to its late ones: all must be in the pages.
+            raise InvalidArgument(
+                f"prefill: the image's tokens [{lo}, {hi}) end past this chunk [{start_pos}, "
+                f"{end}); prefill through the image's last token in one call"
+            )
+        if tuple(emb.shape) != (hi - lo, x.shape[1]):
+            raise InvalidArgument(
+                f"mm: the image embeddings are {tuple(emb.shape)}; positions [{lo}, {hi}) need "
+                f"({hi - lo}, {x.shape[1]})"
+            )
+        if a < b:
+            x[a - start_pos : b - start_pos] = emb[a - lo : b - lo].to(x.dtype)
+        return x

@@ -1,0 +1,217 @@
+"""Gemma-3 with its vision tower on the GPU (issue 26): gemma-3-4b's
+``config.json`` numbers (34 layers, a 27-layer SigLIP over 896 x 896
+images, 256 image tokens), random weights drawn in T1 from a seed
+(``load_format="dummy"``), bf16:
+
+* the tower and projector on the plan's ``vision_tower`` line at their
+  bytes in T1 (transformers' tower and projector parameters, each tensor
+  256-byte aligned), the weights line the language model's;
+* greedy tokens with an image (and without) against transformers'
+  ``Gemma3ForConditionalGeneration`` on the same weights
+  (`imp_mem.engine.dummy.transformers_model`, ``token_type_ids`` given so
+  its image tokens attend both ways as ours do), wherever transformers'
+  top-2 margin is decisive (> 0.2, as `test_engine_families_gpu`), with at
+  least an eighth of the tokens decisive (262 208 random logits have
+  smaller top-2 gaps than the families' 32 000);
+* in a fresh child process at a roomy limit: torch's activations (the
+  tower's image working set included, which the warm-up encodes) routed
+  into a planned tier sized from a measured warm-up, requests with images
+  served, the plan's total against the device memory the process uses
+  within 1 %, >= 99 % of it attributed, no acquisition while serving.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+import imp_mem
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+from imp_mem.engine.llm_engine import Engine  # noqa: E402
+
+MIB = 1 << 20
+
+
+def gemma_3_4b() -> dict:
+    """google/gemma-3-4b-it's config.json (the fields it sets)."""
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "boi_token_index": 255999,
+        "eoi_token_index": 256000,
+        "image_token_index": 262144,
+        "mm_tokens_per_image": 256,
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+            "vision_use_head": False,
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+IMG = 262144
+
+
+def prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Text, 256 image tokens, text; every other prompt without an image."""
+    out = []
+    for i in range(n):
+        text = [rng.randrange(2, 250000) for _ in range(40 + 8 * i)]
+        out.append(text[:20] + [IMG] * 256 + text[20:] if i % 2 == 0 else text)
+    return out
+
+
+def images(n: int) -> list:
+    g = torch.Generator(device="cpu").manual_seed(3)
+    return [
+        torch.rand(3, 896, 896, generator=g).mul_(2).sub_(1) if i % 2 == 0 else None
+        for i in range(n)
+    ]
+
+
+def test_gemma3_4b_with_images_matches_transformers_and_plans_its_tower():
+    from imp_mem.engine.dummy import layout_bytes, transformers_model, vision_bytes
+    from imp_mem.engine.model.siglip import is_vision_name
+
+    config = gemma_3_4b()
+    backend = imp_mem.VmmBackend(device=0, strict=True)
+    rng = random.Random(5)
+    ps = prompts(rng, 8)
+    imgs = images(8)
+    with Engine(
+        config, load_format="dummy", seed=7, backend=backend, max_batch=8, max_seq_len=1024
+    ) as e:
+        c = e.config
+        tower = vision_bytes(c)
+        assert e.plan.to_dict()["vision_tower"] == -(-tower // MIB) * MIB
+        assert e.plan.weights == -(-(layout_bytes(c) - tower) // MIB) * MIB
+        assert e.system.weights_arena.used == layout_bytes(c)
+        outs = e.generate(ps, 16, images=imgs)
+        steady = sum(backend.stats()["steady_state_allocations_total"].values())
+        print(f"\ngemma-3-4b: tower {tower / MIB:.1f} MiB in T1, the plan's vision_tower line")
+    assert steady == 0
+    hf = transformers_model(config, seed=7, device="cuda")
+    try:
+        params = sum(
+            p.numel() * p.element_size()
+            for n, p in hf.named_parameters()
+            if n.startswith(("model.vision_tower.", "model.multi_modal_projector."))
+        )
+        count = sum(1 for n, _ in hf.named_parameters() if is_vision_name(n[len("model.") :]))
+        assert params <= tower < params + 256 * (count + 1)
+        checked = decisive = 0
+        for p, o, img in zip(ps, outs, imgs, strict=True):
+            ids = torch.tensor([p + o[:-1]], device="cuda")
+            kw = {}
+            if img is not None:
+                kw = {
+                    "pixel_values": img[None].to("cuda", torch.bfloat16),
+                    "token_type_ids": (ids == IMG).long(),
+                }
+            with torch.no_grad():
+                logits = hf(input_ids=ids, **kw).logits[0].float()
+            rows = logits[len(p) - 1 :]
+            top2 = rows.topk(2, dim=-1).values
+            sure = (top2[:, 0] - top2[:, 1]).cpu() > 0.2
+            ok = rows.argmax(-1).cpu() == torch.tensor(o)
+            checked += len(o)
+            decisive += int(sure.sum())
+            assert ok[sure].all(), "gemma3: a greedy token differs where transformers is decisive"
+        print(f"gemma3 (vision): {decisive} of {checked} tokens decisive, all equal")
+        assert decisive >= checked // 8
+    finally:
+        del hf
+        torch.cuda.empty_cache()
+
+
+CHILD = r"""
+import json, sys
+import torch
+import imp_mem
+from imp_mem.engine.llm_engine import Engine
+from imp_mem.engine.memory import measure_torch_high_water
+
+config, max_batch, max_seq_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+torch.zeros(1, device="cuda")
+print("ready", torch.cuda.memory_reserved(), flush=True)
+context, other = (int(x) for x in sys.stdin.readline().split())
+kw = dict(load_format="dummy", seed=3, max_batch=max_batch, max_seq_len=max_seq_len)
+high = measure_torch_high_water(config, requests=2 * max_batch, **kw)
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+backend = imp_mem.VmmBackend(device=0, strict=True)
+image = torch.rand(3, 896, 896) * 2 - 1
+prompt = [5, 6, 7] * 10 + [262144] * 256 + [8, 9] * 20
+with Engine(config, backend=backend, context=context, torch_pool="imp_mem",
+            activation_bytes=int(high * 1.1) + (64 << 20), warmup_probe=True, **kw) as e:
+    e.generate([prompt] * max_batch, 16, images=[image] * max_batch)
+    torch.cuda.synchronize()
+    report = e.mem_report(other_processes=other)
+    text = e.mem_report_text(other_processes=other)
+    steady = sum(backend.stats()["steady_state_allocations_total"].values())
+print(json.dumps({"report": report, "text": text, "steady": steady}), flush=True)
+"""
+
+
+def test_gemma3_4b_plan_matches_the_device_with_images():
+    holder = imp_mem.CudaBackend(device=0)  # keeps this process's context open
+    free_before, total = holder.mem_get_info()
+    env = {k: v for k, v in os.environ.items() if k != "IMP_MEM_WARMUP_PROBE"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(gemma_3_4b()), "32", "2048"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        ready, torch_reserved = child.stdout.readline().split()
+        assert ready == "ready"
+        free_with_child, _ = holder.mem_get_info()
+        context = free_before - free_with_child - int(torch_reserved)
+        other = total - free_before
+        child.stdin.write(f"{context} {other}\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+    finally:
+        child.wait(timeout=600)
+    assert child.returncode == 0
+    result = json.loads(line)
+    report, text = result["report"], result["text"]
+    device = report["device"]
+    print(f"\ngemma-3-4b with images:\n{text}")
+    in_use = device["used"] - device["other_processes"]
+    gap = abs(in_use - report["plan_total"]) / in_use
+    print(f"plan {report['plan_total'] >> 20} MiB, in use {in_use >> 20} MiB ({100 * gap:.2f} %)")
+    assert gap <= 0.01, text
+    assert device["attribution_pct"] >= 99.0, text
+    assert device["attribution_pct"] <= 101.0, "attributed more than is in use"
+    assert result["steady"] == 0
+    assert math.isfinite(gap)
