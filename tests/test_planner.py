@@ -568,3 +568,52 @@ def test_python_dash_m_imp_mem_plan():
     )
     assert result.returncode == 2, result.stderr
     assert "the three largest levers" in result.stdout
+
+
+def _plan_json(argv, capsys) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _line(doc: dict, name: str) -> int:
+    return doc[name]
+
+
+def test_cli_plan_gives_a_vision_tower_its_own_line(tmp_path, capsys):
+    """A multimodal config's tower is sized as the engine lays it out in T1
+    (`dummy.vision_bytes`) and planned on the ``vision_tower`` line; measured
+    weight bytes hold the tower, so the weights line is the rest."""
+    from imp_mem._cli_plan import vision_tower_bytes
+    from imp_mem.engine import dummy
+    from imp_mem.engine.config import ModelConfig
+
+    tower = vision_tower_bytes("gemma-3-4b")
+    assert tower == dummy.vision_bytes(ModelConfig.from_hf_config(preset("gemma-3-4b")))
+    # SigLIP So400m's 27 layers and the projector, bf16: about 0.8 GiB.
+    assert 780 << 20 < tower < 820 << 20
+    argv = ["plan", "gemma-3-4b", "--budget", "40GiB", "--max-batch", "4"]
+    doc = _plan_json(argv, capsys)
+    assert _line(doc, "vision_tower") == -(-tower // (1 << 20)) << 20
+    text_only = dict(preset("gemma-3-4b"))
+    del text_only["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(text_only))
+    assert vision_tower_bytes(str(tmp_path)) == 0
+    plain = _plan_json(["plan", str(tmp_path / "config.json"), "--budget", "40GiB",
+                        "--max-batch", "4"], capsys)  # fmt: skip
+    assert _line(plain, "weights") == _line(doc, "weights"), "the estimate holds no tower"
+    assert plain["vision_tower"] == 0
+    # Measured bytes: the whole checkpoint's, the tower taken out of them.
+    doc = _plan_json([*argv, "--weights-bytes", "8GiB"], capsys)
+    assert _line(doc, "weights") == -(-((8 << 30) - tower) // (1 << 20)) << 20
+
+
+def test_cli_plan_refuses_a_tower_it_cannot_size(tmp_path, capsys):
+    cfg = dict(preset("gemma-3-4b"), model_type="llava")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", str(tmp_path / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert "InvalidArgument" in err and "CONFIG" in err and "gemma3" in err
+    argv = ["plan", "gemma-3-4b", "--weights-bytes", "100MiB"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--weights-bytes" in err and "vision tower" in err

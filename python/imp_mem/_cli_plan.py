@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from imp_mem._format import mib, table
@@ -86,11 +87,69 @@ def load_shape(config: str, weights_bytes: str | None = None):
     return shape
 
 
+def _config_dict(config: str) -> dict[str, Any] | None:
+    """The config a preset name, a config.json path or a checkpoint
+    directory names (None where it cannot be read as JSON)."""
+    from imp_mem._presets import PRESETS, preset
+
+    if config.lower() in PRESETS:
+        return preset(config)
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def vision_tower_bytes(config: str) -> int:
+    """The bytes of the vision tower and projector a multimodal config
+    declares, as the reference engine lays them out in T1 (its
+    ``vision_tower`` line); 0 for a text model. A tower the engine does not
+    read (another family's) is refused, naming what it reads."""
+    cfg = _config_dict(config)
+    if not cfg or "vision_config" not in cfg:
+        return 0
+    import imp_mem
+    from imp_mem.engine import dummy
+    from imp_mem.engine.config import ModelConfig
+
+    try:
+        return dummy.vision_bytes(ModelConfig.from_hf_config(cfg))
+    except imp_mem.InvalidArgument as e:
+        raise imp_mem.InvalidArgument(
+            f"CONFIG: {config!r} declares a vision tower the planner cannot size ({e}); "
+            "the towers it sizes are Gemma-3's (model_type gemma3); drop vision_config "
+            "to plan the text model alone"
+        ) from None
+
+
+def _has_checkpoint(config: str) -> bool:
+    """Whether `config` sits beside safetensors (whose sizes the shape reads)."""
+    path = Path(config)
+    folder = path if path.is_dir() else path.parent
+    return path.exists() and any(
+        any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.safetensors.index.json")
+    )
+
+
 def build_input(args: argparse.Namespace):
-    """The PlanInput the arguments describe."""
+    """The PlanInput the arguments describe. A vision tower is its own line
+    (``vision_tower``); measured weight bytes (``--weights-bytes`` or a
+    checkpoint's) hold it, so the weights line is the rest."""
     import imp_mem
 
+    tower = vision_tower_bytes(args.config)
     shape = load_shape(args.config, args.weights_bytes)
+    if tower and (args.weights_bytes is not None or _has_checkpoint(args.config)):
+        if shape.weights_bytes <= tower:
+            raise imp_mem.InvalidArgument(
+                f"--weights-bytes: {shape.weights_bytes} B does not cover the vision tower's "
+                f"{tower} B; give the whole checkpoint's bytes"
+            )
+        shape = shape.with_weights_bytes(shape.weights_bytes - tower)
     seq = args.max_seq_len
     if seq is None:
         seq = min(shape.max_position_embeddings or DEFAULT_SEQ_LEN_CAP, DEFAULT_SEQ_LEN_CAP)
@@ -101,7 +160,7 @@ def build_input(args: argparse.Namespace):
         block_size=args.block_size,
         kv_policy=args.kv_policy,
     )
-    features = imp_mem.Features(spec_depth=args.spec_depth)
+    features = imp_mem.Features(spec_depth=args.spec_depth, vision_tower_bytes=tower)
     return imp_mem.PlanInput(
         shape,
         limits,

@@ -10,6 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+# Gemma-3's SigLIP tower (4B, 12B and 27B share it): 27 layers of 1152 on
+# 896-pixel images in patches of 14, no pooling head.
+_GEMMA3_SIGLIP: dict[str, Any] = {
+    "model_type": "siglip_vision_model",
+    "hidden_size": 1152,
+    "image_size": 896,
+    "intermediate_size": 4304,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 27,
+    "patch_size": 14,
+    "vision_use_head": False,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {
         "source": "meta-llama/Meta-Llama-3-8B",
@@ -103,9 +116,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     },
+    "gemma-3-4b": {
+        "source": "google/gemma-3-4b-it",
+        "model_type": "gemma3",
+        "mm_tokens_per_image": 256,
+        "image_token_index": 262144,
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "sliding_window": 1024,
+            "vocab_size": 262208,
+            "max_position_embeddings": 131072,
+        },
+        "vision_config": _GEMMA3_SIGLIP,
+        "torch_dtype": "bfloat16",
+    },
     "gemma-3-27b": {
         "source": "google/gemma-3-27b-it",
         "model_type": "gemma3",
+        "mm_tokens_per_image": 256,
+        "image_token_index": 262144,
         "text_config": {
             "model_type": "gemma3_text",
             "hidden_size": 5376,
@@ -118,6 +153,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "vocab_size": 262208,
             "max_position_embeddings": 131072,
         },
+        "vision_config": _GEMMA3_SIGLIP,
         "torch_dtype": "bfloat16",
     },
     "gpt-oss-20b": {

@@ -249,6 +249,13 @@ class ModelConfig:
             )
         if config.get("model_type") == "gemma3":
             return _gemma3_vision(cls, config)
+        if "vision_config" in config:
+            # Serving the text model alone would drop the tower unseen.
+            raise InvalidArgument(
+                f"config: model_type {config.get('model_type')!r} has a vision tower the "
+                "reference engine does not serve; the multimodal model it serves is gemma3 "
+                f"(it serves {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         if "text_config" in config and isinstance(config["text_config"], dict):
             config = {**config, **config["text_config"]}
         model_type = config.get("model_type")
