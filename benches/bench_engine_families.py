@@ -119,32 +119,11 @@ def gemma_3_4b() -> dict:
 
 
 def gemma_3_4b_vision() -> dict:
-    """google/gemma-3-4b-it's config.json: the language model above (its
-    class defaults fill the rest) and its SigLIP tower."""
-    return {
-        "model_type": "gemma3",
-        "image_token_index": IMAGE_TOKEN,
-        "mm_tokens_per_image": 256,
-        "text_config": {
-            "model_type": "gemma3_text",
-            "hidden_size": 2560,
-            "intermediate_size": 10240,
-            "num_hidden_layers": 34,
-            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-            "sliding_window": 1024,
-        },
-        "vision_config": {
-            "model_type": "siglip_vision_model",
-            "hidden_size": 1152,
-            "image_size": 896,
-            "intermediate_size": 4304,
-            "num_attention_heads": 16,
-            "num_hidden_layers": 27,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
-        "torch_dtype": "bfloat16",
-    }
+    """google/gemma-3-4b-it's config: the language model above and its
+    SigLIP tower (the planner's preset)."""
+    from imp_mem._presets import preset
+
+    return preset("gemma-3-4b")
 
 
 IMAGE_TOKEN = 262144

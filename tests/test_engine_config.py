@@ -123,7 +123,7 @@ def test_a_vision_tower_the_engine_does_not_serve_is_refused_not_dropped():
     engine would serve the text alone and drop the tower unseen."""
     text = qwen3_0_6b_config()
     wrapped = {"model_type": "llava", "text_config": text, "vision_config": {"hidden_size": 8}}
-    with pytest.raises(imp_mem.InvalidArgument, match="vision tower.*gemma3"):
+    with pytest.raises(imp_mem.InvalidArgument, match=r"vision tower.*gemma3"):
         ModelConfig.from_hf_config(wrapped)
     # The same wrapper with no tower reads its text model.
     plain = {"model_type": "llava", "text_config": text}

@@ -204,6 +204,11 @@ def test_config_reads_the_text_model_as_gemma3_text_and_the_tower():
     assert r.tie_word_embeddings and r.dtype == "bfloat16"
     assert r.layer_types.count("full_attention") == 5  # every sixth of 34
     assert r.vision["image_size"] == 896 and r.vision["mm_tokens_per_image"] == 256
+    # The planner's preset (the GPU test's and the bench's config) writes
+    # the defaults in: the engine reads the same model from it.
+    from imp_mem._presets import preset
+
+    assert ModelConfig.from_hf_config(preset("gemma-3-4b")) == r
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "hidden_size": 2560,
             "intermediate_size": 10240,
             "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
             "num_attention_heads": 8,
             "num_key_value_heads": 4,
             "head_dim": 256,

@@ -18,11 +18,7 @@ qwen3_moe, deepseek_v2 (MLA) and gemma3_text at a moderate random config
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -33,6 +29,8 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
+
+from _device_plan import plan_against_device  # noqa: E402
 
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 
@@ -173,68 +171,7 @@ def test_greedy_tokens_match_transformers(family):
         torch.cuda.empty_cache()
 
 
-CHILD = r"""
-import json, sys
-import torch
-import imp_mem
-from imp_mem.engine.llm_engine import Engine
-from imp_mem.engine.memory import measure_torch_high_water
-
-config, max_batch, max_seq_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-torch.zeros(1, device="cuda")
-print("ready", torch.cuda.memory_reserved(), flush=True)
-context, other = (int(x) for x in sys.stdin.readline().split())
-kw = dict(load_format="dummy", seed=3, max_batch=max_batch, max_seq_len=max_seq_len)
-high = measure_torch_high_water(config, requests=2 * max_batch, **kw)
-torch.cuda.synchronize()
-torch.cuda.empty_cache()
-backend = imp_mem.VmmBackend(device=0, strict=True)
-# The warm-up's kernel modules planned on this first boot (issue 25's probe).
-with Engine(config, backend=backend, context=context, torch_pool="imp_mem",
-            activation_bytes=int(high * 1.1) + (64 << 20), warmup_probe=True, **kw) as e:
-    e.generate([[1, 2, 3] * 40] * max_batch, 16)
-    torch.cuda.synchronize()
-    report = e.mem_report(other_processes=other)
-    text = e.mem_report_text(other_processes=other)
-    steady = sum(backend.stats()["steady_state_allocations_total"].values())
-print(json.dumps({"report": report, "text": text, "steady": steady}), flush=True)
-"""
-
-
 @pytest.mark.parametrize("limits", [(64, 2048), (4, 256)], ids=["roomy", "small-kv"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_matches_the_device_and_is_attributed(family, limits):
-    holder = imp_mem.CudaBackend(device=0)  # keeps this process's context open
-    free_before, total = holder.mem_get_info()
-    env = {k: v for k, v in os.environ.items() if k != "IMP_MEM_WARMUP_PROBE"}
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(configs()[family]), *map(str, limits)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert child.stdin is not None and child.stdout is not None
-        ready, torch_reserved = child.stdout.readline().split()
-        assert ready == "ready"
-        free_with_child, _ = holder.mem_get_info()
-        context = free_before - free_with_child - int(torch_reserved)
-        other = total - free_before
-        child.stdin.write(f"{context} {other}\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-    finally:
-        child.wait(timeout=600)
-    assert child.returncode == 0
-    result = json.loads(line)
-    report, text = result["report"], result["text"]
-    device = report["device"]
-    print(f"\n{family} {limits}:\n{text}")
-    in_use = device["used"] - device["other_processes"]
-    gap = abs(in_use - report["plan_total"]) / in_use
-    print(f"plan {report['plan_total'] >> 20} MiB, in use {in_use >> 20} MiB ({100 * gap:.2f} %)")
-    assert gap <= 0.01, text
-    assert device["attribution_pct"] >= 99.0, text
-    assert device["attribution_pct"] <= 101.0, "attributed more than is in use"
-    assert result["steady"] == 0
+    plan_against_device(configs()[family], *limits, label=f"{family} {limits}")

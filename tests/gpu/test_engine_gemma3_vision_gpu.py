@@ -22,12 +22,7 @@ images, 256 image tokens), random weights drawn in T1 from a seed
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -39,40 +34,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
+from _device_plan import plan_against_device  # noqa: E402
+
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 
 MIB = 1 << 20
 
 
 def gemma_3_4b() -> dict:
-    """google/gemma-3-4b-it's config.json (the fields it sets)."""
-    return {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
-        "boi_token_index": 255999,
-        "eoi_token_index": 256000,
-        "image_token_index": 262144,
-        "mm_tokens_per_image": 256,
-        "text_config": {
-            "model_type": "gemma3_text",
-            "hidden_size": 2560,
-            "intermediate_size": 10240,
-            "num_hidden_layers": 34,
-            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-            "sliding_window": 1024,
-        },
-        "vision_config": {
-            "model_type": "siglip_vision_model",
-            "hidden_size": 1152,
-            "image_size": 896,
-            "intermediate_size": 4304,
-            "num_attention_heads": 16,
-            "num_hidden_layers": 27,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
-        "torch_dtype": "bfloat16",
-    }
+    """google/gemma-3-4b-it's numbers (the planner's preset, the class
+    defaults its config.json leaves out written in)."""
+    from imp_mem._presets import preset
+
+    return preset("gemma-3-4b")
 
 
 IMG = 262144
@@ -150,68 +124,5 @@ def test_gemma3_4b_with_images_matches_transformers_and_plans_its_tower():
         torch.cuda.empty_cache()
 
 
-CHILD = r"""
-import json, sys
-import torch
-import imp_mem
-from imp_mem.engine.llm_engine import Engine
-from imp_mem.engine.memory import measure_torch_high_water
-
-config, max_batch, max_seq_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-torch.zeros(1, device="cuda")
-print("ready", torch.cuda.memory_reserved(), flush=True)
-context, other = (int(x) for x in sys.stdin.readline().split())
-kw = dict(load_format="dummy", seed=3, max_batch=max_batch, max_seq_len=max_seq_len)
-high = measure_torch_high_water(config, requests=2 * max_batch, **kw)
-torch.cuda.synchronize()
-torch.cuda.empty_cache()
-backend = imp_mem.VmmBackend(device=0, strict=True)
-image = torch.rand(3, 896, 896) * 2 - 1
-prompt = [5, 6, 7] * 10 + [262144] * 256 + [8, 9] * 20
-with Engine(config, backend=backend, context=context, torch_pool="imp_mem",
-            activation_bytes=int(high * 1.1) + (64 << 20), warmup_probe=True, **kw) as e:
-    e.generate([prompt] * max_batch, 16, images=[image] * max_batch)
-    torch.cuda.synchronize()
-    report = e.mem_report(other_processes=other)
-    text = e.mem_report_text(other_processes=other)
-    steady = sum(backend.stats()["steady_state_allocations_total"].values())
-print(json.dumps({"report": report, "text": text, "steady": steady}), flush=True)
-"""
-
-
 def test_gemma3_4b_plan_matches_the_device_with_images():
-    holder = imp_mem.CudaBackend(device=0)  # keeps this process's context open
-    free_before, total = holder.mem_get_info()
-    env = {k: v for k, v in os.environ.items() if k != "IMP_MEM_WARMUP_PROBE"}
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(gemma_3_4b()), "32", "2048"],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert child.stdin is not None and child.stdout is not None
-        ready, torch_reserved = child.stdout.readline().split()
-        assert ready == "ready"
-        free_with_child, _ = holder.mem_get_info()
-        context = free_before - free_with_child - int(torch_reserved)
-        other = total - free_before
-        child.stdin.write(f"{context} {other}\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-    finally:
-        child.wait(timeout=600)
-    assert child.returncode == 0
-    result = json.loads(line)
-    report, text = result["report"], result["text"]
-    device = report["device"]
-    print(f"\ngemma-3-4b with images:\n{text}")
-    in_use = device["used"] - device["other_processes"]
-    gap = abs(in_use - report["plan_total"]) / in_use
-    print(f"plan {report['plan_total'] >> 20} MiB, in use {in_use >> 20} MiB ({100 * gap:.2f} %)")
-    assert gap <= 0.01, text
-    assert device["attribution_pct"] >= 99.0, text
-    assert device["attribution_pct"] <= 101.0, "attributed more than is in use"
-    assert result["steady"] == 0
-    assert math.isfinite(gap)
+    plan_against_device(gemma_3_4b(), 32, 2048, label="gemma-3-4b with images")

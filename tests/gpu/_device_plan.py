@@ -1,0 +1,94 @@
+"""The plan against the device, measured in a fresh child process: the
+harness the engine's GPU tests share (the families, Gemma-3 with images).
+
+The child boots a dummy engine at the given limits with torch's activations
+routed into a planned tier sized from a measured warm-up, serves requests
+(with images where the config has a vision tower), and reports its memory
+report; this process keeps a CUDA context open to learn what the child's
+context costs and what other processes hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import imp_mem
+
+CHILD = r"""
+import json, sys
+import torch
+import imp_mem
+from imp_mem.engine.llm_engine import Engine
+from imp_mem.engine.memory import measure_torch_high_water
+
+config, max_batch, max_seq_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+torch.zeros(1, device="cuda")
+print("ready", torch.cuda.memory_reserved(), flush=True)
+context, other = (int(x) for x in sys.stdin.readline().split())
+kw = dict(load_format="dummy", seed=3, max_batch=max_batch, max_seq_len=max_seq_len)
+high = measure_torch_high_water(config, requests=2 * max_batch, **kw)
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+backend = imp_mem.VmmBackend(device=0, strict=True)
+vision = config.get("vision_config")
+# The warm-up's kernel modules planned on this first boot (issue 25's probe).
+with Engine(config, backend=backend, context=context, torch_pool="imp_mem",
+            activation_bytes=int(high * 1.1) + (64 << 20), warmup_probe=True, **kw) as e:
+    if vision:
+        size = vision["image_size"]
+        image = torch.rand(3, size, size) * 2 - 1
+        tokens = [config["image_token_index"]] * config["mm_tokens_per_image"]
+        prompt = [5, 6, 7] * 10 + tokens + [8, 9] * 20
+        e.generate([prompt] * max_batch, 16, images=[image] * max_batch)
+    else:
+        e.generate([[1, 2, 3] * 40] * max_batch, 16)
+    torch.cuda.synchronize()
+    report = e.mem_report(other_processes=other)
+    text = e.mem_report_text(other_processes=other)
+    steady = sum(backend.stats()["steady_state_allocations_total"].values())
+print(json.dumps({"report": report, "text": text, "steady": steady}), flush=True)
+"""
+
+
+def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int, label: str):
+    """Boots `config` in a child at the limits and asserts: the plan's total
+    within 1 % of the device memory the child uses, 99-101 % of it
+    attributed, no acquisition while serving. Returns the child's report."""
+    holder = imp_mem.CudaBackend(device=0)  # keeps this process's context open
+    free_before, total = holder.mem_get_info()
+    env = {k: v for k, v in os.environ.items() if k != "IMP_MEM_WARMUP_PROBE"}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(config), str(max_batch), str(max_seq_len)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        ready, torch_reserved = child.stdout.readline().split()
+        assert ready == "ready"
+        free_with_child, _ = holder.mem_get_info()
+        context = free_before - free_with_child - int(torch_reserved)
+        other = total - free_before
+        child.stdin.write(f"{context} {other}\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+    finally:
+        child.wait(timeout=600)
+    assert child.returncode == 0
+    result = json.loads(line)
+    report, text = result["report"], result["text"]
+    device = report["device"]
+    print(f"\n{label}:\n{text}")
+    in_use = device["used"] - device["other_processes"]
+    gap = abs(in_use - report["plan_total"]) / in_use
+    print(f"plan {report['plan_total'] >> 20} MiB, in use {in_use >> 20} MiB ({100 * gap:.2f} %)")
+    assert gap <= 0.01, text
+    assert device["attribution_pct"] >= 99.0, text
+    assert device["attribution_pct"] <= 101.0, "attributed more than is in use"
+    assert result["steady"] == 0
+    return report
