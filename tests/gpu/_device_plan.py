@@ -53,15 +53,16 @@ print(json.dumps({"report": report, "text": text, "steady": steady}), flush=True
 """
 
 
-def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int, label: str):
-    """Boots `config` in a child at the limits and asserts: the plan's total
-    within 1 % of the device memory the child uses, 99-101 % of it
-    attributed, no acquisition while serving. Returns the child's report."""
+def child_report(script: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Runs `script` in a child that prints ``ready <torch reserved>`` once
+    its CUDA context is up, reads ``<context> <other>`` (its context's cost
+    less torch's first segment, and what other processes hold, measured
+    here while this process keeps a context open), and prints its result
+    as one JSON line; returns that result."""
     holder = imp_mem.CudaBackend(device=0)  # keeps this process's context open
     free_before, total = holder.mem_get_info()
-    env = {k: v for k, v in os.environ.items() if k != "IMP_MEM_WARMUP_PROBE"}
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, json.dumps(config), str(max_batch), str(max_seq_len)],
+        [sys.executable, "-c", script, *args],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -72,6 +73,8 @@ def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int
         ready, torch_reserved = child.stdout.readline().split()
         assert ready == "ready"
         free_with_child, _ = holder.mem_get_info()
+        # The child's context: what it took before the engine, less torch's
+        # own first segment (which the engine names as a charge itself).
         context = free_before - free_with_child - int(torch_reserved)
         other = total - free_before
         child.stdin.write(f"{context} {other}\n")
@@ -80,7 +83,15 @@ def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int
     finally:
         child.wait(timeout=600)
     assert child.returncode == 0
-    result = json.loads(line)
+    return json.loads(line)
+
+
+def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int, label: str):
+    """Boots `config` in a child at the limits and asserts: the plan's total
+    within 1 % of the device memory the child uses, 99-101 % of it
+    attributed, no acquisition while serving. Returns the child's report."""
+    env = {k: v for k, v in os.environ.items() if k != "IMP_MEM_WARMUP_PROBE"}
+    result = child_report(CHILD, json.dumps(config), str(max_batch), str(max_seq_len), env=env)
     report, text = result["report"], result["text"]
     device = report["device"]
     print(f"\n{label}:\n{text}")

@@ -30,8 +30,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +41,8 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 pytest.importorskip("safetensors")
+
+from _device_plan import child_report  # noqa: E402
 
 from imp_mem.engine import journal  # noqa: E402
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
@@ -278,30 +278,7 @@ print(json.dumps({"report": report, "text": text}), flush=True)
 
 
 def test_at_least_99_percent_of_device_memory_is_attributed(checkpoints):
-    holder = imp_mem.CudaBackend(device=0)  # keeps this process's context open
-    free_before, total = holder.mem_get_info()
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(checkpoints["qwen3_0_6b"])],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert child.stdin is not None and child.stdout is not None
-        ready, torch_reserved = child.stdout.readline().split()
-        assert ready == "ready"
-        free_with_child, _ = holder.mem_get_info()
-        # The child's context: what it took before the engine, less torch's
-        # own first segment (which the engine names as a charge itself).
-        context = free_before - free_with_child - int(torch_reserved)
-        other = total - free_before
-        child.stdin.write(f"{context} {other}\n")
-        child.stdin.flush()
-        line = child.stdout.readline()
-    finally:
-        child.wait(timeout=600)
-    assert child.returncode == 0
-    result = json.loads(line)
+    result = child_report(CHILD, str(checkpoints["qwen3_0_6b"]))
     device = result["report"]["device"]
     print("\n" + result["text"])
     assert device["attribution_pct"] >= 99.0, result["text"]
