@@ -183,11 +183,11 @@ def main() -> None:
             t_ours = graph_time_us(ours, args.calls, args.replays)
             diff = (ours().float() - ref).abs().max().item()
 
-            def row(name, t, d, plan_us=None, t_ours=t_ours, nbytes=nbytes):
+            def row(name, t, d, plan_us=None, t_ours=t_ours, nbytes=nbytes, b=batch, c=context):
                 gbs = nbytes / t / 1e3
                 plan = f"{plan_us:8.1f}" if plan_us is not None else f"{'-':>8}"
                 print(
-                    f"{batch:>5} {context:>5} {name:>10} {t:>8.1f} {gbs:>7.0f} "
+                    f"{b:>5} {c:>5} {name:>10} {t:>8.1f} {gbs:>7.0f} "
                     f"{gbs / (args.hbm_tbs * 1e3):>6.1%} {t_ours / t:>7.2f} {d:>7.4f} {plan}",
                     flush=True,
                 )
