@@ -9,16 +9,18 @@ with a page stride of ``layers`` pages, which is FlashInfer's 5-D ``NHD``
 paged cache with a larger page stride. FlashInfer takes the strides of the
 tensor it is given (``paged_kv_t`` is built from them), so both read the
 same bytes in place, nothing copied; ``--layers 1`` is FlashInfer's own
-contiguous layout. The block table becomes FlashInfer's CSR page table:
-``indptr[b] = b * width``, ``indices`` the table rows (int32), and
-``last_page_len`` the tokens in each row's last page.
+contiguous layout. FlashInfer runs as the engine runs it
+(`_flashinfer.DecodeWrappers` over buffers laid out as T2's): the block
+tables become its CSR page table on the host (`page_table`), then its
+``plan``.
 
 Timing. Each side runs inside a CUDA graph of ``--calls`` calls (as a decode
 step replays them). FlashInfer's wrapper is built with ``use_cuda_graph``
 and fixed index buffers; its ``plan()`` (host work every step: CSR copies,
-the split schedule) runs before the capture and is timed on its own, on
-the host, as the engine would pay it before each replay. ``cuda`` is
-FlashInfer's CUDA-core decode kernel, ``tc`` its tensor-core path (the
+the split schedule, our page table built before it and the input copy
+after) runs before the capture and is timed on its own, on the host, as
+the engine pays it before each replay. ``cuda`` is FlashInfer's CUDA-core
+decode kernel (what the engine runs), ``tc`` its tensor-core path (the
 prefill kernel with one query per request); each variant is one JIT
 compile with nvcc on first use, timed and printed. Reported: µs per call,
 GB/s of K and V read, the fraction of ``--hbm-tbs`` and the largest
@@ -37,13 +39,13 @@ import time
 
 import torch
 
+from imp_mem.engine.model import _flashinfer
 from imp_mem.engine.model.attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-WORKSPACE_BYTES = 128 << 20
 
 
 def graph_time_us(fn, calls: int, replays: int) -> float:
@@ -91,50 +93,45 @@ def setup(batch: int, context: int, layers: int, seed: int = 0):
     return q, kv, tables, positions
 
 
-def csr(tables: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's page table of full rows of `context` tokens: ``(indptr``
-    (host, int32), ``indices`` (device, int32), ``last_page_len`` (host))."""
-    batch, width = tables.shape
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * width
-    last = torch.full((batch,), context - (width - 1) * BLOCK, dtype=torch.int32)
-    return indptr, tables.reshape(-1), last
-
-
 class FlashInferDecode:
-    """One FlashInfer batch-decode wrapper in CUDA-graph mode for a fixed
-    batch, over fixed index buffers sized for the table."""
+    """The engine's FlashInfer decode (`_flashinfer.DecodeWrappers`) for one
+    bucket, over buffers laid out as T2's (device) and the staging's
+    (pinned host)."""
 
-    def __init__(self, fi, batch: int, width: int, tensor_cores: bool) -> None:
-        dev = "cuda"
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        self.indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
-        self.indices = torch.zeros(batch * width, dtype=torch.int32, device=dev)
-        self.last = torch.zeros(batch, dtype=torch.int32, device=dev)
-        self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=tensor_cores,
-            paged_kv_indptr_buffer=self.indptr,
-            paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.last,
+    def __init__(self, batch: int, width: int, tensor_cores: bool) -> None:
+        specs = _flashinfer.input_specs(batch, width)
+        self.t2 = {
+            name: torch.zeros(shape, dtype=dtype, device="cuda")
+            for name, (shape, dtype) in {**specs, **_flashinfer.workspace_specs()}.items()
+        }
+        self.staging = {
+            name: torch.zeros(shape, dtype=dtype).pin_memory()
+            for name, (shape, dtype) in specs.items()
+        }
+        self.batch = batch
+        self.wrappers = _flashinfer.DecodeWrappers(
+            _flashinfer.require(),
+            self.t2,
+            self.staging,
+            buckets=[batch],
+            heads=HEADS,
+            kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK,
+            q_dtype=torch.bfloat16,
+            kv_dtype=torch.bfloat16,
+            tensor_cores=tensor_cores,
         )
 
-    def plan(self, indptr, indices, last) -> None:
-        self.wrapper.plan(
-            indptr,
-            indices,
-            last,
-            HEADS,
-            KV_HEADS,
-            HEAD_DIM,
-            BLOCK,
-            q_data_type=torch.bfloat16,
-            kv_data_type=torch.bfloat16,
-        )
+    def plan(self, positions, tables) -> None:
+        """What the engine does on the host before a replay: the page table
+        built and planned, then the input copy (here the three arrays)."""
+        self.wrappers.plan(self.batch, positions, tables)
+        for name in ("fi_indptr", "fi_indices", "fi_last"):
+            self.t2[name].copy_(self.staging[name], non_blocking=True)
 
     def run(self, q: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        return self.wrapper.run(q, pages)
+        return self.wrappers.run(q, pages)
 
 
 def import_flashinfer():
@@ -194,11 +191,11 @@ def main() -> None:
 
             row("triton", t_ours, diff)
             pages = kv[:, layer]  # [blocks, 2, BLOCK, KV_HEADS, HEAD_DIM]: NHD, strided
-            indptr, indices, last = csr(tables, context)
+            host_pos, host_tables = positions.cpu().numpy(), tables.cpu().numpy()
             for v in variants:
-                dec = FlashInferDecode(fi, batch, tables.shape[1], tensor_cores=v == "tc")
+                dec = FlashInferDecode(batch, tables.shape[1], tensor_cores=v == "tc")
                 t0 = time.perf_counter()
-                dec.plan(indptr, indices, last)
+                dec.plan(host_pos, host_tables)
                 out = dec.run(q, pages)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
@@ -208,7 +205,7 @@ def main() -> None:
                 d = (out.float() - ref).abs().max().item()
                 t0 = time.perf_counter()
                 for _ in range(args.plan_calls):
-                    dec.plan(indptr, indices, last)
+                    dec.plan(host_pos, host_tables)
                 torch.cuda.synchronize()
                 plan_us = (time.perf_counter() - t0) * 1e6 / args.plan_calls
 

@@ -221,6 +221,15 @@ class Engine:
                 "load_format='dummy' serves tp=1; open a tensor-parallel engine on a checkpoint"
             )
         c = self.config
+        if attention_backend == "flashinfer" and c.model_type != "qwen3":
+            raise InvalidArgument(
+                f"attention_backend='flashinfer' serves the qwen3 family; {c.model_type!r} "
+                "runs attention_backend='triton'"
+            )
+        if attention_backend == "flashinfer":
+            from imp_mem.engine.model import _flashinfer
+
+            _flashinfer.require()  # before any planning: says how to install it
         self.group = group
         self.tp = TensorParallel(c, group) if group is not None else TensorParallel(c, tp=1)
         if max_seq_len > c.max_position_embeddings:
@@ -322,6 +331,7 @@ class Engine:
                 max_seq_len=max_seq_len,
                 prefill_chunk=self.prefill_chunk,
                 keep_logits=keep_logits,
+                attention_backend=attention_backend,
             )
             t0 = time.perf_counter()
             self._plan(budget, block_size, context, library_reserve, features)
