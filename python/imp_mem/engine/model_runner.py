@@ -400,10 +400,10 @@ class ModelRunner:
                 f"buckets {self.buckets} must be at least 1 and cover max_batch={self.max_batch}"
             )
         self.flashinfer = None
-        if self.attention_backend == "flashinfer":
-            self._flashinfer_wrappers()
         t0 = time.perf_counter()
         with self.on_stream():
+            if self.attention_backend == "flashinfer":
+                self._flashinfer_wrappers()  # zeroes its workspace on the stream
             self._warm_up()
         # The warm-up's transients go back to the device before the capture
         # takes its pool, so torch's peak is the larger of the two, not the sum.
