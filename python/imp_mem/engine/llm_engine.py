@@ -483,22 +483,25 @@ class Engine:
         memory = self.memory
         if not memory.on_gpu or os.environ.get(warmup.CHILD_ENV):
             return None
-        self._warmup_fp = warmup.fingerprint(
-            self.config_dict,
-            {
-                "max_batch": self.max_batch,
-                "max_seq_len": self.max_seq_len,
-                "prefill_chunk": self.prefill_chunk,
-                "block_size": block_size,
-                "buckets": self._warmup_kw["buckets"],
-                "graphs": self._warmup_kw["graphs"],
-                "attention_backend": self._warmup_kw["attention_backend"],
-                "fused": self.fused,
-                "keep_logits": self.keep_logits,
-                "tp": self.tp.tp,
-                "torch_outside": memory.torch_pool is None,
-            },
-        )
+        decides = {
+            "max_batch": self.max_batch,
+            "max_seq_len": self.max_seq_len,
+            "prefill_chunk": self.prefill_chunk,
+            "block_size": block_size,
+            "buckets": self._warmup_kw["buckets"],
+            "graphs": self._warmup_kw["graphs"],
+            "attention_backend": self._warmup_kw["attention_backend"],
+            "fused": self.fused,
+            "keep_logits": self.keep_logits,
+            "tp": self.tp.tp,
+            "torch_outside": memory.torch_pool is None,
+        }
+        if self._warmup_kw["attention_backend"] == "flashinfer":
+            # Its kernels are its version's (modules loaded in the warm-up).
+            import flashinfer
+
+            decides["flashinfer"] = str(getattr(flashinfer, "__version__", "?"))
+        self._warmup_fp = warmup.fingerprint(self.config_dict, decides)
         got = warmup.lookup(self._warmup_fp)
         probe = self._warmup_probe
         if probe is None:
