@@ -123,7 +123,10 @@ class Engine:
     backed `FakeBackend` of `budget` (CPU tensors over its host memory).
     `budget`: the plan's budget (default: the backend's). `graphs`: capture
     decode in CUDA graphs (default: on a GPU). `buckets`: the batch sizes
-    captured. `torch_pool`: where torch's own allocations go
+    captured. `attention_backend`: ``"triton"`` (a GPU's default),
+    ``"torch"`` (the CPU's) or ``"flashinfer"`` (Qwen3's decode on a GPU
+    through FlashInfer, its buffers planned in T2: `model._flashinfer`;
+    `InvalidArgument` here when it does not import). `torch_pool`: where torch's own allocations go
     (`imp_mem.engine.memory`). `prefill_chunk`: tokens per prefill call
     (default 512; a sliding model's window). `features` replaces the plan's
     `Features` (default: T2 sized to the engine's buffers, T4 at 1 MiB
