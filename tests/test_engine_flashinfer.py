@@ -24,7 +24,7 @@ from imp_mem.engine.model import _flashinfer  # noqa: E402
 from imp_mem.engine.model_runner import _layout, t2_bytes, t2_groups  # noqa: E402
 
 
-def qwen3_tiny() -> dict:
+def qwen3_tiny(kind: str = "full") -> dict:
     config = swa_config(window=7, pattern=2)
     config.update(
         vocab_size=257,
@@ -36,10 +36,11 @@ def qwen3_tiny() -> dict:
         head_dim=16,
         max_position_embeddings=128,
         torch_dtype="float32",
-        use_sliding_window=False,
-        sliding_window=None,
-        layer_types=None,
     )
+    if kind == "swa":
+        config["layer_types"] = ["sliding_attention", "full_attention"]
+    else:
+        config.update(use_sliding_window=False, sliding_window=None, layer_types=None)
     return config
 
 
@@ -230,18 +231,20 @@ def fake_flashinfer(monkeypatch):
     return wrapper
 
 
-def test_engine_decode_through_flashinfers_api_equals_the_torch_backend(fake_flashinfer):
+@pytest.mark.parametrize("kind", ["full", "swa"])
+def test_engine_decode_through_flashinfers_api_equals_the_torch_backend(fake_flashinfer, kind):
     """The engine's plumbing (page table, staging, the T2 copy, one wrapper
     a bucket, the model's call) against a FlashInfer stand-in that follows
     its API and attends through the buffers it was given
     (`_fake_flashinfer`): the same greedy tokens as the torch backend, at
-    buckets 4 (with a padding row), 2 and 1, across page boundaries."""
+    buckets 4 (with a padding row), 2 and 1, across page boundaries; with
+    sliding-window layers (``swa``: they stay on ours) too."""
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 257, size=n).tolist() for n in (5, 9, 14)]
 
     def serve(attention_backend):
         with Engine(
-            qwen3_tiny(),
+            qwen3_tiny(kind),
             load_format="dummy",
             seed=3,
             backend=FakeBackend(capacity="2GiB"),
@@ -265,8 +268,8 @@ def test_engine_decode_through_flashinfers_api_equals_the_torch_backend(fake_fla
     got, steps = serve("flashinfer")
     assert got == ref
     assert steps == ref_steps and set(steps) == {1, 2, 4}
-    # Every decode step planned once and ran each of the 2 layers once
+    # Every decode step planned once and ran each full-attention layer once
     # (the warm-up's decodes too, one a bucket).
     decodes = sum(steps.values()) + 3
     assert fake_flashinfer.plans == decodes
-    assert fake_flashinfer.runs == 2 * decodes
+    assert fake_flashinfer.runs == (2 if kind == "full" else 1) * decodes

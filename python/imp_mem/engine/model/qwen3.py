@@ -262,7 +262,9 @@ class PagedModel:
                     "attention_backend='flashinfer': decode needs the runner's planned "
                     "wrappers (PagedModel.flashinfer)"
                 )
-            backend = "triton"  # for the sliding-window layers
+            # The sliding-window layers: ours (torch where there is no GPU,
+            # as under the CPU tests' FlashInfer stand-in).
+            backend = "triton" if self.device.type == "cuda" else "torch"
 
         def attend(q, layer, pool):
             if wrappers is not None and layer.window is None:
