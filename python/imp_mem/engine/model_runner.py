@@ -429,6 +429,12 @@ class ModelRunner:
         from imp_mem.engine.model import _flashinfer
 
         c = self.config
+        if self.kv_views.full.stride(0) >= 1 << 32:
+            # FlashInfer holds the page stride as a 32-bit element count.
+            raise InvalidArgument(
+                f"attention_backend='flashinfer': a KV block of {self.kv_views.full.stride(0)} "
+                "elements is beyond FlashInfer's 32-bit page stride; use attention_backend='triton'"
+            )
         self.flashinfer = _flashinfer.DecodeWrappers(
             _flashinfer.require(self.device),
             self.t2,
