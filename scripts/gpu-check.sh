@@ -10,6 +10,7 @@
 #   QUICK=1 scripts/gpu-check.sh    # fewer benchmark rounds
 #   GPU_CHECK_SKIP_TESTS=1 / GPU_CHECK_SKIP_BENCHES=1  # one half (two calls
 #                                   # of the device tool's 10-minute limit)
+#   IMP_MEM_EXTRA_WHEELS=.whl       # also install these wheels (FlashInfer)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +31,13 @@ wheel=$(ls -t "${wheels[@]}" | head -n 1)
 echo "wheel: $wheel"
 rm -rf "$SITE"
 "$PYTHON" -m pip install -q --no-deps --no-index --target "$SITE" "$wheel" || exit 2
+# IMP_MEM_EXTRA_WHEELS: a folder of wheels installed beside it (FlashInfer's
+# and its dependencies, for attention_backend="flashinfer"; without them its
+# GPU tests skip and bench_flashinfer_decode reports ours alone).
+if [ -n "${IMP_MEM_EXTRA_WHEELS:-}" ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" "$IMP_MEM_EXTRA_WHEELS"/*.whl || exit 2
+fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export IMP_MEM_HYPOTHESIS=${IMP_MEM_HYPOTHESIS:-dev}
 export IMP_MEM_CACHE_DIR=${IMP_MEM_CACHE_DIR:-$OUT/cache}

@@ -123,7 +123,10 @@ class Engine:
     backed `FakeBackend` of `budget` (CPU tensors over its host memory).
     `budget`: the plan's budget (default: the backend's). `graphs`: capture
     decode in CUDA graphs (default: on a GPU). `buckets`: the batch sizes
-    captured. `torch_pool`: where torch's own allocations go
+    captured. `attention_backend`: ``"triton"`` (a GPU's default),
+    ``"torch"`` (the CPU's) or ``"flashinfer"`` (Qwen3's decode on a GPU
+    through FlashInfer, its buffers planned in T2: `model._flashinfer`;
+    `InvalidArgument` here when it does not import). `torch_pool`: where torch's own allocations go
     (`imp_mem.engine.memory`). `prefill_chunk`: tokens per prefill call
     (default 512; a sliding model's window). `features` replaces the plan's
     `Features` (default: T2 sized to the engine's buffers, T4 at 1 MiB
@@ -221,6 +224,15 @@ class Engine:
                 "load_format='dummy' serves tp=1; open a tensor-parallel engine on a checkpoint"
             )
         c = self.config
+        if attention_backend == "flashinfer" and c.model_type != "qwen3":
+            raise InvalidArgument(
+                f"attention_backend='flashinfer' serves the qwen3 family; {c.model_type!r} "
+                "runs attention_backend='triton'"
+            )
+        if attention_backend == "flashinfer":
+            from imp_mem.engine.model import _flashinfer
+
+            _flashinfer.require()  # before any planning: says how to install it
         self.group = group
         self.tp = TensorParallel(c, group) if group is not None else TensorParallel(c, tp=1)
         if max_seq_len > c.max_position_embeddings:
@@ -322,6 +334,7 @@ class Engine:
                 max_seq_len=max_seq_len,
                 prefill_chunk=self.prefill_chunk,
                 keep_logits=keep_logits,
+                attention_backend=attention_backend,
             )
             t0 = time.perf_counter()
             self._plan(budget, block_size, context, library_reserve, features)
@@ -473,22 +486,25 @@ class Engine:
         memory = self.memory
         if not memory.on_gpu or os.environ.get(warmup.CHILD_ENV):
             return None
-        self._warmup_fp = warmup.fingerprint(
-            self.config_dict,
-            {
-                "max_batch": self.max_batch,
-                "max_seq_len": self.max_seq_len,
-                "prefill_chunk": self.prefill_chunk,
-                "block_size": block_size,
-                "buckets": self._warmup_kw["buckets"],
-                "graphs": self._warmup_kw["graphs"],
-                "attention_backend": self._warmup_kw["attention_backend"],
-                "fused": self.fused,
-                "keep_logits": self.keep_logits,
-                "tp": self.tp.tp,
-                "torch_outside": memory.torch_pool is None,
-            },
-        )
+        decides = {
+            "max_batch": self.max_batch,
+            "max_seq_len": self.max_seq_len,
+            "prefill_chunk": self.prefill_chunk,
+            "block_size": block_size,
+            "buckets": self._warmup_kw["buckets"],
+            "graphs": self._warmup_kw["graphs"],
+            "attention_backend": self._warmup_kw["attention_backend"],
+            "fused": self.fused,
+            "keep_logits": self.keep_logits,
+            "tp": self.tp.tp,
+            "torch_outside": memory.torch_pool is None,
+        }
+        if self._warmup_kw["attention_backend"] == "flashinfer":
+            # Its kernels are its version's (modules loaded in the warm-up).
+            import flashinfer
+
+            decides["flashinfer"] = str(getattr(flashinfer, "__version__", "?"))
+        self._warmup_fp = warmup.fingerprint(self.config_dict, decides)
         got = warmup.lookup(self._warmup_fp)
         probe = self._warmup_probe
         if probe is None:

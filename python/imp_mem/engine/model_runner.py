@@ -97,8 +97,11 @@ def t2_groups(
     prefill_chunk: int,
     block_size: int,
     keep_logits: bool,
+    flashinfer: bool = False,
 ) -> dict[str, dict[str, tuple]]:
-    """The static buffers in T2, by region: name -> (shape, dtype)."""
+    """The static buffers in T2, by region: name -> (shape, dtype).
+    `flashinfer`: FlashInfer's page table in the step's inputs and its
+    workspaces in a region of their own, ``fi_work`` (`_flashinfer`)."""
     B, C = max_batch, prefill_chunk
     W = math.ceil(max_seq_len / block_size)
     decode_in = {
@@ -113,7 +116,13 @@ def t2_groups(
         prefill_in["prefill_swa"] = ((W,), torch.int32)
     if keep_logits:
         out["logits"] = ((B, config.vocab_size), torch.float32)
-    return {"decode_in": decode_in, "prefill_in": prefill_in, "out": out}
+    groups = {"decode_in": decode_in, "prefill_in": prefill_in, "out": out}
+    if flashinfer:
+        from imp_mem.engine.model import _flashinfer
+
+        decode_in.update(_flashinfer.input_specs(B, W))
+        groups["fi_work"] = _flashinfer.workspace_specs()
+    return groups
 
 
 def t2_bytes(groups: dict[str, dict[str, tuple]]) -> int:
@@ -183,8 +192,16 @@ class ModelRunner:
         max_seq_len: int,
         prefill_chunk: int,
         keep_logits: bool,
+        attention_backend: str | None = None,
     ) -> None:
         self.memory = memory
+        # "flashinfer" plans FlashInfer's buffers in T2 (`t2_groups`).
+        self.attention_backend = attention_backend
+        self.flashinfer: Any = None
+        if attention_backend == "flashinfer":
+            from imp_mem.engine.model import _flashinfer
+
+            _flashinfer.require(memory.device)  # before the plan: a GPU's
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -215,6 +232,7 @@ class ModelRunner:
             prefill_chunk=self.prefill_chunk,
             block_size=block_size or self.block_size,
             keep_logits=self.keep_logits,
+            flashinfer=self.attention_backend == "flashinfer",
         )
 
     def load(
@@ -232,6 +250,10 @@ class ModelRunner:
         reset to padding."""
         c = self.config
         system = self.memory.system
+        if attention_backend == "flashinfer":
+            from imp_mem.engine.model import _flashinfer
+
+            _flashinfer.require(self.device)
         self.weights = weights
         self.model = build_model(
             c,
@@ -312,7 +334,7 @@ class ModelRunner:
             raw = torch.from_dlpack(self.memory.system.engine_arena.take(total, 256))
             self.t2_raw[group] = raw
             self.t2.update(_carve(raw, layout))
-            if group != "out":
+            if group not in ("out", "fi_work"):  # outputs and workspaces: no host copy
                 self.staging[group] = _Staging(self.memory.backend, specs)
         self.staging["next"] = _Staging(self.memory.backend, {"next": groups["out"]["next"]})
 
@@ -337,6 +359,7 @@ class ModelRunner:
             if hasattr(self, name):
                 delattr(self, name)
         self.graphs = {}
+        self.flashinfer = None
 
     def drop_buffers(self) -> None:
         """Drops T2's tensors and the staging (before the system closes)."""
@@ -376,8 +399,11 @@ class ModelRunner:
             raise InvalidArgument(
                 f"buckets {self.buckets} must be at least 1 and cover max_batch={self.max_batch}"
             )
+        self.flashinfer = None
         t0 = time.perf_counter()
         with self.on_stream():
+            if self.attention_backend == "flashinfer":
+                self._flashinfer_wrappers()  # zeroes its workspace on the stream
             self._warm_up()
         # The warm-up's transients go back to the device before the capture
         # takes its pool, so torch's peak is the larger of the two, not the sum.
@@ -396,6 +422,40 @@ class ModelRunner:
             with torch.inference_mode(), self.on_stream(), memory.torch_ctx():
                 self._warm_tower()
         memory.charge_torch()
+
+    def _flashinfer_wrappers(self) -> None:
+        """FlashInfer's decode wrappers, one a bucket, over T2 (`_flashinfer`),
+        given to the model."""
+        from imp_mem.engine.model import _flashinfer
+
+        c = self.config
+        if self.kv_views.full.stride(0) >= 1 << 32:
+            # FlashInfer holds the page stride as a 32-bit element count.
+            raise InvalidArgument(
+                f"attention_backend='flashinfer': a KV block of {self.kv_views.full.stride(0)} "
+                "elements is beyond FlashInfer's 32-bit page stride; use attention_backend='triton'"
+            )
+        self.flashinfer = _flashinfer.DecodeWrappers(
+            _flashinfer.require(self.device),
+            self.t2,
+            self.staging["decode_in"].t,
+            buckets=self.buckets,
+            heads=self.model.heads,
+            kv_heads=self.model.kv_heads,
+            head_dim=c.head_dim,
+            block_size=self.block_size,
+            q_dtype=self.model.dtype,
+            kv_dtype=self.kv_views.full.dtype,
+        )
+        self.model.flashinfer = self.flashinfer
+
+    def _stage_decode(self, b: int, *, blocking: bool) -> None:
+        """Plans FlashInfer's step for bucket `b` over the staged rows (when
+        it serves the decode), then copies the step's inputs into T2."""
+        staged = self.staging["decode_in"]
+        if self.flashinfer is not None:
+            self.flashinfer.plan(b, staged.np["pos"], staged.np["tables"])
+        self.t2_raw["decode_in"].copy_(staged.raw, non_blocking=not blocking)
 
     def _warm_up(self) -> None:
         """Prefills of the longest chunk at the end of the longest context,
@@ -418,6 +478,8 @@ class ModelRunner:
                 kv.abort(sid)
         with torch.inference_mode(), self.memory.torch_ctx():
             for b in sorted(self.buckets, reverse=True):
+                if self.flashinfer is not None:
+                    self._stage_decode(b, blocking=True)
                 self.decode_body(b)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
@@ -436,6 +498,11 @@ class ModelRunner:
         pool, stream = self.memory.graph_pool(), self._stream
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):
+                if self.flashinfer is not None:
+                    # The plan the graph bakes in (FlashInfer's CUDA-graph
+                    # mode keeps its shape for the bucket; each step re-plans).
+                    with self.on_stream():
+                        self._stage_decode(b, blocking=True)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
                     self.decode_body(b)
@@ -501,10 +568,11 @@ class ModelRunner:
         host["tables"][n:b] = self._pad_row
         if self.sliding:
             host["swa_tables"][n:b] = self._pad_swa_row
-        # One copy of the whole input region (tens of KiB); it is complete
-        # before the next step rewrites the staging, which the blocking
-        # read of the tokens below guarantees.
-        self.t2_raw["decode_in"].copy_(staged.raw, non_blocking=True)
+        # One copy of the whole input region (tens of KiB; FlashInfer's page
+        # table planned first, when it serves); it is complete before the
+        # next step rewrites the staging, which the blocking read of the
+        # tokens below guarantees.
+        self._stage_decode(b, blocking=False)
         if self.use_graphs:
             self.graphs[b].replay()
         else:

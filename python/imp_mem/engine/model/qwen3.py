@@ -35,6 +35,7 @@ same pages (the engine runs one step at a time on one stream).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,8 +95,11 @@ class PagedModel:
     """A Qwen3-architecture causal LM over paged KV.
 
     `weights` maps Hugging Face names (`weight_names`) to tensors already on
-    the target device. `attention_backend` is ``"triton"`` or ``"torch"``
-    (default: Triton on CUDA, torch elsewhere). `max_positions` sizes the
+    the target device. `attention_backend` is ``"triton"``, ``"torch"`` or
+    ``"flashinfer"`` (default: Triton on CUDA, torch elsewhere); with
+    ``"flashinfer"`` the full-attention layers' decode runs FlashInfer's
+    wrappers that `flashinfer` holds (`_flashinfer.DecodeWrappers`, set and
+    planned by the runner before each step), the rest Triton. `max_positions` sizes the
     RoPE tables (default: the config's ``max_position_embeddings``). `tp`:
     this rank's share of a tensor-parallel group (`weights` then hold its
     slices, by `TensorParallel.local_shape`); default TP = 1.
@@ -137,11 +141,14 @@ class PagedModel:
         self.dtype = embed.dtype
         if attention_backend is None:
             attention_backend = "triton" if self.device.type == "cuda" else "torch"
-        if attention_backend not in ("triton", "torch"):
+        if attention_backend not in ("triton", "torch", "flashinfer"):
             raise InvalidArgument(
-                f"attention_backend must be 'triton' or 'torch', got {attention_backend!r}"
+                "attention_backend must be 'triton', 'torch' or 'flashinfer', "
+                f"got {attention_backend!r}"
             )
         self.attention_backend = attention_backend
+        # FlashInfer's decode wrappers (`_flashinfer.DecodeWrappers`), set by the runner.
+        self.flashinfer: Any = None
         self.fused = self.device.type == "cuda" if fused is None else bool(fused)
         # Prefill is not captured: its torch allocations follow its shapes,
         # and the engine's warm-up is what makes serving allocation-free.
@@ -247,7 +254,21 @@ class PagedModel:
             if table is not None
         }
 
+        backend = self.attention_backend
+        wrappers = self.flashinfer if backend == "flashinfer" else None
+        if backend == "flashinfer":
+            if wrappers is None:
+                raise InvalidArgument(
+                    "attention_backend='flashinfer': decode needs the runner's planned "
+                    "wrappers (PagedModel.flashinfer)"
+                )
+            # The sliding-window layers: ours (torch where there is no GPU,
+            # as under the CPU tests' FlashInfer stand-in).
+            backend = "triton" if self.device.type == "cuda" else "torch"
+
         def attend(q, layer, pool):
+            if wrappers is not None and layer.window is None:
+                return wrappers.run(q, pool[:, layer.index])
             return paged_decode_attention(
                 q,
                 pool,
@@ -255,7 +276,7 @@ class PagedModel:
                 tables[layer.pool],
                 positions,
                 window=layer.window,
-                backend=self.attention_backend,
+                backend=backend,
                 split_blocks=self.split_blocks,
             )
 
