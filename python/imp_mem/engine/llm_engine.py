@@ -393,7 +393,8 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.open_seconds = time.perf_counter() - t_open
+        self._t_booted = time.perf_counter()
+        self.open_seconds = self._t_booted - t_open
         # The pinning runs beside the copies: its seconds overlap the load's.
         self.boot_seconds["load"] = memory.load_seconds
         self.boot_seconds["pin"] = memory.pin_seconds
@@ -657,12 +658,13 @@ class Engine:
             imp_dec = runner.imp_mem_seconds
             batch = sched.prepare_decode()
             if out and self.first_token_seconds is None:
-                self.first_token_seconds = _since_process_start()
                 # From the engine's boot to its first token: the caller's
                 # code between, and the first prefills (their kernels'
-                # first launches included).
-                booted = self.boot_seconds["process"] + self.open_seconds
-                self.boot_seconds["first_step"] = max(0.0, self.first_token_seconds - booted)
+                # first launches included). Timed here, not read from
+                # /proc, whose clock counts in 10 ms ticks.
+                first = time.perf_counter() - self._t_booted
+                self.boot_seconds["first_step"] = first
+                self.first_token_seconds = self.boot_seconds["process"] + self.open_seconds + first
             if batch:
                 tokens, b = runner.decode(batch)
                 stats.bucket_steps[b] = stats.bucket_steps.get(b, 0) + 1
