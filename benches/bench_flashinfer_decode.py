@@ -38,6 +38,7 @@ import argparse
 import time
 
 import torch
+from bench_paged_attention import graph_time_us  # the same CUDA-graph timer
 
 from imp_mem.engine.model import _flashinfer
 from imp_mem.engine.model.attention import (
@@ -46,31 +47,6 @@ from imp_mem.engine.model.attention import (
 )
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-
-
-def graph_time_us(fn, calls: int, replays: int) -> float:
-    """Microseconds per call of `fn`, replayed from a CUDA graph of `calls`
-    calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def setup(batch: int, context: int, layers: int, seed: int = 0):

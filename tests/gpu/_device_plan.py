@@ -103,3 +103,24 @@ def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int
     assert device["attribution_pct"] <= 101.0, "attributed more than is in use"
     assert result["steady"] == 0
     return report
+
+
+def decisive_tokens(label: str, logits_rows, outs) -> tuple[int, int]:
+    """Greedy tokens against a reference model's teacher-forced logits:
+    `logits_rows` yields, per request, the reference's logits at the
+    positions that chose its output tokens (float, on any device); every
+    token where the reference's top-2 margin is decisive (> 0.2) must be
+    the reference's argmax. Returns (decisive, checked) for the caller's
+    bound on how many were decisive."""
+    import torch
+
+    checked = decisive = 0
+    for rows, o in zip(logits_rows, outs, strict=True):
+        top2 = rows.topk(2, dim=-1).values
+        sure = (top2[:, 0] - top2[:, 1]).cpu() > 0.2
+        ok = rows.argmax(-1).cpu() == torch.tensor(o)
+        checked += len(o)
+        decisive += int(sure.sum())
+        assert ok[sure].all(), f"{label}: a greedy token differs where transformers is decisive"
+    print(f"\n{label}: {decisive} of {checked} tokens decisive, all equal to transformers'")
+    return decisive, checked

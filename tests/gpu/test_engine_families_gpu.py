@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
-from _device_plan import plan_against_device  # noqa: E402
+from _device_plan import decisive_tokens, plan_against_device  # noqa: E402
 
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 
@@ -151,20 +151,14 @@ def test_greedy_tokens_match_transformers(family):
         del model
     hf = transformers_model(config, seed=7, device="cuda")
     try:
-        checked = decisive = 0
-        for p, o in zip(prompts, outs, strict=True):
-            with torch.no_grad():
-                logits = hf(torch.tensor([p + o[:-1]], device="cuda")).logits[0].float()
-            rows = logits[len(p) - 1 :]
-            top2 = rows.topk(2, dim=-1).values
-            sure = (top2[:, 0] - top2[:, 1]).cpu() > 0.2
-            ok = rows.argmax(-1).cpu() == torch.tensor(o)
-            checked += len(o)
-            decisive += int(sure.sum())
-            assert ok[sure].all(), (
-                f"{family}: a greedy token differs where transformers is decisive"
-            )
-        print(f"\n{family}: {decisive} of {checked} tokens decisive, all equal to transformers'")
+
+        def rows(hf=hf):
+            for p, o in zip(prompts, outs, strict=True):
+                with torch.no_grad():
+                    logits = hf(torch.tensor([p + o[:-1]], device="cuda")).logits[0].float()
+                yield logits[len(p) - 1 :]
+
+        decisive, checked = decisive_tokens(family, rows(), outs)
         assert decisive > checked // 4
     finally:
         del hf

@@ -31,6 +31,8 @@ pytest.importorskip("flashinfer")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from _device_plan import decisive_tokens  # noqa: E402
+
 from imp_mem.engine.model import _flashinfer  # noqa: E402
 from imp_mem.engine.model.attention import paged_decode_attention_reference  # noqa: E402
 
@@ -206,18 +208,14 @@ def test_engine_tokens_match_transformers_with_flashinfer():
         assert sum(e.stats.bucket_steps.values()) >= 23
     hf = transformers_model(config, seed=7, device="cuda")
     try:
-        checked = decisive = 0
-        for p, o in zip(prompts, outs, strict=True):
-            with torch.no_grad():
-                logits = hf(torch.tensor([p + o[:-1]], device="cuda")).logits[0].float()
-            rows = logits[len(p) - 1 :]
-            top2 = rows.topk(2, dim=-1).values
-            sure = (top2[:, 0] - top2[:, 1]).cpu() > 0.2
-            ok = rows.argmax(-1).cpu() == torch.tensor(o)
-            checked += len(o)
-            decisive += int(sure.sum())
-            assert ok[sure].all(), "a greedy token differs where transformers is decisive"
-        print(f"\nflashinfer: {decisive} of {checked} tokens decisive, all equal to transformers'")
+
+        def rows(hf=hf):
+            for p, o in zip(prompts, outs, strict=True):
+                with torch.no_grad():
+                    logits = hf(torch.tensor([p + o[:-1]], device="cuda")).logits[0].float()
+                yield logits[len(p) - 1 :]
+
+        decisive, checked = decisive_tokens("flashinfer", rows(), outs)
         assert decisive > checked // 4
     finally:
         del hf

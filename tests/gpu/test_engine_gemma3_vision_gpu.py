@@ -34,7 +34,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
-from _device_plan import plan_against_device  # noqa: E402
+from _device_plan import decisive_tokens, plan_against_device  # noqa: E402
 
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 
@@ -99,25 +99,21 @@ def test_gemma3_4b_with_images_matches_transformers_and_plans_its_tower():
         )
         count = sum(1 for n, _ in hf.named_parameters() if is_vision_name(n[len("model.") :]))
         assert params <= tower < params + 256 * (count + 1)
-        checked = decisive = 0
-        for p, o, img in zip(ps, outs, imgs, strict=True):
-            ids = torch.tensor([p + o[:-1]], device="cuda")
-            kw = {}
-            if img is not None:
-                kw = {
-                    "pixel_values": img[None].to("cuda", torch.bfloat16),
-                    "token_type_ids": (ids == IMG).long(),
-                }
-            with torch.no_grad():
-                logits = hf(input_ids=ids, **kw).logits[0].float()
-            rows = logits[len(p) - 1 :]
-            top2 = rows.topk(2, dim=-1).values
-            sure = (top2[:, 0] - top2[:, 1]).cpu() > 0.2
-            ok = rows.argmax(-1).cpu() == torch.tensor(o)
-            checked += len(o)
-            decisive += int(sure.sum())
-            assert ok[sure].all(), "gemma3: a greedy token differs where transformers is decisive"
-        print(f"gemma3 (vision): {decisive} of {checked} tokens decisive, all equal")
+
+        def rows(hf=hf):
+            for p, o, img in zip(ps, outs, imgs, strict=True):
+                ids = torch.tensor([p + o[:-1]], device="cuda")
+                kw = {}
+                if img is not None:
+                    kw = {
+                        "pixel_values": img[None].to("cuda", torch.bfloat16),
+                        "token_type_ids": (ids == IMG).long(),
+                    }
+                with torch.no_grad():
+                    logits = hf(input_ids=ids, **kw).logits[0].float()
+                yield logits[len(p) - 1 :]
+
+        decisive, checked = decisive_tokens("gemma3 (vision)", rows(), outs)
         assert decisive >= checked // 8
     finally:
         del hf
