@@ -74,6 +74,10 @@ fn child_process() {
         Err(e) => panic!("join: {e}"),
     };
     println!("\nLEDGER:joined");
+    // The ledger holds a cap to the device's budget: grows are drawn within
+    // the cap it recorded, so that every refusal below is the ledger's.
+    let cap = tenant.record().unwrap().cap;
+    assert!(cap <= BUDGET);
     // A fake backend on the tenant: its region's commits ask the ledger,
     // its decommits return to it.
     let fb = FakeBackend::new(FakeConfig {
@@ -242,12 +246,38 @@ fn tenants_in_processes_keep_the_ledgers_invariants() {
         let t = ledger.join("after", 0, BUDGET, Duration::ZERO).unwrap();
         t.grow(BUDGET).unwrap().unwrap();
     }
-    // The schedule exercises both refusals and kills.
-    assert!(
-        refusals > 0 && kills > 0,
-        "{refusals} refusals, {kills} kills"
-    );
+    // The schedule kills in some cases by its seeds. Whether a floor is
+    // refused depends on how many children are still alive when the next
+    // joins, which the host's speed decides: the refusal is proven by the
+    // test below, and counted here only for the log.
+    assert!(kills > 0, "{kills} kills");
+    println!("{refusals} refusals, {kills} kills");
     assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn a_floor_that_does_not_fit_beside_another_process_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = DeviceLedger::open(dir.path(), KEY, BUDGET).unwrap();
+    // This process holds a floor of all but 10 MiB.
+    let _me = ledger
+        .join("me", BUDGET - 10 * MIB, BUDGET, Duration::ZERO)
+        .unwrap();
+    let t0 = Instant::now();
+    let (mut child, joined) = spawn(dir.path(), 20 * MIB, 40 * MIB, 7, 50);
+    assert!(!joined, "a 20 MiB floor beside {} MiB", (BUDGET >> 20) - 10);
+    assert!(child.wait().unwrap().success());
+    // Floors are not elastic: no wait for memory that will never come.
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // One that fits joins, runs its grows within its cap and leaves.
+    let (mut child, joined) = spawn(dir.path(), 5 * MIB, 10 * MIB, 7, 50);
+    assert!(joined);
+    assert!(child.wait().unwrap().success());
+    assert_eq!(
+        ledger.snapshot().unwrap().tenants.len(),
+        1,
+        "only this process"
+    );
 }
 
 #[test]
