@@ -38,7 +38,7 @@ import argparse
 import time
 
 import torch
-from bench_paged_attention import graph_time_us  # the same CUDA-graph timer
+from bench_paged_attention import graph_time_us, paged_pool  # the same timer and pool
 
 from imp_mem.engine.model import _flashinfer
 from imp_mem.engine.model.attention import (
@@ -50,23 +50,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
 def setup(batch: int, context: int, layers: int, seed: int = 0):
-    """A pool in the engine's layout with `batch` sequences of `context`
-    tokens on scattered pages (block 0 unused, as the engine's padding
-    block), their tables and positions, and one query per sequence."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    width = -(-context // BLOCK)
-    blocks = batch * width + 1
-    kv = torch.randn(
-        (blocks, layers, 2, BLOCK, KV_HEADS, HEAD_DIM),
-        generator=gen,
-        device="cuda",
-        dtype=torch.bfloat16,
-    )
-    perm = torch.randperm(blocks - 1, generator=gen, device="cuda").int() + 1
-    tables = perm[: batch * width].view(batch, width).contiguous()
-    positions = torch.full((batch,), context - 1, device="cuda")
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
-    return q, kv, tables, positions
+    """`bench_paged_attention.paged_pool` at this bench's heads."""
+    return paged_pool(batch, context, layers, heads=HEADS, kv_heads=KV_HEADS, seed=seed)
 
 
 class FlashInferDecode:

@@ -54,12 +54,23 @@ def graph_time_us(fn, calls: int, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
-def setup(batch: int, context: int, layers: int, seed: int = 0):
+def paged_pool(
+    batch: int,
+    context: int,
+    layers: int,
+    *,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    seed: int = 0,
+):
+    """A pool in the engine's layout with `batch` sequences of `context`
+    tokens on scattered pages (block 0 unused, as the engine's padding
+    block), their tables and positions, and one query per sequence."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     width = -(-context // BLOCK)
     blocks = batch * width + 1
     kv = torch.randn(
-        (blocks, layers, 2, BLOCK, KV_HEADS, HEAD_DIM),
+        (blocks, layers, 2, BLOCK, kv_heads, HEAD_DIM),
         generator=gen,
         device="cuda",
         dtype=torch.bfloat16,
@@ -67,7 +78,13 @@ def setup(batch: int, context: int, layers: int, seed: int = 0):
     perm = torch.randperm(blocks - 1, generator=gen, device="cuda").int() + 1
     tables = perm[: batch * width].view(batch, width).contiguous()
     positions = torch.full((batch,), context - 1, device="cuda")
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, heads, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return q, kv, tables, positions
+
+
+def setup(batch: int, context: int, layers: int, seed: int = 0):
+    q, kv, tables, positions = paged_pool(batch, context, layers, seed=seed)
+    width = tables.shape[1]
     # The same tokens, contiguous: [B, kv_heads, L, D] for SDPA.
     layer = 0
     pages = kv[tables.long(), layer]  # [B, width, 2, BLOCK, H, D]
