@@ -193,6 +193,21 @@ def installed() -> Any:
     return _installed["activations"]
 
 
+def _renew_mempool(holder: Any) -> None:
+    """Gives `holder` (a `Pool` or a `Region`) a fresh MemPool over the same
+    tier and lets the old one go: once its tensors are gone, torch's free
+    segments in it go back to the tier (``empty_cache`` does not release a
+    live private pool's segments)."""
+    old = holder.mempool
+    holder.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
+    del old
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize(holder.device)
+    torch.cuda.empty_cache()
+
+
 class Pool:
     """A ``torch.cuda.MemPool`` whose segments come from an imp-mem activations
     tier.
@@ -263,14 +278,7 @@ class Pool:
         changes, so capture CUDA graphs after it."""
         if self.mempool is None:
             raise InvalidArgument("pool: this Pool was closed; make a new one")
-        old = self.mempool
-        self.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
-        del old
-        import gc
-
-        gc.collect()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        _renew_mempool(self)
 
     def close(self) -> None:
         """Drops the MemPool: torch gives its free segments back to the tier at
@@ -830,14 +838,7 @@ class Region:
         (``ActivationPool.freeze``). Trims torch's cache inside the region's
         MemPool first (its free segments go back to the tier)."""
         if self.mempool is not None:
-            old = self.mempool
-            self.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
-            del old
-            import gc
-
-            gc.collect()
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+            _renew_mempool(self)
         return self.activations.freeze(margin)
 
     def pause(self) -> int:

@@ -40,7 +40,7 @@ from imp_mem.engine.model.decoder import DecoderModel, Layer, Step
 from imp_mem.engine.model.layers import rms_norm
 from imp_mem.engine.model.llama import head_names, mlp_names, swiglu
 from imp_mem.engine.model.moe import route_softmax_topk
-from imp_mem.engine.model.qwen3_moe import MoeMixin, expert_names, expert_stacks
+from imp_mem.engine.model.qwen3_moe import MoeMixin, expert_names
 from imp_mem.engine.model.rope import attention_factor, inv_freq, softmax_mscale
 from imp_mem.errors import InvalidArgument
 
@@ -104,10 +104,6 @@ class DeepseekV2Model(MoeMixin, DecoderModel):
             else:
                 names.update(mlp_names(p + "mlp.", config.intermediate_size, h))
         return names
-
-    @staticmethod
-    def weight_stacks(config: ModelConfig) -> list[list[str]]:
-        return [s for i in config.extra["moe_layers"] for s in expert_stacks(config, i)]
 
     def setup(self, weights: dict[str, torch.Tensor]) -> None:
         c, x = self.config, self.config.extra

@@ -61,6 +61,12 @@ class MoeMixin:
     # a GPU; "grouped" / "masked" force one (tests).
     moe_backend = "auto"
 
+    @staticmethod
+    def weight_stacks(config: ModelConfig) -> list[list[str]]:
+        """Each MoE layer's expert tensors, in the groups the loaders lay
+        end to end in one span (viewed as stacks without a copy)."""
+        return [s for i in config.extra["moe_layers"] for s in expert_stacks(config, i)]
+
     def setup_experts(self) -> None:
         c = self.config
         e, i, h = c.extra["num_experts"], c.extra["moe_intermediate_size"], c.hidden_size
@@ -124,10 +130,6 @@ class Qwen3MoeModel(MoeMixin, LlamaModel):
             else:
                 names.update(mlp_names(p + "mlp.", config.intermediate_size, h))
         return names
-
-    @staticmethod
-    def weight_stacks(config: ModelConfig) -> list[list[str]]:
-        return [s for i in config.extra["moe_layers"] for s in expert_stacks(config, i)]
 
     def setup(self, weights: dict[str, torch.Tensor]) -> None:
         super().setup(weights)
