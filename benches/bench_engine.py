@@ -352,7 +352,8 @@ def boot_child(spec: dict) -> int:
         progress=False,
     ) as e:
         out["boot_seconds"] = dict(e.boot_seconds)
-        out["plan_total"] = e.plan.total()
+        # With the open's rounding of growable tiers to whole granules.
+        out["plan_total"] = e.plan.total() + e.mem_report()["granule_rounding"]
         out["plan_warmup"] = e.plan.warmup
         out["kv_blocks"] = e.plan.kv_blocks
         out["warmup_planned"] = e.warmup_planned

@@ -40,7 +40,10 @@ with Engine(sys.argv[1], max_batch=32, max_seq_len=640, keep_logits=False,
     free, whole = torch.cuda.mem_get_info()
     report = e.mem_report(other_processes=other)
     print(json.dumps({
-        "plan_total": e.plan.total(), "warmup_line": e.plan.warmup, "kv_blocks": e.plan.kv_blocks,
+        # The plan's total with the open's rounding of growable tiers to
+        # whole granules (decided before any acquisition; named in the report).
+        "plan_total": e.plan.total() + report["granule_rounding"],
+        "warmup_line": e.plan.warmup, "kv_blocks": e.plan.kv_blocks,
         "planned": e.warmup_planned, "measured": e.warmup_measured,
         "used": whole - free - other, "attribution": report["device"]["attribution_pct"],
         "steady": sum(e.backend.stats()["steady_state_allocations_total"].values()),

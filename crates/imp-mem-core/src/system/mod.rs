@@ -91,6 +91,10 @@ struct Slot {
     tier: Tier,
     tag: Tag,
     planned: u64,
+    /// The most it commits on this backend: `planned` rounded up to whole
+    /// granules where the region is growable (decided at open, before any
+    /// acquisition).
+    cost: u64,
     /// The tier's geometry (sizes and pool configuration): a model swap
     /// keeps a tier whose layout the new plan does not change.
     layout: String,

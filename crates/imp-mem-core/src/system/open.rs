@@ -230,6 +230,7 @@ impl MemorySystem {
                     tier: step.tier,
                     tag: step.tag,
                     planned: step.planned,
+                    cost: step.cost,
                     layout: step.layout,
                     handle,
                 }),

@@ -214,6 +214,11 @@ pub struct MemReport {
     pub plan_total: u64,
     /// The plan's headroom.
     pub plan_headroom: u64,
+    /// What the open added to the plan's tiers by rounding each growable
+    /// region up to the backend's whole granules (decided before anything
+    /// was acquired, taken from the headroom): `plan_total` plus this is
+    /// what the tiers and charges can hold on this backend.
+    pub granule_rounding: u64,
     /// The tiers, in open order.
     pub tiers: Vec<TierLine>,
     /// Backend memory outside the tiers, by tag.
@@ -484,6 +489,11 @@ impl MemorySystem {
             plan_budget: self.plan.budget,
             plan_total: self.plan.total,
             plan_headroom: self.plan.headroom,
+            granule_rounding: self
+                .slots
+                .iter()
+                .map(|s| s.cost.saturating_sub(s.planned))
+                .sum(),
             tiers,
             outside,
             charges,

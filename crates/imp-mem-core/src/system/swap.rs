@@ -129,6 +129,7 @@ fn open_all(system: &MemorySystem, steps: Vec<Step>) -> Result<Vec<Slot>, MemErr
             tier: step.tier,
             tag: step.tag,
             planned: step.planned,
+            cost: step.cost,
             layout: step.layout,
             handle,
         });

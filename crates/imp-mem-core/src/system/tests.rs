@@ -282,15 +282,23 @@ fn serving_grows_the_kv_pool_inside_the_plan_and_acquires_nothing() {
     .collect();
     let mut running: BTreeMap<Tag, i128> = BTreeMap::new();
     let mut total: i128 = 0;
+    let mut most: i128 = 0;
     for e in fb.journal().unwrap() {
         let delta = e.op.sign() as i128 * e.bytes as i128;
         *running.entry(e.tag).or_insert(0) += delta;
         total += delta;
+        most = most.max(total);
         let limit = planned[&e.tag].div_ceil(granule) * granule;
         assert!(running[&e.tag] <= limit as i128, "{e:?}");
         assert!(total <= (p.budget - p.context - p.library_reserve) as i128);
     }
     let report = system.report(&ReportInput::default());
+    // The report names the granule rounding the open decided: the tiers'
+    // plan plus it bounds what they ever committed.
+    let tiers_planned: u64 = planned.values().sum();
+    assert!(report.granule_rounding < granule * planned.len() as u64);
+    assert!(most <= (tiers_planned + report.granule_rounding) as i128);
+    assert!(most > tiers_planned as i128 - granule as i128);
     assert_eq!(report.steady_state_allocations_total, 0);
     assert_eq!(report.phase, "SERVING");
     drop(held);
@@ -656,22 +664,26 @@ fn a_kv_pool_grows_only_where_the_headroom_covers_the_granule_rounding() {
         system.check().unwrap();
         let stats = kv.stats();
         drop(all);
+        let rounding = system.report(&ReportInput::default()).granule_rounding;
         (
             stats.capacity,
             stats.growths,
             fb.stats().tags[&Tag::KvCache].reserved,
+            rounding,
         )
     };
-    let (capacity, growths, reserved) = open(0);
+    let (capacity, growths, reserved, rounding) = open(0);
     assert_eq!(
-        (capacity, growths, reserved),
-        (96, 0, 3 * MIB),
+        (capacity, growths, reserved, rounding),
+        (96, 0, 3 * MIB, 0),
         "fixed: exact bytes"
     );
-    let (capacity, growths, reserved) = open(MIB);
+    let (capacity, growths, reserved, rounding) = open(MIB);
     assert_eq!(capacity, 96);
     assert!(growths > 0);
     assert_eq!(reserved, 4 * MIB, "growable: whole granules");
+    // The report names the rounding the open took from the headroom.
+    assert_eq!(rounding, MIB);
 }
 
 #[test]

@@ -25,12 +25,21 @@ impl MemReport {
             self.phase,
             if self.closed { " (closed)" } else { "" }
         );
+        let rounding = if self.granule_rounding > 0 {
+            format!(
+                " + {} MiB of growable tiers rounded up to whole granules",
+                mib1(self.granule_rounding)
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "budget {} MiB for the tiers (plan: {} MiB budget, {} MiB total, {} MiB headroom)",
+            "budget {} MiB for the tiers (plan: {} MiB budget, {} MiB total{}, {} MiB headroom)",
             mib1(self.budget),
             mib1(self.plan_budget),
             mib1(self.plan_total),
+            rounding,
             mib1(self.plan_headroom)
         );
         for m in &self.measured {
