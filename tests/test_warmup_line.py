@@ -203,3 +203,44 @@ def test_the_engines_switches_are_booleans(tmp_path, kw):
 
     with pytest.raises(TypeError, match=next(iter(kw))):
         Engine(tmp_path, **kw)
+
+
+def test_the_probe_child_is_given_the_engines_library_reserve(tmp_path, monkeypatch):
+    """The probe child's meter leaves out the library reserve as the engine's
+    own does (cuBLAS claims it at the first GEMM; the report charges it on
+    its own line): the engine hands the child the reserve it planned with.
+    On the H200 a child without it planned 66 MiB of modules more than the
+    engine measured. The probe itself is replaced; the handing is checked."""
+    pytest.importorskip("torch")
+    from imp_mem.engine import warmup
+    from imp_mem.engine.checkpoint import write_random_checkpoint
+    from imp_mem.engine.config import qwen3_0_6b_config
+    from imp_mem.engine.llm_engine import Engine
+
+    config = qwen3_0_6b_config()
+    config.update(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
+    monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "warmup.json"))
+    seen = []
+
+    def fake_probe(source, kw, boot=None):
+        seen.append(dict(kw))
+        return {"torch": 0, "modules": 5 * MIB}
+
+    with Engine(directory, max_batch=2, max_seq_len=64, budget="256MiB") as engine:
+        monkeypatch.setattr(warmup, "probe", fake_probe)
+        monkeypatch.setattr(warmup, "probe_by_default", lambda: True)
+        engine.memory.on_gpu, engine._booted = True, False
+        try:
+            got = engine._warmup_figure(16, 66 * MIB)
+            assert got == {"torch": 0, "modules": 5 * MIB}
+            assert seen[-1]["library_reserve"] == 66 * MIB
+            # Without a reserve of its own, the child keeps the caller's argument.
+            monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "other.json"))
+            engine._warmup_figure(16, None)
+            assert seen[-1]["library_reserve"] is None
+        finally:
+            engine.memory.on_gpu = False  # closed as the CPU engine it is

@@ -589,8 +589,7 @@ def serve(
     else:
         context, capacity = 0, int(backend.stats()["capacity"])
     plan_budget = capacity if budget is None else _bytes(budget, "budget")
-    # The planner counts whole MiB: the tier is the budget's whole MiB left.
-    tier = (plan_budget - context) // (1 << 20) * (1 << 20)
+    tier = _tier_bytes(plan_budget, context)
     if tier <= 0:
         raise InvalidArgument(
             f"budget: {plan_budget} B leaves nothing for the tier after the CUDA context "
@@ -627,6 +626,15 @@ def serve(
     else:
         served.pool = Pool(system, device=dev)
     return served
+
+
+def _tier_bytes(budget: int, context: int) -> int:
+    """The most whole MiB the tier can have beside `context` in `budget`:
+    the planner counts the budget in whole MiB down and the context in
+    whole MiB up (a device's free bytes are rarely whole MiB; flooring
+    their difference alone overshot by one MiB on the H200)."""
+    mib = 1 << 20
+    return (budget // mib - -(-context // mib)) * mib
 
 
 def _placeholder_plan(tier: int, budget: int, context: int) -> Any:

@@ -476,12 +476,17 @@ class Engine:
 
     # --------------------------------------------------------------- setup
 
-    def _warmup_figure(self, block_size: int) -> dict[str, int] | None:
+    def _warmup_figure(
+        self, block_size: int, library_reserve: int | None = None
+    ) -> dict[str, int] | None:
         """The warm-up's bytes for the plan's `warmup` line (`warmup`
         module): remembered under this engine's fingerprint, else measured
         by a probe child (cold boot), where the engine can re-run itself
         there (a GPU, torch's own allocator, TP = 1, no caller's backend or
-        features); None where there is no figure to plan."""
+        features); None where there is no figure to plan. The child is given
+        this engine's `library_reserve`, so that its meter leaves out the
+        same bytes as this one's (the report charges them on their own
+        line)."""
         from imp_mem.engine import warmup
 
         memory = self.memory
@@ -521,7 +526,10 @@ class Engine:
         # A swap plans with the system open: a probe child could not fit beside it.
         if got is None and probe and not getattr(self, "_booted", False):
             t0 = time.perf_counter()
-            got = warmup.probe(self._probe_source, self._warmup_kw, boot=self.probe_boot_seconds)
+            kw = dict(self._warmup_kw)
+            if library_reserve is not None:
+                kw["library_reserve"] = library_reserve
+            got = warmup.probe(self._probe_source, kw, boot=self.probe_boot_seconds)
             warmup.store(self._warmup_fp, got)
             self.boot_seconds["probe"] = time.perf_counter() - t0
         return got
@@ -559,7 +567,7 @@ class Engine:
         limits = imp_mem.Limits(self.max_batch, self.max_seq_len, block_size=block_size)
         default = None
         if features is None:
-            self.warmup_planned = self._warmup_figure(probe_bs)
+            self.warmup_planned = self._warmup_figure(probe_bs, library_reserve)
             from imp_mem.engine.warmup import total
 
             default = memory.features(
