@@ -385,7 +385,9 @@ class Engine:
                 memory.backend,
                 torch_outside=memory.torch_pool is None,
                 system=memory.system,
-                library_reserve=int(memory.library_reserve or 0),
+                # The plan's line, measured or its default: the bytes the
+                # report charges as the library reserve.
+                library_reserve=int(memory.plan.library_reserve),
             )
             self._meter.start()
         try:
