@@ -59,7 +59,9 @@ from imp_mem.engine.memory import measure_torch_high_water
 
 config, max_batch, max_seq_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 kw = dict(load_format="dummy", seed=3, max_batch=max_batch, max_seq_len=max_seq_len)
-print("high", measure_torch_high_water(config, requests=2 * max_batch, **kw), flush=True)
+# torch's working set needs no planned warm-up line: no probe child here.
+high = measure_torch_high_water(config, requests=2 * max_batch, warmup_probe=False, **kw)
+print("high", high, flush=True)
 """
 
 
