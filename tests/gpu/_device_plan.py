@@ -25,6 +25,7 @@ from imp_mem.engine.llm_engine import Engine
 
 config, max_batch, max_seq_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 high = int(sys.argv[4])  # torch's high-water, measured by another process
+library = int(sys.argv[5])  # cuBLAS's reserve as this machine measured it
 torch.zeros(1, device="cuda")
 print("ready", torch.cuda.memory_reserved(), flush=True)
 context, other = (int(x) for x in sys.stdin.readline().split())
@@ -32,7 +33,8 @@ kw = dict(load_format="dummy", seed=3, max_batch=max_batch, max_seq_len=max_seq_
 backend = imp_mem.VmmBackend(device=0, strict=True)
 vision = config.get("vision_config")
 # The warm-up's kernel modules planned on this first boot (issue 25's probe).
-with Engine(config, backend=backend, context=context, torch_pool="imp_mem",
+with Engine(config, backend=backend, context=context, library_reserve=library,
+            torch_pool="imp_mem",
             activation_bytes=int(high * 1.1) + (64 << 20), warmup_probe=True, **kw) as e:
     if vision:
         size = vision["image_size"]
@@ -113,7 +115,12 @@ def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int
     )
     assert measured.returncode == 0, measured.stderr[-4000:]
     high = next(ln for ln in measured.stdout.splitlines() if ln.startswith("high ")).split()[1]
-    result = child_report(CHILD, *args, high, env=env)
+    # The library reserve as measured (once per machine, cached), so the
+    # report charges it as measured, not as the plan's estimate.
+    from imp_mem import reserve
+
+    library = int(reserve.load_or_measure(samples=1)["library_reserve_bytes"])
+    result = child_report(CHILD, *args, high, str(library), env=env)
     report, text = result["report"], result["text"]
     device = report["device"]
     print(f"\n{label}:\n{text}")
