@@ -622,6 +622,10 @@ class Engine:
             self.warmup_measured = meter.stop()
             self.memory.warmup_modules = self.warmup_measured["modules"]
             self.memory.charge_torch()
+            if self.tenancy is not None:
+                from imp_mem.engine import warmup as _warmup
+
+                self.tenancy.settle_warmup(_warmup.total(self.warmup_measured))
             fp = getattr(self, "_warmup_fp", None)
             if fp is not None and self.warmup_planned is None:
                 from imp_mem.engine import warmup
