@@ -128,7 +128,7 @@ def make_backend(opts):
 
     if opts["smoke"]:
         return imp_mem.FakeBackend(capacity=opts["budget"])
-    return imp_mem.VmmBackend(device=0, strict=True)
+    return imp_mem.VmmBackend(device=0, strict=True, chunk_bytes=opts["vmm_chunk"])
 
 
 def sync():
@@ -473,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sat-reps", type=int, default=3, help="timed passes a process")
     ap.add_argument("--sat-rounds", type=int, default=2, help="processes a set-up, interleaved")
     ap.add_argument("--idle-sleep-s", type=float, default=None)
+    ap.add_argument(
+        "--vmm-chunk",
+        default=None,
+        help="the VMM backends' chunk (default 64MiB): a larger one maps growable pools in "
+        "fewer, larger handles",
+    )
     ap.add_argument("--open-timeout", type=float, default=300.0)
     ap.add_argument(
         "--smoke", action="store_true", help="tiny models on fake backends (CPU): checks the run"
@@ -480,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.budget, args.window_s, args.prompt_len, args.new_tokens = "36GiB", 16.0, 512, 384
+        args.sat_rounds = 1
 
     import torch
 
@@ -526,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             "smoke": args.smoke,
             "sat_new": 8 if args.smoke else 128,
             "vocab": 512 if args.smoke else 151936,
+            "vmm_chunk": args.vmm_chunk,
         }
         # A cap each: the budget less what the other two must always have
         # (their weights plus a margin; the ledger enforces the floors).

@@ -373,6 +373,10 @@ class Engine:
                 self.runner.engine_blocks[0],
             )
             memory.kv_initial_blocks = self.tenancy.initial
+            # The pool grows by a chunk, or by a whole sequence where that is more.
+            memory.kv_grow_blocks = max(
+                self.tenancy.chunk, int(self.plan.kv["blocks_per_sequence"])
+            )
         t0 = time.perf_counter()
         memory.open()
         self.boot_seconds["open"] = time.perf_counter() - t0

@@ -66,6 +66,9 @@ class SharedGPU:
     evicts it a chunk at a time from the top, so that an idle tenant holds
     its live blocks plus one chunk. `pressure_interval_s`: the least time
     between two reads of the ledger's pressure while serving.
+    `chunk_bytes`: the KV pool's growth step (whole blocks, at least one),
+    which an idle pool also keeps above its live blocks; on a VMM backend
+    the backend's own chunk rounds it up.
     """
 
     cap: int | str | None = None
@@ -77,7 +80,8 @@ class SharedGPU:
     idle_trim_s: float = 0.05
     idle_sleep_s: float | None = None
     idle_keep_cache: bool = False
-    pressure_interval_s: float = 0.002
+    pressure_interval_s: float = 0.005
+    chunk_bytes: int | str = 64 << 20
 
     @staticmethod
     def of(value: Any) -> SharedGPU | None:
@@ -125,8 +129,13 @@ class Tenancy:
         slack = 16 * int(backend.granularity)
         self.initial = self.initial_blocks(plan, engine_kv_blocks)
         kv_floor = self.initial * self.block_bytes
-        # What an idle pool keeps above its live blocks: one growth chunk.
-        self.chunk = max(1, min(int(kv["blocks"]), (64 << 20) // self.block_bytes))
+        # The KV pool's growth step, and what an idle pool keeps above its
+        # live blocks: one chunk.
+        raw = cfg.chunk_bytes
+        chunk_bytes = imp_mem.parse_size(raw, "chunk_bytes") if isinstance(raw, str) else raw
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+            raise InvalidArgument(f"chunk_bytes must be positive, got {cfg.chunk_bytes!r}")
+        self.chunk = max(1, min(int(kv["blocks"]), chunk_bytes // self.block_bytes))
         # The CUDA context, the library reserve and the warm-up line (torch's
         # graph pools, its cached activations, kernel modules) are in the
         # plan, and so in the floor, but held by no backend: charged to the
