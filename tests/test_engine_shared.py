@@ -178,10 +178,13 @@ def test_the_steady_state_neither_grows_nor_writes_and_reads_the_ledger_at_most_
 def test_an_idle_tenant_holds_its_live_blocks_plus_a_chunk_the_prefix_cache_evicted(
     checkpoint, expected, tmp_path
 ):
-    k = engine(checkpoint, cfg(tmp_path, name="keeps", idle_keep_cache=True, idle_trim_s=0.0))
+    k = engine(checkpoint, cfg(tmp_path, name="keeps", idle_cache_s=None, idle_trim_s=0.0))
     # Chunks of one sequence (16 blocks of a 65-block pool): several.
     chunk = 16 * k.tenancy.block_bytes
-    e = engine(checkpoint, cfg(tmp_path, name="evicts", chunk_bytes=chunk, idle_trim_s=0.0))
+    e = engine(
+        checkpoint,
+        cfg(tmp_path, name="evicts", chunk_bytes=chunk, idle_trim_s=0.0, idle_cache_s=0.0),
+    )
     try:
         t = e.tenancy
         assert t.chunk == 16 and e.kv.stats()["max_blocks"] > 3 * t.chunk

@@ -21,7 +21,8 @@ backend commits only what the ledger grants. Then, each step:
   prefix-cache blocks a chunk at a time;
 * **idle**: `Engine.idle()` (the serving loop calls it when there is no
   work) shrinks the KV pool to its live blocks plus one chunk after
-  `idle_trim_s`, answers pressure, and after `idle_sleep_s` puts the engine
+  `idle_trim_s`, evicts the prefix cache after `idle_cache_s`, answers
+  pressure, and after `idle_sleep_s` puts the engine
   to sleep (level 1); the next `submit` wakes it, inside that request's
   time to first token.
 
@@ -61,10 +62,11 @@ class SharedGPU:
     the others to give elastic memory back. `idle_trim_s`: idle seconds
     before the KV pool shrinks to its live blocks plus one chunk.
     `idle_sleep_s`: idle seconds before the engine sleeps (None: never).
-    `idle_keep_cache`: keep the prefix cache through the idle shrink (it
-    then gives its blocks back only under pressure); by default the shrink
-    evicts it a chunk at a time from the top, so that an idle tenant holds
-    its live blocks plus one chunk. `pressure_interval_s`: the least time
+    `idle_cache_s`: idle seconds before the prefix cache is evicted too, a
+    chunk at a time from the top, so that an idle tenant holds its live
+    blocks (plus at most one chunk); None keeps it until the ledger's
+    pressure asks for it. Longer than `idle_trim_s`, so that a gap between
+    requests keeps the cache. `pressure_interval_s`: the least time
     between two reads of the ledger's pressure while serving.
     `chunk_bytes`: the KV pool's growth step (whole blocks, at least one),
     which an idle pool also keeps above its live blocks; on a VMM backend
@@ -79,7 +81,7 @@ class SharedGPU:
     wait_s: float = 30.0
     idle_trim_s: float = 0.05
     idle_sleep_s: float | None = None
-    idle_keep_cache: bool = False
+    idle_cache_s: float | None = 2.0
     pressure_interval_s: float = 0.005
     chunk_bytes: int | str = 64 << 20
 
@@ -281,15 +283,15 @@ class Tenancy:
         asked = self.tenant.pressure()
         if asked:
             given += int(kv.give_back(asked))
-        if idle_for >= self.cfg.idle_trim_s:
-            if self.cfg.idle_keep_cache:
-                # The free tail above the live blocks, one chunk kept.
-                given += int(kv.give_back(0, keep_blocks=self.chunk))
-            else:
-                # The free tail, then the prefix cache above the highest
-                # chunk a sequence holds, a whole chunk at a time: what stays
-                # is the live blocks' chunks (never below the floor's blocks).
-                given += int(kv.give_back(1 << 62))
+        cache_s = self.cfg.idle_cache_s
+        if cache_s is not None and idle_for >= cache_s:
+            # The free tail, then the prefix cache above the highest chunk a
+            # sequence holds, a whole chunk at a time: what stays is the
+            # chunks of the live blocks (never below the floor's blocks).
+            given += int(kv.give_back(1 << 62))
+        elif idle_for >= self.cfg.idle_trim_s:
+            # The free tail above the live (and cached) blocks, a chunk kept.
+            given += int(kv.give_back(0, keep_blocks=self.chunk))
         self.record_kv_live(int(kv.stats()["live"]), force=bool(given))
         sleep_s = self.cfg.idle_sleep_s
         if sleep_s is not None and idle_for >= sleep_s:
