@@ -385,6 +385,10 @@ def merge_saturation(results: list[dict]) -> dict:
         "runs": runs,
         "ledger_calls_per_step": max(r["ledger_calls_per_step"] for r in results),
         "grown_steady": max(r["grown_steady"] for r in results),
+        **{
+            k: statistics.median(r[k] for r in results)
+            for k in ("imp_mem_us_per_step", "decode_ms_per_step", "prefill_s_per_pass")
+        },
     }
 
 
@@ -433,8 +437,18 @@ def _saturate(directory, args, opts, mode, q):
         t = e.tenancy
         calls0 = (t.ledger_reads + t.ledger_writes) if t else 0
         committed0 = t.tenant.record()["committed"] if t else 0
+        st = e.stats
+        before = (st.imp_mem_seconds, st.decode_seconds, st.decode_steps, st.prefill_seconds)
         runs = [timed() for _ in range(args.sat_reps)]
         steps = sum(n for _, n in runs)
+        imp_s, dec_s, dec_n, pre_s = (
+            a - b
+            for a, b in zip(
+                (st.imp_mem_seconds, st.decode_seconds, st.decode_steps, st.prefill_seconds),
+                before,
+                strict=True,
+            )
+        )
         calls = ((t.ledger_reads + t.ledger_writes) - calls0) if t else 0
         grown = (t.tenant.record()["committed"] - committed0) if t else 0
         q.put(
@@ -445,6 +459,11 @@ def _saturate(directory, args, opts, mode, q):
                 "ledger_calls_per_step": calls / max(steps, 1),
                 "grown_steady": grown,
                 "preempted": e.scheduler.stats.preempted,
+                # Where a step's time goes: imp-mem's host calls (the
+                # tenancy's included), the decode and the prefills.
+                "imp_mem_us_per_step": imp_s / max(steps, 1) * 1e6,
+                "decode_ms_per_step": dec_s / max(dec_n, 1) * 1e3,
+                "prefill_s_per_pass": pre_s / max(args.sat_reps, 1),
             }
         )
 
@@ -685,6 +704,14 @@ def main(argv: list[str] | None = None) -> int:
             f"  of which the growable pool without a ledger ({grow['tok_s']:9.1f} tok/s): "
             f"{pool_cost * 100:5.1f} %, and the ledger over it: {ledger_cost * 100:5.1f} %"
         )
+        for m in SAT_MODES:
+            r = sat[m]
+            print(
+                f"  {m:8s} {r['tok_s']:9.1f} tok/s: imp-mem host calls "
+                f"{r['imp_mem_us_per_step']:7.1f} us a step, decode {r['decode_ms_per_step']:7.3f} "
+                f"ms a step, prefill {r['prefill_s_per_pass']:6.3f} s a pass"
+            )
+            rows.append({"saturation_mode": m, **{k: v for k, v in r.items() if k != "runs"}})
         print(
             f"  the cold first pass (the shared pool growing from its floor): "
             f"{alone['cold_tok_s']:9.1f} vs {on['cold_tok_s']:9.1f} tok/s, {cold * 100:5.1f} %"
