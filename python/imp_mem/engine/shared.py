@@ -159,7 +159,8 @@ class Tenancy:
         self.last_active = time.perf_counter()
         self.auto_slept = False
         self.steps = 0
-        self.kv_floor_blocks = self.initial
+        # The floor's blocks a request can have (the engine holds its own).
+        self.floor_request_blocks = max(0, self.initial - engine_kv_blocks)
         # The KV-live figure last written, and when the pressure was read.
         self._kv_live_written = -1
         self._pressure_at = 0.0
@@ -217,7 +218,7 @@ class Tenancy:
         fits: the floor holds one full sequence. This guards a floor
         planned smaller.)"""
         need = self.blocks_for(tokens)
-        if need <= self.kv_floor_blocks:
+        if need <= self.floor_request_blocks:
             return  # the floor holds it: no ledger read
         self.ledger_reads += 1
         rows = self.ledger.tenants()
