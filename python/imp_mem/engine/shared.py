@@ -293,7 +293,9 @@ class Tenancy:
         elif idle_for >= self.cfg.idle_trim_s:
             # The free tail above the live (and cached) blocks, a chunk kept.
             given += int(kv.give_back(0, keep_blocks=self.chunk))
-        self.record_kv_live(int(kv.stats()["live"]), force=bool(given))
+        live = int(kv.stats()["live"])
+        # Idle, the figure is written whenever it changed (no step to spare).
+        self.record_kv_live(live, force=live != self._kv_live_written)
         sleep_s = self.cfg.idle_sleep_s
         if sleep_s is not None and idle_for >= sleep_s:
             # The prefix cache goes at the sleep anyway; without it the pool
