@@ -130,9 +130,14 @@ def test_with_the_rest_taken_requests_wait_their_turn_and_none_is_preempted(chec
         e.close()
 
 
-def test_shared_argument_is_checked(checkpoint):
+def test_shared_argument_is_checked(checkpoint, tmp_path):
     with pytest.raises(imp_mem.InvalidArgument):
         engine(checkpoint, shared=3)
+    for bad in (0, -1, "0B", 1.5):
+        with pytest.raises(imp_mem.InvalidArgument, match="chunk_bytes"):
+            engine(checkpoint, cfg(tmp_path, chunk_bytes=bad))
+    # Nothing joined the ledger on the way.
+    assert imp_mem.DeviceLedger("fake-engine", 1, str(tmp_path)).tenants() == []
     assert SharedGPU.of(None) is None and SharedGPU.of(True) == SharedGPU()
     assert SharedGPU.of({"cap": "1GiB"}).cap == "1GiB"
 
