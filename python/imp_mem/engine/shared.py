@@ -30,8 +30,8 @@ Algorithm costs, in the steady state (the pool grown to its working size):
 nothing per step but the pressure check — one ledger read (an flock and an
 8 KiB pread, ~6 µs) at most every `SharedGPU.pressure_interval_s` — and a
 KV-live record written only when it moved by a chunk. Admission touches the
-ledger only when the pool must grow (`reserve_free`: whole 64 MiB chunks;
-with free blocks it is a count compare), and `submit` consults the ledger
+ledger only when the pool must grow (`reserve_free`: whole chunks of
+`chunk_bytes`; with free blocks it is a count compare), and `submit` consults the ledger
 only for a request longer than the floor's one sequence (none within
 `max_seq_len`).
 """
