@@ -27,7 +27,8 @@ says so). Outside its window each model gets a trickle (one request of at
 most 64 + 16 tokens a window), so idle tenants keep a small live set.
 
 Printed: time to first token p50/p99 per model over its requests,
-tokens/s, preemptions (goal 0 in shared), requests done, the p99 ratio
+tokens/s, preemptions (goal 0 in shared), requests done, the steps on
+which admission waited for memory (shared: for the ledger), the p99 ratio
 static/shared (goal >= 5x); the idle footprint of each idle tenant at 90 % of
 another's window (ledger committed against its floor; goal: at most its KV
 live above the floor's KV plus one 64 MiB chunk); a tenant SIGKILLed while
@@ -221,6 +222,7 @@ def worker(name, directory, mode, opts, trace_q, start_at, out, ready):
                 "tokens": tokens,
                 "busy_s": busy,
                 "preempted": engine.scheduler.stats.preempted,
+                "capacity_waits": engine.scheduler.stats.capacity_waits,
                 "finished": len(done_at),
                 "arrived": i,
                 "requests": len(pending),
@@ -596,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(
             f"{'model':6s} {'setup':7s} {'batch':>5s} {'TTFT p50 s':>11s} {'TTFT p99 s':>11s} "
-            f"{'tok/s':>9s} {'preempt':>8s} {'done':>9s}"
+            f"{'tok/s':>9s} {'preempt':>8s} {'done':>9s} {'waits':>6s}"
         )
         by = {(r["name"], r["mode"]): r for r in shared + static}
         for name, _ in dirs:
@@ -615,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 print(
                     f"{name:6s} {mode:7s} {r['batch']:5d} {p50:11.3f} {p99:11.3f} {tps:9.1f} "
-                    f"{r['preempted']:8d} {r['finished']:4d}/{r['requests']:<4d}{note}"
+                    f"{r['preempted']:8d} {r['finished']:4d}/{r['requests']:<4d} "
+                    f"{r['capacity_waits']:6d}{note}"
                 )
                 rows.append(
                     {
@@ -626,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                         "ttft_p99": p99,
                         "tok_s": tps,
                         "preempted": r["preempted"],
+                        "capacity_waits": r["capacity_waits"],
                         "finished": r["finished"],
                         "arrived": r["arrived"],
                         "requests": r["requests"],
