@@ -234,6 +234,7 @@ def test_the_floor_counts_what_the_plan_holds_outside_the_backend_and_the_ledger
         # A warm-up measured above the plan's line is charged on top.
         t.settle_warmup(t.planned_warmup + 3 * MIB)
         assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
+        assert t.outside_past_floor == 3 * MIB
         t.settle_warmup(0)  # below the line: nothing changes
         assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
         # Past the cap the ledger refuses: the charge stays as it was.

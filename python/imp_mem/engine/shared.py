@@ -164,6 +164,9 @@ class Tenancy:
         # The KV-live figure last written, and when the pressure was read.
         self._kv_live_written = -1
         self._pressure_at = 0.0
+        # What `settle_warmup` charged past the floor (the floor is fixed at
+        # the join; the next boot plans the measured figure into it).
+        self.outside_past_floor = 0
         # Ledger calls made by `tick` / `check_submit` (for tests and benches).
         self.ledger_reads = 0
         self.ledger_writes = 0
@@ -182,6 +185,7 @@ class Tenancy:
             return
         self.outside += extra
         self.planned_warmup += extra
+        self.outside_past_floor += extra
 
     @staticmethod
     def initial_blocks(plan: Any, engine_kv_blocks: int) -> int:
