@@ -69,5 +69,22 @@ def test_shared_gpu_bench_smoke_runs_every_phase():
             assert re.search(rf"^{model}\s+{setup}\s+\d+\s+[\d.]+\s+[\d.]+", out, re.M), out
         assert re.search(rf"^{model}\s+TTFT p99 static/shared\s+[\d.]+x", out, re.M), out
     assert "idle footprint" in out, out
+    feet = re.findall(
+        r"above its floor\s+-?[\d.]+ MiB .*, allowed\s+[\d.]+ MiB (ok|OVER)$", out, re.M
+    )
+    assert feet and all(f == "ok" for f in feet), out
     assert re.search(r"SIGKILL of \w+ while \w+ bursts: share back in [\d.]+ s", out), out
     assert re.search(r"saturation, a alone: .* overhead\s+-?[\d.]+ %", out), out
+    growable = r"growable pool without a ledger .* the ledger over it:\s+-?[\d.]+ %"
+    assert re.search(growable, out), out
+    assert re.search(r"^\s+a\s+static\s+\d+\s+shared\s+\d+\s+burst\s+\d+", out, re.M), out
+
+
+def test_ledger_step_bench_prints_the_step_costs_and_every_ledger_operation():
+    pytest.importorskip("torch")
+    out = _run("bench_ledger_step.py", "--passes", "2", timeout=300)
+    assert re.search(r"^\s+plain\s+step median\s+[\d.]+ us", out, re.M), out
+    assert re.search(r"^\s+ledger\s+step median\s+[\d.]+ us", out, re.M), out
+    assert re.search(r"in the tenancy [\d.]+ us a step .* [\d.]+ ledger calls a step", out), out
+    for op in ("pressure", "headroom", "set_kv_live", "grow \\+ shrink", "tenants"):
+        assert re.search(rf"^\s+{op}.*\s[\d.]+ us$", out, re.M), out

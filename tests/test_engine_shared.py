@@ -130,8 +130,115 @@ def test_with_the_rest_taken_requests_wait_their_turn_and_none_is_preempted(chec
         e.close()
 
 
-def test_shared_argument_is_checked(checkpoint):
+def test_shared_argument_is_checked(checkpoint, tmp_path):
     with pytest.raises(imp_mem.InvalidArgument):
         engine(checkpoint, shared=3)
+    for bad in (0, -1, "0B", 1.5):
+        with pytest.raises(imp_mem.InvalidArgument, match="chunk_bytes"):
+            engine(checkpoint, cfg(tmp_path, chunk_bytes=bad))
+    # Nothing joined the ledger on the way.
+    assert imp_mem.DeviceLedger("fake-engine", 1, str(tmp_path)).tenants() == []
     assert SharedGPU.of(None) is None and SharedGPU.of(True) == SharedGPU()
     assert SharedGPU.of({"cap": "1GiB"}).cap == "1GiB"
+
+
+def fresh(n, seed, length=20):
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(257) for _ in range(length)] for _ in range(n)]
+
+
+def test_the_steady_state_neither_grows_nor_writes_and_reads_the_ledger_at_most_each_interval(
+    checkpoint, tmp_path
+):
+    e = engine(checkpoint, cfg(tmp_path, pressure_interval_s=3600.0))
+    try:
+        t = e.tenancy
+        e.generate(fresh(4, 1), NEW)  # the pool grows to the working size
+        e.kv.reset_prefix_cache()
+        committed = t.tenant.record()["committed"]
+        reads, writes = t.ledger_reads, t.ledger_writes
+        steps = e.stats.steps
+        for seed in (2, 3, 4):
+            e.kv.reset_prefix_cache()
+            e.generate(fresh(4, seed), NEW)
+        assert e.stats.steps - steps >= 3 * (NEW - 1)
+        # No grow, no shrink, no pressure read within the interval, and
+        # submits within max_seq_len never consult the ledger.
+        assert t.tenant.record()["committed"] == committed
+        assert t.ledger_reads == reads
+        # KV live is written only when it moved by a chunk (here never:
+        # the chunk is the whole pool).
+        assert t.ledger_writes == writes
+        # At the default interval the pressure is read, at most once a step.
+        t.cfg.pressure_interval_s = 0.0
+        steps = e.stats.steps
+        e.generate(fresh(4, 5), NEW)
+        assert 0 < t.ledger_reads - reads <= e.stats.steps - steps
+    finally:
+        e.close()
+
+
+def test_an_idle_tenant_holds_its_live_blocks_plus_a_chunk_the_prefix_cache_evicted(
+    checkpoint, expected, tmp_path
+):
+    k = engine(checkpoint, cfg(tmp_path, name="keeps", idle_cache_s=None, idle_trim_s=0.0))
+    # Chunks of one sequence (16 blocks of a 65-block pool): several.
+    chunk = 16 * k.tenancy.block_bytes
+    e = engine(
+        checkpoint,
+        cfg(tmp_path, name="evicts", chunk_bytes=chunk, idle_trim_s=0.0, idle_cache_s=0.0),
+    )
+    try:
+        t = e.tenancy
+        assert t.chunk == 16 and e.kv.stats()["max_blocks"] > 3 * t.chunk
+        for x in (e, k):
+            x.generate(fresh(4, 7, length=40), NEW)
+            assert x.kv.stats()["cached"] > 0
+        grown = t.tenant.record()["committed"]
+        assert e.kv.stats()["capacity"] > t.initial
+        # Idle with nothing in flight: the cache goes, a chunk at a time
+        # from the top, and the pool is back to the blocks it opened with
+        # (cached blocks among those stay: they cost the ledger nothing).
+        e.idle()
+        k.idle()
+        st, rec = e.kv.stats(), t.tenant.record()
+        assert st["capacity"] == t.initial and st["cached"] < t.initial
+        live_bytes = st["live"] * t.block_bytes
+        assert rec["kv_live"] == live_bytes
+        above = rec["committed"] - rec["floor"]
+        assert rec["committed"] < grown
+        assert above <= max(0, live_bytes - t.initial * t.block_bytes) + t.chunk * t.block_bytes
+        # The one that keeps its cache still holds it.
+        assert k.kv.stats()["cached"] > 0
+        # After the shrink, requests are served as before it (the pool
+        # grows back through the ledger).
+        assert e.generate(PROMPTS, NEW) == expected
+    finally:
+        e.close()
+        k.close()
+
+
+def test_the_floor_counts_what_the_plan_holds_outside_the_backend_and_the_ledger_does_too(
+    checkpoint, tmp_path
+):
+    e = engine(checkpoint, cfg(tmp_path))
+    try:
+        t, plan = e.tenancy, e.plan
+        assert t.outside == plan.context + plan.library_reserve + plan.warmup
+        rec = t.tenant.record()
+        # Open: committed is the floor less the VMM slack at most.
+        slack = 16 * e.backend.granularity
+        assert rec["floor"] - slack <= rec["committed"] <= rec["floor"]
+        # A warm-up measured above the plan's line is charged on top.
+        t.settle_warmup(t.planned_warmup + 3 * MIB)
+        assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
+        assert t.outside_past_floor == 3 * MIB
+        t.settle_warmup(0)  # below the line: nothing changes
+        assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
+        # Past the cap the ledger refuses: the charge stays as it was.
+        t.settle_warmup(t.planned_warmup + 1024 * MIB)
+        assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
+    finally:
+        e.close()

@@ -373,6 +373,10 @@ class Engine:
                 self.runner.engine_blocks[0],
             )
             memory.kv_initial_blocks = self.tenancy.initial
+            # The pool grows by a chunk, or by a whole sequence where that is more.
+            memory.kv_grow_blocks = max(
+                self.tenancy.chunk, int(self.plan.kv["blocks_per_sequence"])
+            )
         t0 = time.perf_counter()
         memory.open()
         self.boot_seconds["open"] = time.perf_counter() - t0
@@ -632,6 +636,10 @@ class Engine:
             self.warmup_measured = meter.stop()
             self.memory.warmup_modules = self.warmup_measured["modules"]
             self.memory.charge_torch()
+            if self.tenancy is not None:
+                from imp_mem.engine import warmup as _warmup
+
+                self.tenancy.settle_warmup(_warmup.total(self.warmup_measured))
             fp = getattr(self, "_warmup_fp", None)
             if fp is not None and self.warmup_planned is None:
                 from imp_mem.engine import warmup

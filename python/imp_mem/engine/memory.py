@@ -95,6 +95,8 @@ class EngineMemory:
         self.system: Any = None
         # The KV pool's initial (and floor) blocks; None: the system's rule.
         self.kv_initial_blocks: int | None = None
+        # The growable KV pool's growth step in blocks (None: the system's).
+        self.kv_grow_blocks: int | None = None
         self.nccl_bytes = 0
         self.load_seconds = 0.0
         self.pin_seconds = 0.0
@@ -237,6 +239,7 @@ class EngineMemory:
             library_reserve=self.library_reserve,
             kv_growable=self.kv_growable,
             kv_initial_blocks=self.kv_initial_blocks,
+            kv_grow_blocks=self.kv_grow_blocks,
             # With the tier torch's, a full tier returns null to torch, which
             # gives its pool's cached segments back and retries.
             activation_strict=True if self.activation_bytes is not None else None,

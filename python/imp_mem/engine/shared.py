@@ -21,13 +21,19 @@ backend commits only what the ledger grants. Then, each step:
   prefix-cache blocks a chunk at a time;
 * **idle**: `Engine.idle()` (the serving loop calls it when there is no
   work) shrinks the KV pool to its live blocks plus one chunk after
-  `idle_trim_s`, answers pressure, and after `idle_sleep_s` puts the engine
+  `idle_trim_s`, evicts the prefix cache after `idle_cache_s`, answers
+  pressure, and after `idle_sleep_s` puts the engine
   to sleep (level 1); the next `submit` wakes it, inside that request's
   time to first token.
 
-Algorithm costs: one ledger read (an flock and an 8 KiB pread) per step for
-the pressure check; `reserve_free` touches the ledger only when the pool
-must grow (64 MiB chunks).
+Algorithm costs, in the steady state (the pool grown to its working size):
+nothing per step but the pressure check — one ledger read (an flock and an
+8 KiB pread, ~6 µs) at most every `SharedGPU.pressure_interval_s` — and a
+KV-live record written only when it moved by a chunk. Admission touches the
+ledger only when the pool must grow (`reserve_free`: whole chunks of
+`chunk_bytes`; with free blocks it is a count compare), and `submit` consults the ledger
+only for a request longer than the floor's one sequence (none within
+`max_seq_len`).
 """
 
 from __future__ import annotations
@@ -56,6 +62,15 @@ class SharedGPU:
     the others to give elastic memory back. `idle_trim_s`: idle seconds
     before the KV pool shrinks to its live blocks plus one chunk.
     `idle_sleep_s`: idle seconds before the engine sleeps (None: never).
+    `idle_cache_s`: idle seconds before the prefix cache is evicted too, a
+    chunk at a time from the top, so that an idle tenant holds its live
+    blocks (plus at most one chunk); None keeps it until the ledger's
+    pressure asks for it. Longer than `idle_trim_s`, so that a gap between
+    requests keeps the cache. `pressure_interval_s`: the least time
+    between two reads of the ledger's pressure while serving.
+    `chunk_bytes`: the KV pool's growth step (whole blocks, at least one),
+    which an idle pool also keeps above its live blocks; on a VMM backend
+    the backend's own chunk rounds it up.
     """
 
     cap: int | str | None = None
@@ -66,6 +81,9 @@ class SharedGPU:
     wait_s: float = 30.0
     idle_trim_s: float = 0.05
     idle_sleep_s: float | None = None
+    idle_cache_s: float | None = 2.0
+    pressure_interval_s: float = 0.005
+    chunk_bytes: int | str = 64 << 20
 
     @staticmethod
     def of(value: Any) -> SharedGPU | None:
@@ -113,11 +131,19 @@ class Tenancy:
         slack = 16 * int(backend.granularity)
         self.initial = self.initial_blocks(plan, engine_kv_blocks)
         kv_floor = self.initial * self.block_bytes
-        # What an idle pool keeps above its live blocks: one growth chunk.
-        self.chunk = max(1, min(int(kv["blocks"]), (64 << 20) // self.block_bytes))
-        # The CUDA context and library reserve are in the plan but held by
-        # no backend; charged to the ledger so its books match the plan's.
-        self.outside = plan.context + plan.library_reserve
+        # The KV pool's growth step, and what an idle pool keeps above its
+        # live blocks: one chunk.
+        raw = cfg.chunk_bytes
+        chunk_bytes = imp_mem.parse_size(raw, "chunk_bytes") if isinstance(raw, str) else raw
+        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
+            raise InvalidArgument(f"chunk_bytes must be positive, got {cfg.chunk_bytes!r}")
+        self.chunk = max(1, min(int(kv["blocks"]), chunk_bytes // self.block_bytes))
+        # The CUDA context, the library reserve and the warm-up line (torch's
+        # graph pools, its cached activations, kernel modules) are in the
+        # plan, and so in the floor, but held by no backend: charged to the
+        # ledger so that its books match the plan's and the device's.
+        self.outside = plan.context + plan.library_reserve + plan.warmup
+        self.planned_warmup = plan.warmup
         self.floor = plan.total() - int(kv["bytes"]) + kv_floor + slack
         self.cap = plan.budget
         key = cfg.key or device_key(backend, memory.on_gpu)
@@ -133,6 +159,33 @@ class Tenancy:
         self.last_active = time.perf_counter()
         self.auto_slept = False
         self.steps = 0
+        # The floor's blocks a request can have (the engine holds its own).
+        self.floor_request_blocks = max(0, self.initial - engine_kv_blocks)
+        # The KV-live figure last written, and when the pressure was read.
+        self._kv_live_written = -1
+        self._pressure_at = 0.0
+        # What `settle_warmup` charged past the floor (the floor is fixed at
+        # the join; the next boot plans the measured figure into it).
+        self.outside_past_floor = 0
+        # Ledger calls made by `tick` / `check_submit` (for tests and benches).
+        self.ledger_reads = 0
+        self.ledger_writes = 0
+
+    def settle_warmup(self, measured: int) -> None:
+        """After the warm-up was measured: where it left more outside the
+        tiers than the plan's ``warmup`` line, the ledger is charged the
+        difference too (a refusal leaves the charge as planned: the device
+        holds it either way, and the floor's slack absorbs small misses)."""
+        extra = int(measured) - self.planned_warmup
+        if extra <= 0:
+            return
+        try:
+            self.tenant.grow(extra)
+        except imp_mem.OutOfMemory:
+            return
+        self.outside += extra
+        self.planned_warmup += extra
+        self.outside_past_floor += extra
 
     @staticmethod
     def initial_blocks(plan: Any, engine_kv_blocks: int) -> int:
@@ -169,6 +222,9 @@ class Tenancy:
         fits: the floor holds one full sequence. This guards a floor
         planned smaller.)"""
         need = self.blocks_for(tokens)
+        if need <= self.floor_request_blocks:
+            return  # the floor holds it: no ledger read
+        self.ledger_reads += 1
         rows = self.ledger.tenants()
         me = self.tenant.slot
         others = sum(t["floor"] for t in rows if t["slot"] != me and t["state"] == "live")
@@ -186,13 +242,26 @@ class Tenancy:
 
     # ----------------------------------------------------------- each step
 
+    def record_kv_live(self, live_blocks: int, force: bool = False) -> None:
+        """Writes the KV-live figure when it moved by a chunk (or `force`)."""
+        if force or abs(live_blocks - self._kv_live_written) >= self.chunk:
+            self.ledger_writes += 1
+            self.tenant.set_kv_live(live_blocks * self.block_bytes)
+            self._kv_live_written = live_blocks
+
     def tick(self, sched: Any, kv: Any, on_gpu: bool, device: Any) -> int:
-        """Once a step: answers the ledger's pressure; every 16 steps
-        records the KV bytes live. Returns the bytes given back."""
+        """Once a step: every 16 steps, the KV bytes live (written when they
+        moved by a chunk); the ledger's pressure, read at most every
+        `pressure_interval_s`, answered. Returns the bytes given back."""
         self.steps += 1
-        self.last_active = time.perf_counter()
+        now = time.perf_counter()
+        self.last_active = now
         if self.steps % 16 == 0:
-            self.tenant.set_kv_live(kv.stats()["live"] * self.block_bytes)
+            self.record_kv_live(int(kv.stats()["live"]))
+        if now - self._pressure_at < self.cfg.pressure_interval_s:
+            return 0
+        self._pressure_at = now
+        self.ledger_reads += 1
         asked = self.tenant.pressure()
         if not asked:
             return 0
@@ -215,12 +284,22 @@ class Tenancy:
             import torch
 
             torch.cuda.synchronize(engine.device)
+        self.ledger_reads += 1
         asked = self.tenant.pressure()
         if asked:
             given += int(kv.give_back(asked))
-        if idle_for >= self.cfg.idle_trim_s:
+        cache_s = self.cfg.idle_cache_s
+        if cache_s is not None and idle_for >= cache_s:
+            # The free tail, then the prefix cache above the highest chunk a
+            # sequence holds, a whole chunk at a time: what stays is the
+            # chunks of the live blocks (never below the floor's blocks).
+            given += int(kv.give_back(1 << 62))
+        elif idle_for >= self.cfg.idle_trim_s:
+            # The free tail above the live (and cached) blocks, a chunk kept.
             given += int(kv.give_back(0, keep_blocks=self.chunk))
-        self.tenant.set_kv_live(kv.stats()["live"] * self.block_bytes)
+        live = int(kv.stats()["live"])
+        # Idle, the figure is written whenever it changed (no step to spare).
+        self.record_kv_live(live, force=live != self._kv_live_written)
         sleep_s = self.cfg.idle_sleep_s
         if sleep_s is not None and idle_for >= sleep_s:
             # The prefix cache goes at the sleep anyway; without it the pool
