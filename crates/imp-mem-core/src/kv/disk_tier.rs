@@ -62,8 +62,9 @@ pub(crate) struct DiskTier {
     lru: BTreeMap<u64, BlockHash>,
     next: u64,
     block_bytes: usize,
-    /// A reload's block, kept between reloads.
-    reload: Vec<u8>,
+    /// Block buffers kept between spills and reloads (at most
+    /// [`IN_FLIGHT`]): no allocation, and no page faults, a block.
+    spare: Vec<Vec<u8>>,
     /// The threads that write spills, started at the first.
     writers: Option<Writers>,
     /// Spills whose write failed, to be reported as removed.
@@ -80,8 +81,6 @@ struct Writers {
     /// Hashes whose file is being written, with their count.
     pending: FastMap<BlockHash, u32>,
     in_flight: usize,
-    /// Block buffers back from the writers, for the next spills.
-    spare: Vec<Vec<u8>>,
 }
 
 /// Spill writes at once at most, and threads that write them.
@@ -115,7 +114,6 @@ impl Writers {
             threads,
             pending: FastMap::default(),
             in_flight: 0,
-            spare: Vec::new(),
         }
     }
 }
@@ -157,7 +155,7 @@ impl DiskTier {
             lru: BTreeMap::new(),
             next: 0,
             block_bytes,
-            reload: Vec::new(),
+            spare: Vec::new(),
             writers: None,
             failed: Vec::new(),
             counters: DiskCounters::default(),
@@ -210,8 +208,8 @@ impl DiskTier {
                 w.pending.remove(&hash);
             }
         }
-        if w.spare.len() < IN_FLIGHT {
-            w.spare.push(buf);
+        if self.spare.len() < IN_FLIGHT {
+            self.spare.push(buf);
         }
         if !written {
             // As if it had never been spilled: out of the index (and its
@@ -265,17 +263,19 @@ impl DiskTier {
         }
     }
 
-    /// The block buffer kept for reloads, a block long, taken (give it
-    /// back with [`Self::put_reload_buffer`]).
-    pub fn take_reload_buffer(&mut self) -> Vec<u8> {
-        let mut buf = std::mem::take(&mut self.reload);
+    /// A block buffer, a block long: a kept one where there is one (give
+    /// it back with [`Self::put_buffer`]).
+    pub fn take_buffer(&mut self) -> Vec<u8> {
+        let mut buf = self.spare.pop().unwrap_or_default();
         buf.resize(self.block_bytes, 0);
         buf
     }
 
-    /// Gives the reload buffer back.
-    pub fn put_reload_buffer(&mut self, buf: Vec<u8>) {
-        self.reload = buf;
+    /// Keeps a block buffer for the next spill or reload.
+    pub fn put_buffer(&mut self, buf: Vec<u8>) {
+        if self.spare.len() < IN_FLIGHT && buf.len() == self.block_bytes {
+            self.spare.push(buf);
+        }
     }
 
     /// Spills block `hash`: `fill` puts its bytes in a block buffer (a
@@ -297,16 +297,9 @@ impl DiskTier {
         if self.writers.is_none() {
             self.writers = Some(Writers::start(&self.format));
         }
-        let mut buf = self
-            .writers
-            .as_mut()
-            .and_then(|w| w.spare.pop())
-            .unwrap_or_default();
-        buf.resize(self.block_bytes, 0);
+        let mut buf = self.take_buffer();
         if !fill(&mut buf) {
-            if let Some(w) = self.writers.as_mut() {
-                w.spare.push(buf);
-            }
+            self.put_buffer(buf);
             return;
         }
         self.discard(&hash, events);

@@ -114,6 +114,12 @@ pub trait BlockIo: Send + Sync + std::fmt::Debug {
         HostBuf::heap(len)
     }
 
+    /// Takes back a [`Self::host_buffer`] a save or load is done with, to
+    /// hand out again from `host_buffer` (the default drops it).
+    fn keep_buffer(&self, buf: HostBuf) {
+        drop(buf);
+    }
+
     /// [`Self::read_block`] into a part of a [`Self::host_buffer`]; the
     /// default is `read_block` itself.
     fn read_block_staged(&self, block: &SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
@@ -168,12 +174,19 @@ impl HostBuf {
 /// through the driver's own staging at a fraction of the DMA's speed (the
 /// prefix cache's save took 1.2-1.4x the time without it on the H200). A
 /// manager over such a pool installs it itself.
+///
+/// The chunk buffers of a streamed save or load ([`BlockIo::host_buffer`])
+/// are kept between calls ([`BUFFERS`] of them at most): a pinned
+/// allocation costs the driver a page-locking of every page, and a fresh
+/// heap one a page fault a page, each call.
 #[derive(Debug)]
 pub struct PoolBlockIo {
     block_bytes: usize,
     /// `None` until the first copy; then the buffer, or `Some(None)` where
     /// the source has no pinned memory or pinning failed (copied direct).
     staging: Mutex<Option<Option<PinnedBuffer>>>,
+    /// Chunk buffers back from earlier saves and loads.
+    spare: Mutex<Vec<HostBuf>>,
 }
 
 impl PoolBlockIo {
@@ -183,6 +196,7 @@ impl PoolBlockIo {
         Self {
             block_bytes,
             staging: Mutex::new(None),
+            spare: Mutex::new(Vec::new()),
         }
     }
 
@@ -230,6 +244,11 @@ impl BlockIo for PoolBlockIo {
     }
 
     fn host_buffer(&self, block: &SharedBlockRef, len: usize) -> HostBuf {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = spare.iter().position(|b| b.as_slice().len() == len) {
+            return spare.swap_remove(at);
+        }
+        drop(spare);
         if let Some(host) = block.pool().pinned_host() {
             let buffer = PinnedHost::new(host).allocate_or_empty(len);
             if buffer.len() == len {
@@ -237,6 +256,13 @@ impl BlockIo for PoolBlockIo {
             }
         }
         HostBuf::heap(len)
+    }
+
+    fn keep_buffer(&self, buf: HostBuf) {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < BUFFERS {
+            spare.push(buf);
+        }
     }
 
     // The staged copies go straight between the block and the (pinned)
@@ -358,6 +384,30 @@ impl BlockFileFormat {
     /// (header, hash, checksums). The block's bytes are read straight into
     /// `dst`; on a refusal its contents are unspecified.
     pub fn read_into(&self, path: &Path, hash: BlockHash, dst: &mut [u8]) -> Result<(), MemError> {
+        self.read_open(path, hash, dst).0
+    }
+
+    /// [`Self::read_into`], handing back the file it opened (when it did),
+    /// still open: a caller that deletes the file and closes it later frees
+    /// its storage at that close, off its own time.
+    pub fn read_open(
+        &self,
+        path: &Path,
+        hash: BlockHash,
+        dst: &mut [u8],
+    ) -> (Result<(), MemError>, Option<File>) {
+        let mut opened = None;
+        let read = self.read_in(path, hash, dst, &mut opened);
+        (read, opened)
+    }
+
+    fn read_in(
+        &self,
+        path: &Path,
+        hash: BlockHash,
+        dst: &mut [u8],
+        opened: &mut Option<File>,
+    ) -> Result<(), MemError> {
         let failed = |e| io_err("cannot read the block file", path, e);
         let not_ours = || refuse(path, "it is not this manager's block file");
         if dst.len() != self.block_bytes {
@@ -367,7 +417,7 @@ impl BlockFileFormat {
                 self.block_bytes
             )));
         }
-        let mut file = File::open(path).map_err(failed)?;
+        let file = opened.insert(File::open(path).map_err(failed)?);
         let head_len = 16 + self.header.len() + 24;
         let want_len = (head_len + self.block_bytes + 16) as u64;
         if file.metadata().map_err(failed)?.len() != want_len {
@@ -588,7 +638,7 @@ impl PrefixSnapshot {
         ));
         let tmp = path.with_file_name(tmp_name);
         let failed = |e| io_err("cannot write the prefix cache to", path, e);
-        let written = (|| -> Result<(), MemError> {
+        let written = (|| -> Result<Option<File>, MemError> {
             let file = fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
@@ -600,11 +650,19 @@ impl PrefixSnapshot {
             })?;
             file.sync_all().map_err(failed)?;
             drop(file);
-            fs::rename(&tmp, path).map_err(failed)
+            let replaced = open_replaced(path);
+            fs::rename(&tmp, path).map_err(failed)?;
+            Ok(replaced)
         })();
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(e);
+        let replaced = match written {
+            Ok(replaced) => replaced,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        if let Some(old) = replaced {
+            release_later(old);
         }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             // Makes the rename durable; best effort where directories cannot
@@ -693,6 +751,9 @@ impl PrefixSnapshot {
             drop(hash_tx);
             let trailer = joined(hasher);
             let file = joined(writer);
+            for buf in free_rx.try_iter() {
+                io.keep_buffer(buf);
+            }
             if let Some(e) = copy_failed {
                 return Err(Streamed::Mem(e));
             }
@@ -702,6 +763,31 @@ impl PrefixSnapshot {
             Ok(file)
         })
     }
+}
+
+/// The regular file at `path`, opened to be held across the rename that
+/// replaces it, or `None` (no file, not a regular one, a symlink, or not
+/// readable). Non-blocking, so a FIFO put there meanwhile cannot hang it.
+fn open_replaced(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let flags = rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOFOLLOW;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags.bits() as i32)
+        .open(path)
+        .ok()?;
+    file.metadata().ok()?.is_file().then_some(file)
+}
+
+/// Closes `old`, the last handle of a file a save replaced, on a thread of
+/// its own: that close frees the file's storage (on a tmpfs every page of
+/// it, a sixth of a 512 MiB save's time here), which the rename over its
+/// last link would otherwise do inside the save. Where no thread can
+/// start, the spawn drops the closure, and the file with it, at once.
+fn release_later(old: File) {
+    let _ = std::thread::Builder::new()
+        .name("imp-mem-release".into())
+        .spawn(move || drop(old));
 }
 
 /// A streamed save's failure: of the file, or of a block's copy.
@@ -1020,6 +1106,9 @@ impl PendingLoad {
             let copied = joined(copier);
             (trailer, checked, copied, read)
         });
+        for buf in free_rx.try_iter() {
+            io.keep_buffer(buf);
+        }
         checked?;
         let stored = read.map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => {
