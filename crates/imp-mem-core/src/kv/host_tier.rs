@@ -234,9 +234,10 @@ impl HostTier {
         // Each file is deleted (here) before its slot is taken, so the
         // spill that may make room adds a file where one just went and
         // never evicts the next from the disk. A reader keeps its file open
-        // and a thread of its own closes it after the deletion: the close
-        // frees the file's storage (page by page on a tmpfs), which the
-        // deletion would otherwise do on this thread.
+        // and the process's releaser closes it after the deletion
+        // (`persist::release_later`): the close frees the file's storage
+        // (page by page on a tmpfs), which the deletion would otherwise do
+        // on this thread.
         let workers = files
             .len()
             .min(4)
@@ -247,15 +248,13 @@ impl HostTier {
         type Read = (usize, Vec<u8>, bool, Option<std::fs::File>);
         let (job_tx, job_rx) = std::sync::mpsc::channel::<(usize, Vec<u8>)>();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<Read>();
-        let (close_tx, close_rx) = std::sync::mpsc::channel::<std::fs::File>();
         let job_rx = std::sync::Mutex::new(job_rx);
         let mut out = Vec::new();
         let mut back = Vec::new();
         std::thread::scope(|s| {
             // Owned by this closure: dropped when it returns, which ends
-            // the workers' and the closer's loops before the scope joins
-            // them.
-            let (job_tx, close_tx) = (job_tx, close_tx);
+            // the workers' loops before the scope joins them.
+            let job_tx = job_tx;
             for _ in 0..workers {
                 let (files, format, job_rx, done_tx) = (&files, &format, &job_rx, done_tx.clone());
                 s.spawn(move || loop {
@@ -271,7 +270,6 @@ impl HostTier {
                 });
             }
             drop(done_tx);
-            s.spawn(move || close_rx.into_iter().for_each(drop));
             let mut next = 0;
             for buf in bufs.drain(..) {
                 let _ = job_tx.send((next, buf));
@@ -295,7 +293,7 @@ impl HostTier {
                 if let Some(file) = file {
                     // Deleted now (or kept, where the read ended the
                     // prefix): either way, closed off this thread.
-                    let _ = close_tx.send(file);
+                    crate::kv::persist::release_later(file);
                 }
                 if !taken {
                     back.push(buf);

@@ -578,7 +578,7 @@ pub struct PrefixSnapshot {
 /// [`BUFFERS`] chunks ahead of its copies, so a file changed after the
 /// first copy is seen by the reads of the chunks after those.
 const CHUNK_BYTES: usize = 1 << 20;
-const BUFFERS: usize = 3;
+pub(crate) const BUFFERS: usize = 3;
 
 /// Entries per chunk for entries of `stride` bytes.
 fn entries_per_chunk(stride: usize) -> usize {
@@ -779,15 +779,30 @@ fn open_replaced(path: &Path) -> Option<File> {
     file.metadata().ok()?.is_file().then_some(file)
 }
 
-/// Closes `old`, the last handle of a file a save replaced, on a thread of
-/// its own: that close frees the file's storage (on a tmpfs every page of
-/// it, a sixth of a 512 MiB save's time here), which the rename over its
-/// last link would otherwise do inside the save. Where no thread can
-/// start, the spawn drops the closure, and the file with it, at once.
-fn release_later(old: File) {
-    let _ = std::thread::Builder::new()
-        .name("imp-mem-release".into())
-        .spawn(move || drop(old));
+/// Closes `file`, the last handle of a deleted or replaced file, on a
+/// thread of the process's (started at the first call, then waiting for
+/// the next): the close frees the file's storage — on a tmpfs every page
+/// of it, as long as a third of writing it — which the rename over its
+/// last link (a save) or its deletion (the disk tier's reload) would
+/// otherwise do in the caller's time. Closed here where that thread cannot
+/// start. The storage is freed a moment later than the call returns.
+pub(crate) fn release_later(file: File) {
+    static RELEASER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<File>>>> =
+        std::sync::OnceLock::new();
+    let releaser = RELEASER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<File>();
+        std::thread::Builder::new()
+            .name("imp-mem-release".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| Mutex::new(tx))
+    });
+    if let Some(tx) = releaser {
+        // A send fails only when the thread is gone; the file comes back
+        // in the error and is closed here.
+        let sent = tx.lock().unwrap_or_else(|p| p.into_inner()).send(file);
+        drop(sent);
+    }
 }
 
 /// A streamed save's failure: of the file, or of a block's copy.
