@@ -33,13 +33,14 @@
 //! Thread safety: part of the manager.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
 
 use crate::error::MemError;
 use crate::kv::events::{EventLog, Medium};
 use crate::kv::hash::BlockHash;
-use crate::kv::persist::BlockFileFormat;
+use crate::kv::persist::{open_to_release, release_later, BlockFileFormat};
 use crate::kv::prefix::FastMap;
 
 /// Counters of the disk tier.
@@ -247,12 +248,26 @@ impl DiskTier {
     }
 
     fn forget(&mut self, hash: &BlockHash) -> bool {
+        self.forget_held(hash, None)
+    }
+
+    /// [`Self::forget`] with the file's handle where a reader holds one
+    /// (else one is opened here): the deletion only unlinks it, and the
+    /// handle's close on the releaser thread frees the storage
+    /// (`persist::release_later`), which the unlink of the last handle
+    /// would do on this thread, under the manager's lock.
+    fn forget_held(&mut self, hash: &BlockHash, held: Option<File>) -> bool {
         self.settle(hash);
         let Some(stamp) = self.index.remove(hash) else {
             return false;
         };
         self.lru.remove(&stamp);
-        let _ = std::fs::remove_file(self.path(*hash));
+        let path = self.path(*hash);
+        let held = held.or_else(|| open_to_release(&path));
+        let _ = std::fs::remove_file(&path);
+        if let Some(file) = held {
+            release_later(file);
+        }
         true
     }
 
@@ -348,15 +363,22 @@ impl DiskTier {
         if !self.contains(hash) {
             return false;
         }
-        let read = self.format.read_into(&self.path(*hash), *hash, dst).is_ok();
-        self.taken(hash, read, events)
+        let (read, file) = self.format.read_open(&self.path(*hash), *hash, dst);
+        self.taken(hash, read.is_ok(), file, events)
     }
 
     /// What a reader of `hash`'s file (read without the tier, as
     /// [`Self::reader`] lets it) reports: the file goes (its block moves to a
-    /// faster tier, or it was bad), counted. Returns `read`.
-    pub fn taken(&mut self, hash: &BlockHash, read: bool, events: &mut EventLog) -> bool {
-        self.forget(hash);
+    /// faster tier, or it was bad), counted, with `file`, the reader's
+    /// handle of it, if it kept one ([`Self::forget_held`]). Returns `read`.
+    pub fn taken(
+        &mut self,
+        hash: &BlockHash,
+        read: bool,
+        file: Option<File>,
+        events: &mut EventLog,
+    ) -> bool {
+        self.forget_held(hash, file);
         events.removed(*hash, Medium::Disk);
         if read {
             self.counters.loads += 1;

@@ -235,9 +235,10 @@ impl HostTier {
         // spill that may make room adds a file where one just went and
         // never evicts the next from the disk. A reader keeps its file open
         // and the process's releaser closes it after the deletion
-        // (`persist::release_later`): the close frees the file's storage
-        // (page by page on a tmpfs), which the deletion would otherwise do
-        // on this thread.
+        // (`DiskTier::taken`, `persist::release_later`): the close frees
+        // the file's storage (page by page on a tmpfs), which the deletion
+        // would otherwise do on this thread. Files read ahead past where
+        // the prefix stops are closed as they are, still indexed.
         let workers = files
             .len()
             .min(4)
@@ -289,12 +290,12 @@ impl HostTier {
                         Err(_) => return,
                     }
                 };
-                let taken = self.disk.as_mut().is_some_and(|d| d.taken(h, read, events));
-                if let Some(file) = file {
-                    // Deleted now (or kept, where the read ended the
-                    // prefix): either way, closed off this thread.
-                    crate::kv::persist::release_later(file);
-                }
+                // The reader's handle goes with the file: closed off this
+                // thread once the deletion leaves it the last.
+                let taken = self
+                    .disk
+                    .as_mut()
+                    .is_some_and(|d| d.taken(h, read, file, events));
                 if !taken {
                     back.push(buf);
                     return;

@@ -382,14 +382,10 @@ impl BlockFileFormat {
     /// Reads block `hash` back from `path` into `dst` (a block long),
     /// refusing a file that is not exactly what [`Self::write`] wrote for it
     /// (header, hash, checksums). The block's bytes are read straight into
-    /// `dst`; on a refusal its contents are unspecified.
-    pub fn read_into(&self, path: &Path, hash: BlockHash, dst: &mut [u8]) -> Result<(), MemError> {
-        self.read_open(path, hash, dst).0
-    }
-
-    /// [`Self::read_into`], handing back the file it opened (when it did),
-    /// still open: a caller that deletes the file and closes it later frees
-    /// its storage at that close, off its own time.
+    /// `dst`; on a refusal its contents are unspecified. Hands back the file
+    /// it opened (when it did), still open: a caller that deletes the file
+    /// and closes it later frees its storage at that close, off its own
+    /// time (`DiskTier::taken`).
     pub fn read_open(
         &self,
         path: &Path,
@@ -650,7 +646,7 @@ impl PrefixSnapshot {
             })?;
             file.sync_all().map_err(failed)?;
             drop(file);
-            let replaced = open_replaced(path);
+            let replaced = open_to_release(path);
             fs::rename(&tmp, path).map_err(failed)?;
             Ok(replaced)
         })();
@@ -766,9 +762,11 @@ impl PrefixSnapshot {
 }
 
 /// The regular file at `path`, opened to be held across the rename that
-/// replaces it, or `None` (no file, not a regular one, a symlink, or not
-/// readable). Non-blocking, so a FIFO put there meanwhile cannot hang it.
-fn open_replaced(path: &Path) -> Option<File> {
+/// replaces it or the deletion that removes it (then closed by
+/// [`release_later`]), or `None` (no file, not a regular one, a symlink,
+/// or not readable). Non-blocking, so a FIFO put there meanwhile cannot
+/// hang it.
+pub(crate) fn open_to_release(path: &Path) -> Option<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let flags = rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOFOLLOW;
     let file = fs::OpenOptions::new()
