@@ -25,6 +25,14 @@
 //! then onboards it as a host hit. Each hash is in one tier at a time: a
 //! block cached on the device or the host drops its disk copy.
 //!
+//! A deletion (a reload's, a discard's, an eviction's for room) unlinks
+//! the file while a handle holds it open — the reader's, or one opened for
+//! the purpose — and the process's releaser thread closes that handle
+//! (`persist::release_later`): the close frees the file's storage, page by
+//! page on a tmpfs, which costs as much as a third of writing it and would
+//! otherwise run on the thread that reloads or evicts, under the manager's
+//! lock. The storage is free a moment after the index drops the file.
+//!
 //! The tier's bookkeeping runs under the manager's `&mut self`, inside the
 //! admission or eviction that needs it: it is the slow path of a prefix
 //! that fell out of both faster tiers. Files of an earlier run are not
