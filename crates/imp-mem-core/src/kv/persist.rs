@@ -19,6 +19,10 @@
 //!
 //! Saving streams `<path>.tmp-<pid>-<n>`, syncs it and renames it over
 //! `path`, so a reader sees the old file or the new one, never half of one.
+//! The old file is opened before the rename and that handle closed on the
+//! process's releaser thread ([`release_later`]): the close that frees its
+//! storage (page by page on a tmpfs, a third of the write's time) runs off
+//! the save's time instead of inside the rename.
 //! A save first removes the temps of earlier saves to the same path whose
 //! process is gone (a killed save; Linux, where `/proc` tells), so they do
 //! not pile up.
@@ -33,7 +37,9 @@
 //! thread) while three others take it together: the trailer's hash in file
 //! order, each entry's check (its hash and checksum against the index, its
 //! bytes against its checksum), and the copies of the new entries into
-//! their blocks.
+//! their blocks. The buffers are the `BlockIo`'s, kept between calls
+//! ([`BlockIo::keep_buffer`]): pinned memory is page-locked once, not at
+//! every save and load.
 //!
 //! Loading reads the file once. [`LoadTarget::verify`] checks its size,
 //! magic, version and header fields against this manager and reads its
