@@ -20,7 +20,7 @@
 //! Saving streams `<path>.tmp-<pid>-<n>`, syncs it and renames it over
 //! `path`, so a reader sees the old file or the new one, never half of one.
 //! The old file is opened before the rename and that handle closed on the
-//! process's releaser thread ([`release_later`]): the close that frees its
+//! process's releaser thread (`release_later`): the close that frees its
 //! storage (page by page on a tmpfs, a third of the write's time) runs off
 //! the save's time instead of inside the rename.
 //! A save first removes the temps of earlier saves to the same path whose
@@ -182,7 +182,7 @@ impl HostBuf {
 /// manager over such a pool installs it itself.
 ///
 /// The chunk buffers of a streamed save or load ([`BlockIo::host_buffer`])
-/// are kept between calls ([`BUFFERS`] of them at most): a pinned
+/// are kept between calls (`BUFFERS` of them at most): a pinned
 /// allocation costs the driver a page-locking of every page, and a fresh
 /// heap one a page fault a page, each call.
 #[derive(Debug)]
