@@ -787,27 +787,35 @@ pub(crate) fn open_to_release(path: &Path) -> Option<File> {
 /// thread of the process's (started at the first call, then waiting for
 /// the next): the close frees the file's storage — on a tmpfs every page
 /// of it, as long as a third of writing it — which the rename over its
-/// last link (a save) or its deletion (the disk tier's reload) would
-/// otherwise do in the caller's time. Closed here where that thread cannot
-/// start. The storage is freed a moment later than the call returns.
+/// last link (a save) or its deletion (the disk tier's) would otherwise do
+/// in the caller's time. The storage is freed a moment after the call
+/// returns. Closed here instead when the thread's queue is full (at most
+/// [`RELEASE_QUEUE`] files wait, so that waiting handles cannot use up the
+/// process's descriptors, and a caller faster than the frees takes its
+/// share of them), when the thread cannot start, and in a child forked
+/// after it started (which has no such thread).
 pub(crate) fn release_later(file: File) {
-    static RELEASER: std::sync::OnceLock<Option<Mutex<std::sync::mpsc::Sender<File>>>> =
-        std::sync::OnceLock::new();
+    type Releaser = Option<(u32, std::sync::mpsc::SyncSender<File>)>;
+    static RELEASER: std::sync::OnceLock<Releaser> = std::sync::OnceLock::new();
     let releaser = RELEASER.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<File>();
+        let (tx, rx) = sync_channel::<File>(RELEASE_QUEUE);
         std::thread::Builder::new()
             .name("imp-mem-release".into())
             .spawn(move || rx.into_iter().for_each(drop))
             .ok()
-            .map(|_| Mutex::new(tx))
+            .map(|_| (std::process::id(), tx))
     });
-    if let Some(tx) = releaser {
-        // A send fails only when the thread is gone; the file comes back
-        // in the error and is closed here.
-        let sent = tx.lock().unwrap_or_else(|p| p.into_inner()).send(file);
-        drop(sent);
+    match releaser {
+        Some((pid, tx)) if *pid == std::process::id() => {
+            // Full or gone: the file comes back in the error, closed here.
+            drop(tx.try_send(file));
+        }
+        _ => drop(file),
     }
 }
+
+/// Files at most waiting for the releaser thread ([`release_later`]).
+pub(crate) const RELEASE_QUEUE: usize = 64;
 
 /// A streamed save's failure: of the file, or of a block's copy.
 enum Streamed {

@@ -572,6 +572,37 @@ fn the_chunk_buffers_are_kept_between_calls() {
 }
 
 #[test]
+fn released_files_are_all_closed_past_a_full_queue() {
+    // A burst of deleted files, more than the releaser's queue holds: the
+    // overflow is closed by the caller, the rest by the thread, and soon no
+    // handle of any is left open.
+    use crate::kv::persist::{release_later, RELEASE_QUEUE};
+    let dir = tempfile::tempdir().unwrap();
+    for i in 0..3 * RELEASE_QUEUE {
+        let path = dir.path().join(format!("f-{i}"));
+        std::fs::write(&path, vec![7u8; 8192]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        release_later(file);
+    }
+    let ours = || {
+        std::fs::read_dir("/proc/self/fd")
+            .map(|fds| {
+                fds.flatten()
+                    .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                    .filter(|target| target.starts_with(dir.path()))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ours() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(ours(), 0, "every released file closed");
+}
+
+#[test]
 fn a_file_saved_under_another_hash_seed_is_refused() {
     let (mut m, fake) = backed(16, 32);
     m.admit(1, &toks(0..9), none()).unwrap();
