@@ -3,7 +3,7 @@ file alone (issues 16 and 31), per backend and block size.
 
     python benches/bench_kv_persist.py [--backends vmm,cuda] \\
         [--block-bytes 262144,2097152] [--mib 512] [--turns 5] [--disk-turns 3] \\
-        [--dir /dev/shm] [--json out.json] [--no-disk] \\
+        [--dir /dev/shm] [--json out.json] [--no-disk] [--settle 0] \\
         [--core base=/tmp/base/imp_mem/_core.abi3.so --core new=/tmp/new/imp_mem/_core.abi3.so]
     python benches/bench_kv_persist.py --backends fake      # a CPU, no GPU
 
@@ -29,7 +29,12 @@ with the peer, the same bytes as a plain file in the same directory:
   (timed with its wait: *reload*).
 
 The ratio is the peer's time over ours: 1.0 is the file's own rate (the
-target is >= 0.9). Times are the median turn's. The files live in ``--dir``
+target is >= 0.9). A save's replaced file and a reload's files are closed
+on a thread of the process after the call (their storage freed there);
+``--settle S`` sleeps S seconds before each timed operation, so that this
+freeing does not overlap the next one (default 0: back to back, as an
+engine would run them; on a machine of few cores the overlap lands in the
+next operation's time). Times are the median turn's. The files live in ``--dir``
 (default ``/dev/shm`` where it exists: a tmpfs, so a disk does not drown
 the rest).
 
@@ -93,11 +98,21 @@ def manager(core: ModuleType, kind: str, blocks: int, block_bytes: int):
     return kv
 
 
+SETTLE = 0.0
+
+
+def settle() -> None:
+    if SETTLE > 0:
+        time.sleep(SETTLE)
+
+
 def turn(kv, path: Path, blocks: int) -> tuple[float, float]:
     """One save and one load of the whole cache, in seconds each."""
+    settle()
     t0 = time.perf_counter()
     saved = kv.save_prefix_cache(path)
     t1 = time.perf_counter()
+    settle()
     kv.evict(blocks)
     t2 = time.perf_counter()
     loaded = kv.load_prefix_cache(path)
@@ -128,12 +143,14 @@ def disk_turn(core: ModuleType, kind: str, blocks: int, block_bytes: int, tmp: P
 
     kv.admit(1, a)
     kv.free(1)
+    settle()
     t0 = time.perf_counter()
     kv.evict(blocks)
     kv.poll_copies(wait=True)
     t1 = time.perf_counter()
     kv.admit(2, b)
     kv.free(2)
+    settle()
     t2 = time.perf_counter()
     kv.evict(blocks)
     kv.poll_copies(wait=True)
@@ -145,6 +162,7 @@ def disk_turn(core: ModuleType, kind: str, blocks: int, block_bytes: int, tmp: P
     kv.admit(3, [*b, 1])
     kv.wait_onboarding(3)
     kv.poll_copies(wait=True)
+    settle()
     t4 = time.perf_counter()
     got = kv.admit(4, [*a, 1])
     kv.wait_onboarding(4)
@@ -160,6 +178,7 @@ def disk_turn(core: ModuleType, kind: str, blocks: int, block_bytes: int, tmp: P
 def file_only(path: Path, blocks: int, block_bytes: int) -> tuple[float, float]:
     """The peer: the same bytes written in blocks, fsynced, and read back."""
     buf = os.urandom(block_bytes)
+    settle()
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         for _ in range(blocks):
@@ -167,12 +186,14 @@ def file_only(path: Path, blocks: int, block_bytes: int) -> tuple[float, float]:
         f.flush()
         os.fsync(f.fileno())
     t1 = time.perf_counter()
+    settle()
+    t2 = time.perf_counter()
     with open(path, "rb") as f:
         while f.read(block_bytes):
             pass
-    t2 = time.perf_counter()
+    t3 = time.perf_counter()
     path.unlink()
-    return t1 - t0, t2 - t1
+    return t1 - t0, t3 - t2
 
 
 def row(kind: str, bb: int, build: str, what: str, ours: list[float], peer: list[float], n: int):
@@ -280,7 +301,15 @@ def main() -> int:
         help="where the files go (default /dev/shm where it exists, else the temp dir)",
     )
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds to sleep before each timed operation (default 0)",
+    )
     args = parser.parse_args()
+    global SETTLE
+    SETTLE = max(0.0, args.settle)
     try:
         sizes = [int(x) for x in args.block_bytes.split(",") if x]
     except ValueError:

@@ -585,6 +585,62 @@ fn a_bad_block_file_in_a_reloaded_prefix_stops_the_reload_there() {
 }
 
 #[test]
+fn files_read_ahead_past_a_bad_one_stay_on_disk_and_indexed() {
+    // A prefix's four blocks on disk (another prefix spilled them and went
+    // back to the device, freeing the host slots), the second file
+    // corrupted: the workers read all four at once, the reload stops at
+    // the bad one, and the two read ahead of it (their files closed off the
+    // staging thread, not deleted) stay indexed with their files, each of
+    // which loads as a prefix-cache file of one entry.
+    let mut h = Harness::build(true).unwrap();
+    let a = tokens(0, 17);
+    let b = tokens(3, 17);
+    h.apply(Op::Admit { fam: 0, len: 17 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(4), 4);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    h.apply(Op::Admit { fam: 3, len: 17 }).unwrap();
+    h.apply(Op::Free { seed: 0, pct: None }).unwrap();
+    assert_eq!(h.m.evict(4), 4);
+    h.apply(Op::Poll { wait: true }).unwrap();
+    let hashes = h.m.hash_blocks(&a, &ExtraKeys::default());
+    let on_disk: HashSet<BlockHash> = h.m.disk_cached_blocks().into_iter().collect();
+    assert_eq!(on_disk, hashes[..4].iter().copied().collect());
+    let got = h.m.admit(52, &b, ExtraKeys::default()).unwrap();
+    assert_eq!(got.onboarded_blocks, 4);
+    h.m.wait_onboarding(52, None).unwrap();
+    h.m.poll_copies(true).unwrap();
+    assert_eq!(h.m.stats().host_free, HOST_BEFORE_DISK);
+    let dir = h._dir.as_ref().unwrap().path().to_path_buf();
+    let file = |i: usize| dir.join(format!("{:032x}.impkv", hashes[i]));
+    let bad = file(1);
+    let mut bytes = std::fs::read(&bad).unwrap();
+    let at = bytes.len() - 20; // inside the block's bytes
+    bytes[at] ^= 0x10;
+    std::fs::write(&bad, bytes).unwrap();
+    let got = h.m.admit(51, &a, ExtraKeys::default()).unwrap();
+    assert_eq!((got.cached_tokens, got.onboarded_blocks), (4, 1));
+    h.m.wait_onboarding(51, None).unwrap();
+    let (addr, _) = h.m.block_span(51, 0).unwrap().unwrap();
+    assert_eq!(h.fake.read(addr, BYTES).unwrap(), pattern(hashes[0]));
+    assert!(!file(0).exists() && !bad.exists(), "read back, and dropped");
+    let on_disk: HashSet<BlockHash> = h.m.disk_cached_blocks().into_iter().collect();
+    assert_eq!(on_disk, hashes[2..4].iter().copied().collect());
+    assert!(file(2).exists() && file(3).exists());
+    assert_eq!(h.m.stats().disk_loads, 1);
+    for i in 2..4 {
+        let mut other = KVCacheManager::new(h.m.config().clone(), Some(h.fake.backend())).unwrap();
+        assert_eq!(
+            other.load_prefix_cache(&file(i)).unwrap(),
+            1,
+            "block {i}'s file"
+        );
+    }
+    h.m.check_invariants().unwrap();
+    h.check().unwrap();
+}
+
+#[test]
 fn a_spill_whose_write_fails_is_dropped_counted_and_reported_removed() {
     // The tier's directory goes away: the writer threads' writes fail. The
     // spilled blocks were indexed at once; the next poll takes them out,

@@ -25,6 +25,14 @@
 //! then onboards it as a host hit. Each hash is in one tier at a time: a
 //! block cached on the device or the host drops its disk copy.
 //!
+//! A deletion (a reload's, a discard's, an eviction's for room) unlinks
+//! the file while a handle holds it open — the reader's, or one opened for
+//! the purpose — and the process's releaser thread closes that handle
+//! (`persist::release_later`): the close frees the file's storage, page by
+//! page on a tmpfs, which costs as much as a third of writing it and would
+//! otherwise run on the thread that reloads or evicts, under the manager's
+//! lock. The storage is free a moment after the index drops the file.
+//!
 //! The tier's bookkeeping runs under the manager's `&mut self`, inside the
 //! admission or eviction that needs it: it is the slow path of a prefix
 //! that fell out of both faster tiers. Files of an earlier run are not
@@ -33,13 +41,14 @@
 //! Thread safety: part of the manager.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex};
 
 use crate::error::MemError;
 use crate::kv::events::{EventLog, Medium};
 use crate::kv::hash::BlockHash;
-use crate::kv::persist::BlockFileFormat;
+use crate::kv::persist::{open_to_release, release_later, BlockFileFormat};
 use crate::kv::prefix::FastMap;
 
 /// Counters of the disk tier.
@@ -62,8 +71,9 @@ pub(crate) struct DiskTier {
     lru: BTreeMap<u64, BlockHash>,
     next: u64,
     block_bytes: usize,
-    /// A reload's block, kept between reloads.
-    reload: Vec<u8>,
+    /// Block buffers kept between spills and reloads (at most
+    /// [`IN_FLIGHT`]): no allocation, and no page faults, a block.
+    spare: Vec<Vec<u8>>,
     /// The threads that write spills, started at the first.
     writers: Option<Writers>,
     /// Spills whose write failed, to be reported as removed.
@@ -80,8 +90,6 @@ struct Writers {
     /// Hashes whose file is being written, with their count.
     pending: FastMap<BlockHash, u32>,
     in_flight: usize,
-    /// Block buffers back from the writers, for the next spills.
-    spare: Vec<Vec<u8>>,
 }
 
 /// Spill writes at once at most, and threads that write them.
@@ -115,7 +123,6 @@ impl Writers {
             threads,
             pending: FastMap::default(),
             in_flight: 0,
-            spare: Vec::new(),
         }
     }
 }
@@ -157,7 +164,7 @@ impl DiskTier {
             lru: BTreeMap::new(),
             next: 0,
             block_bytes,
-            reload: Vec::new(),
+            spare: Vec::new(),
             writers: None,
             failed: Vec::new(),
             counters: DiskCounters::default(),
@@ -210,8 +217,8 @@ impl DiskTier {
                 w.pending.remove(&hash);
             }
         }
-        if w.spare.len() < IN_FLIGHT {
-            w.spare.push(buf);
+        if self.spare.len() < IN_FLIGHT {
+            self.spare.push(buf);
         }
         if !written {
             // As if it had never been spilled: out of the index (and its
@@ -249,12 +256,26 @@ impl DiskTier {
     }
 
     fn forget(&mut self, hash: &BlockHash) -> bool {
+        self.forget_held(hash, None)
+    }
+
+    /// [`Self::forget`] with the file's handle where a reader holds one
+    /// (else one is opened here): the deletion only unlinks it, and the
+    /// handle's close on the releaser thread frees the storage
+    /// (`persist::release_later`), which the unlink of the last handle
+    /// would do on this thread, under the manager's lock.
+    fn forget_held(&mut self, hash: &BlockHash, held: Option<File>) -> bool {
         self.settle(hash);
         let Some(stamp) = self.index.remove(hash) else {
             return false;
         };
         self.lru.remove(&stamp);
-        let _ = std::fs::remove_file(self.path(*hash));
+        let path = self.path(*hash);
+        let held = held.or_else(|| open_to_release(&path));
+        let _ = std::fs::remove_file(&path);
+        if let Some(file) = held {
+            release_later(file);
+        }
         true
     }
 
@@ -265,17 +286,19 @@ impl DiskTier {
         }
     }
 
-    /// The block buffer kept for reloads, a block long, taken (give it
-    /// back with [`Self::put_reload_buffer`]).
-    pub fn take_reload_buffer(&mut self) -> Vec<u8> {
-        let mut buf = std::mem::take(&mut self.reload);
+    /// A block buffer, a block long: a kept one where there is one (give
+    /// it back with [`Self::put_buffer`]).
+    pub fn take_buffer(&mut self) -> Vec<u8> {
+        let mut buf = self.spare.pop().unwrap_or_default();
         buf.resize(self.block_bytes, 0);
         buf
     }
 
-    /// Gives the reload buffer back.
-    pub fn put_reload_buffer(&mut self, buf: Vec<u8>) {
-        self.reload = buf;
+    /// Keeps a block buffer for the next spill or reload.
+    pub fn put_buffer(&mut self, buf: Vec<u8>) {
+        if self.spare.len() < IN_FLIGHT && buf.len() == self.block_bytes {
+            self.spare.push(buf);
+        }
     }
 
     /// Spills block `hash`: `fill` puts its bytes in a block buffer (a
@@ -297,16 +320,9 @@ impl DiskTier {
         if self.writers.is_none() {
             self.writers = Some(Writers::start(&self.format));
         }
-        let mut buf = self
-            .writers
-            .as_mut()
-            .and_then(|w| w.spare.pop())
-            .unwrap_or_default();
-        buf.resize(self.block_bytes, 0);
+        let mut buf = self.take_buffer();
         if !fill(&mut buf) {
-            if let Some(w) = self.writers.as_mut() {
-                w.spare.push(buf);
-            }
+            self.put_buffer(buf);
             return;
         }
         self.discard(&hash, events);
@@ -355,15 +371,22 @@ impl DiskTier {
         if !self.contains(hash) {
             return false;
         }
-        let read = self.format.read_into(&self.path(*hash), *hash, dst).is_ok();
-        self.taken(hash, read, events)
+        let (read, file) = self.format.read_open(&self.path(*hash), *hash, dst);
+        self.taken(hash, read.is_ok(), file, events)
     }
 
     /// What a reader of `hash`'s file (read without the tier, as
     /// [`Self::reader`] lets it) reports: the file goes (its block moves to a
-    /// faster tier, or it was bad), counted. Returns `read`.
-    pub fn taken(&mut self, hash: &BlockHash, read: bool, events: &mut EventLog) -> bool {
-        self.forget(hash);
+    /// faster tier, or it was bad), counted, with `file`, the reader's
+    /// handle of it, if it kept one ([`Self::forget_held`]). Returns `read`.
+    pub fn taken(
+        &mut self,
+        hash: &BlockHash,
+        read: bool,
+        file: Option<File>,
+        events: &mut EventLog,
+    ) -> bool {
+        self.forget_held(hash, file);
         events.removed(*hash, Medium::Disk);
         if read {
             self.counters.loads += 1;

@@ -216,7 +216,7 @@ impl HostTier {
         disk.flush(events);
         let (files, format) = disk.reader(hashes);
         if files.len() < 2 {
-            let mut buf = disk.take_reload_buffer();
+            let mut buf = disk.take_buffer();
             let mut out = Vec::new();
             if let Some((h, _)) = files.first() {
                 let taken = disk.take_into(h, &mut buf, events);
@@ -225,7 +225,7 @@ impl HostTier {
                 }
             }
             if let Some(disk) = self.disk.as_mut() {
-                disk.put_reload_buffer(buf);
+                disk.put_buffer(buf);
             }
             return out;
         }
@@ -233,16 +233,25 @@ impl HostTier {
         // two blocks ahead of this one each, which stages them in order.
         // Each file is deleted (here) before its slot is taken, so the
         // spill that may make room adds a file where one just went and
-        // never evicts the next from the disk.
-        let bb = self.io.block_bytes();
+        // never evicts the next from the disk. A reader keeps its file open
+        // and the process's releaser closes it after the deletion
+        // (`DiskTier::taken`, `persist::release_later`): the close frees
+        // the file's storage (page by page on a tmpfs), which the deletion
+        // would otherwise do on this thread. Files read ahead past where
+        // the prefix stops are closed as they are, still indexed.
         let workers = files
             .len()
             .min(4)
             .min(std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let mut bufs: Vec<Vec<u8>> = (0..files.len().min(2 * workers))
+            .map(|_| disk.take_buffer())
+            .collect();
+        type Read = (usize, Vec<u8>, bool, Option<std::fs::File>);
         let (job_tx, job_rx) = std::sync::mpsc::channel::<(usize, Vec<u8>)>();
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<(usize, Vec<u8>, bool)>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<Read>();
         let job_rx = std::sync::Mutex::new(job_rx);
         let mut out = Vec::new();
+        let mut back = Vec::new();
         std::thread::scope(|s| {
             // Owned by this closure: dropped when it returns, which ends
             // the workers' loops before the scope joins them.
@@ -255,45 +264,60 @@ impl HostTier {
                         break;
                     };
                     let (hash, path) = &files[i];
-                    let read = format.read_into(path, *hash, &mut buf).is_ok();
-                    if done_tx.send((i, buf, read)).is_err() {
+                    let (read, file) = format.read_open(path, *hash, &mut buf);
+                    if done_tx.send((i, buf, read.is_ok(), file)).is_err() {
                         break;
                     }
                 });
             }
             drop(done_tx);
             let mut next = 0;
-            while next < files.len().min(2 * workers) {
-                let _ = job_tx.send((next, vec![0u8; bb]));
+            for buf in bufs.drain(..) {
+                let _ = job_tx.send((next, buf));
                 next += 1;
             }
-            let mut ready: FastMap<usize, (Vec<u8>, bool)> = FastMap::default();
+            let mut ready: FastMap<usize, (Vec<u8>, bool, Option<std::fs::File>)> =
+                FastMap::default();
             for (i, (h, _)) in files.iter().enumerate() {
-                let (buf, read) = loop {
+                let (buf, read, file) = loop {
                     if let Some(r) = ready.remove(&i) {
                         break r;
                     }
                     match done_rx.recv() {
-                        Ok((j, buf, read)) => {
-                            ready.insert(j, (buf, read));
+                        Ok((j, buf, read, file)) => {
+                            ready.insert(j, (buf, read, file));
                         }
                         Err(_) => return,
                     }
                 };
-                let taken = self.disk.as_mut().is_some_and(|d| d.taken(h, read, events));
+                // The reader's handle goes with the file: closed off this
+                // thread once the deletion leaves it the last.
+                let taken = self
+                    .disk
+                    .as_mut()
+                    .is_some_and(|d| d.taken(h, read, file, events));
                 if !taken {
+                    back.push(buf);
                     return;
                 }
                 match self.stage_one(*h, &buf, events) {
                     Some(staged) => out.push(staged),
-                    None => return,
+                    None => {
+                        back.push(buf);
+                        return;
+                    }
                 }
                 if next < files.len() {
                     let _ = job_tx.send((next, buf));
                     next += 1;
+                } else {
+                    back.push(buf);
                 }
             }
         });
+        if let Some(disk) = self.disk.as_mut() {
+            back.into_iter().for_each(|buf| disk.put_buffer(buf));
+        }
         out
     }
 

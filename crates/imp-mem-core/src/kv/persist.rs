@@ -19,6 +19,10 @@
 //!
 //! Saving streams `<path>.tmp-<pid>-<n>`, syncs it and renames it over
 //! `path`, so a reader sees the old file or the new one, never half of one.
+//! The old file is opened before the rename and that handle closed on the
+//! process's releaser thread (`release_later`): the close that frees its
+//! storage (page by page on a tmpfs, a third of the write's time) runs off
+//! the save's time instead of inside the rename.
 //! A save first removes the temps of earlier saves to the same path whose
 //! process is gone (a killed save; Linux, where `/proc` tells), so they do
 //! not pile up.
@@ -33,7 +37,9 @@
 //! thread) while three others take it together: the trailer's hash in file
 //! order, each entry's check (its hash and checksum against the index, its
 //! bytes against its checksum), and the copies of the new entries into
-//! their blocks.
+//! their blocks. The buffers are the `BlockIo`'s, kept between calls
+//! ([`BlockIo::keep_buffer`]): pinned memory is page-locked once, not at
+//! every save and load.
 //!
 //! Loading reads the file once. [`LoadTarget::verify`] checks its size,
 //! magic, version and header fields against this manager and reads its
@@ -114,6 +120,12 @@ pub trait BlockIo: Send + Sync + std::fmt::Debug {
         HostBuf::heap(len)
     }
 
+    /// Takes back a [`Self::host_buffer`] a save or load is done with, to
+    /// hand out again from `host_buffer` (the default drops it).
+    fn keep_buffer(&self, buf: HostBuf) {
+        drop(buf);
+    }
+
     /// [`Self::read_block`] into a part of a [`Self::host_buffer`]; the
     /// default is `read_block` itself.
     fn read_block_staged(&self, block: &SharedBlockRef, dst: &mut [u8]) -> Result<(), MemError> {
@@ -168,12 +180,19 @@ impl HostBuf {
 /// through the driver's own staging at a fraction of the DMA's speed (the
 /// prefix cache's save took 1.2-1.4x the time without it on the H200). A
 /// manager over such a pool installs it itself.
+///
+/// The chunk buffers of a streamed save or load ([`BlockIo::host_buffer`])
+/// are kept between calls (`BUFFERS` of them at most): a pinned
+/// allocation costs the driver a page-locking of every page, and a fresh
+/// heap one a page fault a page, each call.
 #[derive(Debug)]
 pub struct PoolBlockIo {
     block_bytes: usize,
     /// `None` until the first copy; then the buffer, or `Some(None)` where
     /// the source has no pinned memory or pinning failed (copied direct).
     staging: Mutex<Option<Option<PinnedBuffer>>>,
+    /// Chunk buffers back from earlier saves and loads.
+    spare: Mutex<Vec<HostBuf>>,
 }
 
 impl PoolBlockIo {
@@ -183,6 +202,7 @@ impl PoolBlockIo {
         Self {
             block_bytes,
             staging: Mutex::new(None),
+            spare: Mutex::new(Vec::new()),
         }
     }
 
@@ -230,6 +250,11 @@ impl BlockIo for PoolBlockIo {
     }
 
     fn host_buffer(&self, block: &SharedBlockRef, len: usize) -> HostBuf {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = spare.iter().position(|b| b.as_slice().len() == len) {
+            return spare.swap_remove(at);
+        }
+        drop(spare);
         if let Some(host) = block.pool().pinned_host() {
             let buffer = PinnedHost::new(host).allocate_or_empty(len);
             if buffer.len() == len {
@@ -237,6 +262,13 @@ impl BlockIo for PoolBlockIo {
             }
         }
         HostBuf::heap(len)
+    }
+
+    fn keep_buffer(&self, buf: HostBuf) {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < BUFFERS {
+            spare.push(buf);
+        }
     }
 
     // The staged copies go straight between the block and the (pinned)
@@ -356,8 +388,28 @@ impl BlockFileFormat {
     /// Reads block `hash` back from `path` into `dst` (a block long),
     /// refusing a file that is not exactly what [`Self::write`] wrote for it
     /// (header, hash, checksums). The block's bytes are read straight into
-    /// `dst`; on a refusal its contents are unspecified.
-    pub fn read_into(&self, path: &Path, hash: BlockHash, dst: &mut [u8]) -> Result<(), MemError> {
+    /// `dst`; on a refusal its contents are unspecified. Hands back the file
+    /// it opened (when it did), still open: a caller that deletes the file
+    /// and closes it later frees its storage at that close, off its own
+    /// time (`DiskTier::taken`).
+    pub fn read_open(
+        &self,
+        path: &Path,
+        hash: BlockHash,
+        dst: &mut [u8],
+    ) -> (Result<(), MemError>, Option<File>) {
+        let mut opened = None;
+        let read = self.read_in(path, hash, dst, &mut opened);
+        (read, opened)
+    }
+
+    fn read_in(
+        &self,
+        path: &Path,
+        hash: BlockHash,
+        dst: &mut [u8],
+        opened: &mut Option<File>,
+    ) -> Result<(), MemError> {
         let failed = |e| io_err("cannot read the block file", path, e);
         let not_ours = || refuse(path, "it is not this manager's block file");
         if dst.len() != self.block_bytes {
@@ -367,7 +419,7 @@ impl BlockFileFormat {
                 self.block_bytes
             )));
         }
-        let mut file = File::open(path).map_err(failed)?;
+        let file = opened.insert(File::open(path).map_err(failed)?);
         let head_len = 16 + self.header.len() + 24;
         let want_len = (head_len + self.block_bytes + 16) as u64;
         if file.metadata().map_err(failed)?.len() != want_len {
@@ -528,7 +580,7 @@ pub struct PrefixSnapshot {
 /// [`BUFFERS`] chunks ahead of its copies, so a file changed after the
 /// first copy is seen by the reads of the chunks after those.
 const CHUNK_BYTES: usize = 1 << 20;
-const BUFFERS: usize = 3;
+pub(crate) const BUFFERS: usize = 3;
 
 /// Entries per chunk for entries of `stride` bytes.
 fn entries_per_chunk(stride: usize) -> usize {
@@ -588,7 +640,7 @@ impl PrefixSnapshot {
         ));
         let tmp = path.with_file_name(tmp_name);
         let failed = |e| io_err("cannot write the prefix cache to", path, e);
-        let written = (|| -> Result<(), MemError> {
+        let written = (|| -> Result<Option<File>, MemError> {
             let file = fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
@@ -600,11 +652,19 @@ impl PrefixSnapshot {
             })?;
             file.sync_all().map_err(failed)?;
             drop(file);
-            fs::rename(&tmp, path).map_err(failed)
+            let replaced = open_to_release(path);
+            fs::rename(&tmp, path).map_err(failed)?;
+            Ok(replaced)
         })();
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(e);
+        let replaced = match written {
+            Ok(replaced) => replaced,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        if let Some(old) = replaced {
+            release_later(old);
         }
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             // Makes the rename durable; best effort where directories cannot
@@ -693,6 +753,9 @@ impl PrefixSnapshot {
             drop(hash_tx);
             let trailer = joined(hasher);
             let file = joined(writer);
+            for buf in free_rx.try_iter() {
+                io.keep_buffer(buf);
+            }
             if let Some(e) = copy_failed {
                 return Err(Streamed::Mem(e));
             }
@@ -703,6 +766,56 @@ impl PrefixSnapshot {
         })
     }
 }
+
+/// The regular file at `path`, opened to be held across the rename that
+/// replaces it or the deletion that removes it (then closed by
+/// [`release_later`]), or `None` (no file, not a regular one, a symlink,
+/// or not readable). Non-blocking, so a FIFO put there meanwhile cannot
+/// hang it.
+pub(crate) fn open_to_release(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let flags = rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOFOLLOW;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags.bits() as i32)
+        .open(path)
+        .ok()?;
+    file.metadata().ok()?.is_file().then_some(file)
+}
+
+/// Closes `file`, the last handle of a deleted or replaced file, on a
+/// thread of the process's (started at the first call, then waiting for
+/// the next): the close frees the file's storage — on a tmpfs every page
+/// of it, as long as a third of writing it — which the rename over its
+/// last link (a save) or its deletion (the disk tier's) would otherwise do
+/// in the caller's time. The storage is freed a moment after the call
+/// returns. Closed here instead when the thread's queue is full (at most
+/// [`RELEASE_QUEUE`] files wait, so that waiting handles cannot use up the
+/// process's descriptors, and a caller faster than the frees takes its
+/// share of them), when the thread cannot start, and in a child forked
+/// after it started (which has no such thread).
+pub(crate) fn release_later(file: File) {
+    type Releaser = Option<(u32, std::sync::mpsc::SyncSender<File>)>;
+    static RELEASER: std::sync::OnceLock<Releaser> = std::sync::OnceLock::new();
+    let releaser = RELEASER.get_or_init(|| {
+        let (tx, rx) = sync_channel::<File>(RELEASE_QUEUE);
+        std::thread::Builder::new()
+            .name("imp-mem-release".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| (std::process::id(), tx))
+    });
+    match releaser {
+        Some((pid, tx)) if *pid == std::process::id() => {
+            // Full or gone: the file comes back in the error, closed here.
+            drop(tx.try_send(file));
+        }
+        _ => drop(file),
+    }
+}
+
+/// Files at most waiting for the releaser thread ([`release_later`]).
+pub(crate) const RELEASE_QUEUE: usize = 64;
 
 /// A streamed save's failure: of the file, or of a block's copy.
 enum Streamed {
@@ -1020,6 +1133,9 @@ impl PendingLoad {
             let copied = joined(copier);
             (trailer, checked, copied, read)
         });
+        for buf in free_rx.try_iter() {
+            io.keep_buffer(buf);
+        }
         checked?;
         let stored = read.map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => {

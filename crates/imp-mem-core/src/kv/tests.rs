@@ -6,6 +6,7 @@ use crate::block_pool::SharedBlockPool;
 use crate::decommit::NothingInFlight;
 use crate::error::MemError;
 use crate::fake::{FakeBackend, FakeConfig};
+use crate::kv::persist::{HostBuf, BUFFERS};
 
 fn none() -> ExtraKeys {
     ExtraKeys::default()
@@ -492,6 +493,113 @@ fn a_failed_save_leaves_the_previous_file_and_no_temporary() {
     );
     let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
     assert_eq!(names.len(), 1, "no temporary left behind");
+}
+
+#[test]
+fn a_save_over_a_file_replaces_it_whole_and_a_reader_of_the_old_keeps_it() {
+    // The replaced file is held open across the rename and closed on the
+    // releaser thread: a reader that had it open still reads the old
+    // bytes, the path holds the new file, and no temporary is left.
+    let (mut m, fake) = backed(16, 64);
+    m.admit(1, &toks(0..9), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (dir, path) = tmp("cache.bin");
+    assert_eq!(m.save_prefix_cache(&path).unwrap(), 2);
+    let old = std::fs::read(&path).unwrap();
+    let mut reader = std::fs::File::open(&path).unwrap();
+    m.admit(2, &toks(50..63), none()).unwrap();
+    fill(&m, &fake, 2);
+    m.free(2, None).unwrap();
+    for round in 0..3 {
+        assert_eq!(m.save_prefix_cache(&path).unwrap(), 5, "round {round}");
+    }
+    let mut held = Vec::new();
+    std::io::Read::read_to_end(&mut reader, &mut held).unwrap();
+    assert_eq!(held, old, "the old file, whole, for its reader");
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(names.len(), 1, "no temporary left behind");
+    let (mut other, _f) = backed(16, 64);
+    assert_eq!(other.load_prefix_cache(&path).unwrap(), 5);
+    assert_eq!(other.probe(&toks(50..63), &none()), 3);
+    other.check_invariants().unwrap();
+}
+
+#[test]
+fn a_save_over_a_symlink_replaces_the_link_and_leaves_its_target() {
+    let (mut m, fake) = backed(16, 32);
+    m.admit(1, &toks(0..9), none()).unwrap();
+    fill(&m, &fake, 1);
+    m.free(1, None).unwrap();
+    let (dir, path) = tmp("cache.bin");
+    let target = dir.path().join("target.bin");
+    std::fs::write(&target, b"not a cache").unwrap();
+    std::os::unix::fs::symlink(&target, &path).unwrap();
+    m.save_prefix_cache(&path).unwrap();
+    assert_eq!(std::fs::read(&target).unwrap(), b"not a cache");
+    assert!(std::fs::symlink_metadata(&path).unwrap().is_file());
+    let (mut other, _f) = backed(16, 32);
+    assert_eq!(other.load_prefix_cache(&path).unwrap(), 2);
+}
+
+#[test]
+fn the_chunk_buffers_are_kept_between_calls() {
+    let (m, _fake) = backed(16, 32);
+    let block = m.pool().allocate_many_unchecked(1).unwrap().into_refs();
+    let io = PoolBlockIo::new(32);
+    // Each buffer marked: a fresh one is zeroed.
+    let fresh: Vec<HostBuf> = (0..BUFFERS + 1)
+        .map(|_| io.host_buffer(&block[0], 4096))
+        .collect();
+    for (mark, mut buf) in (1..).zip(fresh) {
+        assert_eq!(buf.as_slice()[0], 0, "a fresh buffer");
+        buf.as_mut_slice()[0] = mark;
+        io.keep_buffer(buf);
+    }
+    // BUFFERS of them come back, each once; then fresh ones.
+    let again: Vec<HostBuf> = (0..BUFFERS + 1)
+        .map(|_| io.host_buffer(&block[0], 4096))
+        .collect();
+    let mut marks: Vec<u8> = again.iter().map(|b| b.as_slice()[0]).collect();
+    marks.sort_unstable();
+    let mut want = vec![0];
+    want.extend(1..=BUFFERS as u8);
+    assert_eq!(marks, want);
+    assert!(again.iter().all(|b| b.as_slice().len() == 4096));
+    // A buffer of another length is not handed out for this one.
+    io.keep_buffer(HostBuf::heap(100));
+    assert_eq!(io.host_buffer(&block[0], 4096).as_slice().len(), 4096);
+}
+
+#[test]
+fn released_files_are_all_closed_past_a_full_queue() {
+    // A burst of deleted files, more than the releaser's queue holds: the
+    // overflow is closed by the caller, the rest by the thread, and soon no
+    // handle of any is left open.
+    use crate::kv::persist::{release_later, RELEASE_QUEUE};
+    let dir = tempfile::tempdir().unwrap();
+    for i in 0..3 * RELEASE_QUEUE {
+        let path = dir.path().join(format!("f-{i}"));
+        std::fs::write(&path, vec![7u8; 8192]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        release_later(file);
+    }
+    let ours = || {
+        std::fs::read_dir("/proc/self/fd")
+            .map(|fds| {
+                fds.flatten()
+                    .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                    .filter(|target| target.starts_with(dir.path()))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ours() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(ours(), 0, "every released file closed");
 }
 
 #[test]
