@@ -236,6 +236,25 @@ def test_serves_placeholder_plan_fits_any_budget_and_context(budget, context):
         imp_torch._placeholder_plan(tier + MIB, budget, context)
 
 
+def test_the_environment_takes_the_gpus_name_without_asking_torch(monkeypatch):
+    """serve() names the GPU from its backend: torch's get_device_name
+    initialises torch's CUDA allocator, after which install() cannot swap
+    it (on the H200 every serve() failed so). The device is simulated."""
+    torch = pytest.importorskip("torch")
+    from imp_mem import _core
+
+    def asked(*args):
+        raise AssertionError("torch was asked for the GPU's name")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", asked)
+    monkeypatch.setattr(_core, "cuda_driver_version", lambda: 13000)
+    env = measured.environment(0, "NVIDIA H200")
+    assert env["gpu"] == "NVIDIA H200" and env["driver"] == 13000
+    with pytest.raises(AssertionError, match="asked"):
+        measured.environment(0)
+
+
 def test_serve_measures_then_the_second_start_recalls(tmp_path):
     path = tmp_path / "measured.json"
     fp = {"model": "toy", "batch": 4}

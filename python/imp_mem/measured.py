@@ -57,10 +57,13 @@ def default_cache_path() -> Path:
     return base / "measured.json"
 
 
-def environment(device: int = 0) -> dict[str, Any]:
+def environment(device: int = 0, gpu_name: str | None = None) -> dict[str, Any]:
     """What a measured figure depends on besides the workload: the torch,
     CUDA and driver versions, the GPU and imp-mem's version. Reads no CUDA
-    context where torch sees no GPU (the fields then say ``cpu``)."""
+    context where torch sees no GPU (the fields then say ``cpu``).
+    `gpu_name` (a device backend's ``device_name``) spares asking torch,
+    whose ``get_device_name`` initialises its CUDA allocator: after that,
+    torch's allocator can no longer be swapped for the tier's."""
     import importlib.metadata
 
     env: dict[str, Any] = {}
@@ -78,7 +81,7 @@ def environment(device: int = 0) -> dict[str, Any]:
     if torch.cuda.is_available():
         from imp_mem import _core
 
-        env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu"] = gpu_name if gpu_name is not None else torch.cuda.get_device_name(device)
         env["driver"] = _core.cuda_driver_version()
     else:
         env["gpu"] = "cpu"

@@ -567,11 +567,6 @@ def serve(
     from imp_mem import _core as core
 
     dev = 0 if device is None else _device_index(device)
-    fp = None
-    recalled = None
-    if fingerprint is not None:
-        fp = _measured.fingerprint(fingerprint, shapes, device=dev)
-        recalled = _measured.recall(fp, "activations", cache_path)
     if other_processes is None:
         if backend is None:
             from imp_mem.reserve import device_used_by_all_processes
@@ -582,6 +577,14 @@ def serve(
     if backend is None:
         backend = VmmBackend(dev)
     is_device = not isinstance(backend, core.FakeBackend)
+    fp = None
+    recalled = None
+    if fingerprint is not None:
+        # The GPU's name from the backend's driver, not torch's: asking torch
+        # initialises its allocator, which install() must still swap.
+        env = _measured.environment(dev, getattr(backend, "device_name", None))
+        fp = _measured.fingerprint(fingerprint, shapes, device=dev, env=env)
+        recalled = _measured.recall(fp, "activations", cache_path)
     if is_device:
         free, total = core.cuda_mem_get_info(dev)
         context = max(0, total - free - other_processes)
