@@ -156,7 +156,7 @@ def test_the_meter_names_only_what_no_line_holds(monkeypatch):
     torch = pytest.importorskip("torch")
     from imp_mem.engine import warmup
 
-    state = {"used": 1000 * MIB, "reserved": 0, "committed": 500 * MIB, "cache": 0}
+    state = {"used": 1000 * MIB, "reserved": 0, "committed": 500 * MIB, "cache": 0, "tier": 0}
 
     class Backend:
         def stats(self):
@@ -168,7 +168,11 @@ def test_the_meter_names_only_what_no_line_holds(monkeypatch):
                 "charges": [
                     {"key": "vmm_handle_cache", "bytes": state["cache"]},
                     {"key": "context", "bytes": 500 * MIB},
-                ]
+                ],
+                "tiers": [
+                    {"key": "activations", "in_use": state["tier"]},
+                    {"key": "kv_pool", "in_use": 7 * MIB},
+                ],
             }
 
     total = 80 << 30
@@ -180,13 +184,19 @@ def test_the_meter_names_only_what_no_line_holds(monkeypatch):
             None, Backend(), torch_outside=outside, system=System(), library_reserve=66 * MIB
         )
         meter.start()
-        # The warm-up: torch caches 80 MiB, the KV pool grows by 100 MiB, the
-        # source keeps 32 MiB of handles, cuBLAS takes its 66 MiB and the
-        # kernels' modules 250 MiB.
+        # The warm-up: torch caches 80 MiB (on its own allocator, the
+        # device grows by it; routed, its segments are blocks of the
+        # activations tier, committed at open, and only the tier's in-use
+        # bytes grow), the KV pool grows by 100 MiB, the source keeps 32 MiB
+        # of handles, cuBLAS takes its 66 MiB and the kernels' modules 250 MiB.
         grow = {"reserved": 80 * MIB, "committed": 100 * MIB, "cache": 32 * MIB}
         for k, v in grow.items():
             state[k] += v
-        state["used"] += 80 * MIB + 100 * MIB + 32 * MIB + 66 * MIB + 250 * MIB
+        state["used"] += 100 * MIB + 32 * MIB + 66 * MIB + 250 * MIB
+        if outside:
+            state["used"] += 80 * MIB
+        else:
+            state["tier"] += 80 * MIB
         got = meter.stop()
         assert got == {"torch": state["reserved"] if outside else 0, "modules": 250 * MIB}
     # A device that shrank (something freed) never gives negative modules.

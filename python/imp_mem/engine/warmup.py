@@ -29,7 +29,8 @@ So the engine plans them as one line, ``warmup`` (`Features.warmup_bytes`):
 Measurement. ``torch`` is torch's reserved bytes after the capture (its
 cache emptied of the warm-up's transients first); ``modules`` is what the
 device's used memory grew by from the system's opening to the first token,
-less what torch's reserved bytes, imp-mem's committed bytes and what the
+less what torch's reserved bytes (outside the activations tier, where torch
+is routed into it), imp-mem's committed bytes and what the
 backend's source holds past them (a VMM handle cache, chunk rounding) grew
 by in the same interval, and less the library reserve (cuBLAS claims it at
 the first GEMM, and the report charges it on its own line): what CUDA took
@@ -186,15 +187,22 @@ class Meter:
         torch.cuda.synchronize(self.device)
         free, whole = torch.cuda.mem_get_info(self.device)
         held = int(self.backend.stats()["committed"])
+        reserved = torch.cuda.memory_reserved(self.device)
         if self.system is not None:
+            report = self.system.mem_report()
             # What the source holds past its ledger (a VMM backend's handle
             # cache and chunk rounding): the report charges it by name.
             held += sum(
-                int(c["bytes"])
-                for c in self.system.mem_report()["charges"]
-                if str(c["key"]).startswith("vmm_")
+                int(c["bytes"]) for c in report["charges"] if str(c["key"]).startswith("vmm_")
             )
-        return whole - free, torch.cuda.memory_reserved(self.device), held
+            if not self.torch_outside:
+                # Routed into the activations tier, torch's segments are the
+                # tier's blocks (committed at open, counted in `held`), not
+                # device growth: only torch's reserve outside the tier counts.
+                reserved -= sum(
+                    int(t["in_use"]) for t in report.get("tiers", ()) if t["key"] == "activations"
+                )
+        return whole - free, reserved, held
 
     def start(self) -> None:
         self._before = self._reading()
