@@ -16,6 +16,20 @@ from imp_mem import FakeBackend, Features, MemorySystem
 MIB = 1 << 20
 
 
+def _tiny_checkpoint(tmp_path):
+    """A two-layer Qwen3 checkpoint of random weights (CPU engines boot it
+    in a second)."""
+    from imp_mem.engine.checkpoint import write_random_checkpoint
+    from imp_mem.engine.config import qwen3_0_6b_config
+
+    config = qwen3_0_6b_config()
+    config.update(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    return write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
+
+
 def plan(warmup: int, budget: str | int = "1GiB"):
     """SMALL's plan for 64 x 4096 tokens, its KV pool fitted to the budget."""
     return make_plan(
@@ -93,15 +107,8 @@ def test_the_cache_remembers_by_fingerprint(tmp_path, monkeypatch):
 def test_the_engine_on_the_cpu_plans_no_warmup_line_and_times_its_boot(tmp_path):
     pytest.importorskip("torch")
     from imp_mem.engine import Engine
-    from imp_mem.engine.checkpoint import write_random_checkpoint
-    from imp_mem.engine.config import qwen3_0_6b_config
 
-    config = qwen3_0_6b_config()
-    config.update(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
-    directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
+    directory = _tiny_checkpoint(tmp_path)
     with Engine(directory, max_batch=2, max_seq_len=64, budget="256MiB") as engine:
         assert engine.plan.warmup == 0 and engine.warmup_measured is None
         boot = dict(engine.boot_seconds)
@@ -128,15 +135,8 @@ def test_the_probe_child_boots_the_same_engine(tmp_path):
     measures zeros. A child that fails names its error."""
     pytest.importorskip("torch")
     from imp_mem.engine import warmup
-    from imp_mem.engine.checkpoint import write_random_checkpoint
-    from imp_mem.engine.config import qwen3_0_6b_config
 
-    config = qwen3_0_6b_config()
-    config.update(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
-    directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
+    directory = _tiny_checkpoint(tmp_path)
     kw = {"max_batch": 2, "max_seq_len": 64, "budget": "256MiB", "progress": False}
     boot: dict[str, float] = {}
     assert warmup.probe(directory, kw, boot=boot) == {"torch": 0, "modules": 0}
@@ -223,16 +223,9 @@ def test_the_probe_child_is_given_the_engines_library_reserve(tmp_path, monkeypa
     engine measured. The probe itself is replaced; the handing is checked."""
     pytest.importorskip("torch")
     from imp_mem.engine import warmup
-    from imp_mem.engine.checkpoint import write_random_checkpoint
-    from imp_mem.engine.config import qwen3_0_6b_config
     from imp_mem.engine.llm_engine import Engine
 
-    config = qwen3_0_6b_config()
-    config.update(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-    )  # fmt: skip
-    directory = write_random_checkpoint(tmp_path, config, seed=0, scale=0.1)
+    directory = _tiny_checkpoint(tmp_path)
     monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "warmup.json"))
     seen = []
 
