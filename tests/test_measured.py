@@ -255,6 +255,26 @@ def test_the_environment_takes_the_gpus_name_without_asking_torch(monkeypatch):
         measured.environment(0)
 
 
+def test_a_device_without_an_index_leaves_torchs_cuda_state_alone(monkeypatch):
+    """`serve(device="cuda")` and the other entry points name device 0 while
+    torch has not initialised CUDA, instead of asking torch's current device
+    (which initialises it, and then its allocator cannot be swapped)."""
+    torch = pytest.importorskip("torch")
+    from imp_mem import torch as imp_torch
+
+    def asked():
+        raise AssertionError("torch's current device was asked")
+
+    monkeypatch.setattr(torch.cuda, "current_device", asked)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert imp_torch._device_index("cuda") == 0
+    assert imp_torch._device_index(None) == 0
+    assert imp_torch._device_index("cuda:3") == 3
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert imp_torch._device_index("cuda") == 2
+
+
 def test_serve_measures_then_the_second_start_recalls(tmp_path):
     path = tmp_path / "measured.json"
     fp = {"model": "toy", "batch": 4}

@@ -160,15 +160,22 @@ def pluggable_allocator() -> torch.cuda.memory.CUDAPluggableAllocator:
     return torch.cuda.memory.CUDAPluggableAllocator(library_path(), MALLOC_SYMBOL, FREE_SYMBOL)
 
 
+def _current_device() -> int:
+    """torch's current device, without initialising torch's CUDA state
+    where nothing has yet (device 0 then): `install()` must still be able to
+    swap torch's allocator after this."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
 def _device_index(device: Any) -> int:
     if device is None:
-        return torch.cuda.current_device()
+        return _current_device()
     if isinstance(device, int):
         return device
     dev = torch.device(device)
     if dev.type != "cuda":
         raise InvalidArgument(f"device: expected a CUDA device, got {device!r}")
-    return dev.index if dev.index is not None else torch.cuda.current_device()
+    return dev.index if dev.index is not None else _current_device()
 
 
 def _install_hooks(activations: Any, device: int, weights_arena: Any = None) -> None:
