@@ -1,8 +1,10 @@
-"""Small text-rendering helpers shared by the CLI and reports."""
+"""Small helpers for bytes as text, shared by the CLI, reports and the
+Python entry points: rendering them, and reading an argument given as bytes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -21,6 +23,21 @@ def human_bytes(n: int) -> str:
     if value >= 10:
         return f"{value:.1f} {_UNITS[unit]}"
     return f"{value:.2f} {_UNITS[unit]}"
+
+
+def byte_count(value: Any, what: str) -> int:
+    """`value` as bytes: a positive int, or a size string (``"64GiB"``);
+    else `InvalidArgument` naming `what`."""
+    from imp_mem import _core
+    from imp_mem.errors import InvalidArgument
+
+    if isinstance(value, str):
+        return _core.parse_size(value, what)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(
+            f'{what}: expected bytes (a positive int, or a string such as "64GiB"), got {value!r}'
+        )
+    return value
 
 
 def mib(n: int) -> str:

@@ -108,6 +108,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
 
 from imp_mem import _core
 from imp_mem import measured as _measured
+from imp_mem._format import byte_count
 from imp_mem._frameworks import activations_of as _activations_of
 from imp_mem.errors import BackendUnavailable, InvalidArgument, PhaseViolation
 
@@ -519,16 +520,6 @@ def graph_pool(target: Any) -> Iterator[Any]:
         torch.cuda.graph_pool_handle = original  # type: ignore[assignment]
 
 
-def _bytes(value: Any, what: str) -> int:
-    if isinstance(value, str):
-        return _core.parse_size(value, what)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgument(
-            f'{what}: expected bytes (a positive int, or a string such as "64GiB"), got {value!r}'
-        )
-    return value
-
-
 def _check_margin(margin: Any) -> None:
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
         raise InvalidArgument(
@@ -598,14 +589,14 @@ def serve(
         capacity = total - other_processes
     else:
         context, capacity = 0, int(backend.stats()["capacity"])
-    plan_budget = capacity if budget is None else _bytes(budget, "budget")
+    plan_budget = capacity if budget is None else byte_count(budget, "budget")
     tier = _tier_bytes(plan_budget, context)
     if tier <= 0:
         raise InvalidArgument(
             f"budget: {plan_budget} B leaves nothing for the tier after the CUDA context "
             f"({context} B); give a larger budget"
         )
-    chunk_bytes = _bytes(chunk, "chunk")
+    chunk_bytes = byte_count(chunk, "chunk")
     if recalled is not None:
         tier = min(tier, recalled["size"])
     plan = _placeholder_plan(tier, plan_budget, context)

@@ -633,17 +633,15 @@ class Engine:
         self.boot_seconds["capture"] = self.runner.capture_seconds
         meter = getattr(self, "_meter", None)
         if meter is not None and meter.measured is None:
+            from imp_mem.engine import warmup
+
             self.warmup_measured = meter.stop()
             self.memory.warmup_modules = self.warmup_measured["modules"]
             self.memory.charge_torch()
             if self.tenancy is not None:
-                from imp_mem.engine import warmup as _warmup
-
-                self.tenancy.settle_warmup(_warmup.total(self.warmup_measured))
+                self.tenancy.settle_warmup(warmup.total(self.warmup_measured))
             fp = getattr(self, "_warmup_fp", None)
             if fp is not None and self.warmup_planned is None:
-                from imp_mem.engine import warmup
-
                 warmup.store(fp, self.warmup_measured)  # planned from the next boot
         if begin:
             self.system.begin_serving()

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import imp_mem
+from imp_mem._format import byte_count
 from imp_mem.errors import CapacityError, InvalidArgument
 
 
@@ -133,10 +134,7 @@ class Tenancy:
         kv_floor = self.initial * self.block_bytes
         # The KV pool's growth step, and what an idle pool keeps above its
         # live blocks: one chunk.
-        raw = cfg.chunk_bytes
-        chunk_bytes = imp_mem.parse_size(raw, "chunk_bytes") if isinstance(raw, str) else raw
-        if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
-            raise InvalidArgument(f"chunk_bytes must be positive, got {cfg.chunk_bytes!r}")
+        chunk_bytes = byte_count(cfg.chunk_bytes, "chunk_bytes")
         self.chunk = max(1, min(int(kv["blocks"]), chunk_bytes // self.block_bytes))
         # The CUDA context, the library reserve and the warm-up line (torch's
         # graph pools, its cached activations, kernel modules) are in the
