@@ -247,3 +247,35 @@ def test_the_probe_child_is_given_the_engines_library_reserve(tmp_path, monkeypa
             assert seen[-1]["library_reserve"] is None
         finally:
             engine.memory.on_gpu = False  # closed as the CPU engine it is
+
+
+def test_a_routed_engine_plans_the_probes_modules_alone(tmp_path, monkeypatch):
+    """The probe child runs torch on its own allocator, so its `torch`
+    figure is the forward pass's working set. An engine that routes torch
+    into its activations tier plans that set on the tier's line: its warm-up
+    line takes the child's modules alone (and remembers no torch bytes).
+    On the H200 the two were counted twice (178 MiB planned, 86 measured)."""
+    pytest.importorskip("torch")
+    from imp_mem.engine import warmup
+    from imp_mem.engine.llm_engine import Engine
+
+    directory = _tiny_checkpoint(tmp_path)
+    monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "warmup.json"))
+    monkeypatch.setattr(
+        warmup, "probe", lambda s, kw, boot=None: {"torch": 92 * MIB, "modules": 86 * MIB}
+    )
+    monkeypatch.setattr(warmup, "probe_by_default", lambda: True)
+    with Engine(directory, max_batch=2, max_seq_len=64, budget="256MiB") as engine:
+        engine.memory.on_gpu, engine._booted = True, False
+        try:
+            assert engine._warmup_figure(16, 0) == {"torch": 92 * MIB, "modules": 86 * MIB}
+            monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "routed.json"))
+            # Routed, as torch_pool="imp_mem" makes it; such an engine probes
+            # where asked (warmup_probe=True).
+            engine.memory.torch_pool, engine._warmup_probe = object(), True
+            routed = engine._warmup_figure(16, 0)
+            assert routed == {"torch": 0, "modules": 86 * MIB}
+            assert warmup.lookup(engine._warmup_fp) == routed, "remembered as planned"
+        finally:
+            engine.memory.torch_pool = None
+            engine.memory.on_gpu = False  # closed as the CPU engine it is

@@ -536,6 +536,12 @@ class Engine:
             if library_reserve is not None:
                 kw["library_reserve"] = library_reserve
             got = warmup.probe(self._probe_source, kw, boot=self.probe_boot_seconds)
+            if memory.torch_pool is not None:
+                # The child ran torch on its own allocator; here torch's
+                # segments are blocks of the activations tier, planned on its
+                # own line: only the modules are the warm-up's (the H200 had
+                # the two counted twice, 92 MiB, 2 % of a small engine).
+                got = {"torch": 0, "modules": got["modules"]}
             warmup.store(self._warmup_fp, got)
             self.boot_seconds["probe"] = time.perf_counter() - t0
         return got
