@@ -250,11 +250,11 @@ def test_the_probe_child_is_given_the_engines_library_reserve(tmp_path, monkeypa
 
 
 def test_a_routed_engine_plans_the_probes_modules_alone(tmp_path, monkeypatch):
-    """The probe child runs torch on its own allocator, so its `torch`
-    figure is the forward pass's working set. An engine that routes torch
-    into its activations tier plans that set on the tier's line: its warm-up
-    line takes the child's modules alone (and remembers no torch bytes).
-    On the H200 the two were counted twice (178 MiB planned, 86 measured)."""
+    """A probe child that ran torch on its own allocator (the engine's
+    torch_pool was a callable, which does not travel to the child) reports
+    the forward pass's working set as `torch`. An engine that routes torch
+    into its own pool plans that set on the pool's line: its warm-up line
+    takes the child's modules alone (and remembers no torch bytes)."""
     pytest.importorskip("torch")
     from imp_mem.engine import warmup
     from imp_mem.engine.llm_engine import Engine

@@ -26,8 +26,13 @@ from imp_mem.engine.llm_engine import Engine
 config, max_batch, max_seq_len = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 high = int(sys.argv[4])  # torch's high-water, measured by another process
 library = int(sys.argv[5])  # cuBLAS's reserve as this machine measured it
-torch.zeros(1, device="cuda")
-print("ready", torch.cuda.memory_reserved(), flush=True)
+# The bare driver context, as the engine's own context measurement sees it:
+# torch initialises CUDA inside the engine, after its warm-up meter starts,
+# as it does in the engine's probe child. (Initialising torch here first
+# charged torch's runtime to the context line, 89 MiB on the H200, and the
+# probe's warm-up line planned it again.)
+holder = imp_mem.CudaBackend(device=0)
+print("ready", 0, flush=True)
 context, other = (int(x) for x in sys.stdin.readline().split())
 kw = dict(load_format="dummy", seed=3, max_batch=max_batch, max_seq_len=max_seq_len)
 backend = imp_mem.VmmBackend(device=0, strict=True)
@@ -48,7 +53,8 @@ with Engine(config, backend=backend, context=context, library_reserve=library,
     report = e.mem_report(other_processes=other)
     text = e.mem_report_text(other_processes=other)
     steady = sum(backend.stats()["steady_state_allocations_total"].values())
-print(json.dumps({"report": report, "text": text, "steady": steady}), flush=True)
+    warm = {"planned": e.warmup_planned, "measured": e.warmup_measured}
+print(json.dumps({"report": report, "text": text, "steady": steady, "warmup": warm}), flush=True)
 """
 
 # torch's high-water over the same engine's warm-up and requests, measured in
@@ -123,7 +129,7 @@ def plan_against_device(config: dict[str, Any], max_batch: int, max_seq_len: int
     result = child_report(CHILD, *args, high, str(library), env=env)
     report, text = result["report"], result["text"]
     device = report["device"]
-    print(f"\n{label}:\n{text}")
+    print(f"\n{label}:\n{text}\nwarm-up (torch, modules): {result.get('warmup')}")
     in_use = device["used"] - device["other_processes"]
     # The plan's total with the open's rounding of growable tiers to whole
     # granules (decided before any acquisition; named in the report).

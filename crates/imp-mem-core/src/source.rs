@@ -367,6 +367,16 @@ pub trait StreamOrder: Send + Sync {
     /// Makes work queued on `waiter` from now on wait for all work queued on
     /// `producer` up to now. `waiter != producer`.
     fn order_after(&self, waiter: u64, producer: u64) -> Result<(), MemError>;
+
+    /// Blocks the host until the work queued on `stream` up to now has
+    /// finished: what an activation pool does before it gives a fallback
+    /// region back to its backend, whose release (a VMM unmap) does not
+    /// wait for queued kernels the way `cuMemFree` does. The default, for
+    /// memory no stream touches, returns at once.
+    fn wait(&self, stream: u64) -> Result<(), MemError> {
+        let _ = stream;
+        Ok(())
+    }
 }
 
 /// For memory no stream touches (host memory, a single-stream caller):

@@ -1,5 +1,8 @@
 //! `CudaStreamOrder`: the activation pool's [`StreamOrder`] on CUDA.
 //!
+//! `wait(stream)` is `cuStreamSynchronize`: the pool calls it before a
+//! fallback region goes back to the backend.
+//!
 //! Algorithm: `order_after(waiter, producer)` records an event on the
 //! producer stream (`cuEventRecord`) and makes the waiter wait for it
 //! (`cuStreamWaitEvent`). Both only enqueue; neither blocks the host. The
@@ -87,6 +90,17 @@ impl StreamOrder for CudaStreamOrder {
         });
         self.give_event(event);
         waited.map_err(MemError::from)
+    }
+
+    fn wait(&self, stream: u64) -> Result<(), MemError> {
+        let _scope = self.device.bind()?;
+        // SAFETY: `stream` is a stream of this context as the caller states
+        // (0 is the legacy default stream, which waits for every blocking
+        // stream); synchronising only blocks this thread.
+        check("cuStreamSynchronize", unsafe {
+            (self.device.api().stream_synchronize)(stream as usize as CuStream)
+        })
+        .map_err(MemError::from)
     }
 }
 

@@ -537,10 +537,10 @@ class Engine:
                 kw["library_reserve"] = library_reserve
             got = warmup.probe(self._probe_source, kw, boot=self.probe_boot_seconds)
             if memory.torch_pool is not None:
-                # The child ran torch on its own allocator; here torch's
-                # segments are blocks of the activations tier, planned on its
-                # own line: only the modules are the warm-up's (the H200 had
-                # the two counted twice, 92 MiB, 2 % of a small engine).
+                # A caller's own torch_pool (a callable) does not travel to
+                # the child, which then ran torch on its own allocator; here
+                # torch's segments are the pool's, planned on its own line:
+                # only the modules are the warm-up's.
                 got = {"torch": 0, "modules": got["modules"]}
             warmup.store(self._warmup_fp, got)
             self.boot_seconds["probe"] = time.perf_counter() - t0

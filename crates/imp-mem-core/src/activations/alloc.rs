@@ -295,7 +295,21 @@ impl ActivationPool {
             alloc_stream: fb.stream,
             fallback: true,
         };
-        drop(fb);
+        // The release unmaps at once (a VMM backend's does not wait for the
+        // device as cuMemFree does): first wait for the work queued on the
+        // streams that used the region. The H200 crashed with an illegal
+        // address when a served generate() fell back and freed without it.
+        let waited = inner.order.wait(fb.stream).and_then(|()| {
+            if stream == fb.stream {
+                Ok(())
+            } else {
+                inner.order.wait(stream)
+            }
+        });
+        match waited {
+            Ok(()) => drop(fb),
+            Err(_) => self.core().parked.push(fb),
+        }
         Ok(freed)
     }
 }

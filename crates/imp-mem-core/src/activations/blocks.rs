@@ -73,6 +73,11 @@ pub(super) struct Core {
     pub(super) live: OffsetMap<u32>,
     /// Live fallback regions by address.
     pub(super) fallback: OffsetMap<Fallback>,
+    /// Freed fallback regions whose streams could not be waited for (a
+    /// capture in progress, a failed context): kept, still the backend's
+    /// acquisitions under the tag, until the pool is dropped, rather than
+    /// unmapped under a kernel that may still touch them.
+    pub(super) parked: Vec<Fallback>,
     pub(super) c: Counters,
     /// While the region sleeps: its level and the committed bytes to
     /// restore.

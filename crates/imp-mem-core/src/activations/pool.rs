@@ -143,6 +143,7 @@ impl ActivationPool {
             lanes,
             live,
             fallback: OffsetMap::default(),
+            parked: Vec::new(),
             c: Counters {
                 reserved_peak: capacity,
                 ..Counters::default()

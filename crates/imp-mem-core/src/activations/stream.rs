@@ -38,6 +38,8 @@ pub struct FakeStreamOrder {
 struct FakeOrderState {
     calls: Vec<(u64, u64)>,
     fail_next: u32,
+    waits: Vec<u64>,
+    fail_waits: u32,
 }
 
 impl FakeStreamOrder {
@@ -69,6 +71,16 @@ impl FakeStreamOrder {
     pub fn fail_next(&self, n: u32) {
         self.state().fail_next = n;
     }
+
+    /// Every successful [`StreamOrder::wait`]'s stream so far, oldest first.
+    pub fn waits(&self) -> Vec<u64> {
+        self.state().waits.clone()
+    }
+
+    /// Makes the next `n` waits fail with a driver error.
+    pub fn fail_waits(&self, n: u32) {
+        self.state().fail_waits = n;
+    }
 }
 
 impl StreamOrder for FakeStreamOrder {
@@ -81,6 +93,18 @@ impl StreamOrder for FakeStreamOrder {
             ));
         }
         state.calls.push((waiter, producer));
+        Ok(())
+    }
+
+    fn wait(&self, stream: u64) -> Result<(), MemError> {
+        let mut state = self.state();
+        if state.fail_waits > 0 {
+            state.fail_waits -= 1;
+            return Err(MemError::Driver(
+                "wait failed on command (FakeStreamOrder)".into(),
+            ));
+        }
+        state.waits.push(stream);
         Ok(())
     }
 }

@@ -212,3 +212,37 @@ fn threads_sharing_one_pool_keep_it_consistent() {
     assert_eq!((s.live, s.allocated, s.allocs_total), (0, 0, s.frees_total));
     assert!(s.allocs_total > 1000, "{s:?}");
 }
+
+#[test]
+fn a_fallback_goes_back_only_after_its_streams_are_waited_for() {
+    let fb = fake(PhaseMode::Production);
+    fb.begin_planning().unwrap();
+    let order = FakeStreamOrder::new();
+    let p = pool(&fb, 8 * KIB, Arc::new(order.clone()));
+    fb.begin_serving().unwrap();
+    let a = p.allocate(8 * KIB, 7).unwrap();
+    let held = |fb: &FakeBackend| fb.stats().tags[&Tag::Activations].live;
+    // Allocated on stream 7, freed on stream 9: both waited for, then released.
+    let b = p.allocate(3000, 7).unwrap();
+    assert!(p.free(b, 9).unwrap().fallback);
+    assert_eq!(order.waits(), vec![7, 9]);
+    assert_eq!(held(&fb), 8 * KIB);
+    // Same stream: one wait.
+    let b = p.allocate(3000, 7).unwrap();
+    p.free(b, 7).unwrap();
+    assert_eq!(order.waits(), vec![7, 9, 7]);
+    // A wait that fails keeps the region (parked), never unmapped under a
+    // kernel; the free itself succeeds and the counters say so.
+    let b = p.allocate(3000, 7).unwrap();
+    order.fail_waits(1);
+    assert!(p.free(b, 7).unwrap().fallback);
+    assert_eq!(held(&fb), 8 * KIB + 3072, "parked, still the backend's");
+    let s = p.stats();
+    assert_eq!((s.fallback_live, s.fallback_bytes, s.live), (0, 0, 1));
+    p.check_invariants().unwrap();
+    p.free(a, 7).unwrap();
+    // The region's own blocks never wait: only fallbacks are released.
+    assert_eq!(order.waits().len(), 3);
+    drop(p);
+    assert_eq!(held(&fb), 0, "the parked region goes back with the pool");
+}
