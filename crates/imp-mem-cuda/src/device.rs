@@ -8,7 +8,9 @@
 //! address inside, remembering the raw pointer in a small map to free it.
 //! The source is not growable: growable regions are [`crate::VmmSource`]'s.
 //! Host copies (`copy_to_host` / `copy_from_host`, which `Region`'s
-//! bounds-checked copies call) are synchronous `cuMemcpy`s.
+//! bounds-checked copies call) are synchronous `cuMemcpy`s; a batch of them
+//! (`copy_*_host_many`) is enqueued async on the legacy stream and waited
+//! for once.
 //!
 //! Accounting: the backend counts the bytes asked for. The driver rounds
 //! each allocation up (to 2 MiB pages for large ones), so device used memory

@@ -73,7 +73,13 @@
 //! Block bytes travel through [`BlockIo`]; a manager over a pool laid out on
 //! a backend uses [`PoolBlockIo`], which copies each block through its
 //! pool's region and source (device ↔ pinned chunk on a GPU, a memcpy on
-//! the fake). Tests install others to inject faults. Pins are run-time
+//! the fake). The streamed save and load hand it a chunk's blocks at once
+//! ([`BlockIo::read_blocks_staged`] / [`BlockIo::write_blocks_staged`]),
+//! which it copies as one batch of the pool
+//! ([`SharedBlockPool::read_blocks`](crate::block_pool::SharedBlockPool::read_blocks)):
+//! one lock, and on a GPU every copy enqueued and one wait, where a copy a
+//! block paid a synchronisation each. Tests install others to inject
+//! faults. Pins are run-time
 //! policy and are not persisted.
 
 use std::fs::{self, File};
