@@ -79,8 +79,7 @@
 //! ([`SharedBlockPool::read_blocks`](crate::block_pool::SharedBlockPool::read_blocks)):
 //! one lock, and on a GPU every copy enqueued and one wait, where a copy a
 //! block paid a synchronisation each. Tests install others to inject
-//! faults. Pins are run-time
-//! policy and are not persisted.
+//! faults. Pins are run-time policy and are not persisted.
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
