@@ -28,7 +28,7 @@ use crate::accounting::{BackendStats, JournalEntry, JournalOp, Ledger};
 use crate::error::{try_reserve, MemError, OomReport};
 use crate::ledger::Tenant;
 use crate::phase::{Admission, Phase, PhaseGuard, PhaseMode};
-use crate::source::{PinnedHostOps, StreamOrder, TierIo};
+use crate::source::{FromHost, PinnedHostOps, StreamOrder, TierIo, ToHost};
 use crate::tag::Tag;
 use crate::units::{human_bytes, round_up};
 
@@ -913,6 +913,57 @@ impl Region {
                 .copy_from_host(self.base + offset, src.as_ptr(), src.len())
         }
         .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
+    }
+
+    /// [`Region::copy_to_host`] of every `(offset, dst)` of `copies`, through
+    /// one call to the source ([`MemorySource::copy_to_host_many`]): on a
+    /// device every copy is enqueued and the host waits once. Every range is
+    /// checked before any copy starts, so a batch with one range past the
+    /// committed part copies nothing. On the source's failure the copies
+    /// before the failing one may have landed.
+    pub fn copy_to_host_many(&self, copies: &mut [(usize, &mut [u8])]) -> Result<(), MemError> {
+        let mut batch: Vec<ToHost> = Vec::new();
+        try_reserve(&mut batch, copies.len(), "a batch of region copies")?;
+        for (offset, dst) in copies.iter_mut() {
+            self.check_copy(*offset, dst.len())?;
+            if !dst.is_empty() {
+                batch.push((self.base + *offset, dst.as_mut_ptr(), dst.len()));
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let shared = &self.backend.shared;
+        // SAFETY: every source range is inside this live region's committed
+        // part (checked above); every `dst` is a host slice borrowed
+        // mutably from `copies` for the call, so no two overlap.
+        unsafe { shared.source.copy_to_host_many(&batch) }
+            .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
+    }
+
+    /// [`Region::copy_from_host`] of every `(offset, src)` of `copies`,
+    /// through one call to the source
+    /// ([`MemorySource::copy_from_host_many`]), in order (a later copy to the
+    /// same bytes wins). Checked as [`Region::copy_to_host_many`]: a batch
+    /// with one bad range copies nothing.
+    pub fn copy_from_host_many(&mut self, copies: &[(usize, &[u8])]) -> Result<(), MemError> {
+        let mut batch: Vec<FromHost> = Vec::new();
+        try_reserve(&mut batch, copies.len(), "a batch of region copies")?;
+        for &(offset, src) in copies {
+            self.check_copy(offset, src.len())?;
+            if !src.is_empty() {
+                batch.push((self.base + offset, src.as_ptr(), src.len()));
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let shared = &self.backend.shared;
+        // SAFETY: as in `copy_to_host_many`, the ranges are committed in this
+        // live region, which `&mut self` keeps from every span of this crate;
+        // every `src` is a host slice borrowed for the call.
+        unsafe { shared.source.copy_from_host_many(&batch) }
+            .map_err(|e| shared.map_source_error(&shared.state(), e, 0, self.tag))
     }
 
     /// Commits the region to `new_len` bytes (as [`Region::commit`]) and

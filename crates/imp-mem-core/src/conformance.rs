@@ -565,6 +565,82 @@ pub fn out_of_contract_calls_are_invariant_errors(o: Open<'_>) {
     assert_returns_everything(s, vec![r]);
 }
 
+/// A batch of host copies (`copy_to_host_many` / `copy_from_host_many`,
+/// through [`Region`]'s checked batches) moves exactly the bytes the same
+/// copies one by one do, in order (a later copy to the same bytes wins),
+/// and a batch with a range past the committed part is refused before it
+/// copies anything. A source without host copies refuses the batch as it
+/// refuses the single copy.
+pub fn batched_copies_match_single_copies(o: Open<'_>) {
+    let s = open(o, None);
+    let g = granule(&s) as usize;
+    let mut r = s.backend.acquire(g as u64, 256, Tag::KvCache).unwrap();
+    let piece = (g / 16).max(1);
+    let zeros = vec![0u8; g];
+    if let Err(single) = r.copy_from_host(0, &zeros) {
+        let batch = r.copy_from_host_many(&[(0, &zeros[..piece])]).unwrap_err();
+        assert_eq!(
+            std::mem::discriminant(&batch),
+            std::mem::discriminant(&single),
+            "a source without host copies refuses a batch as a copy: {batch} / {single}"
+        );
+        return assert_returns_everything(s, vec![r]);
+    }
+    let fill = |seed: u8| -> Vec<u8> {
+        (0..piece)
+            .map(|k| seed.wrapping_mul(31).wrapping_add(k as u8))
+            .collect()
+    };
+    let (a, b, c, d) = (fill(1), fill(2), fill(3), fill(4));
+    // The model: the region as the copies one by one leave it.
+    let mut model = zeros.clone();
+    let writes: [(usize, &[u8]); 5] = [
+        (3 * piece, &a),
+        (0, &b),
+        (7 * piece + 5, &c),
+        (3 * piece, &d),
+        (g - piece, &a),
+    ];
+    for &(at, bytes) in &writes {
+        model[at..at + bytes.len()].copy_from_slice(bytes);
+    }
+    r.copy_from_host_many(&writes).unwrap();
+    assert_eq!(r.read_to_vec(0, g).unwrap(), model, "a batch write");
+
+    let mut pieces = vec![vec![0u8; piece]; 4];
+    let offsets = [g - piece, 0, 3 * piece, 7 * piece + 5];
+    let mut reads: Vec<(usize, &mut [u8])> = offsets
+        .iter()
+        .zip(pieces.iter_mut())
+        .map(|(&at, buf)| (at, buf.as_mut_slice()))
+        .collect();
+    r.copy_to_host_many(&mut reads).unwrap();
+    for (at, got) in offsets.iter().zip(&pieces) {
+        assert_eq!(
+            got.as_slice(),
+            &model[*at..at + piece],
+            "a batch read at {at}"
+        );
+    }
+
+    // One range past the committed part: refused, nothing copied.
+    let err = r
+        .copy_from_host_many(&[(0, &c[..]), (g - piece + 1, &c[..])])
+        .unwrap_err();
+    assert!(matches!(err, MemError::InvalidArgument(_)), "{err}");
+    let mut untouched = vec![0u8; piece];
+    let err = r
+        .copy_to_host_many(&mut [(0, &mut untouched[..]), (g, &mut [0u8; 1][..])])
+        .unwrap_err();
+    assert!(matches!(err, MemError::InvalidArgument(_)), "{err}");
+    assert!(untouched.iter().all(|&x| x == 0), "a refused read copied");
+    assert_eq!(r.read_to_vec(0, g).unwrap(), model, "a refused batch wrote");
+    r.copy_from_host_many(&[]).unwrap();
+    r.copy_to_host_many(&mut []).unwrap();
+    assert_books(&s);
+    assert_returns_everything(s, vec![r]);
+}
+
 /// The phase guard holds whatever the source: acquisitions while serving
 /// are refused (strict), the bracketed re-entry admits them.
 pub fn the_phase_guard_holds(o: Open<'_>) {
@@ -853,7 +929,8 @@ macro_rules! memory_source_conformance {
             bad_input_is_invalid_argument,
             growth_rounds_to_granules_and_keeps_the_base,
             out_of_contract_calls_are_invariant_errors,
-            the_phase_guard_holds
+            the_phase_guard_holds,
+            batched_copies_match_single_copies
         );
         #[test]
         fn sequences_keep_the_books() {
@@ -907,6 +984,10 @@ macro_rules! memory_source_conformance {
         #[test]
         fn the_phase_guard_holds() {
             $crate::conformance::the_phase_guard_holds(&$open);
+        }
+        #[test]
+        fn batched_copies_match_single_copies() {
+            $crate::conformance::batched_copies_match_single_copies(&$open);
         }
         ::proptest::proptest! {
             #![proptest_config(::proptest::prelude::ProptestConfig::with_cases($cases))]

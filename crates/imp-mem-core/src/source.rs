@@ -305,7 +305,51 @@ pub unsafe trait MemorySource: Send + Sync + 'static {
             self.info().name
         )))
     }
+
+    /// [`Self::copy_to_host`] of every `(src, dst, len)` of `copies`, as if
+    /// one after another in order, returning when all are there: a device
+    /// source enqueues them all and waits once, instead of once a copy (the
+    /// prefix cache saves a chunk of blocks this way). The default is the
+    /// single copy in a loop. On an error the copies before the failing one
+    /// may have landed, and none is still in flight.
+    ///
+    /// # Safety
+    /// Every copy meets [`Self::copy_to_host`]'s contract, and no two
+    /// copies' `dst` ranges overlap.
+    unsafe fn copy_to_host_many(&self, copies: &[ToHost]) -> Result<(), SourceError> {
+        for &(src, dst, len) in copies {
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy_to_host(src, dst, len) }?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::copy_from_host`] of every `(dst, src, len)` of `copies`, as
+    /// if one after another in order (a later copy to the same bytes
+    /// wins), returning when all are there; the default is the single copy
+    /// in a loop. On an error the copies before the failing one may have
+    /// landed, and none is still in flight.
+    ///
+    /// # Safety
+    /// Every copy meets [`Self::copy_from_host`]'s contract.
+    unsafe fn copy_from_host_many(&self, copies: &[FromHost]) -> Result<(), SourceError> {
+        for &(dst, src, len) in copies {
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy_from_host(dst, src, len) }?;
+        }
+        Ok(())
+    }
 }
+
+/// One copy of a batch out of a source's memory
+/// ([`MemorySource::copy_to_host_many`]): `(src, dst, len)`, as the single
+/// copy's arguments.
+pub type ToHost = (usize, *mut u8, usize);
+
+/// One copy of a batch into a source's memory
+/// ([`MemorySource::copy_from_host_many`]): `(dst, src, len)`, as the
+/// single copy's arguments.
+pub type FromHost = (usize, *const u8, usize);
 
 /// The alignment of pinned allocations (a page).
 pub const PINNED_ALIGNMENT: usize = 4096;

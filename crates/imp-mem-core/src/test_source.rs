@@ -14,7 +14,8 @@ use crate::error::MemError;
 use crate::fake::FakeSource;
 use crate::pinned::FakePinnedHost;
 use crate::source::{
-    DeviceReading, MemorySource, PinnedHostOps, SourceCharge, SourceError, SourceInfo, StreamOrder,
+    DeviceReading, FromHost, MemorySource, PinnedHostOps, SourceCharge, SourceError, SourceInfo,
+    StreamOrder, ToHost,
 };
 
 /// The fake's source with device traits added; [`TestSource::over`] gives
@@ -26,6 +27,8 @@ pub(crate) struct TestSource {
     pub pinned: Option<Arc<FakePinnedHost>>,
     /// The host address of each copy, in order.
     pub hosts: Mutex<Vec<usize>>,
+    /// The length of each batch of copies (`copy_*_host_many`), in order.
+    pub batches: Mutex<Vec<usize>>,
     /// What `mem_info` reads, or fails with.
     pub reading: Result<Option<DeviceReading>, SourceError>,
     /// `Some`: `extra_charges` names these bytes "held" and the rounding of
@@ -45,6 +48,7 @@ impl TestSource {
             copies: true,
             pinned: None,
             hosts: Mutex::new(Vec::new()),
+            batches: Mutex::new(Vec::new()),
             reading: Ok(None),
             held: None,
             order: None,
@@ -57,6 +61,14 @@ impl TestSource {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(host);
+    }
+
+    fn record_batch(&self, hosts: impl ExactSizeIterator<Item = usize>) {
+        self.batches
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(hosts.len());
+        hosts.for_each(|h| self.record(h));
     }
 
     fn refused(&self) -> SourceError {
@@ -175,6 +187,24 @@ unsafe impl MemorySource for TestSource {
         self.record(src as usize);
         // SAFETY: the caller's contract, passed on.
         unsafe { self.fake.copy_from_host(dst, src, len) }
+    }
+
+    unsafe fn copy_to_host_many(&self, copies: &[ToHost]) -> Result<(), SourceError> {
+        if !self.copies {
+            return Err(self.refused());
+        }
+        self.record_batch(copies.iter().map(|c| c.1 as usize));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.fake.copy_to_host_many(copies) }
+    }
+
+    unsafe fn copy_from_host_many(&self, copies: &[FromHost]) -> Result<(), SourceError> {
+        if !self.copies {
+            return Err(self.refused());
+        }
+        self.record_batch(copies.iter().map(|c| c.1 as usize));
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.fake.copy_from_host_many(copies) }
     }
 }
 

@@ -8,7 +8,9 @@
 //! address inside, remembering the raw pointer in a small map to free it.
 //! The source is not growable: growable regions are [`crate::VmmSource`]'s.
 //! Host copies (`copy_to_host` / `copy_from_host`, which `Region`'s
-//! bounds-checked copies call) are synchronous `cuMemcpy`s.
+//! bounds-checked copies call) are synchronous `cuMemcpy`s; a batch of them
+//! (`copy_*_host_many`) is enqueued async on the legacy stream and waited
+//! for once.
 //!
 //! Accounting: the backend counts the bytes asked for. The driver rounds
 //! each allocation up (to 2 MiB pages for large ones), so device used memory
@@ -25,7 +27,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use imp_mem_core::source::{StreamOrder, TierIo};
+use imp_mem_core::source::{FromHost, StreamOrder, TierIo, ToHost};
 use imp_mem_core::{
     Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, PinnedHostOps,
     SourceError, SourceInfo,
@@ -164,6 +166,19 @@ unsafe impl MemorySource for CudaSource {
         // host bytes into a live allocation nothing else uses meanwhile;
         // `copy_htod` returns when they are there, from pageable memory too.
         unsafe { self.device.copy_htod(dst as CuDevicePtr, src, len) }.map_err(source_error)
+    }
+
+    unsafe fn copy_to_host_many(&self, copies: &[ToHost]) -> Result<(), SourceError> {
+        let _scope = self.device.bind().map_err(source_error)?;
+        // SAFETY: the backend passes ranges inside live allocations of this
+        // source and disjoint host buffers; the call waits for every copy.
+        unsafe { self.device.copy_dtoh_many(copies) }.map_err(source_error)
+    }
+
+    unsafe fn copy_from_host_many(&self, copies: &[FromHost]) -> Result<(), SourceError> {
+        let _scope = self.device.bind().map_err(source_error)?;
+        // SAFETY: as in `copy_to_host_many`, in the other direction.
+        unsafe { self.device.copy_htod_many(copies) }.map_err(source_error)
     }
 
     fn allocate(&self, bytes: usize, align: usize) -> Result<usize, SourceError> {

@@ -753,6 +753,84 @@ impl DeviceContext {
             (self.api().stream_synchronize)(CU_STREAM_LEGACY)
         })
     }
+
+    /// Copies every `(dst, src, len)` of `copies`, host memory at `src` to
+    /// device address `dst`, and returns when all are there: each is
+    /// enqueued with `cuMemcpyHtoDAsync` on the legacy default stream (where
+    /// [`Self::copy_htod`] copies, so the order against other streams is
+    /// the same), and the stream is synchronised once at the end instead of
+    /// once a copy. From pinned memory the copies run back to back at DMA
+    /// speed; from pageable memory the driver stages each, still correct.
+    /// On a failed enqueue the copies already enqueued are waited for
+    /// before the error returns, so none is in flight after the call.
+    ///
+    /// # Safety
+    /// Every copy meets [`Self::copy_htod`]'s contract. A context is
+    /// current (`bind`).
+    pub unsafe fn copy_htod_many(
+        &self,
+        copies: &[(usize, *const u8, usize)],
+    ) -> Result<(), CuError> {
+        let mut enqueued = Ok(());
+        for &(dst, src, len) in copies {
+            // SAFETY: the caller vouches for both ranges and the current
+            // context; the host bytes stay valid until the synchronisation
+            // below, which the call does not return before.
+            enqueued = check("cuMemcpyHtoDAsync_v2", unsafe {
+                (self.api().memcpy_htod_async)(
+                    dst as CuDevicePtr,
+                    src.cast(),
+                    len,
+                    CU_STREAM_LEGACY,
+                )
+            });
+            if enqueued.is_err() {
+                break;
+            }
+        }
+        // SAFETY: `CU_STREAM_LEGACY` names the context's legacy default
+        // stream, which always exists; the call only waits.
+        let synced = check("cuStreamSynchronize", unsafe {
+            (self.api().stream_synchronize)(CU_STREAM_LEGACY)
+        });
+        enqueued.and(synced)
+    }
+
+    /// Copies every `(src, dst, len)` of `copies`, device address `src` to
+    /// host memory at `dst`, and returns when all are there: enqueued with
+    /// `cuMemcpyDtoHAsync` on the legacy default stream and synchronised
+    /// once, as [`Self::copy_htod_many`] (into pageable memory the driver
+    /// makes each copy synchronous: still correct).
+    ///
+    /// # Safety
+    /// Every `[src, src + len)` is live memory of this device's context;
+    /// every `[dst, dst + len)` is host memory this process may write, no
+    /// two of them overlapping and nothing else using them during the call.
+    /// A context is current (`bind`).
+    pub unsafe fn copy_dtoh_many(&self, copies: &[(usize, *mut u8, usize)]) -> Result<(), CuError> {
+        let mut enqueued = Ok(());
+        for &(src, dst, len) in copies {
+            // SAFETY: the caller vouches for both ranges and the current
+            // context; the host bytes are not read before the
+            // synchronisation below, which the call does not return before.
+            enqueued = check("cuMemcpyDtoHAsync_v2", unsafe {
+                (self.api().memcpy_dtoh_async)(
+                    dst.cast(),
+                    src as CuDevicePtr,
+                    len,
+                    CU_STREAM_LEGACY,
+                )
+            });
+            if enqueued.is_err() {
+                break;
+            }
+        }
+        // SAFETY: as in `copy_htod_many`.
+        let synced = check("cuStreamSynchronize", unsafe {
+            (self.api().stream_synchronize)(CU_STREAM_LEGACY)
+        });
+        enqueued.and(synced)
+    }
 }
 
 impl Drop for DeviceContext {

@@ -49,7 +49,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use imp_mem_core::source::{NoStreams, StreamOrder, TierIo};
+use imp_mem_core::source::{FromHost, NoStreams, StreamOrder, TierIo, ToHost};
 use imp_mem_core::units::round_up;
 use imp_mem_core::{
     Backend, DeviceReading, MemError, MemoryKind, MemorySource, PhaseMode, PinnedHostOps,
@@ -201,6 +201,33 @@ pub unsafe trait VmmDriver: Send + Sync + 'static {
             call: "cuMemcpyHtoD_v2",
             code: crate::driver::CUDA_ERROR_NOT_SUPPORTED,
         })
+    }
+
+    /// [`Self::copy_dtoh`] of every `(src, dst, len)`, returning when all
+    /// are there; a device enqueues them and waits once. The default loops
+    /// the single copy.
+    ///
+    /// # Safety
+    /// Every copy meets `copy_dtoh`'s contract; no two `dst` ranges overlap.
+    unsafe fn copy_dtoh_many(&self, copies: &[ToHost]) -> Result<(), CuError> {
+        for &(src, dst, len) in copies {
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy_dtoh(dst, src as u64, len) }?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::copy_htod`] of every `(dst, src, len)`, in order, returning
+    /// when all are there; the default loops the single copy.
+    ///
+    /// # Safety
+    /// Every copy meets `copy_htod`'s contract.
+    unsafe fn copy_htod_many(&self, copies: &[FromHost]) -> Result<(), CuError> {
+        for &(dst, src, len) in copies {
+            // SAFETY: the caller's contract, copy by copy.
+            unsafe { self.copy_htod(dst as u64, src, len) }?;
+        }
+        Ok(())
     }
 }
 
@@ -371,6 +398,16 @@ unsafe impl VmmDriver for CudaVmm {
         // SAFETY: as above, in the other direction; the copy returns when the
         // bytes are there from pageable memory too (`copy_htod`'s sync).
         unsafe { self.device.copy_htod(dst, src, len) }
+    }
+
+    unsafe fn copy_dtoh_many(&self, copies: &[ToHost]) -> Result<(), CuError> {
+        // SAFETY: the caller vouches for every range; the call waits for all.
+        unsafe { self.device.copy_dtoh_many(copies) }
+    }
+
+    unsafe fn copy_htod_many(&self, copies: &[FromHost]) -> Result<(), CuError> {
+        // SAFETY: as above, in the other direction.
+        unsafe { self.device.copy_htod_many(copies) }
     }
 }
 
@@ -1042,6 +1079,19 @@ unsafe impl<D: VmmDriver> MemorySource for VmmCore<D> {
         let _scope = self.driver.enter()?;
         // SAFETY: as in `copy_to_host`, in the other direction.
         unsafe { self.driver.copy_htod(dst as u64, src, len) }.map_err(SourceError::from)
+    }
+
+    unsafe fn copy_to_host_many(&self, copies: &[ToHost]) -> Result<(), SourceError> {
+        let _scope = self.driver.enter()?;
+        // SAFETY: the backend passes committed (mapped, accessible) ranges of
+        // live regions of this source, and disjoint host buffers.
+        unsafe { self.driver.copy_dtoh_many(copies) }.map_err(SourceError::from)
+    }
+
+    unsafe fn copy_from_host_many(&self, copies: &[FromHost]) -> Result<(), SourceError> {
+        let _scope = self.driver.enter()?;
+        // SAFETY: as in `copy_to_host_many`, in the other direction.
+        unsafe { self.driver.copy_htod_many(copies) }.map_err(SourceError::from)
     }
 }
 

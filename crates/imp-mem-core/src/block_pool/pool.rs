@@ -389,6 +389,39 @@ impl PoolCore {
         }
     }
 
+    /// [`Self::read_block`] of every `(id, dst)` of `copies` as one batch
+    /// of the region ([`Region::copy_to_host_many`]: one wait on a device).
+    /// Every copy is checked (a live block, a buffer of one whole block)
+    /// before any starts: a batch with one bad copy reads nothing.
+    pub(super) fn read_blocks(&self, copies: &mut [(BlockId, &mut [u8])]) -> Result<(), MemError> {
+        let mut batch = Vec::new();
+        try_reserve(&mut batch, copies.len(), "a batch of block copies")?;
+        for (id, dst) in copies.iter_mut() {
+            let (_, offset) = self.block_copy(*id, dst.len(), "read")?;
+            batch.push((offset, &mut **dst));
+        }
+        match &self.region {
+            Some(region) => region.copy_to_host_many(&mut batch),
+            None => Err(slots_have_no_memory()),
+        }
+    }
+
+    /// [`Self::write_block`] of every `(id, src)` of `copies`, in order, as
+    /// one batch of the region; checked as [`Self::read_blocks`]: a batch
+    /// with one bad copy writes nothing.
+    pub(super) fn write_blocks(&mut self, copies: &[(BlockId, &[u8])]) -> Result<(), MemError> {
+        let mut batch = Vec::new();
+        try_reserve(&mut batch, copies.len(), "a batch of block copies")?;
+        for &(id, src) in copies {
+            let (_, offset) = self.block_copy(id, src.len(), "write")?;
+            batch.push((offset, src));
+        }
+        match self.region.as_mut() {
+            Some(region) => region.copy_from_host_many(&batch),
+            None => Err(slots_have_no_memory()),
+        }
+    }
+
     /// The rules of a host copy of one block: the pool has memory with
     /// bytes behind it, the block is live, and the buffer is exactly one
     /// block. Returns the region and the block's offset in it (the region

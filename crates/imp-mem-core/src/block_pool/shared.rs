@@ -316,6 +316,44 @@ impl SharedBlockPool {
         self.core().region.as_ref()?.backend().pinned_host()
     }
 
+    /// [`SharedBlockRef::read_into`] of every `(block, dst)` of `copies`
+    /// (refs of this pool) under one lock and as one batch of the pool's
+    /// region: on a GPU the device → host copies are enqueued together and
+    /// the host waits once, not once a block. Every copy is checked first
+    /// (a ref of this pool, a live block, a buffer of one whole block): a
+    /// batch with one bad copy reads nothing, and its error names the
+    /// block.
+    pub fn read_blocks(&self, copies: &mut [(&SharedBlockRef, &mut [u8])]) -> Result<(), MemError> {
+        let mut ids = Vec::new();
+        try_reserve(&mut ids, copies.len(), "a batch of block copies")?;
+        for (block, dst) in copies.iter_mut() {
+            ids.push((self.own_id(block)?, &mut **dst));
+        }
+        self.core().read_blocks(&mut ids)
+    }
+
+    /// [`SharedBlockRef::write_from`] of every `(block, src)` of `copies`
+    /// (refs of this pool), in order, under one lock and as one batch of the
+    /// region (one wait on a GPU); checked as [`Self::read_blocks`]: a batch
+    /// with one bad copy writes nothing.
+    pub fn write_blocks(&self, copies: &[(&SharedBlockRef, &[u8])]) -> Result<(), MemError> {
+        let mut ids = Vec::new();
+        try_reserve(&mut ids, copies.len(), "a batch of block copies")?;
+        for &(block, src) in copies {
+            ids.push((self.own_id(block)?, src));
+        }
+        self.core().write_blocks(&ids)
+    }
+
+    /// `block`'s id, refused when it is a ref of another pool.
+    fn own_id(&self, block: &SharedBlockRef) -> Result<BlockId, MemError> {
+        if Arc::ptr_eq(&block.pool.inner, &self.inner) {
+            Ok(block.id)
+        } else {
+            Err(foreign(block.pool.id(), self.id()))
+        }
+    }
+
     /// Where the memory lives; `None` in slots mode.
     pub fn placement(&self) -> Option<Placement> {
         self.inner.placement

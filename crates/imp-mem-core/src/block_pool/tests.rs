@@ -767,3 +767,241 @@ fn a_source_without_host_copies_refuses_a_block_copy() {
     drop(a);
     pool.check_invariants().unwrap();
 }
+
+/// The bytes of every block of `refs`, read one block at a time.
+fn contents(refs: &[SharedBlockRef], bb: usize) -> Vec<Vec<u8>> {
+    refs.iter()
+        .map(|r| {
+            let mut out = vec![0u8; bb];
+            r.read_into(&mut out).unwrap();
+            out
+        })
+        .collect()
+}
+
+#[test]
+fn a_batch_copy_lands_where_the_single_copies_do() {
+    let fb = fake();
+    let pool = SharedBlockPool::new(fb.backend(), &PoolConfig::fixed(48, 6)).unwrap();
+    let refs = pool.allocate_many(4).unwrap().into_refs();
+    let (one, two, three) = ([1u8; 48], [2u8; 48], [3u8; 48]);
+    let base = refs[0].span().unwrap().addr();
+    let untouched = fb.read(base + 3 * 48, 3 * 48).unwrap();
+    // Out of order, and block 1 twice: the later copy wins.
+    pool.write_blocks(&[
+        (&refs[2], &three),
+        (&refs[1], &one),
+        (&refs[0], &one),
+        (&refs[1], &two),
+    ])
+    .unwrap();
+    for (i, want) in [(0, 1u8), (1, 2), (2, 3)] {
+        let at = refs[i].span().unwrap().addr();
+        assert_eq!(at, base + i * 48);
+        assert_eq!(fb.read(at, 48).unwrap(), [want; 48], "block {i}");
+    }
+    // Nothing past the blocks written moved (block 3 and the free ones).
+    assert_eq!(fb.read(base + 3 * 48, 3 * 48).unwrap(), untouched);
+
+    // A batch read gives what the single reads give, into each buffer.
+    let single = contents(&refs, 48);
+    let mut bufs = vec![vec![0u8; 48]; 4];
+    let mut copies: Vec<_> = refs
+        .iter()
+        .rev()
+        .zip(bufs.iter_mut())
+        .map(|(r, b)| (r, b.as_mut_slice()))
+        .collect();
+    pool.read_blocks(&mut copies).unwrap();
+    bufs.reverse();
+    assert_eq!(bufs, single);
+    pool.read_blocks(&mut []).unwrap();
+    pool.write_blocks(&[]).unwrap();
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn a_batch_with_one_bad_copy_copies_nothing() {
+    let fb = fake();
+    let pool = SharedBlockPool::new(fb.backend(), &PoolConfig::fixed(32, 4)).unwrap();
+    let refs = pool.allocate_many(3).unwrap().into_refs();
+    for (i, r) in refs.iter().enumerate() {
+        r.write_from(&[i as u8 + 1; 32]).unwrap();
+    }
+    let before = contents(&refs, 32);
+    let new = [9u8; 32];
+
+    // A buffer of the wrong length, last in the batch.
+    let err = pool
+        .write_blocks(&[(&refs[0], &new), (&refs[1], &new), (&refs[2], &new[..31])])
+        .unwrap_err();
+    assert!(
+        matches!(&err, MemError::InvalidArgument(m) if m.contains("not 31 B")),
+        "{err}"
+    );
+    let mut short = [0u8; 16];
+    let mut full = [0u8; 32];
+    let err = pool
+        .read_blocks(&mut [(&refs[0], &mut full[..]), (&refs[1], &mut short[..])])
+        .unwrap_err();
+    assert!(matches!(&err, MemError::InvalidArgument(_)), "{err}");
+    assert_eq!(full, [0; 32], "a refused read fills no buffer either");
+
+    // A ref of another pool.
+    let other = SharedBlockPool::new(fb.backend(), &PoolConfig::fixed(32, 1)).unwrap();
+    let theirs = other.allocate().unwrap();
+    let err = pool
+        .write_blocks(&[(&refs[0], &new), (&theirs, &new)])
+        .unwrap_err();
+    assert!(
+        matches!(&err, MemError::InvalidArgument(m) if m.contains("belongs to pool")),
+        "{err}"
+    );
+
+    // A block that is not live, and an id out of the pool's range (the
+    // pool's own batch, below the refs).
+    let freed = pool.allocate().unwrap();
+    let freed_id = freed.id();
+    drop(freed);
+    for bad in [freed_id, 4, 1 << 20] {
+        let err = pool
+            .core()
+            .write_blocks(&[(refs[0].id(), &new), (bad, &new)])
+            .unwrap_err();
+        assert!(
+            matches!(&err, MemError::Invariant(m) if m.contains("not live")),
+            "{bad}: {err}"
+        );
+        let err = pool
+            .core()
+            .read_blocks(&mut [(refs[0].id(), &mut full[..]), (bad, &mut [0u8; 32][..])])
+            .unwrap_err();
+        assert!(matches!(&err, MemError::Invariant(_)), "{bad}: {err}");
+    }
+    assert_eq!(full, [0; 32]);
+    assert_eq!(contents(&refs, 32), before, "no refused batch wrote a byte");
+    // Nor into the block freed meanwhile (still poisoned).
+    let freed_at = refs[0].span().unwrap().addr() + freed_id as usize * 32;
+    assert!(fb.read(freed_at, 32).unwrap().iter().all(|&x| x != 9));
+    drop(theirs);
+    pool.check_invariants().unwrap();
+}
+
+#[test]
+fn a_region_batch_past_the_committed_part_copies_nothing() {
+    let fb = fake();
+    let mut region = fb.backend().acquire(256, 256, crate::Tag::Other).unwrap();
+    region.copy_from_host(0, &[1; 256]).unwrap();
+    let err = region
+        .copy_from_host_many(&[(0, &[7; 16][..]), (250, &[7; 16][..])])
+        .unwrap_err();
+    assert!(
+        matches!(&err, MemError::InvalidArgument(m) if m.contains("runs past")),
+        "{err}"
+    );
+    let err = region
+        .copy_from_host_many(&[(0, &[7; 16][..]), (usize::MAX, &[7; 2][..])])
+        .unwrap_err();
+    assert!(matches!(err, MemError::InvalidArgument(_)));
+    assert_eq!(region.read_to_vec(0, 256).unwrap(), vec![1; 256]);
+    let mut a = [0u8; 8];
+    let mut b = [0u8; 8];
+    assert!(region
+        .copy_to_host_many(&mut [(0, &mut a[..]), (252, &mut b[..])])
+        .is_err());
+    assert_eq!(a, [0; 8], "a refused read copies nothing either");
+    region
+        .copy_from_host_many(&[(8, &[5; 8][..]), (248, &[6; 8][..]), (100, &[][..])])
+        .unwrap();
+    region
+        .copy_to_host_many(&mut [(248, &mut a[..]), (8, &mut b[..])])
+        .unwrap();
+    assert_eq!((a, b), ([6; 8], [5; 8]));
+}
+
+#[test]
+fn batches_are_refused_where_single_copies_are() {
+    let slots = SharedBlockPool::slots(2).unwrap();
+    let s = slots.allocate().unwrap();
+    let err = slots.write_blocks(&[(&s, &[])]).unwrap_err();
+    assert!(
+        matches!(&err, MemError::InvalidArgument(m) if m.contains("slots mode")),
+        "{err}"
+    );
+    assert!(slots.read_blocks(&mut [(&s, &mut [][..])]).is_err());
+    assert!(
+        slots.write_blocks(&[]).is_err(),
+        "no memory to copy even nothing into"
+    );
+
+    let unbacked = FakeBackend::new(FakeConfig {
+        backed: false,
+        ..FakeConfig::default()
+    })
+    .unwrap();
+    let pool = SharedBlockPool::new(unbacked.backend(), &PoolConfig::fixed(16, 2)).unwrap();
+    let u = pool.allocate().unwrap();
+    assert!(matches!(
+        pool.write_blocks(&[(&u, &[1; 16])]),
+        Err(MemError::BackendUnavailable(_))
+    ));
+    assert!(matches!(
+        pool.read_blocks(&mut [(&u, &mut [0; 16][..])]),
+        Err(MemError::BackendUnavailable(_))
+    ));
+}
+
+mod batch_props {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Random sets of blocks (repeats allowed, any order), each with its
+        /// own bytes: one batch leaves the pool exactly as the same copies
+        /// one by one do, and a batch read gives what single reads give.
+        #[test]
+        fn batched_and_single_copies_give_the_same_pool(
+            bb in 1usize..80,
+            blocks in 1u32..12,
+            writes in proptest::collection::vec((0usize..64, any::<u8>()), 0..24),
+            reads in proptest::collection::vec(0usize..64, 0..24),
+        ) {
+            let fb = fake();
+            let single = SharedBlockPool::new(fb.backend(), &PoolConfig::fixed(bb, blocks)).unwrap();
+            let batched = SharedBlockPool::new(fb.backend(), &PoolConfig::fixed(bb, blocks)).unwrap();
+            let a = single.allocate_many(blocks).unwrap().into_refs();
+            let b = batched.allocate_many(blocks).unwrap().into_refs();
+            let n = blocks as usize;
+            let bytes: Vec<Vec<u8>> = writes
+                .iter()
+                .map(|&(_, seed)| (0..bb).map(|k| seed.wrapping_add(k as u8)).collect())
+                .collect();
+            for (&(at, _), src) in writes.iter().zip(&bytes) {
+                a[at % n].write_from(src).unwrap();
+            }
+            let copies: Vec<_> = writes
+                .iter()
+                .zip(&bytes)
+                .map(|(&(at, _), src)| (&b[at % n], src.as_slice()))
+                .collect();
+            batched.write_blocks(&copies).unwrap();
+            let (got, want) = (contents(&b, bb), contents(&a, bb));
+            prop_assert_eq!(&got, &want);
+
+            let mut bufs = vec![vec![0u8; bb]; reads.len()];
+            let mut copies: Vec<_> = reads
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(&at, buf)| (&b[at % n], buf.as_mut_slice()))
+                .collect();
+            batched.read_blocks(&mut copies).unwrap();
+            for (&at, buf) in reads.iter().zip(&bufs) {
+                prop_assert_eq!(buf, &want[at % n]);
+            }
+            single.check_invariants().unwrap();
+            batched.check_invariants().unwrap();
+        }
+    }
+}

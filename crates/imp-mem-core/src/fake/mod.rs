@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::backend::Backend;
 use crate::error::MemError;
 use crate::phase::PhaseMode;
-use crate::source::{MemoryKind, MemorySource, SourceError, SourceInfo, TierIo};
+use crate::source::{FromHost, MemoryKind, MemorySource, SourceError, SourceInfo, TierIo, ToHost};
 
 pub(crate) mod host_pages;
 mod tier_io;
@@ -506,6 +506,38 @@ unsafe impl MemorySource for FakeSource {
         if self.backed {
             // SAFETY: as in `copy_to_host`, with the roles swapped.
             unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len) };
+        }
+        Ok(())
+    }
+
+    // A batch checks every range under one lock before it copies any: a
+    // batch with one bad range copies nothing.
+    unsafe fn copy_to_host_many(&self, copies: &[ToHost]) -> Result<(), SourceError> {
+        let state = self.state();
+        for &(src, _, len) in copies {
+            self.check_committed(&state, src, len)?;
+        }
+        if self.backed {
+            for &(src, dst, len) in copies {
+                // SAFETY: as in `copy_to_host`: every source range was
+                // checked committed above, under the lock held still; the
+                // caller promises each `dst` is `len` writable host bytes.
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst, len) };
+            }
+        }
+        Ok(())
+    }
+
+    unsafe fn copy_from_host_many(&self, copies: &[FromHost]) -> Result<(), SourceError> {
+        let state = self.state();
+        for &(dst, _, len) in copies {
+            self.check_committed(&state, dst, len)?;
+        }
+        if self.backed {
+            for &(dst, src, len) in copies {
+                // SAFETY: as in `copy_to_host_many`, with the roles swapped.
+                unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len) };
+            }
         }
         Ok(())
     }

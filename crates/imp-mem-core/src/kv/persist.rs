@@ -73,8 +73,13 @@
 //! Block bytes travel through [`BlockIo`]; a manager over a pool laid out on
 //! a backend uses [`PoolBlockIo`], which copies each block through its
 //! pool's region and source (device ↔ pinned chunk on a GPU, a memcpy on
-//! the fake). Tests install others to inject faults. Pins are run-time
-//! policy and are not persisted.
+//! the fake). The streamed save and load hand it a chunk's blocks at once
+//! ([`BlockIo::read_blocks_staged`] / [`BlockIo::write_blocks_staged`]),
+//! which it copies as one batch of the pool
+//! ([`SharedBlockPool::read_blocks`](crate::block_pool::SharedBlockPool::read_blocks)):
+//! one lock, and on a GPU every copy enqueued and one wait, where a copy a
+//! block paid a synchronisation each. Tests install others to inject
+//! faults. Pins are run-time policy and are not persisted.
 
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -136,6 +141,29 @@ pub trait BlockIo: Send + Sync + std::fmt::Debug {
     /// default is `write_block` itself.
     fn write_block_staged(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
         self.write_block(block, src)
+    }
+
+    /// [`Self::read_block_staged`] of every `(block, dst)` of `copies`, the
+    /// parts of one chunk: where the copies can go as one batch (one wait
+    /// on a device, [`PoolBlockIo`]) they do. The default is the single
+    /// copy in a loop, stopping at the first error.
+    fn read_blocks_staged(
+        &self,
+        copies: &mut [(&SharedBlockRef, &mut [u8])],
+    ) -> Result<(), MemError> {
+        for (block, dst) in copies.iter_mut() {
+            self.read_block_staged(block, dst)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::write_block_staged`] of every `(block, src)` of `copies`, in
+    /// order, as [`Self::read_blocks_staged`].
+    fn write_blocks_staged(&self, copies: &[(&SharedBlockRef, &[u8])]) -> Result<(), MemError> {
+        for &(block, src) in copies {
+            self.write_block_staged(block, src)?;
+        }
+        Ok(())
     }
 }
 
@@ -279,6 +307,41 @@ impl BlockIo for PoolBlockIo {
 
     fn write_block_staged(&self, block: &SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
         block.write_from(src)
+    }
+
+    // A chunk's blocks go as one batch of their pool (a run of one pool
+    // at a time): one lock and, on a GPU, one wait for all of them.
+    fn read_blocks_staged(
+        &self,
+        copies: &mut [(&SharedBlockRef, &mut [u8])],
+    ) -> Result<(), MemError> {
+        let mut rest = copies;
+        while let Some(((first, _), _)) = rest.split_first() {
+            let pool = first.pool().clone();
+            let run = rest
+                .iter()
+                .position(|(b, _)| b.pool().id() != pool.id())
+                .unwrap_or(rest.len());
+            let (now, later) = rest.split_at_mut(run);
+            pool.read_blocks(now)?;
+            rest = later;
+        }
+        Ok(())
+    }
+
+    fn write_blocks_staged(&self, copies: &[(&SharedBlockRef, &[u8])]) -> Result<(), MemError> {
+        let mut rest = copies;
+        while let Some(((first, _), _)) = rest.split_first() {
+            let pool = first.pool();
+            let run = rest
+                .iter()
+                .position(|(b, _)| b.pool().id() != pool.id())
+                .unwrap_or(rest.len());
+            let (now, later) = rest.split_at(run);
+            pool.write_blocks(now)?;
+            rest = later;
+        }
+        Ok(())
     }
 }
 
@@ -738,14 +801,18 @@ impl PrefixSnapshot {
                 };
                 let count = per.min(n - k);
                 let chunk = &mut buf.as_mut_slice()[..count * stride];
+                let mut copies = Vec::with_capacity(count);
                 for (j, entry) in chunk.chunks_exact_mut(stride).enumerate() {
-                    entry[..16].copy_from_slice(&self.hashes[k + j].to_le_bytes());
-                    if let Err(e) = io.read_block_staged(&refs[k + j], &mut entry[24..]) {
-                        copy_failed = Some(e);
-                        break;
-                    }
+                    let (head, bytes) = entry.split_at_mut(24);
+                    head[..16].copy_from_slice(&self.hashes[k + j].to_le_bytes());
+                    copies.push((&refs[k + j], bytes));
                 }
-                if copy_failed.is_some() || hash_tx.send((count * stride, buf)).is_err() {
+                if let Err(e) = io.read_blocks_staged(&mut copies) {
+                    copy_failed = Some(e);
+                    break;
+                }
+                drop(copies);
+                if hash_tx.send((count * stride, buf)).is_err() {
                     break;
                 }
                 k += count;
@@ -1088,15 +1155,15 @@ impl PendingLoad {
             let copier = s.spawn(move || {
                 let mut failed = None;
                 for (first, count, buf) in copy_rx {
-                    let chunk = &buf.as_slice()[..count * stride];
-                    for (j, entry) in chunk.chunks_exact(stride).enumerate() {
-                        if failed.is_some() || stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        let Some(i) = target[first + j] else {
-                            continue;
-                        };
-                        if let Err(e) = io.write_block_staged(&refs[i], &entry[24..24 + bb]) {
+                    if failed.is_none() && !stop.load(Ordering::Relaxed) {
+                        // The chunk's new entries, as one batch.
+                        let chunk = &buf.as_slice()[..count * stride];
+                        let copies: Vec<_> = chunk
+                            .chunks_exact(stride)
+                            .zip(&target[first..first + count])
+                            .filter_map(|(entry, &i)| Some((&refs[i?], &entry[24..24 + bb])))
+                            .collect();
+                        if let Err(e) = io.write_blocks_staged(&copies) {
                             failed = Some(e);
                             stop.store(true, Ordering::Relaxed);
                         }

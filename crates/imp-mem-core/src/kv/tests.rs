@@ -1696,3 +1696,64 @@ fn a_load_and_a_save_of_many_chunks_keep_every_byte() {
     }
     m.check_invariants().unwrap();
 }
+
+#[test]
+fn a_save_and_a_load_copy_each_chunk_of_blocks_as_one_batch() {
+    // 2 000 blocks of 1 000 bytes: entries of 1 024 bytes, chunks of 1 024
+    // entries, the last one short.
+    const BB: usize = 1000;
+    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let source = Arc::new(crate::test_source::TestSource::over(fb.source().clone()));
+    let backend = crate::Backend::new(source.clone(), crate::PhaseMode::Strict, None).unwrap();
+    let mut cfg = KvConfig::new(4, 2048);
+    cfg.block_bytes = BB;
+    cfg.model_fingerprint = "test-model".into();
+    let mut m = KVCacheManager::new(cfg, Some(&backend)).unwrap();
+    m.admit(1, &toks(0..8000), none()).unwrap();
+    fill(&m, &fb, 1);
+    m.free(1, None).unwrap();
+    let batches = || std::mem::take(&mut *source.batches.lock().unwrap());
+    let hosts = || std::mem::take(&mut *source.hosts.lock().unwrap());
+    batches();
+    hosts();
+
+    let (_dir, path) = tmp("batched.bin");
+    assert_eq!(m.save_prefix_cache(&path).unwrap(), 2000);
+    assert_eq!(batches(), [1024, 976], "one batch a chunk");
+    // Each block's copy lands in its entry of the chunk: an entry apart.
+    let out = hosts();
+    assert_eq!(out.len(), 2000, "no copy outside the batches");
+    assert!(
+        out[..1024].windows(2).all(|w| w[1] - w[0] == 1024),
+        "{:?}",
+        &out[..4]
+    );
+
+    let saved = m.cached_blocks();
+    assert_eq!(m.evict(u32::MAX), 2000);
+    assert_eq!(m.load_prefix_cache(&path).unwrap(), 2000);
+    assert_eq!(batches(), [1024, 976]);
+    assert_eq!(hosts().len(), 2000);
+    for (h, _, addr) in m.cached_blocks() {
+        assert_eq!(fb.read(addr.unwrap(), BB).unwrap(), pattern(h, BB));
+    }
+    // Nothing new: nothing copied.
+    assert_eq!(m.load_prefix_cache(&path).unwrap(), 0);
+    assert!(batches().is_empty());
+
+    // Only the entries evicted are copied back, still a batch a chunk.
+    assert_eq!(m.evict(100), 100);
+    assert_eq!(m.load_prefix_cache(&path).unwrap(), 100);
+    let loaded = batches();
+    assert!(loaded.len() <= 2, "{loaded:?}");
+    assert_eq!(loaded.iter().sum::<usize>(), 100);
+    assert_eq!(
+        m.cached_blocks()
+            .iter()
+            .map(|c| c.0)
+            .collect::<Vec<_>>()
+            .len(),
+        saved.len()
+    );
+    m.check_invariants().unwrap();
+}
