@@ -143,7 +143,8 @@ def open_engine(directory, mode, opts, name, **extra):
     """An engine planned for its budget (static: the third; shared: its
     cap) with the largest ``max_batch`` up to ``opts["max_batch"]`` whose
     plan fits: the planner's ``max_batch`` lever where it names one, else
-    halving. Returns ``(engine, max_batch)``."""
+    halving, then a search between the largest that fitted and the
+    smallest that did not. Returns ``(engine, max_batch)``."""
     import imp_mem
     from imp_mem.engine import Engine
     from imp_mem.engine.shared import SharedGPU
@@ -164,19 +165,34 @@ def open_engine(directory, mode, opts, name, **extra):
     else:
         kw["budget"] = opts["static_budget"]
     kw.update(extra)
-    batch = opts["max_batch"]
+    # lo: the largest batch seen to fit; hi: the smallest seen not to.
+    batch, lo, hi = opts["max_batch"], 0, None
     while True:
         try:
-            return Engine(directory, max_batch=batch, **kw), batch
+            engine = Engine(directory, max_batch=batch, **kw)
         except imp_mem.PlanFailure as e:
             if batch == 1 or e.kind == "ledger_full":
                 raise
+            hi = batch
             to = [
                 int(lv["to"])
                 for lv in e.levers
                 if lv.get("setting") == "max_batch" and lv.get("sufficient")
             ]
-            batch = to[0] if to and 1 <= to[0] < batch else max(1, batch // 2)
+            if to and lo < to[0] < batch:
+                batch = to[0]
+            else:
+                batch = (lo + hi) // 2 if lo else max(1, batch // 2)
+            continue
+        lo = batch
+        # Halving can land far below what fits (a 36 GiB quick run planned
+        # the 0.6B's shared engine for 128 where about 190 fit, so its cap
+        # did not hold the burst it is there to absorb): search the gap to
+        # the smallest batch seen not to fit, to a sixteenth.
+        if hi is None or hi - lo <= max(1, lo // 16):
+            return engine, batch
+        engine.close()
+        batch = (lo + hi) // 2
 
 
 def worker(name, directory, mode, opts, trace_q, start_at, out, ready):
