@@ -247,3 +247,83 @@ fn an_idle_measured_pool_freezes_at_one_chunk_plus_the_margin() {
     assert!(pool.allocate(3 * CHUNK, 0).is_ok());
     assert!(matches!(pool.allocate(1, 0), Err(MemError::OutOfMemory(_))));
 }
+
+#[derive(Debug, Clone)]
+enum Step {
+    Alloc { bytes: u64, stream: u64 },
+    Free { pick: usize },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        5 => (1u64..=3 * CHUNK).prop_map(|bytes| Step::Alloc { bytes, stream: 1 }),
+        4 => any::<usize>().prop_map(|pick| Step::Free { pick }),
+    ]
+}
+
+/// Runs `steps` on `pool`: each allocation's offset, or None where refused.
+fn replay(pool: &ActivationPool, steps: &[Step]) -> Vec<Option<u64>> {
+    let mut live: Vec<(usize, u64)> = Vec::new();
+    let mut out = Vec::new();
+    for s in steps {
+        match *s {
+            Step::Alloc { bytes, stream } => match pool.allocate(bytes, stream) {
+                Ok(addr) => {
+                    out.push(Some((addr - pool.base()) as u64));
+                    live.push((addr, stream));
+                }
+                Err(MemError::OutOfMemory(_)) => out.push(None),
+                Err(e) => panic!("{e}"),
+            },
+            Step::Free { pick } => {
+                if !live.is_empty() {
+                    let (addr, stream) = live.swap_remove(pick % live.len());
+                    pool.free(addr, stream).unwrap();
+                }
+            }
+        }
+        pool.check_invariants().unwrap();
+    }
+    out
+}
+
+fn strict_fake() -> FakeBackend {
+    FakeBackend::new(FakeConfig {
+        capacity: 1 << 30,
+        granularity: GRANULE as usize,
+        mode: PhaseMode::Strict,
+        ..FakeConfig::default()
+    })
+    .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// The size a measuring pool records is enough for the same work in a
+    /// pool of that fixed size (a second start plans the tier at it): the
+    /// fixed pool places every block where the measuring one did. Its top
+    /// block is small where the measuring pool's is its whole reservation;
+    /// listed by its size it won searches over larger holes, and the work
+    /// reached past the measured size (an H200 generate() fell back). One
+    /// stream, as torch's forward pass runs: with two, the order in which
+    /// the streams' lanes are searched can still part the two pools.
+    #[test]
+    fn a_pool_of_the_measured_size_replays_the_work_in_place(
+        steps in prop::collection::vec(step(), 1..150),
+    ) {
+        let fb = strict_fake();
+        let mut config = ActivationConfig::new(RESERVE);
+        config.measure_chunk = Some(CHUNK);
+        config.strict = Some(true);
+        let measuring = ActivationPool::new(&fb, &config, Arc::new(NoStreams)).unwrap();
+        let first = replay(&measuring, &steps);
+        let size = measuring.high_water().max(512);
+        let fixed_fb = strict_fake();
+        let mut fixed_config = ActivationConfig::new(size);
+        fixed_config.strict = Some(true);
+        let fixed = ActivationPool::new(&fixed_fb, &fixed_config, Arc::new(NoStreams)).unwrap();
+        prop_assert!(!fixed.measuring());
+        prop_assert_eq!(replay(&fixed, &steps), first);
+    }
+}

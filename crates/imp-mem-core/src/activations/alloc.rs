@@ -45,7 +45,7 @@ impl ActivationPool {
             }
             let own = Self::find_own(&core, stream, units, need);
             if let Some(idx) = own.filter(|&idx| self.reach(&mut core, idx, need)) {
-                core.take(idx, shift);
+                core.take(idx);
                 core.carve(idx, need, stream, bytes, shift);
                 return Ok(inner.base + core.slab[idx as usize].offset as usize);
             }
@@ -69,7 +69,7 @@ impl ActivationPool {
     #[inline]
     fn find_own(core: &Core, stream: u64, units: u64, need: u64) -> Option<u32> {
         let lane = &core.lanes[core.lane_of(stream)? as usize];
-        lane.find(units)
+        lane.find(&core.slab, units, need)
             .or_else(|| lane.find_exact(&core.slab, units, need))
     }
 
@@ -91,7 +91,7 @@ impl ActivationPool {
             .iter()
             .filter(|l| l.stream != stream && l.stream != FRESH_STREAM);
         let found = fresh.chain(others).filter(|l| l.blocks > 0).find_map(|l| {
-            l.find(units)
+            l.find(&core.slab, units, need)
                 .or_else(|| l.find_exact(&core.slab, units, need))
                 .map(|idx| (idx, l.stream))
         });
@@ -105,7 +105,7 @@ impl ActivationPool {
             self.inner.order.order_after(stream, producer)?;
             core.c.cross_stream_reuses += 1;
         }
-        core.take(idx, self.inner.shift);
+        core.take(idx);
         core.carve(idx, need, stream, bytes, self.inner.shift);
         Ok(Some(
             self.inner.base + core.slab[idx as usize].offset as usize,
@@ -149,7 +149,7 @@ impl ActivationPool {
         if !self.reach(core, idx, need) {
             return None;
         }
-        core.take(idx, shift);
+        core.take(idx);
         core.carve(idx, need, stream, bytes, shift);
         Some(self.inner.base + core.slab[idx as usize].offset as usize)
     }

@@ -140,9 +140,9 @@ impl Core {
         Some((self.lanes.len() - 1) as u32)
     }
 
-    fn unlist(&mut self, idx: u32, shift: u32) {
-        let b = self.slab[idx as usize];
-        self.lanes[b.lane as usize].remove(&mut self.slab, idx, b.size >> shift);
+    fn unlist(&mut self, idx: u32) {
+        let lane = self.slab[idx as usize].lane;
+        self.lanes[lane as usize].remove(&mut self.slab, idx);
     }
 
     /// Makes `idx` a free block of `stream`, merged with its free physical
@@ -159,20 +159,19 @@ impl Core {
         };
         let prev = self.slab[idx as usize].prev_phys;
         if prev != NONE && self.mergeable(prev, stream) {
-            self.unlist(prev, shift);
+            self.unlist(prev);
             self.absorb_next(prev);
             idx = prev;
         }
         let next = self.slab[idx as usize].next_phys;
         if next != NONE && self.mergeable(next, stream) {
-            self.unlist(next, shift);
+            self.unlist(next);
             self.absorb_next(idx);
         }
         // The merged block may be a fresh neighbour's entry: it is now
         // `stream`'s.
         self.slab[idx as usize].stream = stream;
-        let units = self.slab[idx as usize].size >> shift;
-        self.lanes[lane as usize].insert(&mut self.slab, idx, units, lane);
+        self.lanes[lane as usize].insert(&mut self.slab, idx, shift, lane);
     }
 
     /// Whether free-block `idx` may join a block freed on `stream`: it was
@@ -218,6 +217,7 @@ impl Core {
                     prev_free: NONE,
                     next_free: NONE,
                     lane: NONE,
+                    listed: 0,
                     state: BlockState::Free,
                 };
                 if after != NONE {
@@ -228,7 +228,7 @@ impl Core {
                 // The tail's next neighbour cannot be a free block of its
                 // stream (it would have been merged), so it is listed as is.
                 let lane = b.lane;
-                self.lanes[lane as usize].insert(&mut self.slab, tail, rest >> shift, lane);
+                self.lanes[lane as usize].insert(&mut self.slab, tail, shift, lane);
             }
             // Without a slot the whole block is handed out: internal
             // fragmentation, not an error.
@@ -256,10 +256,9 @@ impl Core {
 
     /// Unlists `idx` for a carve (its lane is kept in the block for the
     /// tail).
-    pub(super) fn take(&mut self, idx: u32, shift: u32) {
+    pub(super) fn take(&mut self, idx: u32) {
         let lane = self.slab[idx as usize].lane;
-        let units = self.slab[idx as usize].size >> shift;
-        self.lanes[lane as usize].remove(&mut self.slab, idx, units);
+        self.lanes[lane as usize].remove(&mut self.slab, idx);
         self.slab[idx as usize].lane = lane;
     }
 
@@ -290,11 +289,22 @@ impl Core {
             let top = top as u32;
             let b = self.slab[top as usize];
             if b.state == BlockState::Free {
-                self.unlist(top, shift);
+                self.unlist(top);
             }
             if b.offset >= target {
                 if b.prev_phys != NONE {
-                    self.slab[b.prev_phys as usize].next_phys = NONE;
+                    // Its neighbour becomes the top, listed in the top's
+                    // class from now on.
+                    let prev = b.prev_phys;
+                    let lane = self.slab[prev as usize].lane;
+                    let listed = self.slab[prev as usize].state == BlockState::Free;
+                    if listed {
+                        self.unlist(prev);
+                    }
+                    self.slab[prev as usize].next_phys = NONE;
+                    if listed {
+                        self.lanes[lane as usize].insert(&mut self.slab, prev, shift, lane);
+                    }
                 }
                 if b.state == BlockState::Parked {
                     self.c.parked_blocks -= 1;
@@ -307,7 +317,7 @@ impl Core {
             self.slab[top as usize].size = rest;
             if b.state == BlockState::Free {
                 let lane = b.lane;
-                self.lanes[lane as usize].insert(&mut self.slab, top, rest >> shift, lane);
+                self.lanes[lane as usize].insert(&mut self.slab, top, shift, lane);
             }
             end = target;
         }
@@ -333,7 +343,7 @@ impl Core {
             return false;
         }
         while let Some(idx) = self.lanes[from as usize].any() {
-            self.unlist(idx, shift);
+            self.unlist(idx);
             self.put_free(idx, stream, shift);
         }
         true

@@ -132,7 +132,8 @@ impl ActivationPool {
                 bytes += b.size;
                 if b.state != BlockState::Free
                     || b.lane as usize != li
-                    || tlsf::class_of(b.size >> shift) != class
+                    || b.listed != b.list_units(shift)
+                    || tlsf::class_of(b.listed) != class
                 {
                     wrong = Some(idx);
                 }

@@ -15,6 +15,15 @@
 //! to the next class boundary, so any block of the class found fits without
 //! looking at it (good fit, O(1)); [`Lane::find_exact`] scans the one class
 //! below that boundary when nothing larger is free.
+//!
+//! The top block (the last of the region, no physical neighbour after it:
+//! the memory never reached, or reached and given back) is listed in a class
+//! of its own above every size ([`TOP_UNITS`]), so a search takes it only
+//! when no other free block fits, whatever its size. A measuring pool's top
+//! is its whole reservation and sorts last by size anyway; listing it by its
+//! size in a pool of fixed capacity let a small top win over larger holes,
+//! so the same work reached further than it had while measuring (a served
+//! HF generate() fell back on the H200 at its measured size).
 
 /// "No block": the end of a list, an unset link.
 pub(crate) const NONE: u32 = u32::MAX;
@@ -23,6 +32,9 @@ const SL_LOG2: u32 = 4;
 const SL: usize = 1 << SL_LOG2;
 /// First levels: enough for any size in units up to 2^63.
 const FL: usize = 64;
+/// The units the top block is listed under: a class above every request
+/// (at most 1 PiB, 2^41 units of the smallest alignment).
+pub(crate) const TOP_UNITS: u64 = 1 << 62;
 
 /// What a slab entry is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +67,9 @@ pub(crate) struct Block {
     pub next_free: u32,
     /// The lane whose list holds it (free blocks).
     pub lane: u32,
+    /// The units it is listed under (free blocks): its size's, or
+    /// [`TOP_UNITS`] for the top block.
+    pub listed: u64,
     pub state: BlockState,
 }
 
@@ -70,7 +85,18 @@ impl Block {
             prev_free: NONE,
             next_free: NONE,
             lane: NONE,
+            listed: 0,
             state: BlockState::Spare,
+        }
+    }
+
+    /// The units to list it under now (module doc: the top's own class).
+    #[inline]
+    pub(crate) fn list_units(&self, shift: u32) -> u64 {
+        if self.next_phys == NONE {
+            TOP_UNITS
+        } else {
+            self.size >> shift
         }
     }
 }
@@ -126,9 +152,11 @@ impl Lane {
         }
     }
 
-    /// Lists block `idx` (free, its size set) at the head of its class.
+    /// Lists block `idx` (free, its size and physical links set) at the
+    /// head of its class ([`Block::list_units`]).
     #[inline]
-    pub(crate) fn insert(&mut self, slab: &mut [Block], idx: u32, units: u64, me: u32) {
+    pub(crate) fn insert(&mut self, slab: &mut [Block], idx: u32, shift: u32, me: u32) {
+        let units = slab[idx as usize].list_units(shift);
         let (f, s) = class_of(units);
         let head = self.heads[f][s];
         {
@@ -136,6 +164,7 @@ impl Lane {
             b.prev_free = NONE;
             b.next_free = head;
             b.lane = me;
+            b.listed = units;
             b.state = BlockState::Free;
         }
         if head != NONE {
@@ -148,10 +177,11 @@ impl Lane {
         self.bytes += slab[idx as usize].size;
     }
 
-    /// Unlists block `idx`, which is on this lane in the class of `units`.
+    /// Unlists block `idx`, which is on this lane in the class it was
+    /// listed under.
     #[inline]
-    pub(crate) fn remove(&mut self, slab: &mut [Block], idx: u32, units: u64) {
-        let (f, s) = class_of(units);
+    pub(crate) fn remove(&mut self, slab: &mut [Block], idx: u32) {
+        let (f, s) = class_of(slab[idx as usize].listed);
         let (prev, next, size) = {
             let b = &slab[idx as usize];
             (b.prev_free, b.next_free, b.size)
@@ -180,7 +210,7 @@ impl Lane {
 
     /// The head of the first non-empty class that guarantees `units` units.
     #[inline]
-    pub(crate) fn find(&self, units: u64) -> Option<u32> {
+    pub(crate) fn find(&self, slab: &[Block], units: u64, need: u64) -> Option<u32> {
         let (f, s) = search_class(units);
         if f >= FL {
             return None;
@@ -201,7 +231,9 @@ impl Lane {
             (f, u32::from(self.sl_map[f]).trailing_zeros() as usize)
         };
         let head = self.heads[f][s];
-        (head != NONE).then_some(head)
+        // Every block of the class fits, except the top, whose class says
+        // nothing of its size.
+        (head != NONE && slab[head as usize].size >= need).then_some(head)
     }
 
     /// A block of at least `bytes` in the class of `units` (which
@@ -230,21 +262,25 @@ impl Lane {
         Some(self.heads[f][s])
     }
 
-    /// The largest listed block's size: a scan of the highest non-empty class.
+    /// The largest listed block's size: a scan of the top's class and of
+    /// the highest other non-empty class.
     pub(crate) fn largest(&self, slab: &[Block]) -> u64 {
-        if self.fl_map == 0 {
-            return 0;
-        }
-        let f = 63 - self.fl_map.leading_zeros() as usize;
-        let s = 31 - u32::from(self.sl_map[f]).leading_zeros() as usize;
-        let mut at = self.heads[f][s];
-        let mut best = 0;
-        while at != NONE {
-            let b = &slab[at as usize];
-            best = best.max(b.size);
-            at = b.next_free;
-        }
-        best
+        let (top_f, top_s) = class_of(TOP_UNITS);
+        let scan = |f: usize, s: usize| {
+            let mut at = self.heads[f][s];
+            let mut best = 0;
+            while at != NONE {
+                let b = &slab[at as usize];
+                best = best.max(b.size);
+                at = b.next_free;
+            }
+            best
+        };
+        let mut rows = self.sl_map;
+        rows[top_f] &= !(1u16 << top_s);
+        let sized = (0..FL).rev().find(|&f| rows[f] != 0);
+        let below = sized.map_or(0, |f| scan(f, 15 - rows[f].leading_zeros() as usize));
+        below.max(scan(top_f, top_s))
     }
 
     /// Every listed block, class by class (for the invariant check).
