@@ -88,3 +88,14 @@ def test_ledger_step_bench_prints_the_step_costs_and_every_ledger_operation():
     assert re.search(r"in the tenancy [\d.]+ us a step .* [\d.]+ ledger calls a step", out), out
     for op in ("pressure", "headroom", "set_kv_live", "grow \\+ shrink", "tenants"):
         assert re.search(rf"^\s+{op}.*\s[\d.]+ us$", out, re.M), out
+
+
+def test_measured_replay_bench_runs_the_trace_without_fallbacks():
+    """The HF-shaped trace at a small size: the tier planned at the measured
+    size serves the same work again, frozen and on a second start, with no
+    acquisition past it (the property the core's replay proptest proves)."""
+    out = _run(
+        "bench_measured_replay.py", "--batch", "4", "--prompt", "128", "--new", "16", timeout=120
+    )
+    assert re.search(r"^first start:  warm-up fallbacks 0, served run 0$", out, re.M), out
+    assert re.search(r"^second start: run 1 fallbacks 0, run 2 0$", out, re.M), out
