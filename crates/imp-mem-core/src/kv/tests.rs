@@ -1350,6 +1350,69 @@ fn an_older_offload_of_a_host_hit_finishing_during_its_admission_frees_its_slot(
 }
 
 #[test]
+fn an_admission_refused_after_an_older_offload_of_its_host_hit_finished_restores_one_copy() {
+    // As above, with the onboarding copies refused: the admission gives the
+    // host hit back, and the second offload, finished meanwhile, must not
+    // have taken a second slot for the hash (the restore would overwrite
+    // it, and the slot would be lost).
+    use crate::kv::host_tier::{CopyTicket, TierIo};
+    use crate::kv::FakeTierIo;
+    #[derive(Debug)]
+    struct NoOnboard(FakeTierIo);
+    impl TierIo for NoOnboard {
+        fn block_bytes(&self) -> usize {
+            self.0.block_bytes()
+        }
+        fn slots(&self) -> u32 {
+            self.0.slots()
+        }
+        fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError> {
+            self.0.offload(dev_addr, slot)
+        }
+        fn onboard(&mut self, _: u32, _: usize) -> Result<CopyTicket, MemError> {
+            Err(MemError::invalid("no onboarding copies here"))
+        }
+        fn onboard_many(&mut self, _: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+            Err(MemError::invalid("no onboarding copies here"))
+        }
+        fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError> {
+            self.0.is_done(ticket)
+        }
+        fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError> {
+            self.0.wait(ticket)
+        }
+        fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError> {
+            self.0.read_slot(slot, dst)
+        }
+        fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError> {
+            self.0.write_slot(slot, src)
+        }
+    }
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, 4);
+    cfg.block_bytes = 32;
+    let mut m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    let tier = FakeTierIo::new(fake.clone(), 32, 4, false).unwrap();
+    m.set_host_tier(Box::new(NoOnboard(tier.clone()))).unwrap();
+    let head = m.hash_blocks(&toks(0..4), &none())[0];
+    for id in [1, 2] {
+        m.admit(id, &toks(0..5), none()).unwrap();
+        m.free(id, None).unwrap();
+        assert_eq!(m.evict(1), 1);
+    }
+    assert_eq!(tier.advance(1).unwrap(), 1);
+    m.poll_copies(false).unwrap();
+    assert_eq!(m.host_cached_blocks(), vec![head]);
+    let err = m.admit(3, &toks(0..13), none()).unwrap_err();
+    assert!(matches!(err, MemError::InvalidArgument(_)), "{err}");
+    m.check_invariants().unwrap();
+    assert_eq!(m.host_cached_blocks(), vec![head], "the hit is back, once");
+    let s = m.stats();
+    assert_eq!((s.host_cached, s.host_free, s.host_offloading), (1, 3, 0));
+    assert_eq!((s.free, s.live), (4, 0));
+}
+
+#[test]
 fn block_copies_stage_through_one_pinned_buffer_where_the_source_has_one() {
     use crate::source::MemorySource;
     for pin_fails in [false, true] {
