@@ -24,7 +24,13 @@
 //!
 //! A hash cached on the device while a host copy of it exists (recomputed
 //! past an earlier miss) drops the host copy; a completed offload whose
-//! hash is back on the device, or already resident, frees its slot.
+//! hash is back on the device, already resident, or claimed frees its
+//! slot. A hash is claimed from the moment an admission takes its slot (or
+//! stages it from disk) until its device entry exists: the admission may
+//! wait for offloads in between (making room), and one of them can be an
+//! older copy of the same hash, evicted again after a miss recomputed it
+//! while its first offload was in flight; made resident, it would be a
+//! second copy next to the onboarded one.
 //!
 //! Copies go through [`TierIo`], the engine the pool's source gives
 //! ([`host_tier_io`] asks it): host memory copies on the fake
@@ -115,6 +121,9 @@ pub(crate) struct HostTier {
     next_stamp: u64,
     pub offloading: VecDeque<Offload>,
     pub onboarding: VecDeque<Onboard>,
+    /// Hashes an admission took (or staged) for onboarding whose device
+    /// entries do not exist yet; empty between calls.
+    claimed: FastMap<BlockHash, ()>,
     pub counters: HostCounters,
     /// Where evicted host blocks go, when a disk budget was given.
     pub disk: Option<DiskTier>,
@@ -147,6 +156,7 @@ impl HostTier {
             next_stamp: 0,
             offloading: VecDeque::new(),
             onboarding: VecDeque::new(),
+            claimed: FastMap::default(),
             counters: HostCounters::default(),
             disk: None,
         })
@@ -337,6 +347,7 @@ impl HostTier {
         let stamp = self.next_stamp;
         self.next_stamp += 1;
         // On the host now, on its way to the device.
+        self.claimed.insert(hash, ());
         events.stored_alone(hash, Medium::Host);
         Some((slot, stamp))
     }
@@ -374,17 +385,31 @@ impl HostTier {
     }
 
     /// Takes resident `hash`'s slot for an onboarding (with its LRU stamp,
-    /// for [`Self::restore`]).
+    /// for [`Self::restore`]) and claims the hash until
+    /// [`Self::onboarded`] or [`Self::restore`].
     pub fn take(&mut self, hash: &BlockHash) -> Option<(u32, u64)> {
+        let taken = self.take_resident(hash)?;
+        self.claimed.insert(*hash, ());
+        Some(taken)
+    }
+
+    fn take_resident(&mut self, hash: &BlockHash) -> Option<(u32, u64)> {
         let (slot, stamp) = self.resident.remove(hash)?;
         self.lru.remove(&stamp);
         Some((slot, stamp))
     }
 
-    /// Puts back what [`Self::take`] took (an admission that failed).
+    /// Puts back what [`Self::take`] (or a staging) took: an admission
+    /// that failed.
     pub fn restore(&mut self, hash: BlockHash, slot: u32, stamp: u64) {
+        self.claimed.remove(&hash);
         self.resident.insert(hash, (slot, stamp));
         self.lru.insert(stamp, hash);
+    }
+
+    /// Claimed `hash` has its device entry now (or was computed instead).
+    pub fn onboarded(&mut self, hash: &BlockHash) {
+        self.claimed.remove(hash);
     }
 
     /// Starts copying each `(slot, block, dev_addr)`: host `slot` into
@@ -414,7 +439,7 @@ impl HostTier {
 
     /// Drops the host copy of `hash`, which is now cached on the device.
     pub fn discard(&mut self, hash: &BlockHash, events: &mut EventLog) {
-        if let Some((slot, _)) = self.take(hash) {
+        if let Some((slot, _)) = self.take_resident(hash) {
             self.free.push(slot);
             events.removed(*hash, Medium::Host);
         }
@@ -436,7 +461,8 @@ impl HostTier {
 
     /// Finishes the copies that have completed (all of them, waiting, with
     /// `wait`). `on_device` says whether a hash is cached on the device
-    /// again, in which case its finished offload frees its slot.
+    /// again, in which case its finished offload frees its slot, as one of
+    /// a resident or claimed hash does.
     pub fn reap(
         &mut self,
         wait: bool,
@@ -460,7 +486,10 @@ impl HostTier {
             };
             self.counters.offloads += 1;
             self.counters.offload_bytes += self.bytes();
-            if on_device(&o.hash) || self.resident.contains_key(&o.hash) {
+            if on_device(&o.hash)
+                || self.resident.contains_key(&o.hash)
+                || self.claimed.contains_key(&o.hash)
+            {
                 self.free.push(o.slot);
             } else {
                 self.make_resident(o.hash, o.slot, events);
@@ -560,6 +589,11 @@ impl HostTier {
                 .any(|(stamp, h)| self.resident.get(h).map(|r| r.1) != Some(*stamp))
         {
             return broken("the LRU and the residents disagree".into());
+        }
+        if let Some(h) = self.claimed.keys().next() {
+            return broken(format!(
+                "block hash {h:x} is still claimed after its admission"
+            ));
         }
         Ok(())
     }

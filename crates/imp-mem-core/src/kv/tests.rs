@@ -1273,6 +1273,146 @@ fn lent_refs_and_offloads_in_flight_are_both_counted_and_a_load_leaves_one_tier(
 }
 
 #[test]
+fn an_older_offload_of_a_host_hit_finishing_during_its_admission_frees_its_slot() {
+    // The minimal form of a `kv_host_props` failure: a prefix block evicted
+    // twice (a miss recomputed it while its first offload was in flight),
+    // the first copy resident on the host, the second still in flight when
+    // an admission takes the resident copy as a host hit and must wait for
+    // the offloads to make room. The second offload completes inside the
+    // admission, before the onboarded block is a device entry: it must
+    // not make the hash resident again beside the onboarded copy.
+    use crate::kv::events::{KvEvent, Medium};
+    use crate::kv::FakeTierIo;
+    use std::collections::HashSet;
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, 4);
+    cfg.block_bytes = 32;
+    cfg.kv_events = true;
+    let mut m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    // Copies run only when told (or waited for).
+    let tier = FakeTierIo::new(fake.clone(), 32, 4, false).unwrap();
+    m.set_host_tier(Box::new(tier.clone())).unwrap();
+    let head = m.hash_blocks(&toks(0..4), &none())[0];
+    for id in [1, 2] {
+        let a = m.admit(id, &toks(0..5), none()).unwrap();
+        assert_eq!(a.cached_tokens, 0, "the first offload is still in flight");
+        m.free(id, None).unwrap();
+        assert_eq!(m.evict(1), 1);
+    }
+    assert_eq!(m.offloading(), 2);
+    // The first offload completes: the hash is a host hit.
+    assert_eq!(tier.advance(1).unwrap(), 1);
+    assert_eq!(m.poll_copies(false).unwrap(), 1);
+    assert_eq!(m.host_cached_blocks(), vec![head]);
+    // Four blocks, one a host hit: the free three are short by the block
+    // the second offload holds, so the admission waits for it.
+    let a = m.admit(3, &toks(0..13), none()).unwrap();
+    assert_eq!((a.cached_tokens, a.onboarded_blocks), (4, 1));
+    assert_eq!(m.offloading(), 0);
+    m.check_invariants().unwrap();
+    assert!(m.host_cached_blocks().is_empty(), "one tier per hash");
+    assert_eq!(m.stats().host_free, 3, "the second copy's slot is free");
+    m.wait_onboarding(3, None).unwrap();
+    m.poll_copies(true).unwrap();
+    assert_eq!(m.stats().host_free, 4);
+    m.check_invariants().unwrap();
+    // The router's view agrees: the hash is on the device only.
+    let mut index = HashSet::new();
+    for e in m.drain_events() {
+        match e {
+            KvEvent::BlockStored {
+                block_hashes,
+                medium,
+                ..
+            } => {
+                for h in block_hashes {
+                    assert!(
+                        index.insert((h, medium)),
+                        "{h:x} stored twice on {medium:?}"
+                    );
+                }
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                for h in block_hashes {
+                    assert!(
+                        index.remove(&(h, medium)),
+                        "{h:x} removed from {medium:?} unstored"
+                    );
+                }
+            }
+            KvEvent::AllBlocksCleared => index.clear(),
+        }
+    }
+    assert_eq!(index, HashSet::from([(head, Medium::Device)]));
+}
+
+#[test]
+fn an_admission_refused_after_an_older_offload_of_its_host_hit_finished_restores_one_copy() {
+    // As above, with the onboarding copies refused: the admission gives the
+    // host hit back, and the second offload, finished meanwhile, must not
+    // have taken a second slot for the hash (the restore would overwrite
+    // it, and the slot would be lost).
+    use crate::kv::host_tier::{CopyTicket, TierIo};
+    use crate::kv::FakeTierIo;
+    #[derive(Debug)]
+    struct NoOnboard(FakeTierIo);
+    impl TierIo for NoOnboard {
+        fn block_bytes(&self) -> usize {
+            self.0.block_bytes()
+        }
+        fn slots(&self) -> u32 {
+            self.0.slots()
+        }
+        fn offload(&mut self, dev_addr: usize, slot: u32) -> Result<CopyTicket, MemError> {
+            self.0.offload(dev_addr, slot)
+        }
+        fn onboard(&mut self, _: u32, _: usize) -> Result<CopyTicket, MemError> {
+            Err(MemError::invalid("no onboarding copies here"))
+        }
+        fn onboard_many(&mut self, _: &[(u32, usize)]) -> Result<Vec<CopyTicket>, MemError> {
+            Err(MemError::invalid("no onboarding copies here"))
+        }
+        fn is_done(&mut self, ticket: CopyTicket) -> Result<bool, MemError> {
+            self.0.is_done(ticket)
+        }
+        fn wait(&mut self, ticket: CopyTicket) -> Result<(), MemError> {
+            self.0.wait(ticket)
+        }
+        fn read_slot(&mut self, slot: u32, dst: &mut [u8]) -> Result<(), MemError> {
+            self.0.read_slot(slot, dst)
+        }
+        fn write_slot(&mut self, slot: u32, src: &[u8]) -> Result<(), MemError> {
+            self.0.write_slot(slot, src)
+        }
+    }
+    let fake = FakeBackend::new(FakeConfig::default()).unwrap();
+    let mut cfg = KvConfig::new(4, 4);
+    cfg.block_bytes = 32;
+    let mut m = KVCacheManager::new(cfg, Some(fake.backend())).unwrap();
+    let tier = FakeTierIo::new(fake.clone(), 32, 4, false).unwrap();
+    m.set_host_tier(Box::new(NoOnboard(tier.clone()))).unwrap();
+    let head = m.hash_blocks(&toks(0..4), &none())[0];
+    for id in [1, 2] {
+        m.admit(id, &toks(0..5), none()).unwrap();
+        m.free(id, None).unwrap();
+        assert_eq!(m.evict(1), 1);
+    }
+    assert_eq!(tier.advance(1).unwrap(), 1);
+    m.poll_copies(false).unwrap();
+    assert_eq!(m.host_cached_blocks(), vec![head]);
+    let err = m.admit(3, &toks(0..13), none()).unwrap_err();
+    assert!(matches!(err, MemError::InvalidArgument(_)), "{err}");
+    m.check_invariants().unwrap();
+    assert_eq!(m.host_cached_blocks(), vec![head], "the hit is back, once");
+    let s = m.stats();
+    assert_eq!((s.host_cached, s.host_free, s.host_offloading), (1, 3, 0));
+    assert_eq!((s.free, s.live), (4, 0));
+}
+
+#[test]
 fn block_copies_stage_through_one_pinned_buffer_where_the_source_has_one() {
     use crate::source::MemorySource;
     for pin_fails in [false, true] {

@@ -135,9 +135,10 @@ impl KVCacheManager {
             }
         }
         host.begin_onboard(&copies)?;
-        for (j, &(_, _)) in slots.iter().enumerate() {
+        for j in 0..slots.len() {
             let i = first + j;
             let hash = seq.hashes[i];
+            host.onboarded(&hash);
             self.events.removed(hash, Medium::Host);
             let Slot::Own(token) = std::mem::replace(&mut seq.blocks[i], Slot::Hole) else {
                 continue;
