@@ -748,10 +748,40 @@ impl DeviceContext {
             (self.api().memcpy_htod)(dst, src.cast(), len)
         })?;
         // SAFETY: `CU_STREAM_LEGACY` names the context's legacy default
-        // stream, which always exists; the call only waits.
+        // stream, which always exists; the caller has bound the context.
+        unsafe { self.synchronize(CU_STREAM_LEGACY) }
+    }
+
+    /// Blocks until the work queued on `stream` so far has finished.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device's context, or
+    /// `CU_STREAM_LEGACY` (0 is the legacy default stream too). A context
+    /// is current (`bind`).
+    pub unsafe fn synchronize(&self, stream: CuStream) -> Result<(), CuError> {
+        // SAFETY: the caller vouches for the stream and the current
+        // context; the call only waits.
         check("cuStreamSynchronize", unsafe {
-            (self.api().stream_synchronize)(CU_STREAM_LEGACY)
+            (self.api().stream_synchronize)(stream)
         })
+    }
+
+    /// Runs `enqueue` on each of `copies` until one fails, then waits for
+    /// the legacy default stream once, so that none of the copies already
+    /// enqueued is in flight when the call returns; the first error wins.
+    ///
+    /// # Safety
+    /// A context is current (`bind`).
+    unsafe fn enqueue_then_sync<T: Copy>(
+        &self,
+        copies: &[T],
+        enqueue: impl FnMut(T) -> Result<(), CuError>,
+    ) -> Result<(), CuError> {
+        let enqueued = copies.iter().copied().try_for_each(enqueue);
+        // SAFETY: `CU_STREAM_LEGACY` always exists; the caller has bound
+        // the context.
+        let synced = unsafe { self.synchronize(CU_STREAM_LEGACY) };
+        enqueued.and(synced)
     }
 
     /// Copies every `(dst, src, len)` of `copies`, host memory at `src` to
@@ -771,29 +801,21 @@ impl DeviceContext {
         &self,
         copies: &[(usize, *const u8, usize)],
     ) -> Result<(), CuError> {
-        let mut enqueued = Ok(());
-        for &(dst, src, len) in copies {
+        let enqueue = |(dst, src, len): (usize, *const u8, usize)| {
             // SAFETY: the caller vouches for both ranges and the current
-            // context; the host bytes stay valid until the synchronisation
-            // below, which the call does not return before.
-            enqueued = check("cuMemcpyHtoDAsync_v2", unsafe {
+            // context; the host bytes stay valid until the
+            // synchronisation that ends the call.
+            check("cuMemcpyHtoDAsync_v2", unsafe {
                 (self.api().memcpy_htod_async)(
                     dst as CuDevicePtr,
                     src.cast(),
                     len,
                     CU_STREAM_LEGACY,
                 )
-            });
-            if enqueued.is_err() {
-                break;
-            }
-        }
-        // SAFETY: `CU_STREAM_LEGACY` names the context's legacy default
-        // stream, which always exists; the call only waits.
-        let synced = check("cuStreamSynchronize", unsafe {
-            (self.api().stream_synchronize)(CU_STREAM_LEGACY)
-        });
-        enqueued.and(synced)
+            })
+        };
+        // SAFETY: the caller has bound the context.
+        unsafe { self.enqueue_then_sync(copies, enqueue) }
     }
 
     /// Copies every `(src, dst, len)` of `copies`, device address `src` to
@@ -808,28 +830,21 @@ impl DeviceContext {
     /// two of them overlapping and nothing else using them during the call.
     /// A context is current (`bind`).
     pub unsafe fn copy_dtoh_many(&self, copies: &[(usize, *mut u8, usize)]) -> Result<(), CuError> {
-        let mut enqueued = Ok(());
-        for &(src, dst, len) in copies {
+        let enqueue = |(src, dst, len): (usize, *mut u8, usize)| {
             // SAFETY: the caller vouches for both ranges and the current
             // context; the host bytes are not read before the
-            // synchronisation below, which the call does not return before.
-            enqueued = check("cuMemcpyDtoHAsync_v2", unsafe {
+            // synchronisation that ends the call.
+            check("cuMemcpyDtoHAsync_v2", unsafe {
                 (self.api().memcpy_dtoh_async)(
                     dst.cast(),
                     src as CuDevicePtr,
                     len,
                     CU_STREAM_LEGACY,
                 )
-            });
-            if enqueued.is_err() {
-                break;
-            }
-        }
-        // SAFETY: as in `copy_htod_many`.
-        let synced = check("cuStreamSynchronize", unsafe {
-            (self.api().stream_synchronize)(CU_STREAM_LEGACY)
-        });
-        enqueued.and(synced)
+            })
+        };
+        // SAFETY: the caller has bound the context.
+        unsafe { self.enqueue_then_sync(copies, enqueue) }
     }
 }
 

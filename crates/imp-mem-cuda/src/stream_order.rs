@@ -96,11 +96,8 @@ impl StreamOrder for CudaStreamOrder {
         let _scope = self.device.bind()?;
         // SAFETY: `stream` is a stream of this context as the caller states
         // (0 is the legacy default stream, which waits for every blocking
-        // stream); synchronising only blocks this thread.
-        check("cuStreamSynchronize", unsafe {
-            (self.device.api().stream_synchronize)(stream as usize as CuStream)
-        })
-        .map_err(MemError::from)
+        // stream); the scope has bound the context.
+        unsafe { self.device.synchronize(stream as usize as CuStream) }.map_err(MemError::from)
     }
 }
 
