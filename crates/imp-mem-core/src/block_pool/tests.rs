@@ -725,14 +725,21 @@ fn the_last_block_of_a_grown_pool_copies_and_the_refusals_are_errors() {
     assert!(s.write_from(&[]).is_err());
 
     // An unbacked fake has addresses and no bytes: refused, not zeros.
+    let (_pool, u) = unbacked_block();
+    assert_copies_refused(&u, 16, "backed=True");
+}
+
+/// A pool of two 16-byte blocks on an unbacked fake (addresses, no bytes),
+/// and one of its blocks.
+fn unbacked_block() -> (SharedBlockPool, SharedBlockRef) {
     let unbacked = FakeBackend::new(FakeConfig {
         backed: false,
         ..FakeConfig::default()
     })
     .unwrap();
     let pool = SharedBlockPool::new(unbacked.backend(), &PoolConfig::fixed(16, 2)).unwrap();
-    let u = pool.allocate().unwrap();
-    assert_copies_refused(&u, 16, "backed=True");
+    let block = pool.allocate().unwrap();
+    (pool, block)
 }
 
 /// Asserts that a copy of `block` (`len` bytes) is refused both ways as
@@ -934,13 +941,7 @@ fn batches_are_refused_where_single_copies_are() {
         "no memory to copy even nothing into"
     );
 
-    let unbacked = FakeBackend::new(FakeConfig {
-        backed: false,
-        ..FakeConfig::default()
-    })
-    .unwrap();
-    let pool = SharedBlockPool::new(unbacked.backend(), &PoolConfig::fixed(16, 2)).unwrap();
-    let u = pool.allocate().unwrap();
+    let (pool, u) = unbacked_block();
     assert!(matches!(
         pool.write_blocks(&[(&u, &[1; 16])]),
         Err(MemError::BackendUnavailable(_))

@@ -318,11 +318,7 @@ impl BlockIo for PoolBlockIo {
         let mut rest = copies;
         while let Some(((first, _), _)) = rest.split_first() {
             let pool = first.pool().clone();
-            let run = rest
-                .iter()
-                .position(|(b, _)| b.pool().id() != pool.id())
-                .unwrap_or(rest.len());
-            let (now, later) = rest.split_at_mut(run);
+            let (now, later) = rest.split_at_mut(same_pool_run(rest));
             pool.read_blocks(now)?;
             rest = later;
         }
@@ -333,16 +329,24 @@ impl BlockIo for PoolBlockIo {
         let mut rest = copies;
         while let Some(((first, _), _)) = rest.split_first() {
             let pool = first.pool();
-            let run = rest
-                .iter()
-                .position(|(b, _)| b.pool().id() != pool.id())
-                .unwrap_or(rest.len());
-            let (now, later) = rest.split_at(run);
+            let (now, later) = rest.split_at(same_pool_run(rest));
             pool.write_blocks(now)?;
             rest = later;
         }
         Ok(())
     }
+}
+
+/// How many of `copies`, from the first, are blocks of the first's pool.
+fn same_pool_run<T>(copies: &[(&SharedBlockRef, T)]) -> usize {
+    let Some((first, _)) = copies.first() else {
+        return 0;
+    };
+    let pool = first.pool().id();
+    copies
+        .iter()
+        .position(|(b, _)| b.pool().id() != pool)
+        .unwrap_or(copies.len())
 }
 
 /// The file's JSON header: what a file must match to load (every field but
