@@ -10,9 +10,9 @@ shapes (``--quick``: 0.6B, 1.7B, 4B), random weights written once to
   third: what a static split can serve at once.
 * **shared**: every engine on the device ledger (``Engine(shared=...)``),
   planned for a cap of the whole budget less the others' weights and a
-  margin, with the largest ``max_batch`` (at most ``--max-batch``) whose
-  plan fits that cap; the KV pools grow as the ledger grants and idle
-  tenants give back.
+  margin, with a ``max_batch`` of its whole burst (plus two for the
+  trickle) where that fits the cap, else the largest that does; the KV
+  pools grow as the ledger grants and idle tenants give back.
 
 The trace (the same for both set-ups). Model *k* bursts in window *k*
 (``--window-s`` each, after ``--lead-s``): ``burst_k`` requests of
@@ -64,6 +64,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from bench_json import write_json
@@ -139,12 +140,13 @@ def sync():
         torch.cuda.synchronize()
 
 
-def open_engine(directory, mode, opts, name, **extra):
+def open_engine(directory, mode, opts, name, max_batch=None, **extra):
     """An engine planned for its budget (static: the third; shared: its
-    cap) with the largest ``max_batch`` up to ``opts["max_batch"]`` whose
-    plan fits: the planner's ``max_batch`` lever where it names one, else
-    halving, then a search between the largest that fitted and the
-    smallest that did not. Returns ``(engine, max_batch)``."""
+    cap) with the largest ``max_batch`` up to `max_batch` (default
+    ``opts["max_batch"]``) whose plan fits: the planner's ``max_batch``
+    lever where it names one, else halving. Only failed plans are tried
+    on the way down (each costs a planning pass, not a boot), so the first
+    fit is returned. Returns ``(engine, max_batch)``."""
     import imp_mem
     from imp_mem.engine import Engine
     from imp_mem.engine.shared import SharedGPU
@@ -165,42 +167,34 @@ def open_engine(directory, mode, opts, name, **extra):
     else:
         kw["budget"] = opts["static_budget"]
     kw.update(extra)
-    # lo: the largest batch seen to fit; hi: the smallest seen not to.
-    batch, lo, hi = opts["max_batch"], 0, None
+    batch = max_batch or opts["max_batch"]
     while True:
         try:
-            engine = Engine(directory, max_batch=batch, **kw)
+            return Engine(directory, max_batch=batch, **kw), batch
         except imp_mem.PlanFailure as e:
             if batch == 1 or e.kind == "ledger_full":
                 raise
-            hi = batch
             to = [
                 int(lv["to"])
                 for lv in e.levers
                 if lv.get("setting") == "max_batch" and lv.get("sufficient")
             ]
-            if to and lo < to[0] < batch:
-                batch = to[0]
-            else:
-                batch = (lo + hi) // 2 if lo else max(1, batch // 2)
-            continue
-        lo = batch
-        # Halving can land far below what fits (a 36 GiB quick run planned
-        # the 0.6B's shared engine for 128 where about 190 fit, so its cap
-        # did not hold the burst it is there to absorb): search the gap to
-        # the smallest batch seen not to fit, to a sixteenth.
-        if hi is None or hi - lo <= max(1, lo // 16):
-            return engine, batch
-        engine.close()
-        batch = (lo + hi) // 2
+            batch = to[0] if to and 1 <= to[0] < batch else max(1, batch // 2)
 
 
-def worker(name, directory, mode, opts, trace_q, start_at, out, ready):
-    """One engine in its own process: opens, reports ready (its floor facts
-    and max_batch), takes its trace (``[(arrival_s, prompt, new_tokens)]``)
-    from `trace_q`, serves it from `start_at`, puts its results on `out`."""
+def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch=None):
+    """One engine in its own process: opens (at most `max_batch`
+    sequences at once), reports ready (its floor facts and max_batch),
+    takes its trace (``[(arrival_s, prompt, new_tokens)]``) from
+    `trace_q`, serves it from `start_at`, puts its results on `out`. A
+    failure to open is reported on `ready` at once, so the parent stops
+    instead of waiting out its timeout."""
     os.environ["IMP_MEM_LEDGER_DIR"] = opts["ledger_dir"]
-    engine, batch = open_engine(directory, mode, opts, name)
+    try:
+        engine, batch = open_engine(directory, mode, opts, name, max_batch=max_batch)
+    except BaseException:
+        ready.put((name, {"error": traceback.format_exc()}, 0))
+        raise
     engine.generate([[1, 2, 3]] * 2, 2)  # warm-up
     facts = None
     t = engine.tenancy
@@ -306,6 +300,17 @@ def trace_for(index, n_models, args, vocab, seed, burst):
     return out
 
 
+def _opened(ready, args, procs):
+    """The next worker's ``(name, facts, max_batch)`` off `ready`; a worker
+    that failed to open stops the phase (the others are killed)."""
+    n, f, b = ready.get(timeout=args.open_timeout)
+    if f and "error" in f:
+        for p in procs.values():
+            p.kill()
+        raise RuntimeError(f"{n} did not open:\n{f['error']}")
+    return n, f, b
+
+
 def run_phase(mode, dirs, args, opts, bursts=None, kill=None):
     """Runs the three workers. `bursts` (model -> requests in its burst):
     given, or (the static phase) derived from the static max_batches.
@@ -322,17 +327,21 @@ def run_phase(mode, dirs, args, opts, bursts=None, kill=None):
     names = [n for n, _ in dirs]
     for name, d in dirs:
         trace_qs[name] = ctx.Queue()
+        # Shared: planned for its whole burst (its cap must hold it at
+        # once; a trickle request or two may share the window).
+        batch = bursts[name] + 2 if mode == "shared" and bursts else None
         p = ctx.Process(
-            target=worker, args=(name, str(d), mode, opts, trace_qs[name], start_at, out, ready)
+            target=worker,
+            args=(name, str(d), mode, opts, trace_qs[name], start_at, out, ready, batch),
         )
         p.start()
         procs[name] = p
         if mode == "shared":
             # One at a time: the floors join in order.
-            n, f, b = ready.get(timeout=args.open_timeout)
+            n, f, b = _opened(ready, args, procs)
             opened[n] = (f, b)
     while len(opened) < len(names):
-        n, f, b = ready.get(timeout=args.open_timeout)
+        n, f, b = _opened(ready, args, procs)
         opened[n] = (f, b)
     if bursts is None:
         bursts = bursts_for({n: b for n, (_f, b) in opened.items()}, args)
