@@ -162,6 +162,89 @@ def test_cancellations_at_random_points_drain_to_baseline(checkpoint):
     engine.close()
 
 
+class _CountingReads:
+    """A staging whose host reads (`np`) are counted: each waits for the device."""
+
+    def __init__(self, staged):
+        self.staged, self.t, self.reads = staged, staged.t, 0
+
+    @property
+    def np(self):
+        self.reads += 1
+        return self.staged.np
+
+
+def test_a_steps_prefills_are_read_back_in_one_host_read(checkpoint):
+    """The greedy tokens of a step's prefills (chunked, and after a prefix
+    hit with full attention; over the ring with sliding layers) come back in
+    one host read, the decode's in another; the step's pairs in admission
+    order, the tokens HF's."""
+    kind, directory, hf = checkpoint
+    engine = open_engine(directory)
+    runner = engine.runner
+    counted = _CountingReads(runner.staging["next"])
+    runner.staging["next"] = counted
+    ps = [p + p[:5] for p in prompts(4, seed=3)]
+    assert max(map(len, ps)) > 2 * 8, "some take several chunks"
+    for _ in range(2):
+        reqs = [engine.submit(p, 4) for p in ps]
+        before = counted.reads
+        out = engine.step()
+        assert counted.reads - before == 2, "one read for the 4 prefills, one for the decode"
+        assert [sid for sid, _ in out[:4]] == [r.seq_id for r in reqs]
+        assert [tok for _, tok in out[:4]] == [r.output[0] for r in reqs]
+        assert len(out) == 8
+        while engine.scheduler.has_work:
+            engine.step()
+        for p, r in zip(ps, reqs, strict=True):
+            assert r.state is RequestState.FINISHED
+            check_greedy(hf, p, r.output)
+    if kind == "full":
+        assert engine.scheduler.stats.prefix_hit_tokens > 0
+    with pytest.raises(InvalidArgument, match="row"):
+        runner.prefill(None, engine.max_batch)
+    engine.close()
+
+
+class _InFlightEvent:
+    """Stands in for a slot's CUDA event: `record` keeps the bytes the copy
+    would read while in flight; `synchronize` (the copy done) checks the host
+    has not rewritten them meanwhile."""
+
+    def __init__(self, raw, index, log):
+        self.raw, self.index, self.log, self.in_flight = raw, index, log, None
+
+    def record(self):
+        assert self.in_flight is None, f"slot {self.index} copied again, its last copy not waited"
+        self.in_flight = self.raw.clone()
+        self.log.append(self.index)
+
+    def synchronize(self):
+        if self.in_flight is not None:
+            assert torch.equal(self.raw, self.in_flight), f"slot {self.index} rewritten in flight"
+            self.in_flight = None
+
+
+def test_prefill_staging_slots_rotate_and_wait_before_a_rewrite(checkpoint):
+    from imp_mem.engine.model_runner import PREFILL_SLOTS
+
+    _, directory, hf = checkpoint
+    engine = open_engine(directory)
+    slots = engine.runner.prefill_slots
+    assert len(slots.slots) == PREFILL_SLOTS >= 2
+    log: list[int] = []
+    slots.events = [_InFlightEvent(s.raw, i, log) for i, s in enumerate(slots.slots)]
+    first = slots.turn
+    rng = random.Random(11)
+    ps = [[rng.randrange(257) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
+    outs = engine.generate(ps, 3)
+    for p, o in zip(ps, outs, strict=True):
+        check_greedy(hf, p, o)
+    chunks = sum(-(-len(p) // 8) for p in ps)
+    assert log == [(first + k) % PREFILL_SLOTS for k in range(chunks)]
+    engine.close()
+
+
 def test_bad_arguments():
     with pytest.raises(Exception):  # noqa: B017 (no config.json there)
         Engine("/nonexistent-model-dir")

@@ -22,7 +22,8 @@ Order (seed A4.2). `Engine(model_dir)`:
 
 Serving. A `Scheduler` batches continuously over the system's
 `KVCacheManager`. Each `step()` admits what fits and prefills it (from the
-first uncached token, in chunks of `prefill_chunk` tokens), then decodes
+first uncached token, in chunks of `prefill_chunk` tokens; the prefills
+launched back to back, their greedy tokens read in one copy), then decodes
 every running sequence once: the pending tokens are appended to the
 manager, the runner writes the batch's block tables into pinned staging,
 copies them into T2, replays the bucket's graph and reads the greedy
@@ -668,12 +669,14 @@ class Engine:
         with torch.inference_mode(), runner.on_stream(), self.memory.torch_ctx():
             prefills = sched.admit_waiting()
             t0 = time.perf_counter()
-            for p in prefills:
-                tok, n = runner.prefill(p)
-                stats.prefill_tokens += n
-                sched.prefilled(p, tok)
-                out.append((p.request.seq_id, tok))
+            # Launched back to back (the host launches one while the device
+            # runs the one before), their tokens read in one copy after them.
+            for row, p in enumerate(prefills):
+                stats.prefill_tokens += runner.prefill(p, row)
             if prefills:
+                for p, tok in zip(prefills, runner.prefill_tokens(len(prefills)), strict=True):
+                    sched.prefilled(p, tok)
+                    out.append((p.request.seq_id, tok))
                 stats.prefill_seconds += time.perf_counter() - t0
             t_dec = time.perf_counter()
             kv_dec = sched.kv_seconds

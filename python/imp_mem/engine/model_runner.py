@@ -8,9 +8,19 @@ never change, so CUDA graphs may bake them in. Three regions (a step's
 inputs, a prefill chunk's inputs, the outputs), each staged in a pinned
 host region of the same layout (`PinnedBuffer`), so a step costs one
 host-to-device copy of its inputs. `t2_groups` is the layout; the plan
-sizes T2 from it (`t2_bytes`), to the byte. The KV pools are typed as
-tensors in the attention's layout (`BlockPool.view`, the whole
-reservation), their block bytes checked against that layout.
+sizes T2 from it (`t2_bytes`), to the byte (the pinned staging is host
+memory, outside the device plan). The KV pools are typed as tensors in the
+attention's layout (`BlockPool.view`, the whole reservation), their block
+bytes checked against that layout.
+
+Prefill pipelining. A step's prefills run back to back without the host
+waiting for the device: a chunk's inputs are staged in one of
+`PREFILL_SLOTS` host slots in turn and copied non-blocking (`_Slots`;
+the single T2 region is safe, as the stream orders each copy after the
+previous chunk's kernels), and each prefill's greedy token goes to its own
+row of T2's ``next``, read back in one copy after the step's last prefill
+(`prefill_tokens`). The host launches the next request's kernels while the
+device still runs the previous one's.
 
 Warm-up and graphs. `serve` warms up (a prefill of the longest chunk over
 the longest context, the decode at every batch bucket), then captures
@@ -63,6 +73,10 @@ from imp_mem.errors import InvalidArgument
 PAD_SEQ = (1 << 63) - 2
 WARM_SEQ = (1 << 63) - 1
 RING_SEQ = 1 << 62
+
+# Host staging slots of a prefill chunk's inputs (`_Slots`): the chunks the
+# host may stage ahead of the device.
+PREFILL_SLOTS = 4
 
 # The plan's KV dtype names -> torch's.
 _KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
@@ -164,6 +178,35 @@ class _Staging:
         self.raw = torch.from_dlpack(self.buffer.span())[:total]
         self.t = _carve(self.raw, layout)
         self.np = {name: t.numpy() for name, t in self.t.items()}
+
+
+class _Slots:
+    """`n` stagings of one layout used in turn, so the host writes one while
+    the device still copies another. On a GPU each slot's copy to the
+    device is non-blocking and records the slot's event on the copy's
+    stream; the host waits for that event (``synchronize``) only when it
+    comes back to the slot. `event`: the event type (``torch.cuda.Event``
+    on a GPU; None on the CPU, where a copy is done when it returns)."""
+
+    def __init__(self, backend: Any, specs: dict[str, tuple], n: int, event: Any) -> None:
+        self.slots = [_Staging(backend, specs) for _ in range(n)]
+        self.events: list[Any] = [event() if event is not None else None for _ in range(n)]
+        self.turn = 0
+
+    def take(self) -> _Staging:
+        """The current slot, once its last copy has run (the host may write it)."""
+        ev = self.events[self.turn]
+        if ev is not None:
+            ev.synchronize()  # returns at once for an event never recorded
+        return self.slots[self.turn]
+
+    def copy_to(self, dst: torch.Tensor) -> None:
+        """Copies the slot `take` gave into `dst` and moves to the next."""
+        i, ev = self.turn, self.events[self.turn]
+        dst.copy_(self.slots[i].raw, non_blocking=ev is not None)
+        if ev is not None:
+            ev.record()  # on the current stream, the copy's
+        self.turn = (i + 1) % len(self.slots)
 
 
 def _pad_row(width: int, block: int):
@@ -329,13 +372,17 @@ class ModelRunner:
         self.t2_raw: dict[str, torch.Tensor] = {}
         self.staging: dict[str, _Staging] = {}
         groups = self.groups()
+        backend = self.memory.backend
         for group, specs in groups.items():
             layout, total = _layout(specs)
             raw = torch.from_dlpack(self.memory.system.engine_arena.take(total, 256))
             self.t2_raw[group] = raw
             self.t2.update(_carve(raw, layout))
-            if group not in ("out", "fi_work"):  # outputs and workspaces: no host copy
-                self.staging[group] = _Staging(self.memory.backend, specs)
+            if group == "prefill_in":
+                event = torch.cuda.Event if self.on_gpu else None
+                self.prefill_slots = _Slots(backend, specs, PREFILL_SLOTS, event)
+            elif group not in ("out", "fi_work"):  # outputs and workspaces: no host copy
+                self.staging[group] = _Staging(backend, specs)
         self.staging["next"] = _Staging(self.memory.backend, {"next": groups["out"]["next"]})
 
     def _pool_view(self, pool, layers, geometry, dtype, what, block=None) -> torch.Tensor:
@@ -363,7 +410,7 @@ class ModelRunner:
 
     def drop_buffers(self) -> None:
         """Drops T2's tensors and the staging (before the system closes)."""
-        for name in ("t2", "t2_raw", "staging"):
+        for name in ("t2", "t2_raw", "staging", "prefill_slots"):
             if hasattr(self, name):
                 delattr(self, name)
 
@@ -525,13 +572,17 @@ class ModelRunner:
         if self.keep_logits:
             t2["logits"][:b].copy_(logits)
 
-    def prefill(self, p: Prefill) -> tuple[int, int]:
-        """Prefills a request from its first uncached token, in chunks;
-        returns ``(greedy token, tokens prefilled)``. A request with an
-        image runs the vision tower once (when its image tokens are not all
+    def prefill(self, p: Prefill, row: int = 0) -> int:
+        """Prefills a request from its first uncached token, in chunks,
+        without waiting for the device; its greedy token goes to row `row`
+        of T2's ``next`` (read by `prefill_tokens`, one row per prefill of
+        the step). Returns the tokens prefilled. A request with an image
+        runs the vision tower once (when its image tokens are not all
         cached) and ends a chunk before the image's tokens rather than
         inside them, so the image is prefilled in one call (its tokens
         attend to each other both ways)."""
+        if not 0 <= row < self.max_batch:
+            raise InvalidArgument(f"row={row}: a prefill's row is in [0, {self.max_batch})")
         tokens, n = p.tokens, len(p.tokens)
         sid = p.request.seq_id
         start = p.start
@@ -544,9 +595,15 @@ class ModelRunner:
             touches = mm is not None and start < mm[1] and mm[0] < end
             logits = self.prefill_chunk_logits(sid, tokens, start, end, mm if touches else None)
             start = end
+        self.t2["next"][row : row + 1].copy_(logits[0].argmax(-1, keepdim=True))
+        return n - p.start
+
+    def prefill_tokens(self, k: int) -> list[int]:
+        """The greedy tokens of the step's `k` prefills (rows ``[0, k)`` of
+        T2's ``next``), in one copy that waits for them."""
         nxt = self.staging["next"]
-        nxt.t["next"][:1].copy_(logits[0].argmax(-1, keepdim=True))
-        return int(nxt.np["next"][0]), n - p.start
+        nxt.t["next"][:k].copy_(self.t2["next"][:k])  # blocking: waits for the prefills
+        return nxt.np["next"][:k].tolist()
 
     def decode(self, batch: list[Request]) -> tuple[list[int], int]:
         """One decode of every sequence of `batch`; returns the greedy
@@ -598,8 +655,8 @@ class ModelRunner:
         """Prefills positions [start, end) of sequence `sid`; the last
         token's logits. `mm`: the image's ``(s, e, embeddings)`` when the
         chunk holds its tokens."""
-        staged, t2 = self.staging["prefill_in"], self.t2
-        host = staged.np
+        slots, t2 = self.prefill_slots, self.t2
+        host = slots.take().np
         n = end - start
         host["prefill_ids"][:n] = tokens[start:end]
         t0 = time.perf_counter()
@@ -610,8 +667,8 @@ class ModelRunner:
         self.imp_mem_seconds += time.perf_counter() - t0
         if self.sliding:
             self._fill_ring(swa, start, end)
-        # One blocking copy: the next chunk rewrites the staging region.
-        self.t2_raw["prefill_in"].copy_(staged.raw)
+        # Non-blocking: the slot is rewritten only after this copy's event.
+        slots.copy_to(self.t2_raw["prefill_in"])
         return self.model.prefill(
             t2["prefill_ids"][:n],
             start,
