@@ -36,19 +36,23 @@
 //! process is gone (a killed save; Linux, where `/proc` tells), so they do
 //! not pile up.
 //!
-//! Both directions stream the entries in chunks of about a mebibyte (whole
+//! Both directions move the entries in chunks of about a mebibyte (whole
 //! entries) through three host buffers — pinned where the pool's source
 //! has pinned memory, so a block's device copy is a DMA straight to or
-//! from the chunk — and run their stages on threads of their own at once:
-//! a save copies blocks out of the pool into a chunk laid out as the file
-//! is (this thread), computes their checksums and the trailer's hash (a
-//! second), and writes the chunk (a third); a load reads a chunk (this
-//! thread) while two others take it together: each entry's check (its hash
-//! and checksum against the index, its bytes against its checksum) with the
-//! trailer's hash in file order, and the copies of the new entries into
-//! their blocks. The buffers are the `BlockIo`'s, kept between calls
-//! ([`BlockIo::keep_buffer`]): pinned memory is page-locked once, not at
-//! every save and load.
+//! from the chunk. A save runs its stages on threads of their own at once:
+//! it copies blocks out of the pool into a chunk laid out as the file is
+//! (this thread), computes their checksums and feeds the entries' records
+//! to the trailer's hash (a second), and writes the chunk (a third). A
+//! load has three workers, a buffer each, that claim chunks in turn and
+//! take each through every step on one core: the read, in pieces of at
+//! most [`PIECE_BYTES`] each hashed (its entry's checksum) right after it
+//! arrives, while it is still in the core's cache; each entry's check (its
+//! hash and checksum against the index, its bytes against its checksum);
+//! and the copies of the new entries into their blocks. One worker's read
+//! overlaps the others' hashes and copies, and on a host of many cores
+//! three readers outrun the one of a plain file read. The buffers are the
+//! `BlockIo`'s, kept between calls ([`BlockIo::keep_buffer`]): pinned
+//! memory is page-locked once, not at every save and load.
 //!
 //! Loading reads the file once. [`LoadTarget::verify`] checks its size,
 //! magic, version and header fields against this manager and reads its
@@ -66,8 +70,8 @@
 //! hit them.
 //!
 //! The checksums are XXH3 (64 bits a block, 128 the trailer), as version 1
-//! has always written: it hashes at memory speed, so on a thread of its own
-//! it keeps up with the file.
+//! has always written: it hashes at memory speed, and right after the read
+//! of the same bytes it reads them from cache.
 //!
 //! Thread safety: the file I/O runs outside the manager's lock. A save takes
 //! a [`PrefixSnapshot`] under it (a ref on each cached block, so none is
