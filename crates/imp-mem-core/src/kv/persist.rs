@@ -674,9 +674,10 @@ pub struct PrefixSnapshot {
 }
 
 /// Bytes a streamed save or load moves per chunk (rounded to whole
-/// entries, at least one), and the chunks in flight. The load reads at most
-/// [`BUFFERS`] chunks ahead of its copies, so a file changed after the
-/// first copy is seen by the reads of the chunks after those.
+/// entries, at least one), and the chunks in flight: the load's workers,
+/// a buffer each. A worker claims its next chunk only once its last one
+/// is copied, so at most [`BUFFERS`] chunks are read and not yet copied,
+/// and a file changed after a copy is seen by every chunk claimed after it.
 const CHUNK_BYTES: usize = 1 << 20;
 pub(crate) const BUFFERS: usize = 3;
 
