@@ -4,18 +4,27 @@
 //! configuration and drive the steps below; this module knows no manager,
 //! so the disk tier's one-block files ([`BlockFileFormat`]) use it too.
 //!
-//! # File format (version 1, little-endian)
+//! # File format (version 2, little-endian)
 //!
 //! ```text
 //! magic        8   b"IMPKVPC\0"
-//! version      4   u32 = 1
+//! version      4   u32 = 2
 //! header_len   4   u32
 //! header       …   JSON: format, version, model_fingerprint, block_size,
 //!                  block_bytes, dtype, layout, hash_algorithm, hash_seed,
 //!                  entries, checksum
 //! entries      K × (hash u128 ‖ xxh3-64 of the bytes u64 ‖ block_bytes bytes)
-//! trailer      16  xxh3-128 of everything before it
+//! trailer      16  xxh3-128 of magic ‖ version ‖ header_len ‖ header ‖ each
+//!                  entry's 24-byte record (hash ‖ checksum), in file order
 //! ```
+//!
+//! Every block byte is hashed once, by its entry's checksum; the trailer
+//! covers the rest of the file and, through the checksums it hashes in
+//! order, every block byte too (a changed byte changes its checksum or
+//! fails it). Version 1, which the builds before wrote, differs only in its
+//! trailer: the xxh3-128 of every byte before it, so the block bytes were
+//! hashed twice. This build reads both ([`TrailerOver`]) and writes 2; a
+//! build that reads only version 1 refuses a version-2 file by its version.
 //!
 //! Saving streams `<path>.tmp-<pid>-<n>`, syncs it and renames it over
 //! `path`, so a reader sees the old file or the new one, never half of one.
@@ -27,19 +36,23 @@
 //! process is gone (a killed save; Linux, where `/proc` tells), so they do
 //! not pile up.
 //!
-//! Both directions stream the entries in chunks of about a mebibyte (whole
+//! Both directions move the entries in chunks of about a mebibyte (whole
 //! entries) through three host buffers — pinned where the pool's source
 //! has pinned memory, so a block's device copy is a DMA straight to or
-//! from the chunk — and run their stages on threads of their own at once:
-//! a save copies blocks out of the pool into a chunk laid out as the file
-//! is (this thread), computes their checksums and the trailer's hash (a
-//! second), and writes the chunk (a third); a load reads a chunk (this
-//! thread) while three others take it together: the trailer's hash in file
-//! order, each entry's check (its hash and checksum against the index, its
-//! bytes against its checksum), and the copies of the new entries into
-//! their blocks. The buffers are the `BlockIo`'s, kept between calls
-//! ([`BlockIo::keep_buffer`]): pinned memory is page-locked once, not at
-//! every save and load.
+//! from the chunk. A save runs its stages on threads of their own at once:
+//! it copies blocks out of the pool into a chunk laid out as the file is
+//! (this thread), computes their checksums and feeds the entries' records
+//! to the trailer's hash (a second), and writes the chunk (a third). A
+//! load has three workers, a buffer each, that claim chunks in turn and
+//! take each through every step on one core: the read, in pieces of at
+//! most [`PIECE_BYTES`] each hashed (its entry's checksum) right after it
+//! arrives, while it is still in the core's cache; each entry's check (its
+//! hash and checksum against the index, its bytes against its checksum);
+//! and the copies of the new entries into their blocks. One worker's read
+//! overlaps the others' hashes and copies, and on a host of many cores
+//! three readers outrun the one of a plain file read. The buffers are the
+//! `BlockIo`'s, kept between calls ([`BlockIo::keep_buffer`]): pinned
+//! memory is page-locked once, not at every save and load.
 //!
 //! Loading reads the file once. [`LoadTarget::verify`] checks its size,
 //! magic, version and header fields against this manager and reads its
@@ -57,9 +70,8 @@
 //! hit them.
 //!
 //! The checksums are XXH3 (64 bits a block, 128 the trailer), as version 1
-//! has always written: it hashes at memory speed, so with the trailer's
-//! hash and the blocks' on threads of their own it keeps up with the file;
-//! a format of another hash would buy nothing and strand every saved file.
+//! has always written: it hashes at memory speed, and right after the read
+//! of the same bytes it reads them from cache.
 //!
 //! Thread safety: the file I/O runs outside the manager's lock. A save takes
 //! a [`PrefixSnapshot`] under it (a ref on each cached block, so none is
@@ -82,14 +94,14 @@
 //! faults. Pins are run-time policy and are not persisted.
 
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
 
 use crate::block_pool::{BlockId, SharedBlockRef};
 use crate::error::MemError;
@@ -99,8 +111,32 @@ use crate::pinned::{PinnedBuffer, PinnedHost};
 
 /// The file's first bytes.
 pub const FILE_MAGIC: &[u8; 8] = b"IMPKVPC\0";
-/// The format version this build writes and reads.
-pub const FILE_VERSION: u32 = 1;
+/// The format version this build writes (it reads version 1 too).
+pub const FILE_VERSION: u32 = 2;
+
+/// What a file's trailer hashes after its head (magic, version, header
+/// length, header), by the file's version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TrailerOver {
+    /// Version 1: every entry whole (record and block bytes).
+    Entries,
+    /// Version 2: each entry's 24-byte record (hash and checksum), whose
+    /// checksum stands for the block's bytes.
+    Records,
+}
+
+impl TrailerOver {
+    /// The trailer of a file of `version`, or `None` for a version this
+    /// build does not read.
+    fn of_version(version: u32) -> Option<Self> {
+        match version {
+            1 => Some(Self::Entries),
+            2 => Some(Self::Records),
+            _ => None,
+        }
+    }
+}
+
 pub(crate) const FORMAT: &str = "imp-mem prefix cache";
 
 /// Copies one block's bytes between the pool and host memory. The manager
@@ -434,14 +470,12 @@ impl BlockFileFormat {
         let tmp = std::path::PathBuf::from(tmp_name);
         let failed = |e| io_err("cannot write the block file", path, e);
         let written = (|| -> Result<(), MemError> {
+            // The head ends with the entry's record: all the trailer hashes.
             let head = self.head(hash, xxh3_64(bytes));
-            let mut trailer = Xxh3::new();
-            trailer.update(&head);
-            trailer.update(bytes);
             let mut out = File::create(&tmp).map_err(failed)?;
             out.write_all(&head).map_err(failed)?;
             out.write_all(bytes).map_err(failed)?;
-            out.write_all(&trailer.digest128().to_le_bytes())
+            out.write_all(&xxh3_128(&head).to_le_bytes())
                 .map_err(failed)?;
             drop(out);
             fs::rename(&tmp, path).map_err(failed)
@@ -502,10 +536,7 @@ impl BlockFileFormat {
         if head[..head_len - 24] != self.head(0, 0)[..head_len - 24] {
             return Err(not_ours());
         }
-        let mut whole = Xxh3::new();
-        whole.update(&head);
-        whole.update(dst);
-        if whole.digest128() != u128::from_le_bytes(trailer) {
+        if xxh3_128(&head) != u128::from_le_bytes(trailer) {
             return Err(refuse(path, "the file checksum does not match (corrupted)"));
         }
         let stored = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
@@ -643,9 +674,10 @@ pub struct PrefixSnapshot {
 }
 
 /// Bytes a streamed save or load moves per chunk (rounded to whole
-/// entries, at least one), and the chunks in flight. The load reads at most
-/// [`BUFFERS`] chunks ahead of its copies, so a file changed after the
-/// first copy is seen by the reads of the chunks after those.
+/// entries, at least one), and the chunks in flight: the load's workers,
+/// a buffer each. A worker claims its next chunk only once its last one
+/// is copied, so at most [`BUFFERS`] chunks are read and not yet copied,
+/// and a file changed after a copy is seen by every chunk claimed after it.
 const CHUNK_BYTES: usize = 1 << 20;
 pub(crate) const BUFFERS: usize = 3;
 
@@ -665,15 +697,6 @@ fn chunk_buffers(io: &dyn BlockIo, block: Option<&SharedBlockRef>, len: usize) -
         .collect()
 }
 
-/// Hands a chunk buffer back to the reader once its last user is done.
-fn recycle(buf: Arc<HostBuf>, free: &SyncSender<HostBuf>) {
-    if let Some(buf) = Arc::into_inner(buf) {
-        // The channel holds every buffer, so this never blocks; a reader
-        // gone (done) drops it.
-        let _ = free.send(buf);
-    }
-}
-
 /// A pipeline stage's result; its panic goes on unwinding here.
 fn joined<T>(stage: std::thread::ScopedJoinHandle<'_, T>) -> T {
     stage
@@ -691,8 +714,8 @@ impl PrefixSnapshot {
     /// buffers (pinned where the pool has pinned memory) passed along three
     /// stages at once: this thread copies blocks out of the pool into a
     /// chunk laid out as the file is, a second computes the blocks'
-    /// checksums into it and feeds it to the trailer's hash, and a third
-    /// writes it to the file.
+    /// checksums into it and feeds the entries' records to the trailer's
+    /// hash, and a third writes it to the file.
     pub fn write(self, path: &Path) -> Result<u64, MemError> {
         refuse_irregular(path, "write the prefix cache to")?;
         let file_name = path
@@ -775,8 +798,8 @@ impl PrefixSnapshot {
                     for entry in chunk.chunks_exact_mut(stride) {
                         let sum = xxh3_64(&entry[24..]);
                         entry[16..24].copy_from_slice(&sum.to_le_bytes());
+                        trailer.update(&entry[..24]);
                     }
-                    trailer.update(chunk);
                     if write_tx.send((len, buf)).is_err() {
                         break;
                     }
@@ -963,6 +986,8 @@ pub struct VerifiedFile {
     io: Arc<dyn BlockIo>,
     /// Magic, version, header length and header: the trailer's first bytes.
     head: Vec<u8>,
+    /// What the trailer hashes after `head` (the file's version).
+    trailer_over: TrailerOver,
     stride: u64,
     /// `(hash, index in the file, block checksum)` of every entry, in order.
     pub(crate) entries: Vec<(BlockHash, u64, u64)>,
@@ -1009,12 +1034,12 @@ impl LoadTarget {
             u32::from_le_bytes([prefix[at], prefix[at + 1], prefix[at + 2], prefix[at + 3]])
         };
         let version = word(8);
-        if version != FILE_VERSION {
+        let Some(trailer_over) = TrailerOver::of_version(version) else {
             return Err(refuse(
                 path,
-                format!("format version {version}; this build reads version {FILE_VERSION}"),
+                format!("format version {version}; this build reads versions 1 to {FILE_VERSION}"),
             ));
-        }
+        };
         let header_len = word(12) as u64;
         let body = 16 + header_len;
         if body + 16 > len {
@@ -1059,21 +1084,136 @@ impl LoadTarget {
             let sum = u64::from_le_bytes(at[16..].try_into().unwrap_or_default());
             entries.push((hash, k, sum));
         }
-        let mut file = file;
-        file.seek(SeekFrom::Start(body)).map_err(read_err)?;
         Ok(VerifiedFile {
             path: path.to_path_buf(),
             file,
             io: self.io,
             head,
+            trailer_over,
             stride,
             entries,
         })
     }
 }
 
-/// A chunk of a load: its first entry, its entries, the bytes.
-type LoadChunk = (usize, usize, Arc<HostBuf>);
+/// Bytes a load reads at once and hashes right after, on the same core:
+/// small enough to be still in its L2 cache for the hash (an entry larger
+/// than this is read in equal parts).
+const PIECE_BYTES: usize = 512 << 10;
+
+/// Why a chunk of a load failed.
+enum ChunkFailed {
+    /// An entry disagrees with the index or its checksum.
+    Refused(MemError),
+    /// The read (short: truncated meanwhile).
+    Io(std::io::Error),
+    /// A block's copy.
+    Copy(MemError),
+}
+
+/// What every worker of a load shares ([`PendingLoad::copy_in`]).
+struct LoadPass<'a> {
+    file: &'a File,
+    path: &'a Path,
+    io: &'a dyn BlockIo,
+    /// The first entry's offset in the file.
+    body: u64,
+    stride: usize,
+    /// Entries a chunk.
+    per: usize,
+    chunks: usize,
+    /// `(hash, index, checksum)` of every entry, from the index.
+    entries: &'a [(BlockHash, u64, u64)],
+    /// For each entry, its fresh block among `refs` (`None`: not loaded).
+    target: &'a [Option<usize>],
+    refs: &'a [SharedBlockRef],
+    /// The next chunk to claim.
+    next: AtomicUsize,
+    /// Set by the first failure: the workers stop claiming.
+    stop: AtomicBool,
+    /// The failure of the earliest chunk, by chunk.
+    failed: Mutex<Option<(usize, ChunkFailed)>>,
+}
+
+impl LoadPass<'_> {
+    /// Claims chunks until none is left or a worker failed: each read into
+    /// `buf` (its bytes hashed piece by piece as they arrive), checked and
+    /// its new entries copied into their blocks. `trailer`, where given,
+    /// takes every chunk whole (version 1; there is one worker then, so in
+    /// file order).
+    fn work(&self, buf: &mut HostBuf, mut trailer: Option<&mut Xxh3>) {
+        while !self.stop.load(Ordering::Relaxed) {
+            let c = self.next.fetch_add(1, Ordering::Relaxed);
+            if c >= self.chunks {
+                break;
+            }
+            let first = c * self.per;
+            let count = self.per.min(self.entries.len() - first);
+            let chunk = &mut buf.as_mut_slice()[..count * self.stride];
+            if let Err(e) = self.chunk(first, chunk) {
+                self.stop.store(true, Ordering::Relaxed);
+                let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+                if failed.as_ref().is_none_or(|(at, _)| c < *at) {
+                    *failed = Some((c, e));
+                }
+                break;
+            }
+            if let Some(t) = trailer.as_deref_mut() {
+                t.update(chunk);
+            }
+        }
+    }
+
+    /// Reads, checks and copies the `chunk.len() / stride` entries from
+    /// entry `first`.
+    fn chunk(&self, first: usize, chunk: &mut [u8]) -> Result<(), ChunkFailed> {
+        use std::os::unix::fs::FileExt;
+        let stride = self.stride;
+        let parts = stride.div_ceil(PIECE_BYTES);
+        let piece = stride.div_ceil(parts);
+        for (j, entry) in chunk.chunks_exact_mut(stride).enumerate() {
+            let k = first + j;
+            let at = self.body + (k * stride) as u64;
+            let mut sum = Xxh3::new();
+            let mut done = 0;
+            while done < stride {
+                let end = (done + piece).min(stride);
+                self.file
+                    .read_exact_at(&mut entry[done..end], at + done as u64)
+                    .map_err(ChunkFailed::Io)?;
+                sum.update(&entry[done.max(24)..end]);
+                done = end;
+            }
+            let hash = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
+            let stored = u64::from_le_bytes(entry[16..24].try_into().unwrap_or_default());
+            let (want_hash, _, want_sum) = self.entries[k];
+            let why = if (hash, stored) != (want_hash, want_sum) {
+                format!("block {k} changed while it was being loaded")
+            } else if sum.digest() != stored {
+                format!(
+                    "block {k}'s checksum does not match (corrupted, or changed while it was \
+                     being loaded)"
+                )
+            } else {
+                continue;
+            };
+            return Err(ChunkFailed::Refused(refuse(self.path, why)));
+        }
+        // The chunk's new entries, as one batch.
+        let bb = stride - 24;
+        let copies: Vec<_> = chunk
+            .chunks_exact(stride)
+            .zip(&self.target[first..])
+            .filter_map(|(entry, &i)| Some((&self.refs[i?], &entry[24..24 + bb])))
+            .collect();
+        if copies.is_empty() {
+            return Ok(());
+        }
+        self.io
+            .write_blocks_staged(&copies)
+            .map_err(ChunkFailed::Copy)
+    }
+}
 
 impl PendingLoad {
     /// Reads the file's entries once, in chunks of whole entries, and
@@ -1082,16 +1222,21 @@ impl PendingLoad {
     /// checksum, and the whole file against the trailer. Any mismatch fails
     /// it (the caller then drops the fresh blocks: nothing was loaded).
     ///
-    /// [`BUFFERS`] host buffers (pinned where the pool has pinned memory)
-    /// go around a pipeline: this thread reads a chunk into a free buffer,
-    /// and three threads take it at once — the trailer's hash (in file
-    /// order), the entries' checks, the copies into the blocks — the last
-    /// of them handing the buffer back.
+    /// [`BUFFERS`] workers (this thread and two more), each with a host
+    /// buffer of its own (pinned where the pool has pinned memory), claim
+    /// chunks in turn and take each through every step on one core: read
+    /// in pieces of at most [`PIECE_BYTES`], each hashed right after its
+    /// read (while it is in the core's cache), the entries checked against
+    /// the index, the new ones copied into their blocks as one batch. The
+    /// reads of one worker overlap the hashes and the copies of the others,
+    /// and together they read faster than one reader could. A version-2
+    /// trailer is the hash of the index the entries were checked against;
+    /// a version-1 file, whose trailer hashes every byte in order, is read
+    /// by this thread alone.
     pub fn copy_in(&mut self) -> Result<(), MemError> {
-        let f = &mut self.file;
+        let f = &self.file;
         let path = f.path.as_path();
         let io = &*f.io;
-        let bb = io.block_bytes();
         let stride = f.stride as usize;
         let n = f.entries.len();
         let per = entries_per_chunk(stride);
@@ -1102,122 +1247,81 @@ impl PendingLoad {
                 *t = Some(i);
             }
         }
-        let (target, entries, head) = (&target, &f.entries, &f.head);
-        let stop = AtomicBool::new(false);
-        let (free_tx, free_rx) = sync_channel::<HostBuf>(BUFFERS);
-        for buf in chunk_buffers(io, refs.first(), per.min(n.max(1)) * stride) {
-            let _ = free_tx.send(buf);
-        }
-        let (trail_tx, trail_rx) = sync_channel::<LoadChunk>(BUFFERS);
-        let (check_tx, check_rx) = sync_channel::<LoadChunk>(BUFFERS);
-        let (copy_tx, copy_rx) = sync_channel::<LoadChunk>(BUFFERS);
-        let file = &mut f.file;
-        let (trailer, checked, copied, read) = std::thread::scope(|s| {
-            let stop = &stop;
-            let free = free_tx.clone();
-            let trailer = s.spawn(move || {
-                let mut trailer = Xxh3::new();
-                trailer.update(head);
-                for (_, count, buf) in trail_rx {
-                    if !stop.load(Ordering::Relaxed) {
-                        trailer.update(&buf.as_slice()[..count * stride]);
-                    }
-                    recycle(buf, &free);
-                }
-                trailer.digest128()
-            });
-            let free = free_tx.clone();
-            let checker = s.spawn(move || {
-                let mut bad = None;
-                for (first, count, buf) in check_rx {
-                    let chunk = &buf.as_slice()[..count * stride];
-                    for (j, entry) in chunk.chunks_exact(stride).enumerate() {
-                        if bad.is_some() || stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        let k = first + j;
-                        let hash = u128::from_le_bytes(entry[..16].try_into().unwrap_or_default());
-                        let sum = u64::from_le_bytes(entry[16..24].try_into().unwrap_or_default());
-                        let why = if (hash, sum) != (entries[k].0, entries[k].2) {
-                            format!("block {k} changed while it was being loaded")
-                        } else if xxh3_64(&entry[24..]) != sum {
-                            format!(
-                                "block {k}'s checksum does not match (corrupted, or changed \
-                                 while it was being loaded)"
-                            )
-                        } else {
-                            continue;
-                        };
-                        bad = Some(refuse(path, why));
-                        stop.store(true, Ordering::Relaxed);
-                    }
-                    recycle(buf, &free);
-                }
-                bad.map_or(Ok(()), Err)
-            });
-            let free = free_tx;
-            let copier = s.spawn(move || {
-                let mut failed = None;
-                for (first, count, buf) in copy_rx {
-                    if failed.is_none() && !stop.load(Ordering::Relaxed) {
-                        // The chunk's new entries, as one batch.
-                        let chunk = &buf.as_slice()[..count * stride];
-                        let copies: Vec<_> = chunk
-                            .chunks_exact(stride)
-                            .zip(&target[first..first + count])
-                            .filter_map(|(entry, &i)| Some((&refs[i?], &entry[24..24 + bb])))
-                            .collect();
-                        if let Err(e) = io.write_blocks_staged(&copies) {
-                            failed = Some(e);
-                            stop.store(true, Ordering::Relaxed);
-                        }
-                    }
-                    recycle(buf, &free);
-                }
-                failed.map_or(Ok(()), Err)
-            });
-            // This thread: the reads, at most BUFFERS chunks ahead.
-            let read = (|| -> Result<[u8; 16], std::io::Error> {
-                let mut k = 0;
-                while k < n && !stop.load(Ordering::Relaxed) {
-                    let Ok(mut buf) = free_rx.recv() else {
-                        break;
-                    };
-                    let count = per.min(n - k);
-                    file.read_exact(&mut buf.as_mut_slice()[..count * stride])?;
-                    let buf = Arc::new(buf);
-                    let sent = trail_tx.send((k, count, buf.clone())).is_ok()
-                        && check_tx.send((k, count, buf.clone())).is_ok()
-                        && copy_tx.send((k, count, buf)).is_ok();
-                    if !sent {
-                        break;
-                    }
-                    k += count;
-                }
-                let mut trailer = [0u8; 16];
-                file.read_exact(&mut trailer)?;
-                Ok(trailer)
-            })();
-            drop((trail_tx, check_tx, copy_tx));
-            let trailer = joined(trailer);
-            let checked = joined(checker);
-            let copied = joined(copier);
-            (trailer, checked, copied, read)
+        let pass = LoadPass {
+            file: &f.file,
+            path,
+            io,
+            body: f.head.len() as u64,
+            stride,
+            per,
+            chunks: n.div_ceil(per),
+            entries: &f.entries,
+            target: &target,
+            refs,
+            next: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            failed: Mutex::new(None),
+        };
+        let mut buffers = chunk_buffers(io, refs.first(), per.min(n.max(1)) * stride);
+        let mut whole = (f.trailer_over == TrailerOver::Entries).then(|| {
+            let mut t = Xxh3::new();
+            t.update(&f.head);
+            t
         });
-        for buf in free_rx.try_iter() {
+        let workers = if whole.is_some() {
+            1
+        } else {
+            pass.chunks.clamp(1, buffers.len())
+        };
+        std::thread::scope(|s| {
+            let (mine, others) = buffers.split_at_mut(1);
+            let pass = &pass;
+            let helpers: Vec<_> = others[..workers - 1]
+                .iter_mut()
+                .map(|buf| s.spawn(move || pass.work(buf, None)))
+                .collect();
+            pass.work(&mut mine[0], whole.as_mut());
+            helpers.into_iter().for_each(joined);
+        });
+        for buf in buffers {
             io.keep_buffer(buf);
         }
-        checked?;
-        let stored = read.map_err(|e| match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => {
-                refuse(path, "it was truncated while it was being loaded")
+        if let Some((_, failed)) = pass.failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(match failed {
+                ChunkFailed::Refused(e) | ChunkFailed::Copy(e) => e,
+                ChunkFailed::Io(e) => read_failed(path, e),
+            });
+        }
+        let trailer = match whole {
+            Some(t) => t.digest128(),
+            None => {
+                let mut t = Xxh3::new();
+                t.update(&f.head);
+                for &(hash, _, sum) in &f.entries {
+                    t.update(&hash.to_le_bytes());
+                    t.update(&sum.to_le_bytes());
+                }
+                t.digest128()
             }
-            _ => io_err("cannot read the prefix cache", path, e),
-        })?;
-        copied?;
-        if stop.load(Ordering::Relaxed) || trailer != u128::from_le_bytes(stored) {
+        };
+        let mut stored = [0u8; 16];
+        use std::os::unix::fs::FileExt;
+        f.file
+            .read_exact_at(&mut stored, pass.body + (n * stride) as u64)
+            .map_err(|e| read_failed(path, e))?;
+        if trailer != u128::from_le_bytes(stored) {
             return Err(refuse(path, "the file checksum does not match (corrupted)"));
         }
         Ok(())
+    }
+}
+
+/// A load's read error: a short read is the file truncated meanwhile.
+fn read_failed(path: &Path, e: std::io::Error) -> MemError {
+    match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => {
+            refuse(path, "it was truncated while it was being loaded")
+        }
+        _ => io_err("cannot read the prefix cache", path, e),
     }
 }

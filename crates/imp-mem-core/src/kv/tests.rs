@@ -900,11 +900,12 @@ fn a_leaked_token_panics_in_debug_builds() {
 
 /// A `BlockIo` that rewrites a byte of the file's last block the first time
 /// a block is copied in: the file changing between the load's two passes.
+/// Every copy waits for the rewrite (the load's workers copy at once).
 #[derive(Debug)]
 struct FileChangesMidLoad {
     inner: PoolBlockIo,
     path: PathBuf,
-    done: std::sync::atomic::AtomicBool,
+    done: std::sync::Mutex<bool>,
 }
 
 impl BlockIo for FileChangesMidLoad {
@@ -915,20 +916,32 @@ impl BlockIo for FileChangesMidLoad {
         self.inner.read_block(b, dst)
     }
     fn write_block(&self, b: &crate::SharedBlockRef, src: &[u8]) -> Result<(), MemError> {
-        if !self.done.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            let mut bytes = std::fs::read(&self.path).unwrap();
-            let at = bytes.len() - 16 - 3; // inside the last block's bytes
-            bytes[at] ^= 0x5a;
-            std::fs::write(&self.path, bytes).unwrap();
+        let mut done = self.done.lock().unwrap();
+        if !*done {
+            // One byte, in place: never shorter while the other workers
+            // read (a rewrite through a truncation would be, for a moment).
+            use std::os::unix::fs::FileExt;
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&self.path)
+                .unwrap();
+            let at = file.metadata().unwrap().len() - 16 - 3; // the last block's bytes
+            let mut byte = [0u8];
+            file.read_exact_at(&mut byte, at).unwrap();
+            file.write_all_at(&[byte[0] ^ 0x5a], at).unwrap();
+            *done = true;
         }
+        drop(done);
         self.inner.write_block(b, src)
     }
 }
 
 #[test]
 fn a_file_that_changes_between_the_passes_loads_nothing() {
-    // Blocks larger than half the reader's buffer, so the second pass reads
-    // the last block from the file after the first copy changed it.
+    // Blocks larger than half a chunk: four chunks of one block, for three
+    // workers. The last is claimed only after a worker's first copy, which
+    // waited for the rewrite, so it is read changed.
     const BB: usize = 600 << 10;
     let (mut m, fake) = backed(16, BB);
     m.admit(1, &toks(0..17), none()).unwrap();
@@ -950,11 +963,35 @@ fn a_file_that_changes_between_the_passes_loads_nothing() {
     m.check_invariants().unwrap();
 }
 
+/// The trailer of version `version` for `rest` (a file without its
+/// trailer, entries of `bb` bytes): version 1 hashes every byte, version 2
+/// the head and each entry's 24-byte record.
+fn trailer_of(version: u32, rest: &[u8], bb: usize) -> u128 {
+    if version == 1 {
+        return xxhash_rust::xxh3::xxh3_128(rest);
+    }
+    let header_len = u32::from_le_bytes(rest[12..16].try_into().unwrap()) as usize;
+    let (head, entries) = rest.split_at(16 + header_len);
+    let mut hashed = head.to_vec();
+    for entry in entries.chunks(24 + bb) {
+        hashed.extend_from_slice(&entry[..24.min(entry.len())]);
+    }
+    xxhash_rust::xxh3::xxh3_128(&hashed)
+}
+
+/// `rest` (a file without its trailer) with its version's trailer.
+fn with_trailer(mut rest: Vec<u8>, bb: usize) -> Vec<u8> {
+    let version = u32::from_le_bytes(rest[8..12].try_into().unwrap());
+    let trailer = trailer_of(version, &rest, bb);
+    rest.extend_from_slice(&trailer.to_le_bytes());
+    rest
+}
+
 #[test]
 fn the_streamed_file_keeps_the_format() {
-    // The streaming writer's trailer is the one-shot XXH3-128 of the rest,
-    // and every entry's checksum the XXH3-64 of its bytes: version 1, as
-    // the loader of any build reads it.
+    // Version 2: the streaming writer's trailer is the one-shot XXH3-128 of
+    // the head and the entries' records, and every entry's checksum the
+    // XXH3-64 of its bytes.
     let (mut m, fake) = backed(16, 32);
     m.admit(1, &toks(0..17), none()).unwrap();
     fill(&m, &fake, 1);
@@ -962,9 +999,10 @@ fn the_streamed_file_keeps_the_format() {
     let (_dir, path) = tmp("c.bin");
     let n = m.save_prefix_cache(&path).unwrap() as usize;
     let data = std::fs::read(&path).unwrap();
+    assert_eq!(u32::from_le_bytes(data[8..12].try_into().unwrap()), 2);
     let (rest, trailer) = data.split_at(data.len() - 16);
     assert_eq!(
-        xxhash_rust::xxh3::xxh3_128(rest),
+        trailer_of(2, rest, 32),
         u128::from_le_bytes(trailer.try_into().unwrap())
     );
     let header_len = u32::from_le_bytes(data[12..16].try_into().unwrap()) as usize;
@@ -1730,9 +1768,7 @@ fn crafted(good: &[u8], entries: u64, fit: bool, bb: usize) -> Vec<u8> {
     } else {
         out.extend_from_slice(body);
     }
-    let trailer = xxhash_rust::xxh3::xxh3_128(&out);
-    out.extend_from_slice(&trailer.to_le_bytes());
-    out
+    with_trailer(out, bb)
 }
 
 #[test]
@@ -1752,10 +1788,8 @@ fn crafted_headers_and_entries_are_refused_and_a_consistent_subset_loads() {
             let mut b = good.clone();
             let header_len = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
             b[16 + header_len + 2 * 72 + 16] ^= 4;
-            let n = b.len() - 16;
-            let t = xxhash_rust::xxh3::xxh3_128(&b[..n]);
-            b[n..].copy_from_slice(&t.to_le_bytes());
-            b
+            b.truncate(b.len() - 16);
+            with_trailer(b, 48)
         }),
     ] {
         std::fs::write(&bad, &bytes).unwrap();
@@ -1765,6 +1799,125 @@ fn crafted_headers_and_entries_are_refused_and_a_consistent_subset_loads() {
     // consistent file of its own, which loads.
     std::fs::write(&bad, crafted(&good, 3, true, 48)).unwrap();
     assert_eq!(m.load_prefix_cache(&bad).unwrap(), 3);
+    m.check_invariants().unwrap();
+}
+
+/// `good` (a saved file of five entries of `bb` bytes, version 2) with
+/// its entries in the order `order` (entry `k` of the result is entry
+/// `order[k]` of `good`, record and bytes), its trailer kept.
+fn reordered(good: &[u8], order: &[usize], bb: usize) -> Vec<u8> {
+    let header_len = u32::from_le_bytes(good[12..16].try_into().unwrap()) as usize;
+    let body = 16 + header_len;
+    let stride = 24 + bb;
+    let mut out = good[..body].to_vec();
+    for &k in order {
+        out.extend_from_slice(&good[body + k * stride..body + (k + 1) * stride]);
+    }
+    out.extend_from_slice(&good[good.len() - 16..]);
+    out
+}
+
+#[test]
+fn the_trailer_of_the_records_refuses_moved_and_repeated_entries() {
+    // Version 2 hashes each entry's record, not its bytes, into the
+    // trailer: whole entries (record and bytes, every checksum right)
+    // swapped, rotated or repeated must still be refused by it.
+    let (mut m, _fake, dir, _path, good) = saved_five(48);
+    let bad = dir.path().join("bad.bin");
+    for (what, order) in [
+        ("two entries swapped", [0, 3, 2, 1, 4]),
+        ("the last two swapped", [0, 1, 2, 4, 3]),
+        ("rotated", [1, 2, 3, 4, 0]),
+        ("one entry twice, one gone", [0, 1, 1, 3, 4]),
+    ] {
+        std::fs::write(&bad, reordered(&good, &order, 48)).unwrap();
+        refused_unchanged(&mut m, &bad, what);
+        let err = m.load_prefix_cache(&bad).unwrap_err().to_string();
+        assert!(
+            err.contains("file checksum does not match"),
+            "{what}: {err}"
+        );
+    }
+    // A block's bytes moved under another entry's record: its checksum.
+    let header_len = u32::from_le_bytes(good[12..16].try_into().unwrap()) as usize;
+    let (a, b) = (16 + header_len + 24, 16 + header_len + 72 + 24);
+    let mut moved = good.clone();
+    moved.copy_within(a..a + 48, b);
+    std::fs::write(&bad, &moved).unwrap();
+    refused_unchanged(&mut m, &bad, "bytes under another record");
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+
+    /// Any order of the entries but the saved one is refused under the
+    /// saved trailer, and loads whole under its own (a consistent file).
+    #[test]
+    fn entries_load_only_in_the_order_their_trailer_names(
+        order in proptest::strategy::Strategy::prop_shuffle(
+            proptest::sample::subsequence(vec![0usize, 1, 2, 3, 4], 5)
+        )
+    ) {
+        let (mut m, fake, dir, _path, good) = saved_five(48);
+        let bad = dir.path().join("bad.bin");
+        let file = reordered(&good, &order, 48);
+        std::fs::write(&bad, &file).unwrap();
+        if order == [0, 1, 2, 3, 4] {
+            proptest::prop_assert_eq!(m.load_prefix_cache(&bad).unwrap(), 5);
+        } else {
+            refused_unchanged(&mut m, &bad, &format!("{order:?}"));
+            let rest = file[..file.len() - 16].to_vec();
+            std::fs::write(&bad, with_trailer(rest, 48)).unwrap();
+            proptest::prop_assert_eq!(m.load_prefix_cache(&bad).unwrap(), 5);
+        }
+        for (h, _, addr) in m.cached_blocks() {
+            proptest::prop_assert_eq!(fake.read(addr.unwrap(), 48).unwrap(), pattern(h, 48));
+        }
+        m.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_version_1_file_loads_and_is_checked_by_its_own_trailer() {
+    // The builds before wrote version 1: the trailer over every byte.
+    let (mut m, fake, dir, _path, good) = saved_five(48);
+    let as_version = |version: u32, trailer_version: u32| {
+        let mut rest = good[..good.len() - 16].to_vec();
+        rest[8..12].copy_from_slice(&version.to_le_bytes());
+        let trailer = trailer_of(trailer_version, &rest, 48);
+        rest.extend_from_slice(&trailer.to_le_bytes());
+        rest
+    };
+    let bad = dir.path().join("bad.bin");
+    for (what, bytes) in [
+        ("version 1 under a version-2 trailer", as_version(1, 2)),
+        ("version 2 under a version-1 trailer", as_version(2, 1)),
+        ("version 3", as_version(3, 2)),
+        ("version 1, a block byte flipped, trailer recomputed", {
+            let mut b = as_version(1, 1);
+            let at = b.len() - 16 - 5;
+            b[at] ^= 0x20;
+            b.truncate(b.len() - 16);
+            with_trailer(b, 48)
+        }),
+        ("version 1, a block byte flipped", {
+            let mut b = as_version(1, 1);
+            let at = b.len() - 16 - 5;
+            b[at] ^= 0x20;
+            b
+        }),
+    ] {
+        std::fs::write(&bad, &bytes).unwrap();
+        refused_unchanged(&mut m, &bad, what);
+    }
+    std::fs::write(&bad, as_version(3, 2)).unwrap();
+    let err = m.load_prefix_cache(&bad).unwrap_err().to_string();
+    assert!(err.contains("format version 3"), "{err}");
+    std::fs::write(&bad, as_version(1, 1)).unwrap();
+    assert_eq!(m.load_prefix_cache(&bad).unwrap(), 5);
+    for (h, _, addr) in m.cached_blocks() {
+        assert_eq!(fake.read(addr.unwrap(), 48).unwrap(), pattern(h, 48));
+    }
     m.check_invariants().unwrap();
 }
 
@@ -1820,7 +1973,7 @@ fn a_load_and_a_save_of_many_chunks_keep_every_byte() {
     let data = std::fs::read(&path).unwrap();
     let (rest, trailer) = data.split_at(data.len() - 16);
     assert_eq!(
-        xxhash_rust::xxh3::xxh3_128(rest),
+        trailer_of(2, rest, BB),
         u128::from_le_bytes(trailer.try_into().unwrap())
     );
     let saved = m.cached_blocks();
@@ -1872,7 +2025,10 @@ fn a_save_and_a_load_copy_each_chunk_of_blocks_as_one_batch() {
     let saved = m.cached_blocks();
     assert_eq!(m.evict(u32::MAX), 2000);
     assert_eq!(m.load_prefix_cache(&path).unwrap(), 2000);
-    assert_eq!(batches(), [1024, 976]);
+    // The load's workers take the two chunks at once: in either order.
+    let mut loaded = batches();
+    loaded.sort_unstable();
+    assert_eq!(loaded, [976, 1024]);
     assert_eq!(hosts().len(), 2000);
     for (h, _, addr) in m.cached_blocks() {
         assert_eq!(fb.read(addr.unwrap(), BB).unwrap(), pattern(h, BB));

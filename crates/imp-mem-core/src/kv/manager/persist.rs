@@ -42,7 +42,7 @@ impl KVCacheManager {
             hash_algorithm: HASH_ALGORITHM.into(),
             hash_seed: c.hash_seed,
             entries,
-            checksum: "xxh3-128 trailer; xxh3-64 per block".into(),
+            checksum: "xxh3-64 per block; xxh3-128 trailer of the header and the entries' hash and checksum".into(),
         }
     }
 
