@@ -8,6 +8,7 @@ that breaks before its first measurement. The figures themselves mean
 nothing on a CPU and are not asserted.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -99,3 +100,26 @@ def test_measured_replay_bench_runs_the_trace_without_fallbacks():
     )
     assert re.search(r"^first start:  warm-up fallbacks 0, served run 0$", out, re.M), out
     assert re.search(r"^second start: run 1 fallbacks 0, run 2 0$", out, re.M), out
+    assert re.search(r"^RATIOS high-water/live-peak [\d.]+, frozen/live-peak [\d.]+", out, re.M), (
+        out
+    )
+
+
+def test_a_recorded_hf_trace_replays_through_the_tier(tmp_path):
+    """record_hf_trace.py's trace of transformers' own Qwen3 (meta device,
+    a tiny batch) replays through the measured tier, frozen and on a second
+    start, with no fallback; the figures come back as JSON."""
+    pytest.importorskip("transformers")
+    trace, figures = tmp_path / "trace.json", tmp_path / "figures.json"
+    _run(
+        "record_hf_trace.py",
+        *("--batch", "1", "--prompt", "16", "--new", "2", "--out", str(trace)),
+        timeout=300,
+    )
+    out = _run(
+        "bench_measured_replay.py", "--trace", str(trace), "--json", str(figures), timeout=120
+    )
+    assert re.search(r"^second start: run 1 fallbacks 0, run 2 0$", out, re.M), out
+    got = json.loads(figures.read_text())
+    assert got["fallbacks"] == {"warm_up": 0, "served": 0, "second_start": [0, 0]}
+    assert got["live_peak"] <= got["high_water"] <= got["frozen"]
