@@ -70,6 +70,7 @@ impl ActivationPool {
     fn find_own(core: &Core, stream: u64, units: u64, need: u64) -> Option<u32> {
         let lane = &core.lanes[core.lane_of(stream)? as usize];
         lane.find(&core.slab, units, need)
+            .or_else(|| lane.find_exact(&core.slab, units, need))
     }
 
     /// Serves the request from another stream's free block, after ordering
@@ -89,10 +90,11 @@ impl ActivationPool {
             .lanes
             .iter()
             .filter(|l| l.stream != stream && l.stream != FRESH_STREAM);
-        let found = fresh
-            .chain(others)
-            .filter(|l| l.blocks > 0)
-            .find_map(|l| l.find(&core.slab, units, need).map(|idx| (idx, l.stream)));
+        let found = fresh.chain(others).filter(|l| l.blocks > 0).find_map(|l| {
+            l.find(&core.slab, units, need)
+                .or_else(|| l.find_exact(&core.slab, units, need))
+                .map(|idx| (idx, l.stream))
+        });
         let Some((idx, producer)) = found else {
             return Ok(None);
         };

@@ -5,21 +5,18 @@
 //! **Algorithm.** One backend [`Region`] (tag `activations`) is cut into
 //! blocks by a two-level segregated-fit index ([`tlsf`]): sizes are rounded
 //! up to the pool's alignment (512 B by default, torch's own), a request
-//! takes the best fit (the smallest free block that fits, the lowest
-//! address among equals, as torch's caching allocator), splits off the
-//! tail, and a free merges the block at once with its free physical
-//! neighbours. A free is O(1); an allocation a few bit scans and the scan
-//! of at most two class lists (the request's own and the first non-empty
-//! one above it), plus one hash-map operation to find a block by its
-//! pointer.
+//! takes the head of the first non-empty size class whose blocks all fit,
+//! splits off the tail, and a free merges the block at once with its free
+//! physical neighbours. Allocate and free are O(1) (a few bit scans and list
+//! links, plus one hash-map operation to find a block by its pointer).
 //!
 //! **Fragmentation bound.** Internal: at most `align - 1` bytes per block
 //! (the rounding), none from the classes, since a block is split to the
 //! rounded size. External: free neighbours of one stream (or never used)
 //! are always merged, so no two adjacent free blocks of one stream exist; a request of `n`
 //! bytes is refused only when no free block of at least `n` bytes exists
-//! (the search scans the request's own class, whose blocks may be too small,
-//! and is followed by a reclaim of the other streams' free blocks), i.e. only when the free
+//! (the good-fit search is followed by a scan of the one class it skips, and
+//! by a reclaim of the other streams' free blocks), i.e. only when the free
 //! space is split by live blocks. As in any non-moving allocator that split
 //! can be adversarial: a pattern of live blocks can keep the largest free
 //! block small while much is free in all.

@@ -246,38 +246,3 @@ fn a_fallback_goes_back_only_after_its_streams_are_waited_for() {
     drop(p);
     assert_eq!(held(&fb), 0, "the parked region goes back with the pool");
 }
-
-/// The search is an address-ordered best fit: a hole of the request's own
-/// class that fits is taken before a larger one (the good fit skipped the
-/// class and reached for the larger hole, or the top); among equal holes
-/// the lowest address wins, not the one freed last. On an HF generate()
-/// built in bf16 the good fit left 7.5 % of the live peak as holes under
-/// the high-water, the best fit 1.7 %.
-#[test]
-fn a_request_takes_the_smallest_hole_that_fits_the_lowest_among_equals() {
-    let fb = fake(PhaseMode::Strict);
-    let p = pool(&fb, 256 * KIB, Arc::new(NoStreams));
-    let unit = 512u64;
-    let off = |addr: usize| (addr - p.base()) as u64 / unit;
-    // Holes of 33, 40, 34 and 34 units, each kept apart by a live unit.
-    let mut holes = Vec::new();
-    let mut seps = Vec::new();
-    for units in [33, 40, 34, 34] {
-        holes.push(p.allocate(units * unit, 0).unwrap());
-        seps.push(p.allocate(unit, 0).unwrap());
-    }
-    let top = p.stats().largest_free;
-    for &h in &holes {
-        p.free(h, 0).unwrap();
-    }
-    let at: Vec<u64> = holes.iter().map(|&h| off(h)).collect();
-    // 33 units: its own class [32, 34) holds the 33-unit hole.
-    assert_eq!(off(p.allocate(33 * unit, 0).unwrap()), at[0]);
-    // 34 units: two equal holes; the lower one, though freed first.
-    assert_eq!(off(p.allocate(34 * unit, 0).unwrap()), at[2]);
-    assert_eq!(off(p.allocate(34 * unit, 0).unwrap()), at[3]);
-    // 35 units: only the 40-unit hole fits, not the top.
-    assert_eq!(off(p.allocate(35 * unit, 0).unwrap()), at[1]);
-    assert_eq!(p.stats().largest_free, top);
-    p.check_invariants().unwrap();
-}

@@ -11,18 +11,10 @@
 //! is cut into 16 classes and a class spans at most 1/16 of its lower bound.
 //! A lane keeps a bitmap of non-empty first levels and, per first level, one
 //! of non-empty second levels, so finding a non-empty class at or above a
-//! given one is two `trailing_zeros`.
-//!
-//! A search is an address-ordered best fit ([`Lane::find`]): the smallest
-//! free block that fits, the lowest address among equals, as torch's
-//! caching allocator chooses. The request's own class is scanned first (its
-//! blocks may be too small, and any that fits is smaller than every block
-//! above it); failing that, the first non-empty class above, whose blocks
-//! all fit, is scanned for its smallest. So a search reads two lists, not
-//! one head: on an HF generate() built in bf16 (`record_hf_trace.py`), the
-//! head of the first class whose blocks all fit (TLSF's good fit) left
-//! holes of 7.5 % of the live peak under the high-water, the best fit 1.7 %
-//! (the lowest address among equals matters: taking the first of them, 9 %).
+//! given one is two `trailing_zeros`. A search first rounds the request up
+//! to the next class boundary, so any block of the class found fits without
+//! looking at it (good fit, O(1)); [`Lane::find_exact`] scans the one class
+//! below that boundary when nothing larger is free.
 //!
 //! The top block (the last of the region, no physical neighbour after it:
 //! the memory never reached, or reached and given back) is listed in a class
@@ -216,17 +208,9 @@ impl Lane {
         self.bytes -= size;
     }
 
-    /// The best-fitting block for a request of `units` units (`need`
-    /// bytes): the smallest free block of at least `need` bytes, the lowest
-    /// address among equals (module doc); the top only when no other fits.
+    /// The head of the first non-empty class that guarantees `units` units.
+    #[inline]
     pub(crate) fn find(&self, slab: &[Block], units: u64, need: u64) -> Option<u32> {
-        let (top_f, top_s) = class_of(TOP_UNITS);
-        let (f, s) = class_of(units);
-        if (f, s) != (top_f, top_s) {
-            if let Some(best) = self.smallest(slab, (f, s), need) {
-                return Some(best);
-            }
-        }
         let (f, s) = search_class(units);
         if f >= FL {
             return None;
@@ -246,30 +230,26 @@ impl Lane {
             let f = above.trailing_zeros() as usize;
             (f, u32::from(self.sl_map[f]).trailing_zeros() as usize)
         };
-        if (f, s) == (top_f, top_s) {
-            // The top's class says nothing of its size.
-            let top = self.heads[f][s];
-            return (slab[top as usize].size >= need).then_some(top);
-        }
-        // Every block of this class fits.
-        self.smallest(slab, (f, s), need)
+        let head = self.heads[f][s];
+        // Every block of the class fits, except the top, whose class says
+        // nothing of its size.
+        (head != NONE && slab[head as usize].size >= need).then_some(head)
     }
 
-    /// The smallest block of at least `need` bytes listed in `class`, the
-    /// lowest address among equals.
-    fn smallest(&self, slab: &[Block], (f, s): (usize, usize), need: u64) -> Option<u32> {
+    /// A block of at least `bytes` in the class of `units` (which
+    /// [`Lane::find`] skips, as some of its blocks may be too small), by
+    /// scanning that one list.
+    pub(crate) fn find_exact(&self, slab: &[Block], units: u64, bytes: u64) -> Option<u32> {
+        let (f, s) = class_of(units);
         let mut at = self.heads[f][s];
-        let mut best: Option<(u64, u64, u32)> = None;
         while at != NONE {
             let b = &slab[at as usize];
-            if b.size >= need
-                && best.is_none_or(|(size, offset, _)| (b.size, b.offset) < (size, offset))
-            {
-                best = Some((b.size, b.offset, at));
+            if b.size >= bytes {
+                return Some(at);
             }
             at = b.next_free;
         }
-        best.map(|(_, _, idx)| idx)
+        None
     }
 
     /// Any listed block (the head of the lowest non-empty class).
