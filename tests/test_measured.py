@@ -376,32 +376,3 @@ def test_the_readme_serve_example_runs_on_the_cpu(monkeypatch, tmp_path, capsys)
     assert system.remembered == tmp_path / "measured.json"
     assert ns["out"].shape == (4, 64 + 8)
     assert "measured tier activations: frozen" in capsys.readouterr().out
-
-
-def test_serve_opens_its_vmm_backend_in_handles_of_the_chunk(monkeypatch):
-    """The VMM backend serve() opens commits in handles of ``chunk`` bytes,
-    so the freeze rounds the tier up to a chunk, not to the source's default
-    64 MiB handle (the H200's 5 879.8 MiB high-water + 1 % was frozen at
-    5 952 MiB). The backend is simulated: a fake with the handle size as
-    its granularity."""
-    opened = []
-
-    def vmm(device, chunk_bytes=None, **kwargs):
-        opened.append((device, chunk_bytes))
-        return imp_mem.FakeBackend(capacity=256 * MIB, granularity=chunk_bytes or 64 * MIB)
-
-    monkeypatch.setattr(imp_mem, "VmmBackend", vmm)
-    served = torch_mod.serve(budget=256 * MIB, margin=0.01)
-    assert opened == [(0, torch_mod.DEFAULT_CHUNK)]
-    act = served.activations
-    a = act.allocate(5 * MIB + 1)
-    served.begin_serving()
-    high_water = 5 * MIB + 512
-    line = served.measured()[0]
-    assert line["high_water"] == high_water
-    size = high_water + high_water // 100
-    assert line["size"] == -(-size // torch_mod.DEFAULT_CHUNK) * torch_mod.DEFAULT_CHUNK == 6 * MIB
-    act.free(a)
-    opened.clear()
-    torch_mod.serve(budget=256 * MIB, chunk=8 * MIB)
-    assert opened == [(0, 8 * MIB)]

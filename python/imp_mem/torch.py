@@ -545,8 +545,7 @@ def serve(
     :class:`~imp_mem.MemorySystem` for ``budget`` (default: the device's
     memory less what other processes hold) with one tier, the activations
     tier, *measured* (it grows in ``chunk``-byte commits while the warm-up
-    runs, addresses never moving; the VMM backend this opens maps handles of
-    that size) and no KV pool; the tier is then made
+    runs, addresses never moving) and no KV pool; the tier is then made
     torch's allocator (``mode="process"``: process-wide, so call this before
     torch's first CUDA tensor; ``mode="scope"``: a MemPool over it, entered
     with ``served.scope()``). Returns a :class:`Served`.
@@ -573,13 +572,8 @@ def serve(
             other_processes = device_used_by_all_processes(dev) or 0
         else:
             other_processes = 0
-    chunk_bytes = byte_count(chunk, "chunk")
     if backend is None:
-        # Handles of `chunk` bytes: the freeze rounds the tier up to one, and
-        # the VMM source's default (64 MiB) cost the H200 up to 1 % of a
-        # 6 GiB tier. Only the warm-up's growth maps them, one access call
-        # per commit.
-        backend = VmmBackend(dev, chunk_bytes=chunk_bytes)
+        backend = VmmBackend(dev)
     is_device = not isinstance(backend, core.FakeBackend)
     fp = None
     recalled = None
@@ -602,6 +596,7 @@ def serve(
             f"budget: {plan_budget} B leaves nothing for the tier after the CUDA context "
             f"({context} B); give a larger budget"
         )
+    chunk_bytes = byte_count(chunk, "chunk")
     if recalled is not None:
         tier = min(tier, recalled["size"])
     plan = _placeholder_plan(tier, plan_budget, context)
