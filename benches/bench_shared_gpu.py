@@ -5,9 +5,10 @@ Three engines in three processes — Qwen3-0.6B's, Qwen3-4B's and Qwen3-8B's
 shapes (``--quick``: 0.6B, 1.7B, 4B), random weights written once to
 /dev/shm — serve one bursty trace, under two set-ups:
 
-* **static**: each engine planned for a third of the budget, no ledger, with
-  the largest ``max_batch`` (at most ``--max-batch``) whose plan fits its
-  third: what a static split can serve at once.
+* **static**: each engine planned for a third of the budget, no ledger, at
+  the first ``max_batch`` down from ``--max-batch`` whose plan fits its
+  third (the planner's lever, else halving): what a static split can
+  serve at once.
 * **shared**: every engine on the device ledger (``Engine(shared=...)``),
   planned for a cap of the whole budget less the others' weights and a
   margin, with a ``max_batch`` of its whole burst (plus two for the
@@ -142,11 +143,11 @@ def sync():
 
 def open_engine(directory, mode, opts, name, max_batch=None, **extra):
     """An engine planned for its budget (static: the third; shared: its
-    cap) with the largest ``max_batch`` up to `max_batch` (default
-    ``opts["max_batch"]``) whose plan fits: the planner's ``max_batch``
-    lever where it names one, else halving. Only failed plans are tried
-    on the way down (each costs a planning pass, not a boot), so the first
-    fit is returned. Returns ``(engine, max_batch)``."""
+    cap) at the first ``max_batch`` that fits on the way down from
+    `max_batch` (default ``opts["max_batch"]``): the planner's
+    ``max_batch`` lever where it names one, else halving. Only failed
+    plans come before it (each a planning pass, not a boot). Returns
+    ``(engine, max_batch)``."""
     import imp_mem
     from imp_mem.engine import Engine
     from imp_mem.engine.shared import SharedGPU

@@ -383,7 +383,7 @@ class ModelRunner:
                 self.prefill_slots = _Slots(backend, specs, PREFILL_SLOTS, event)
             elif group not in ("out", "fi_work"):  # outputs and workspaces: no host copy
                 self.staging[group] = _Staging(backend, specs)
-        self.staging["next"] = _Staging(self.memory.backend, {"next": groups["out"]["next"]})
+        self.staging["next"] = _Staging(backend, {"next": groups["out"]["next"]})
 
     def _pool_view(self, pool, layers, geometry, dtype, what, block=None) -> torch.Tensor:
         # `block`: a whole block's shape, where the model lays its pages out itself.

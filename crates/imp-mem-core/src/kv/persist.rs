@@ -37,9 +37,9 @@
 //! not pile up.
 //!
 //! Both directions move the entries in chunks of whole entries (a save's
-//! of about 8 MiB, a load's of about 1 MiB) through three host buffers — pinned where the pool's source
-//! has pinned memory, so a block's device copy is a DMA straight to or
-//! from the chunk. A save runs its stages on threads of their own at once:
+//! of about 8 MiB, a load's of about 1 MiB) through three host buffers —
+//! pinned where the pool's source has pinned memory, so a block's device
+//! copy is a DMA straight to or from the chunk. A save runs its stages on threads of their own at once:
 //! it copies blocks out of the pool into a chunk laid out as the file is
 //! (this thread), computes their checksums and feeds the entries' records
 //! to the trailer's hash (a second), and writes the chunk (a third). A
@@ -95,6 +95,7 @@
 
 use std::fs::{self, File};
 use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::sync_channel;
@@ -1018,7 +1019,6 @@ impl LoadTarget {
     /// entries it lacks and allocate their blocks. The block bytes and every
     /// checksum are read and checked once, by [`PendingLoad::copy_in`].
     pub fn verify(self, path: &Path) -> Result<VerifiedFile, MemError> {
-        use std::os::unix::fs::FileExt;
         let bb = self.io.block_bytes();
         let read_err = |e| io_err("cannot read the prefix cache", path, e);
         refuse_irregular(path, "read the prefix cache")?;
@@ -1173,7 +1173,6 @@ impl LoadPass<'_> {
     /// Reads, checks and copies the `chunk.len() / stride` entries from
     /// entry `first`.
     fn chunk(&self, first: usize, chunk: &mut [u8]) -> Result<(), ChunkFailed> {
-        use std::os::unix::fs::FileExt;
         let stride = self.stride;
         let parts = stride.div_ceil(PIECE_BYTES);
         let piece = stride.div_ceil(parts);
@@ -1311,7 +1310,6 @@ impl PendingLoad {
             }
         };
         let mut stored = [0u8; 16];
-        use std::os::unix::fs::FileExt;
         f.file
             .read_exact_at(&mut stored, pass.body + (n * stride) as u64)
             .map_err(|e| read_failed(path, e))?;
