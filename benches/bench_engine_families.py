@@ -18,7 +18,12 @@ Per model and batch size (32 and 128; ``--quick``: 32 only, fewer tokens):
    model is too slow or too large at full depth (the MoE models' per-expert
    loops), both sides run the first ``--hf-layers`` layers for the
    comparison, and ours also runs the whole model.
-2. The fraction of the HBM roofline our decode reaches: the bytes a step
+2. Greedy tokens against transformers' on the same weights (at the
+   compared depth): our greedy tokens of the first ``--check`` requests of
+   each batch, teacher-forced through transformers' model; every token
+   where transformers' top-2 margin is decisive (> 0.2) must be its argmax
+   (the GPU tests' rule). The bench exits 1 when one is not.
+3. The fraction of the HBM roofline our decode reaches: the bytes a step
    must read (the dense weights, the routed experts a step's picks hit in
    expectation, ``E * (1 - (1 - k/E)^B)`` of E per layer, and every
    sequence's KV so far) over the step time, against ``--hbm-tbs`` (4.8
@@ -226,7 +231,7 @@ def image_for(config: dict, prompt: list[int]):
     return torch.rand(3, 896, 896, generator=g).mul_(2).sub_(1)
 
 
-def ours(config, prompts, new_tokens, max_batch):
+def ours(config, prompts, new_tokens, max_batch, keep=0):
     import torch
 
     import imp_mem
@@ -249,8 +254,7 @@ def ours(config, prompts, new_tokens, max_batch):
         for batch, ps in prompts.items():
             e.generate(ps[:2], 2, images=[image_for(config, p) for p in ps[:2]])  # warm up
             e.stats = EngineStats()
-            for p in ps:
-                e.submit(p, new_tokens, image=image_for(config, p))
+            reqs = [e.submit(p, new_tokens, image=image_for(config, p)) for p in ps]
             e.step()  # admits and prefills every request, decodes once
             torch.cuda.synchronize()
             tokens0, steps0 = e.stats.decode_tokens, e.stats.decode_steps
@@ -263,6 +267,8 @@ def ours(config, prompts, new_tokens, max_batch):
             out[batch] = {
                 "tok_s": (e.stats.decode_tokens - tokens0) / dt,
                 "step_s": dt / max(1, steps),
+                # The first `keep` requests' greedy tokens, in submission order.
+                "outputs": [list(r.output) for r in reqs[:keep]],
             }
             for sid in [s for s, r in e.scheduler.requests.items() if r.done]:
                 e.scheduler.reap(sid)
@@ -274,7 +280,41 @@ def ours(config, prompts, new_tokens, max_batch):
     return out
 
 
-def transformers_side(config, prompts, new_tokens):
+def teacher_forced(model, prompt, output, config):
+    """Transformers' float logits at the positions that chose `output`."""
+    import torch
+
+    ids = torch.tensor([prompt + output[:-1]], device="cuda")
+    extra = {}
+    image = image_for(config, prompt)
+    if image is not None:
+        extra = {
+            "pixel_values": image[None].to("cuda", torch.bfloat16),
+            "token_type_ids": (ids == IMAGE_TOKEN).long(),
+        }
+    with torch.no_grad():
+        logits = model(input_ids=ids, **extra).logits[0].float()
+    return logits[len(prompt) - 1 :]
+
+
+def greedy_check(model, config, prompts, outputs) -> dict:
+    """Decisive tokens (transformers' top-2 margin > 0.2) and how many of
+    them our greedy token differs on."""
+    import torch
+
+    decisive = checked = wrong = 0
+    for p, o in zip(prompts, outputs, strict=False):
+        rows = teacher_forced(model, p, o, config)
+        top2 = rows.topk(2, dim=-1).values
+        sure = ((top2[:, 0] - top2[:, 1]) > 0.2).cpu()
+        same = rows.argmax(-1).cpu() == torch.tensor(o)
+        checked += len(o)
+        decisive += int(sure.sum())
+        wrong += int((sure & ~same).sum())
+    return {"decisive": decisive, "checked": checked, "wrong": wrong}
+
+
+def transformers_side(config, prompts, new_tokens, outputs=None):
     import torch
 
     from imp_mem.engine.dummy import transformers_model
@@ -313,6 +353,8 @@ def transformers_side(config, prompts, new_tokens):
         t1 = gen(1)
         tn = gen(new_tokens)
         out[batch] = {"tok_s": batch * (new_tokens - 1) / max(tn - t1, 1e-9)}
+        if outputs:
+            out[batch]["greedy"] = greedy_check(model, config, ps, outputs[batch])
     return out
 
 
@@ -324,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--hf-layers", type=int, default=None, help="override the MoE comparison depth")
+    ap.add_argument(
+        "--check", type=int, default=8, help="requests a batch whose greedy tokens are checked"
+    )
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s (H200: 4.8)")
     args = ap.parse_args(argv)
 
@@ -338,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_len = args.prompt_len or (64 if args.quick else 128)
     new_tokens = args.new_tokens or (16 if args.quick else 32)
     t_all = time.perf_counter()
+    failed = False
     for family in args.only.split(","):
         title, make, hf_layers = MODELS[family]
         hf_layers = args.hf_layers or hf_layers
@@ -353,10 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         depth = compared.get("text_config", compared)["num_hidden_layers"]
         layers = text["num_hidden_layers"]
         print(f"== {title}: {layers} layers; transformers at {depth}", flush=True)
-        peer = transformers_side(compared, prompts, new_tokens)
+        # Ours first, so that transformers can check our greedy tokens.
+        mine = ours(compared, prompts, new_tokens, max(batches), keep=args.check)
+        peer = transformers_side(
+            compared, prompts, new_tokens, {b: mine[b]["outputs"] for b in batches}
+        )
         gc.collect()  # transformers' model is gone with its frame
         torch.cuda.empty_cache()
-        mine = ours(compared, prompts, new_tokens, max(batches))
         whole = mine if compared is full else ours(full, prompts, new_tokens, max(batches))
         for b in batches:
             context = prompt_len + len(image) + new_tokens // 2
@@ -369,6 +418,19 @@ def main(argv: list[str] | None = None) -> int:
                     "peer_value": peer[b]["tok_s"],
                     "ratio": mine[b]["tok_s"] / peer[b]["tok_s"],
                     "goal": "> 1x",
+                }
+            )
+            g = peer[b]["greedy"]
+            failed |= g["wrong"] > 0
+            ROWS.append(
+                {
+                    "name": f"{title} greedy tokens vs transformers, batch {b} ({depth} layers)",
+                    "ours": g["wrong"],
+                    "peer": f"{g['decisive']} decisive of {g['checked']}",
+                    "peer_value": None,
+                    "ratio": None,
+                    "goal": "0 differ where decisive",
+                    "greedy": g,
                 }
             )
             ROWS.append(
@@ -389,7 +451,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"\nsummary ({time.perf_counter() - t_all:.0f} s)")
     for r in ROWS:
-        if r["ratio"] is not None:
+        if "greedy" in r:
+            g = r["greedy"]
+            print(
+                f"  {r['name']:<62} {g['wrong']} differ of {g['decisive']} decisive "
+                f"({g['checked']} checked)"
+            )
+        elif r["ratio"] is not None:
             print(
                 f"  {r['name']:<62} ours {r['ours']:>10.0f}  transformers "
                 f"{r['peer_value']:>10.0f}  x{r['ratio']:.2f}"
@@ -401,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.json:
         write_json(args.json, ROWS)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

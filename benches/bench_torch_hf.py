@@ -180,9 +180,14 @@ def child_imp(args) -> dict:
     import imp_mem.torch
 
     fingerprint = {"model": "Qwen3-0.6B/random", "batch": args.batch, "prompt": args.prompt,
-                   "new": args.new, "compile": args.compile, "mode": args.mode}  # fmt: skip
+                   "new": args.new, "compile": args.compile, "mode": args.mode,
+                   "vmm_chunk_mib": args.vmm_chunk_mib, "margin": args.margin}  # fmt: skip
+    # Not the user's: the bench's knobs (the backend's handle size, the margin).
+    knobs = {"margin": args.margin} if args.margin is not None else {}
+    if args.vmm_chunk_mib:
+        knobs["backend"] = imp_mem.VmmBackend(0, chunk_bytes=args.vmm_chunk_mib << 20)
     # --- user code (ten lines at most)
-    system = imp_mem.torch.serve(fingerprint=fingerprint, mode=args.mode)
+    system = imp_mem.torch.serve(fingerprint=fingerprint, mode=args.mode, **knobs)
     with system.scope():
         model, ids = build(args.batch, args.prompt, args.compile)
         generate(model, ids, args.new, args.compile)  # the warm-up (compiles, if asked)
@@ -262,6 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", help="the measured-figure cache dir (default: a fresh temp dir)")
     ap.add_argument("--quick", action="store_true", help="batch 8 x 256 + 16")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--vmm-chunk-mib", type=int, default=None, help="imp child: the VMM backend's handle MiB"
+    )
+    ap.add_argument("--margin", type=float, default=None, help="imp child: serve()'s margin")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="process/none again at each CHUNK_MIB:MARGIN (e.g. 2:0.01,2:0.005), side by side",
+    )
     args = ap.parse_args(argv)
     if args.child:
         import torch
@@ -291,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                 row = compare(args, default, second, needed)
                 row["first_start_measured"] = first["measured_this_start"]
                 variants["process/none/second-start"] = row
+                for variant in filter(None, args.variants.split(",")):
+                    mib, margin = variant.split(":")
+                    knob = ["--vmm-chunk-mib", mib, "--margin", margin]
+                    extra = run_child("imp", args, [*comp, "--mode", "process", *knob], cache)
+                    variants[f"process/none/chunk{mib}/margin{margin}"] = compare(
+                        args, default, extra, needed
+                    )
                 if not args.no_scope:
                     scope = run_child("imp", args, [*comp, "--mode", "scope"], cache)
                     variants["scope/none"] = compare(args, default, scope, needed)
