@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import imp_mem
@@ -162,3 +164,51 @@ def decisive_tokens(label: str, logits_rows, outs) -> tuple[int, int]:
         assert ok[sure].all(), f"{label}: a greedy token differs where transformers is decisive"
     print(f"\n{label}: {decisive} of {checked} tokens decisive, all equal to transformers'")
     return decisive, checked
+
+
+THRESHOLDS = Path(__file__).resolve().parent / "engine_peak_thresholds.json"
+
+
+def check_peak_thresholds(name: str, got: dict[str, int], config: dict[str, Any]) -> None:
+    """Asserts each peak in `got` (device bytes) is within the checked-in
+    threshold of engine configuration `name`; with
+    ``IMP_MEM_UPDATE_THRESHOLDS=1`` first rewrites that entry as measured +
+    2 % (and copies the file to ``$IMP_MEM_GPU_OUT`` where set, so a device
+    run brings it back)."""
+    thresholds = json.loads(THRESHOLDS.read_text())
+    if os.environ.get("IMP_MEM_UPDATE_THRESHOLDS"):
+        entry: dict[str, Any] = {k: int(v * 1.02) for k, v in got.items()}
+        entry["config"] = config
+        thresholds[name] = entry
+        text = json.dumps(thresholds, indent=2, sort_keys=True) + "\n"
+        THRESHOLDS.write_text(text)
+        out = os.environ.get("IMP_MEM_GPU_OUT")
+        if out:
+            (Path(out) / THRESHOLDS.name).write_text(text)
+    assert name in thresholds, (
+        f"no checked-in peak for {name!r}: run with IMP_MEM_UPDATE_THRESHOLDS=1 on the GPU"
+    )
+    limit = thresholds[name]
+    print(f"\n{name}: peak {got} against {limit}")
+    for key, value in got.items():
+        assert value <= limit[key], f"{name}: {key} grew: {value} B > {limit[key]} B"
+
+
+def workload(e, n, seed, cancel=0.0, prompt=(8, 400), new=(1, 64)):
+    """Random requests (some sharing prefixes), served to the end with
+    cancellations at random points; returns the requests."""
+    rng = random.Random(seed)
+    vocab = e.config.vocab_size
+    prefixes = [[rng.randrange(vocab) for _ in range(96)] for _ in range(4)]
+    reqs = []
+    for i in range(n):
+        own = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
+        p = (prefixes[i % 4] + own) if i % 3 == 0 else own
+        p = p[: e.max_seq_len - new[1] - 1]
+        reqs.append(e.submit(p, rng.randint(*new)))
+    while e.scheduler.has_work:
+        e.step()
+        for r in reqs:
+            if cancel and not r.done and rng.random() < cancel:
+                e.cancel(r.seq_id)
+    return reqs

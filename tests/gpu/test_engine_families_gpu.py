@@ -35,7 +35,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
-from _device_plan import decisive_tokens, plan_against_device  # noqa: E402
+from _device_plan import (  # noqa: E402
+    check_peak_thresholds,
+    decisive_tokens,
+    plan_against_device,
+    workload,
+)
 
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 
@@ -174,6 +179,25 @@ def test_greedy_tokens_match_transformers(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plan_matches_the_device_and_is_attributed(family, limits):
     plan_against_device(configs()[family], *limits, label=f"{family} {limits}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peak_memory_within_the_checked_in_thresholds(family):
+    """imp-mem's backend peak and torch's peak reserved over a workload of
+    32 requests (prefixes shared, cancellations none) within the checked-in
+    figures (`engine_peak_thresholds.json`, ``family_<name>``)."""
+    limits = {"max_batch": 32, "max_seq_len": 1024}
+    backend = imp_mem.VmmBackend(device=0, strict=True)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with Engine(configs()[family], load_format="dummy", seed=7, backend=backend, **limits) as e:
+        workload(e, 32, seed=6)
+        got = {
+            "imp_mem_peak": int(backend.stats()["peak"]),
+            "torch_peak_reserved": int(torch.cuda.max_memory_reserved()),
+        }
+    torch.cuda.empty_cache()
+    check_peak_thresholds(f"family_{family}", got, dict(limits, model=family))
 
 
 # The issue's models at their real numbers (random weights drawn in T1),

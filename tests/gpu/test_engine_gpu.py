@@ -27,7 +27,6 @@ the workloads of several tests.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -42,7 +41,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 pytest.importorskip("safetensors")
 
-from _device_plan import child_report  # noqa: E402
+from _device_plan import check_peak_thresholds, child_report, workload  # noqa: E402
 
 from imp_mem.engine import journal  # noqa: E402
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
@@ -50,7 +49,6 @@ from imp_mem.engine.config import qwen3_0_6b_config, swa_config  # noqa: E402
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-THRESHOLDS = HERE / "engine_peak_thresholds.json"
 DATA = HERE.parent / "data"
 MIB = 1 << 20
 CONFIGS = {"qwen3_0_6b": qwen3_0_6b_config, "qwen3_0_6b_swa": swa_config}
@@ -71,26 +69,6 @@ def engine(request, checkpoints):
     e.name = request.param
     yield e
     e.close()
-
-
-def workload(e, n, seed, cancel=0.0, prompt=(8, 400), new=(1, 64)):
-    """Random requests (some sharing prefixes), served to the end with
-    cancellations at random points; returns the requests."""
-    rng = random.Random(seed)
-    vocab = e.config.vocab_size
-    prefixes = [[rng.randrange(vocab) for _ in range(96)] for _ in range(4)]
-    reqs = []
-    for i in range(n):
-        own = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
-        p = (prefixes[i % 4] + own) if i % 3 == 0 else own
-        p = p[: e.max_seq_len - new[1] - 1]
-        reqs.append(e.submit(p, rng.randint(*new)))
-    while e.scheduler.has_work:
-        e.step()
-        for r in reqs:
-            if cancel and not r.done and rng.random() < cancel:
-                e.cancel(r.seq_id)
-    return reqs
 
 
 def decode_only_alloc_calls(e, batch=16, steps=8):
@@ -222,18 +200,7 @@ def measure_peak(e):
 
 
 def test_peak_memory_within_the_checked_in_thresholds(engine):
-    e = engine
-    got = measure_peak(e)
-    thresholds = json.loads(THRESHOLDS.read_text())
-    if os.environ.get("IMP_MEM_UPDATE_THRESHOLDS"):
-        entry = {k: int(v * 1.02) for k, v in got.items()}
-        entry["config"] = dict(ENGINE, model=e.name)
-        thresholds[e.name] = entry
-        THRESHOLDS.write_text(json.dumps(thresholds, indent=2, sort_keys=True) + "\n")
-    limit = thresholds[e.name]
-    print(f"\n{e.name}: peak {got} against {limit}")
-    for key, value in got.items():
-        assert value <= limit[key], f"{key} grew: {value} B > {limit[key]} B"
+    check_peak_thresholds(engine.name, measure_peak(engine), dict(ENGINE, model=engine.name))
 
 
 def test_the_load_journal_replays_within_the_plan(checkpoints):
