@@ -24,6 +24,12 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--peak-tbs", type=float, default=4.8)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--splits", default="4,8,16,32", help="split_blocks values swept")
+    ap.add_argument("--tiles", default="32,64,128")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="1,2,3")
+    ap.add_argument("--early-v", default="0,1", help="0: V loaded after the scores, 1: with K")
+    ap.add_argument("--head-major", default="0,1", help="1: a page's KV heads launched together")
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
     kv_heads, heads, d = 8, 32, 128
@@ -40,12 +46,29 @@ def main(argv=None) -> int:
     nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
     ref = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5)
     rows = []
-    for split, tile, warps, stages, early in itertools.product(
-        (4, 8, 16, 32), (32, 64, 128), (4, 8), (1, 2, 3), (False, True)
+    for split, tile, warps, stages, early, head_major in itertools.product(
+        *(
+            [int(x) for x in arg.split(",")]
+            for arg in (
+                args.splits,
+                args.tiles,
+                args.warps,
+                args.stages,
+                args.early_v,
+                args.head_major,
+            )
+        )
     ):
         if tile > split * bs:
             continue
-        kw = dict(split_blocks=split, tile=tile, num_warps=warps, num_stages=stages, early_v=early)
+        kw = dict(
+            split_blocks=split,
+            tile=tile,
+            num_warps=warps,
+            num_stages=stages,
+            early_v=bool(early),
+            head_major=bool(head_major),
+        )
         try:
             out = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5, **kw)
             torch.cuda.synchronize()

@@ -29,7 +29,7 @@ if (
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")
 
-from imp_mem.engine.model import _paged_kernel  # noqa: E402, F401
+from imp_mem.engine.model import _paged_kernel  # noqa: E402
 from imp_mem.engine.model.attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -90,6 +90,22 @@ def test_kernel_matches_reference(group, window, holes):
         q, kv, 1, tables, positions, window=window, backend="triton", split_blocks=2
     )
     assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_launch_order_does_not_change_the_result(head_major):
+    """The grid's order (a page's KV heads neighbours or not) is a launch
+    choice only: the same output either way, against the reference."""
+
+    q, kv, tables, positions = random_case(
+        11, batch=5, kv_heads=3, group=2, head_dim=16, block_size=4, width=10, blocks=64, holes=True
+    )
+    ref = paged_decode_attention_reference(q, kv, 0, tables, positions, window=None)
+    out = _paged_kernel.paged_decode(
+        q, kv, 0, tables, positions, window=None, scale=16**-0.5, split_blocks=2,
+        head_major=head_major,
+    )  # fmt: skip
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 

@@ -44,6 +44,7 @@ DEFAULT_TILE = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 2
 DEFAULT_EARLY_V = True
+DEFAULT_HEAD_MAJOR = False
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly in tl.dot; under
 # it the kernel rounds P to the input dtype as on the GPU, then multiplies
@@ -83,9 +84,17 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EARLY_V: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEAD_MAJOR:
+        # The KV heads of one (sequence, split) are neighbouring programs, so
+        # the rows of a page they read (256 B of each 2 KiB token row) are
+        # in flight together.
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
@@ -223,6 +232,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     early_v: bool | None = None,
+    head_major: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype."""
@@ -244,7 +254,9 @@ def paged_decode(
     out = torch.empty_like(q)
     has_window = window is not None
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
-    _split_kernel[(batch, kv_heads, splits)](
+    head_major = DEFAULT_HEAD_MAJOR if head_major is None else head_major
+    grid = (kv_heads, batch, splits) if head_major else (batch, kv_heads, splits)
+    _split_kernel[grid](
         q,
         pages,
         block_tables,
@@ -275,6 +287,7 @@ def paged_decode(
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
         EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
+        HEAD_MAJOR=head_major,
         num_warps=num_warps or DEFAULT_WARPS,
         num_stages=num_stages or DEFAULT_STAGES,
     )
