@@ -30,6 +30,11 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--early-v", default="0,1", help="0: V loaded after the scores, 1: with K")
     ap.add_argument("--head-major", default="0,1", help="1: a page's KV heads launched together")
+    ap.add_argument(
+        "--page-tiles",
+        default="8,16,32",
+        help="the page-wide kernel's tiles (tokens; '' leaves it out)",
+    )
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
     kv_heads, heads, d = 8, 32, 128
@@ -46,22 +51,15 @@ def main(argv=None) -> int:
     nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
     ref = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5)
     rows = []
-    for split, tile, warps, stages, early, head_major in itertools.product(
-        *(
-            [int(x) for x in arg.split(",")]
-            for arg in (
-                args.splits,
-                args.tiles,
-                args.warps,
-                args.stages,
-                args.early_v,
-                args.head_major,
-            )
-        )
-    ):
-        if tile > split * bs:
-            continue
-        kw = dict(
+
+    def ints(arg: str) -> list[int]:
+        return [int(x) for x in arg.split(",") if x]
+
+    a = args
+    per_head_axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_major)
+
+    configs = [
+        dict(
             split_blocks=split,
             tile=tile,
             num_warps=warps,
@@ -69,6 +67,19 @@ def main(argv=None) -> int:
             early_v=bool(early),
             head_major=bool(head_major),
         )
+        for split, tile, warps, stages, early, head_major in itertools.product(
+            *map(ints, per_head_axes)
+        )
+        if tile <= split * bs
+    ]
+    configs += [
+        dict(split_blocks=split, tile=tile, num_warps=warps, num_stages=stages, page_wide=True)
+        for split, tile, warps, stages in itertools.product(
+            *map(ints, (args.splits, args.page_tiles, args.warps, args.stages))
+        )
+        if tile <= split * bs
+    ]
+    for kw in configs:
         try:
             out = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5, **kw)
             torch.cuda.synchronize()

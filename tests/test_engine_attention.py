@@ -93,19 +93,32 @@ def test_kernel_matches_reference(group, window, holes):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("head_major", [False, True])
-def test_launch_order_does_not_change_the_result(head_major):
-    """The grid's order (a page's KV heads neighbours or not) is a launch
-    choice only: the same output either way, against the reference."""
-
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"head_major": False},
+        {"head_major": True},
+        {"page_wide": True},
+        {"page_wide": True, "tile": 3},
+        {"page_wide": True, "tile": 8},
+    ],
+    ids=["per-head", "head-major", "page-wide", "page-wide-3", "page-wide-8"],
+)
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("group,kv_heads", [(2, 3), (4, 2), (1, 4)])
+def test_kernel_variants_match_the_reference(variant, window, group, kv_heads):
+    """The launch order (a page's KV heads as neighbours or not) and the
+    page-wide kernel (every head of a page in one program, its tiles any
+    number of tokens, padded rows masked) give the reference's output."""
     q, kv, tables, positions = random_case(
-        11, batch=5, kv_heads=3, group=2, head_dim=16, block_size=4, width=10, blocks=64, holes=True
-    )
-    ref = paged_decode_attention_reference(q, kv, 0, tables, positions, window=None)
-    out = _paged_kernel.paged_decode(
-        q, kv, 0, tables, positions, window=None, scale=16**-0.5, split_blocks=2,
-        head_major=head_major,
+        11 + group, batch=5, kv_heads=kv_heads, group=group, head_dim=16, block_size=4,
+        width=10, blocks=64, holes=True,
     )  # fmt: skip
+    ref = paged_decode_attention_reference(q, kv, 0, tables, positions, window=window)
+    out = _paged_kernel.paged_decode(
+        q, kv, 0, tables, positions, window=window, scale=16**-0.5, split_blocks=2, **variant
+    )
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
