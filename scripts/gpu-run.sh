@@ -27,6 +27,9 @@ shopt -s nullglob
 extras=("${GPU_RUN_EXTRAS:-.whl}"/*.whl)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site wheelhouse/*.whl "${extras[@]}" || exit 2
+# The working tree's Python over the wheel's (its compiled core kept), so a
+# Python-only change runs without a rebuild.
+cp -r python/imp_mem/. /tmp/site/imp_mem/ || exit 2
 export PYTHONPATH=/tmp/site IMP_MEM_HYPOTHESIS=dev IMP_MEM_CACHE_DIR=/tmp/impcache \
     IMP_MEM_GPU_OUT=$OUT
 el() { echo $(($(date +%s) - T0)); }
