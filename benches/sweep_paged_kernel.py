@@ -29,12 +29,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--early-v", default="0,1", help="0: V loaded after the scores, 1: with K")
-    ap.add_argument("--head-major", default="0,1", help="1: a page's KV heads launched together")
-    ap.add_argument(
-        "--page-tiles",
-        default="8,16,32",
-        help="the page-wide kernel's tiles (tokens; '' leaves it out)",
-    )
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
     kv_heads, heads, d = 8, 32, 128
@@ -56,7 +50,7 @@ def main(argv=None) -> int:
         return [int(x) for x in arg.split(",") if x]
 
     a = args
-    per_head_axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_major)
+    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v)
 
     configs = [
         dict(
@@ -65,18 +59,8 @@ def main(argv=None) -> int:
             num_warps=warps,
             num_stages=stages,
             early_v=bool(early),
-            head_major=bool(head_major),
         )
-        for split, tile, warps, stages, early, head_major in itertools.product(
-            *map(ints, per_head_axes)
-        )
-        if tile <= split * bs
-    ]
-    configs += [
-        dict(split_blocks=split, tile=tile, num_warps=warps, num_stages=stages, page_wide=True)
-        for split, tile, warps, stages in itertools.product(
-            *map(ints, (args.splits, args.page_tiles, args.warps, args.stages))
-        )
+        for split, tile, warps, stages, early in itertools.product(*map(ints, axes))
         if tile <= split * bs
     ]
     for kw in configs:

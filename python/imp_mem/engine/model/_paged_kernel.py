@@ -44,9 +44,6 @@ DEFAULT_TILE = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 2
 DEFAULT_EARLY_V = True
-DEFAULT_HEAD_MAJOR = False
-DEFAULT_PAGE_WIDE = False
-DEFAULT_PAGE_TILE = 16  # tokens a page-wide tile holds (times the KV heads: its rows)
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly in tl.dot; under
 # it the kernel rounds P to the input dtype as on the GPU, then multiplies
@@ -86,17 +83,9 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EARLY_V: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr,
 ):
-    if HEAD_MAJOR:
-        # The KV heads of one (sequence, split) are neighbouring programs, so
-        # the rows of a page they read (256 B of each 2 KiB token row) are
-        # in flight together.
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
@@ -168,113 +157,6 @@ def _split_kernel(
 
 
 @triton.jit
-def _page_split_kernel(
-    Q,
-    KV,
-    TABLES,
-    POS,
-    O_PART,
-    LSE_PART,
-    stride_qb,
-    stride_qh,
-    stride_kvb,
-    stride_kvkv,
-    stride_kvt,
-    stride_kvh,
-    stride_tb,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    width,
-    window,
-    qk_scale,
-    HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr,
-    TILE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """The page-wide variant: one program per (sequence, split) for every
-    head. A tile's keys are its tokens' rows of every KV head, ``TILE *
-    KV_HEADS`` rows that lie back to back in a page, so each load is whole
-    pages; a query head scores every row and the rows of other KV heads are
-    masked out (KV_HEADS times the dot products, which a memory-bound
-    decode has to spare)."""
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    ctx = tl.load(POS + b).to(tl.int64) + 1
-    lo = ctx * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(ctx - window, 0)
-    split_start = split.to(tl.int64) * SPLIT_TOKENS
-    start = tl.maximum(split_start, lo)
-    end = tl.minimum(split_start + SPLIT_TOKENS, ctx)
-    if start < end:
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, HEAD_DIM)
-        hmask = h < HEADS
-        q = tl.load(
-            Q + b * stride_qb + h[:, None] * stride_qh + d[None, :], mask=hmask[:, None], other=0.0
-        )
-        if DOT_FP32:
-            q = q.to(tl.float32)
-        own = h // (HEADS // KV_HEADS)  # each query head's KV head
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-        r = tl.arange(0, BLOCK_R)  # TILE * KV_HEADS rows, padded to a power of two
-        row_head = r % KV_HEADS
-        for tile in range(0, SPLIT_TOKENS, TILE):
-            t = start + tile + r // KV_HEADS
-            in_range = (t < end) & (r < TILE * KV_HEADS)
-            logical = t // BLOCK_SIZE
-            block = tl.load(
-                TABLES + b * stride_tb + logical, mask=in_range & (logical < width), other=-1
-            )
-            valid = in_range & (block >= 0)
-            offs = (
-                block.to(tl.int64) * stride_kvb
-                + (t % BLOCK_SIZE) * stride_kvt
-                + row_head * stride_kvh
-            )
-            k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(
-                KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0
-            )
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            seen = valid[None, :] & (own[:, None] == row_head[None, :])
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(
-            O_PART + b * stride_ob + h[:, None] * stride_oh + split * stride_os + d[None, :],
-            out,
-            mask=hmask[:, None],
-        )
-        tl.store(LSE_PART + b * stride_lb + h * stride_lh + split, lse, mask=hmask)
-
-
-@triton.jit
 def _merge_kernel(
     O_PART,
     LSE_PART,
@@ -341,8 +223,6 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     early_v: bool | None = None,
-    head_major: bool | None = None,
-    page_wide: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype."""
@@ -358,14 +238,13 @@ def paged_decode(
     split_blocks = split_blocks or choose_split_blocks(width, block_size)
     split_tokens = split_blocks * block_size
     splits = -(-width // split_blocks)
-    page_tile = max(1, min(tile or DEFAULT_PAGE_TILE, split_tokens))
     tile = max(16, min(tile or DEFAULT_TILE, triton.next_power_of_2(split_tokens)))
     o_part = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     has_window = window is not None
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
-    common = (
+    _split_kernel[(batch, kv_heads, splits)](
         q,
         pages,
         block_tables,
@@ -387,28 +266,6 @@ def paged_decode(
         width,
         window if has_window else 0,
         scale * LOG2E,
-    )
-    if DEFAULT_PAGE_WIDE if page_wide is None else page_wide:
-        _page_split_kernel[(batch, splits)](
-            *common,
-            HEADS=heads,
-            KV_HEADS=kv_heads,
-            BLOCK_H=max(16, triton.next_power_of_2(heads)),
-            BLOCK_R=max(16, triton.next_power_of_2(page_tile * kv_heads)),
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            SPLIT_TOKENS=split_tokens,
-            TILE=page_tile,
-            HAS_WINDOW=has_window,
-            DOT_FP32=_INTERPRETING,
-            num_warps=num_warps or DEFAULT_WARPS,
-            num_stages=num_stages or DEFAULT_STAGES,
-        )
-        return _merge(o_part, lse_part, positions, out, window, head_dim, split_tokens, splits)
-    head_major = DEFAULT_HEAD_MAJOR if head_major is None else head_major
-    grid = (kv_heads, batch, splits) if head_major else (batch, kv_heads, splits)
-    _split_kernel[grid](
-        *common,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -418,18 +275,9 @@ def paged_decode(
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
         EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
-        HEAD_MAJOR=head_major,
         num_warps=num_warps or DEFAULT_WARPS,
         num_stages=num_stages or DEFAULT_STAGES,
     )
-    return _merge(o_part, lse_part, positions, out, window, head_dim, split_tokens, splits)
-
-
-def _merge(o_part, lse_part, positions, out, window, head_dim, split_tokens, splits):
-    """The second pass: each (sequence, query head)'s splits merged into
-    `out`, which it returns."""
-    batch, heads = out.shape[0], out.shape[1]
-    has_window = window is not None
     _merge_kernel[(batch, heads)](
         o_part,
         lse_part,
