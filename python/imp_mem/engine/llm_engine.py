@@ -22,7 +22,8 @@ Order (seed A4.2). `Engine(model_dir)`:
 
 Serving. A `Scheduler` batches continuously over the system's
 `KVCacheManager`. Each `step()` admits what fits and prefills it (from the
-first uncached token, in chunks of `prefill_chunk` tokens; the prefills
+first uncached token, in chunks of `prefill_chunk` tokens, several
+requests' chunks a forward up to `prefill_batch_tokens`; the forwards
 launched back to back, their greedy tokens read in one copy), then decodes
 every running sequence once: the pending tokens are appended to the
 manager, the runner writes the batch's block tables into pinned staging,

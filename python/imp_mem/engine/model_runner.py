@@ -22,8 +22,26 @@ row of T2's ``next``, read back in one copy after the step's last prefill
 (`prefill_tokens`). The host launches the next request's kernels while the
 device still runs the previous one's.
 
-Warm-up and graphs. `serve` warms up (a prefill of the longest chunk over
-the longest context, the decode at every batch bucket), then captures
+Batched prefill (`prefill_step`, `prefill_batch_tokens` > 0 and a model
+with ``prefill_batch_ok``). One forward runs a chunk of each of several
+requests (`model.prefill_batch`): the step's prefills are packed greedily,
+in admission order, into batches of at most `prefill_batch_tokens` tokens
+and at most one chunk of a request (its next chunk reads this one's K/V,
+so it goes in a later batch); chunk boundaries are the unbatched path's.
+The requests' block tables are read from the manager once a step; a
+batch's ids, tables, ``cu_seqlens``, starts, and which chunks end their
+prompt (``prefill_pick``) and their rows of ``next`` (``prefill_rows``)
+are staged in one slot and copied once; T2's ``prefill_in`` is sized for
+the largest batch (`batch_rows` chunks, the budget's tokens) and the
+warm-up runs that batch, so serving allocates nothing new. A request
+whose image is still to encode is prefilled alone (`prefill`). With
+sliding layers, one request at a time holds the SWA ring (below): it is
+put first in every batch until its chunks read only blocks the manager
+gave, and no other request's chunk that needs the ring joins meanwhile.
+
+Warm-up and graphs. `serve` warms up (the largest batched prefill, a
+prefill of the longest chunk over the longest context, the decode at every
+batch bucket), then captures
 decode in one CUDA graph per bucket over the T2 tensors only (no graphs on
 the CPU). Padding rows of a bucket feed position 0 through a table whose
 only block is a scratch block the runner holds, so they write only there.

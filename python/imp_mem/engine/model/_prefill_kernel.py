@@ -165,7 +165,11 @@ def varlen_prefill(
     out = torch.empty_like(q)
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
     has_window = window is not None
-    grid = (rows, triton.cdiv(max(max_len, 1), BLOCK_M), heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # Wide heads (Gemma-3's 256) take half the tile: the accumulator and
+    # the K/V tiles stay within the registers and shared memory.
+    block_m = BLOCK_M if block_d <= 128 or _INTERPRETING else BLOCK_M // 2
+    grid = (rows, triton.cdiv(max(max_len, 1), block_m), heads)
     _varlen_kernel[grid](
         q,
         pages,
@@ -187,10 +191,10 @@ def varlen_prefill(
         scale * LOG2E,
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N if block_d <= 128 or _INTERPRETING else BLOCK_N // 2,
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
         num_warps=WARPS,
