@@ -9,7 +9,11 @@ CPU ops that took the most time in the batched step under
 ``torch.profiler``.
 
     python benches/profile_prefill.py [--requests 16] [--prompt 512] \\
-        [--batch-tokens 2048] [--rows 25] [--device cpu]
+        [--batch-tokens 2048 [8192 ...]] [--rows 25] [--device cpu]
+
+Several ``--batch-tokens`` run one batched engine each after the unbatched
+one (the budget's trade: fewer forwards against the step's activation peak,
+printed on a GPU as torch's allocated bytes above those live before it).
 
 Needs a CUDA device, torch and triton; ``--device cpu`` runs a tiny Qwen3
 on the CPU instead (the torch path, the fake backend: a smoke run, not a
@@ -47,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--batch-tokens",
         type=int,
+        nargs="*",
         default=None,
-        help="tokens of one batched forward (default: the engine's, 4 x prefill_chunk)",
+        help="tokens of one batched forward, one engine each (default: the engine's, "
+        "4 x prefill_chunk)",
     )
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -87,18 +93,27 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {}
     prof = None
-    for label, budget in (("off", 0), ("on", args.batch_tokens)):
+    runs = [("off", 0)] + [("on", b) for b in (args.batch_tokens or [None])]
+    for n, (label, budget) in enumerate(runs):
+        label = label if len(runs) == 2 or not n else f"on#{n}"
         with engine(budget) as e:
             e.generate(prompts(1)[:2], 2)  # warm-up: every kernel launched once
-            timed = []
+            timed, peak = [], 0
             for rep in range(3):
                 for p in prompts(2 + rep):
                     e.submit(p, 1)
                 sync()
+                if gpu:
+                    # What the step's forwards allocate beyond what is live
+                    # (torch's own allocator serves them: the activations).
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
                 e.step()
                 sync()
                 timed.append(time.perf_counter() - t0)
+                if gpu:
+                    peak = max(peak, torch.cuda.max_memory_allocated() - base)
                 while e.scheduler.has_work:
                     e.step()
             best = min(timed)
@@ -108,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"batching {label:>3} (prefill_batch_tokens={e.prefill_batch_tokens}): "
                 f"{args.requests} prefills of {args.prompt} tokens in one step: "
                 f"{best * 1e3:.1f} ms (best of 3), {best * 1e3 / args.requests:.2f} ms a "
-                f"request, {tokens / best:,.0f} prefill tokens/s",
+                f"request, {tokens / best:,.0f} prefill tokens/s"
+                + (f", step's activation peak {peak / 2**20:,.0f} MiB" if gpu else ""),
                 flush=True,
             )
-            if label == "on" and args.rows > 0:
+            if n == len(runs) - 1 and args.rows > 0:
                 for p in prompts(9):
                     e.submit(p, 1)
                 acts = [torch.profiler.ProfilerActivity.CPU]
@@ -122,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                     sync()
                 while e.scheduler.has_work:
                     e.step()
-    print(
-        f"batched / unbatched: {results['off'] / results['on']:.2f}x the prefill tokens/s "
-        f"({results['off'] * 1e3 / args.requests:.2f} -> "
-        f"{results['on'] * 1e3 / args.requests:.2f} ms a request)"
-    )
+    for label, best in results.items():
+        if label != "off":
+            print(
+                f"batched ({label}) / unbatched: {results['off'] / best:.2f}x the prefill "
+                f"tokens/s ({results['off'] * 1e3 / args.requests:.2f} -> "
+                f"{best * 1e3 / args.requests:.2f} ms a request)"
+            )
     if prof is not None:
         ka = prof.key_averages()
         if gpu:
