@@ -225,23 +225,42 @@ class _InFlightEvent:
             self.in_flight = None
 
 
-def test_prefill_staging_slots_rotate_and_wait_before_a_rewrite(checkpoint):
+@pytest.mark.parametrize("batch_tokens", [0, 24])
+def test_prefill_staging_slots_rotate_and_wait_before_a_rewrite(checkpoint, batch_tokens):
+    """Each prefill forward (a chunk of one request, or a batch of several
+    requests' chunks) stages its inputs in the next slot, copied once."""
     from imp_mem.engine.model_runner import PREFILL_SLOTS
 
     _, directory, hf = checkpoint
-    engine = open_engine(directory)
+    engine = open_engine(directory, prefill_batch_tokens=batch_tokens)
     slots = engine.runner.prefill_slots
     assert len(slots.slots) == PREFILL_SLOTS >= 2
     log: list[int] = []
     slots.events = [_InFlightEvent(s.raw, i, log) for i, s in enumerate(slots.slots)]
     first = slots.turn
+    model = engine.runner.model
+    forwards = {"prefill": 0, "prefill_batch": 0}
+    for name in forwards:
+        inner = getattr(model, name)
+
+        def counted(*a, _inner=inner, _name=name, **kw):
+            forwards[_name] += 1
+            return _inner(*a, **kw)
+
+        setattr(model, name, counted)
     rng = random.Random(11)
     ps = [[rng.randrange(257) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
     outs = engine.generate(ps, 3)
     for p, o in zip(ps, outs, strict=True):
         check_greedy(hf, p, o)
     chunks = sum(-(-len(p) // 8) for p in ps)
-    assert log == [(first + k) % PREFILL_SLOTS for k in range(chunks)]
+    if batch_tokens:
+        assert forwards["prefill"] == 0
+        # Up to 3 chunks of 8 a forward, one chunk of a request each.
+        assert chunks / 3 <= forwards["prefill_batch"] < chunks
+    else:
+        assert forwards == {"prefill": chunks, "prefill_batch": 0}
+    assert log == [(first + k) % PREFILL_SLOTS for k in range(sum(forwards.values()))]
     engine.close()
 
 

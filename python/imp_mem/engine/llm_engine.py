@@ -22,7 +22,8 @@ Order (seed A4.2). `Engine(model_dir)`:
 
 Serving. A `Scheduler` batches continuously over the system's
 `KVCacheManager`. Each `step()` admits what fits and prefills it (from the
-first uncached token, in chunks of `prefill_chunk` tokens; the prefills
+first uncached token, in chunks of `prefill_chunk` tokens, several
+requests' chunks a forward up to `prefill_batch_tokens`; the forwards
 launched back to back, their greedy tokens read in one copy), then decodes
 every running sequence once: the pending tokens are appended to the
 manager, the runner writes the batch's block tables into pinned staging,
@@ -66,7 +67,12 @@ import torch
 import imp_mem
 from imp_mem.engine.config import ModelConfig, read_config_json
 from imp_mem.engine.memory import EngineMemory, measure_torch_high_water
-from imp_mem.engine.model_runner import ModelRunner, default_buckets, t2_bytes
+from imp_mem.engine.model_runner import (
+    PREFILL_BATCH_CHUNKS,
+    ModelRunner,
+    default_buckets,
+    t2_bytes,
+)
 from imp_mem.engine.scheduler import Request, Scheduler
 from imp_mem.engine.shared import SharedGPU, Tenancy
 from imp_mem.engine.tensor_parallel import TensorParallel
@@ -129,7 +135,11 @@ class Engine:
     through FlashInfer, its buffers planned in T2: `model._flashinfer`;
     `InvalidArgument` here when it does not import). `torch_pool`: where torch's own allocations go
     (`imp_mem.engine.memory`). `prefill_chunk`: tokens per prefill call
-    (default 512; a sliding model's window). `features` replaces the plan's
+    (default 512; a sliding model's window). `prefill_batch_tokens`: the
+    tokens of one batched prefill forward, which runs one chunk of each of
+    several requests at once (`model_runner`'s module doc); default
+    `PREFILL_BATCH_CHUNKS` x `prefill_chunk`; 0 prefills one request a
+    forward; otherwise at least `prefill_chunk`. `features` replaces the plan's
     `Features` (default: T2 sized to the engine's buffers, T4 at 1 MiB
     unless `torch_pool` or `scratch_bytes` is given). The plan serves
     `max_batch` sequences of `max_seq_len` plus the blocks the engine holds
@@ -167,6 +177,7 @@ class Engine:
         budget: int | str | None = None,
         block_size: int | None = None,
         prefill_chunk: int | None = None,
+        prefill_batch_tokens: int | None = None,
         buckets: Sequence[int] | None = None,
         graphs: bool | None = None,
         attention_backend: str | None = None,
@@ -255,6 +266,19 @@ class Engine:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.prefill_chunk = min(prefill_chunk, max_seq_len)
+        if prefill_batch_tokens is None:
+            prefill_batch_tokens = PREFILL_BATCH_CHUNKS * self.prefill_chunk
+        if (
+            isinstance(prefill_batch_tokens, bool)
+            or not isinstance(prefill_batch_tokens, int)
+            or (prefill_batch_tokens != 0 and prefill_batch_tokens < self.prefill_chunk)
+        ):
+            raise InvalidArgument(
+                f"prefill_batch_tokens={prefill_batch_tokens!r}: pass 0 (one request a prefill "
+                f"forward) or an int of at least prefill_chunk={self.prefill_chunk} (the tokens "
+                "one batched prefill forward holds)"
+            )
+        self.prefill_batch_tokens = prefill_batch_tokens
         self.keep_logits = keep_logits
         self.shared = SharedGPU.of(shared)
         self.tenancy: Tenancy | None = None
@@ -300,6 +324,7 @@ class Engine:
             budget=budget if isinstance(budget, (int, str)) else None,
             block_size=block_size,
             prefill_chunk=self.prefill_chunk,
+            prefill_batch_tokens=self.prefill_batch_tokens,
             buckets=list(buckets) if buckets is not None else None,
             graphs=graphs,
             attention_backend=attention_backend,
@@ -336,6 +361,7 @@ class Engine:
                 prefill_chunk=self.prefill_chunk,
                 keep_logits=keep_logits,
                 attention_backend=attention_backend,
+                prefill_batch_tokens=self.prefill_batch_tokens,
             )
             t0 = time.perf_counter()
             self._plan(budget, block_size, context, library_reserve, features)
@@ -503,6 +529,7 @@ class Engine:
             "max_batch": self.max_batch,
             "max_seq_len": self.max_seq_len,
             "prefill_chunk": self.prefill_chunk,
+            "prefill_batch_tokens": self.prefill_batch_tokens,
             "block_size": block_size,
             "buckets": self._warmup_kw["buckets"],
             "graphs": self._warmup_kw["graphs"],
@@ -670,10 +697,10 @@ class Engine:
             prefills = sched.admit_waiting()
             t0 = time.perf_counter()
             # Launched back to back (the host launches one while the device
-            # runs the one before), their tokens read in one copy after them.
-            for row, p in enumerate(prefills):
-                stats.prefill_tokens += runner.prefill(p, row)
+            # runs the one before), batched where the model can, their
+            # tokens read in one copy after them.
             if prefills:
+                stats.prefill_tokens += runner.prefill_step(prefills)
                 for p, tok in zip(prefills, runner.prefill_tokens(len(prefills)), strict=True):
                     sched.prefilled(p, tok)
                     out.append((p.request.seq_id, tok))

@@ -22,8 +22,26 @@ row of T2's ``next``, read back in one copy after the step's last prefill
 (`prefill_tokens`). The host launches the next request's kernels while the
 device still runs the previous one's.
 
-Warm-up and graphs. `serve` warms up (a prefill of the longest chunk over
-the longest context, the decode at every batch bucket), then captures
+Batched prefill (`prefill_step`, `prefill_batch_tokens` > 0 and a model
+with ``prefill_batch_ok``). One forward runs a chunk of each of several
+requests (`model.prefill_batch`): the step's prefills are packed greedily,
+in admission order, into batches of at most `prefill_batch_tokens` tokens
+and at most one chunk of a request (its next chunk reads this one's K/V,
+so it goes in a later batch); chunk boundaries are the unbatched path's.
+The requests' block tables are read from the manager once a step; a
+batch's ids, tables, ``cu_seqlens``, starts, and which chunks end their
+prompt (``prefill_pick``) and their rows of ``next`` (``prefill_rows``)
+are staged in one slot and copied once; T2's ``prefill_in`` is sized for
+the largest batch (`batch_rows` chunks, the budget's tokens) and the
+warm-up runs that batch, so serving allocates nothing new. A request
+whose image is still to encode is prefilled alone (`prefill`). With
+sliding layers, one request at a time holds the SWA ring (below): it is
+put first in every batch until its chunks read only blocks the manager
+gave, and no other request's chunk that needs the ring joins meanwhile.
+
+Warm-up and graphs. `serve` warms up (the largest batched prefill, a
+prefill of the longest chunk over the longest context, the decode at every
+batch bucket), then captures
 decode in one CUDA graph per bucket over the T2 tensors only (no graphs on
 the CPU). Padding rows of a bucket feed position 0 through a table whose
 only block is a scratch block the runner holds, so they write only there.
@@ -78,6 +96,12 @@ RING_SEQ = 1 << 62
 # host may stage ahead of the device.
 PREFILL_SLOTS = 4
 
+# The default batched prefill budget, in chunks (`Engine(prefill_batch_tokens=)`):
+# 4 x 512 tokens of Qwen3-0.6B's activations are ~0.1 GiB (hidden, q/k/v,
+# the MLP's 3 x 3072 columns, in bf16), small beside the KV pool, and 4
+# chunks a forward cut a step's launches about fourfold.
+PREFILL_BATCH_CHUNKS = 4
+
 # The plan's KV dtype names -> torch's.
 _KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
 
@@ -112,22 +136,38 @@ def t2_groups(
     block_size: int,
     keep_logits: bool,
     flashinfer: bool = False,
+    prefill_batch_tokens: int = 0,
 ) -> dict[str, dict[str, tuple]]:
     """The static buffers in T2, by region: name -> (shape, dtype).
     `flashinfer`: FlashInfer's page table in the step's inputs and its
-    workspaces in a region of their own, ``fi_work`` (`_flashinfer`)."""
+    workspaces in a region of their own, ``fi_work`` (`_flashinfer`).
+    `prefill_batch_tokens` (0: no batched prefill): the prefill inputs hold
+    a batch of that many tokens over `batch_rows` chunks, with their
+    tables, ``cu_seqlens``, starts, and which chunks' greedy tokens go to
+    which rows of ``next``."""
     B, C = max_batch, prefill_chunk
     W = math.ceil(max_seq_len / block_size)
+    R = batch_rows(max_batch, prefill_batch_tokens)
     decode_in = {
         "ids": ((B,), torch.int64),
         "pos": ((B,), torch.int64),
         "tables": ((B, W), torch.int32),
     }
-    prefill_in = {"prefill_ids": ((C,), torch.int64), "prefill_table": ((W,), torch.int32)}
+    prefill_in = {
+        "prefill_ids": ((max(C, prefill_batch_tokens),), torch.int64),
+        "prefill_table": ((R, W), torch.int32),
+    }
+    if prefill_batch_tokens:
+        prefill_in.update(
+            prefill_cu=((R + 1,), torch.int32),
+            prefill_starts=((R,), torch.int64),
+            prefill_pick=((R,), torch.int64),
+            prefill_rows=((R,), torch.int64),
+        )
     out = {"next": ((B,), torch.int64)}
     if config.sliding_layers:
         decode_in["swa_tables"] = ((B, W), torch.int32)
-        prefill_in["prefill_swa"] = ((W,), torch.int32)
+        prefill_in["prefill_swa"] = ((R, W), torch.int32)
     if keep_logits:
         out["logits"] = ((B, config.vocab_size), torch.float32)
     groups = {"decode_in": decode_in, "prefill_in": prefill_in, "out": out}
@@ -137,6 +177,12 @@ def t2_groups(
         decode_in.update(_flashinfer.input_specs(B, W))
         groups["fi_work"] = _flashinfer.workspace_specs()
     return groups
+
+
+def batch_rows(max_batch: int, prefill_batch_tokens: int) -> int:
+    """The most chunks a batched prefill holds: one a request of the step
+    (at most `max_batch`), each at least one token; 1 without batching."""
+    return max(1, min(max_batch, prefill_batch_tokens))
 
 
 def t2_bytes(groups: dict[str, dict[str, tuple]]) -> int:
@@ -236,8 +282,11 @@ class ModelRunner:
         prefill_chunk: int,
         keep_logits: bool,
         attention_backend: str | None = None,
+        prefill_batch_tokens: int = 0,
     ) -> None:
         self.memory = memory
+        # The batched prefill's token budget (0: one request a forward).
+        self.prefill_batch_tokens = prefill_batch_tokens
         # "flashinfer" plans FlashInfer's buffers in T2 (`t2_groups`).
         self.attention_backend = attention_backend
         self.flashinfer: Any = None
@@ -276,6 +325,7 @@ class ModelRunner:
             block_size=block_size or self.block_size,
             keep_logits=self.keep_logits,
             flashinfer=self.attention_backend == "flashinfer",
+            prefill_batch_tokens=self.prefill_batch_tokens,
         )
 
     def load(
@@ -384,6 +434,11 @@ class ModelRunner:
             elif group not in ("out", "fi_work"):  # outputs and workspaces: no host copy
                 self.staging[group] = _Staging(backend, specs)
         self.staging["next"] = _Staging(backend, {"next": groups["out"]["next"]})
+        # A step's prefills' tables, read once from the manager (host memory).
+        import numpy as np
+
+        self._step_tables = np.full((self.max_batch, self.width), -1, dtype=np.int32)
+        self._step_swa = np.full((self.max_batch, self.width), -1, dtype=np.int32)
 
     def _pool_view(self, pool, layers, geometry, dtype, what, block=None) -> torch.Tensor:
         # `block`: a whole block's shape, where the model lays its pages out itself.
@@ -519,6 +574,8 @@ class ModelRunner:
             try:
                 chunk = min(self.prefill_chunk, n)
                 with torch.inference_mode(), self.memory.torch_ctx():
+                    if self.batching:
+                        self._warm_batch(sid, tokens, n)
                     for start, end in ((n - chunk, n), (0, chunk), (0, 1)):
                         self.prefill_chunk_logits(sid, tokens, start, end)
             finally:
@@ -530,6 +587,29 @@ class ModelRunner:
                 self.decode_body(b)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
+
+    def _warm_batch(self, sid: int, tokens: list[int], n: int) -> None:
+        """The largest batched prefill: the most chunks (`batch_rows`) of
+        the most tokens (the budget, each chunk at most `prefill_chunk`),
+        tiling the end of sequence `sid`'s `n` tokens (its tables on every
+        row: the warm-up wants the working set, not the values)."""
+        import numpy as np
+
+        rows = batch_rows(self.max_batch, self.prefill_batch_tokens)
+        total = min(self.prefill_batch_tokens, rows * self.prefill_chunk, n)
+        rows = min(rows, total)
+        table = np.full((1, self.width), -1, dtype=np.int32)
+        swa = np.full((1, self.width), -1, dtype=np.int32)
+        self.kv.block_tables([sid], table)
+        if self.sliding:
+            self.kv.block_tables([sid], swa, pool="swa")
+        chunks, start = [], n - total
+        for k in range(rows):
+            size = total // rows + (k < total % rows)
+            last = k if k + 1 == rows else None
+            chunks.append((tokens, start, start + size, table[0], swa[0], last))
+            start += size
+        self._prefill_batch(chunks)
 
     def _warm_tower(self) -> None:
         """Encodes one zero image (the tower's kernels loaded, its working
@@ -598,6 +678,123 @@ class ModelRunner:
         self.t2["next"][row : row + 1].copy_(logits[0].argmax(-1, keepdim=True))
         return n - p.start
 
+    @property
+    def batching(self) -> bool:
+        """Whether this model's prefills are batched (a budget is set and
+        the model serves `prefill_batch`)."""
+        return bool(self.prefill_batch_tokens) and getattr(self.model, "prefill_batch_ok", False)
+
+    def prefill_step(self, prefills: Sequence[Prefill]) -> int:
+        """Prefills a step's admissions, prefill ``k`` into row ``k`` of T2's
+        ``next`` (read by `prefill_tokens`), without waiting for the device;
+        returns the tokens prefilled. With batching (module doc) the
+        requests' chunks go in batches of at most `prefill_batch_tokens`
+        tokens, one chunk of each request a batch; a request whose image
+        is still to encode, or a model without `prefill_batch`, runs
+        `prefill` alone."""
+        if len(prefills) > self.max_batch:
+            raise InvalidArgument(
+                f"{len(prefills)} prefills in one step: at most max_batch={self.max_batch}"
+            )
+        if not self.batching:
+            return sum(self.prefill(p, row) for row, p in enumerate(prefills))
+        done, todo = 0, []
+        for row, p in enumerate(prefills):
+            req = p.request
+            if req.image is not None and req.mm and req.mm[0][1] > p.start:
+                done += self.prefill(p, row)
+            else:
+                todo.append((row, p))
+        if not todo:
+            return done
+        n = len(todo)
+        seqs = [p.request.seq_id for _, p in todo]
+        tables, swa = self._step_tables[:n], self._step_swa[:n]
+        t0 = time.perf_counter()
+        self.kv.block_tables(seqs, tables)
+        if self.sliding:
+            self.kv.block_tables(seqs, swa, pool="swa")
+        self.imp_mem_seconds += time.perf_counter() - t0
+        at = [p.start for _, p in todo]
+        left = [i for i in range(n) if at[i] < len(todo[i][1].tokens)]
+        budget, chunk = self.prefill_batch_tokens, self.prefill_chunk
+        # The request whose chunks map onto the SWA ring (at most one at a
+        # time: the ring holds one sequence's early window).
+        owner = None
+        while left:
+            batch, used = [], 0
+            for i in sorted(left, key=lambda i: i != owner):
+                row, p = todo[i]
+                s, e = at[i], min(len(p.tokens), at[i] + chunk)
+                if used + e - s > budget:
+                    continue
+                if self.sliding and self._needs_ring(swa[i], s, e):
+                    if owner is None:
+                        owner = i
+                    elif owner != i:
+                        continue
+                elif owner == i:
+                    owner = None
+                last = row if e == len(p.tokens) else None
+                batch.append((p.tokens, s, e, tables[i], swa[i] if self.sliding else None, last))
+                used += e - s
+                at[i] = e
+            self._prefill_batch(batch)
+            done += used
+            left = [i for i in left if at[i] < len(todo[i][1].tokens)]
+            if owner not in left:
+                owner = None
+        return done
+
+    def _needs_ring(self, swa, start: int, end: int) -> bool:
+        """Whether a chunk ``[start, end)`` reads SWA blocks the manager has
+        not given (`_fill_ring`)."""
+        first = max(0, start + 1 - self.config.sliding_window) // self.block_size
+        return bool((swa[first : (end - 1) // self.block_size + 1] < 0).any())
+
+    def _prefill_batch(self, chunks: list[tuple]) -> torch.Tensor:
+        """One forward over `chunks`, each ``(tokens, start, end, table,
+        swa_table, row)``: positions ``[start, end)`` of a sequence whose
+        block tables are given (host rows; the SWA row mapped onto the ring
+        here where the manager gave no block); a chunk with a `row` ends its
+        prompt, and its greedy token goes to that row of T2's ``next``.
+        Returns the logits ``[R, vocab]``."""
+        slots, t2 = self.prefill_slots, self.t2
+        host = slots.take().np
+        r = len(chunks)
+        cu, at, pick, spans = host["prefill_cu"], 0, [], []
+        cu[0] = 0
+        for k, (tokens, start, end, table, swa, row) in enumerate(chunks):
+            host["prefill_ids"][at : at + end - start] = tokens[start:end]
+            at += end - start
+            cu[k + 1] = at
+            host["prefill_starts"][k] = start
+            host["prefill_table"][k] = table
+            if self.sliding:
+                host["prefill_swa"][k] = swa
+                self._fill_ring(host["prefill_swa"][k], start, end)
+            spans.append((start, end - start))
+            if row is not None:
+                pick.append((k, row))
+        f = len(pick)
+        host["prefill_pick"][:f] = [k for k, _ in pick]
+        host["prefill_rows"][:f] = [row for _, row in pick]
+        # Non-blocking: the slot is rewritten only after this copy's event.
+        slots.copy_to(self.t2_raw["prefill_in"])
+        logits = self.model.prefill_batch(
+            t2["prefill_ids"][:at],
+            t2["prefill_cu"][: r + 1],
+            t2["prefill_starts"][:r],
+            t2["prefill_table"][:r],
+            t2["prefill_swa"][:r] if self.sliding else None,
+            self.kv_views,
+            spans=spans,
+        )
+        if f:
+            tokens = logits.argmax(-1).index_select(0, t2["prefill_pick"][:f])
+            t2["next"].index_copy_(0, t2["prefill_rows"][:f], tokens)
+        return logits
+
     def prefill_tokens(self, k: int) -> list[int]:
         """The greedy tokens of the step's `k` prefills (rows ``[0, k)`` of
         T2's ``next``), in one copy that waits for them."""
@@ -660,10 +857,10 @@ class ModelRunner:
         n = end - start
         host["prefill_ids"][:n] = tokens[start:end]
         t0 = time.perf_counter()
-        self.kv.block_tables([sid], host["prefill_table"].reshape(1, -1))
+        self.kv.block_tables([sid], host["prefill_table"][:1])
         if self.sliding:
-            swa = host["prefill_swa"]
-            self.kv.block_tables([sid], swa.reshape(1, -1), pool="swa")
+            swa = host["prefill_swa"][0]
+            self.kv.block_tables([sid], host["prefill_swa"][:1], pool="swa")
         self.imp_mem_seconds += time.perf_counter() - t0
         if self.sliding:
             self._fill_ring(swa, start, end)
@@ -672,8 +869,8 @@ class ModelRunner:
         return self.model.prefill(
             t2["prefill_ids"][:n],
             start,
-            t2["prefill_table"],
-            t2["prefill_swa"] if self.sliding else None,
+            t2["prefill_table"][0],
+            t2["prefill_swa"][0] if self.sliding else None,
             self.kv_views,
             last_only=True,
             **({"mm": mm} if mm is not None else {}),

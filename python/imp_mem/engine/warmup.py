@@ -1,8 +1,8 @@
 """What the engine's warm-up leaves on the device outside imp-mem's tiers,
 measured once and planned from then on (issue 25).
 
-The warm-up (a prefill of the longest chunk, the decode at every batch
-bucket), the CUDA-graph capture and the compiles they trigger leave two
+The warm-up (the largest batched prefill, a prefill of the longest chunk,
+the decode at every batch bucket), the CUDA-graph capture and the compiles they trigger leave two
 things on the device that no tier holds: torch's caching allocator's
 segments (the prefill's working set, the graphs' private pool, cuBLAS's
 workspace) when torch's own allocator serves the forward pass, and the

@@ -23,8 +23,11 @@ Decode attention has two implementations with one signature:
   and the reference the kernel is tested against).
 
 Both are free of host syncs and data-dependent shapes, so a decode step that
-uses them can be captured in a CUDA graph. Prefill runs once per request
-chunk and uses SDPA over the gathered pages.
+uses them can be captured in a CUDA graph. Prefill of one request's chunk
+uses SDPA over the gathered pages (`prefill_attention`); a batched prefill
+(several requests' chunks in one forward, `varlen_prefill_attention`)
+runs the Triton varlen kernel of `_prefill_kernel` on a GPU, and
+`prefill_attention` chunk by chunk on the torch path.
 
 Nothing here holds state; the functions are safe to call from any thread
 that owns the tensors.
@@ -48,6 +51,16 @@ def slots(
     else:
         blocks = torch.gather(block_table, 1, logical.unsqueeze(1)).squeeze(1)
     return blocks.long(), positions - logical * block_size
+
+
+def batch_slots(
+    block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_ids, offsets)`` of a batched prefill's tokens: token ``i`` at
+    ``positions[i]`` of the sequence whose table is ``block_tables[rows[i]]``
+    (``[R, M]``). Index math on the device."""
+    logical = torch.div(positions, block_size, rounding_mode="floor")
+    return block_tables[rows, logical].long(), positions - logical * block_size
 
 
 def store_kv(
@@ -213,6 +226,57 @@ def prefill_attention(
         scale=head_dim**-0.5 if scale is None else scale,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def varlen_prefill_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    spans: list[tuple[int, int]],
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """Causal attention of several sequences' chunks at once (a batched
+    prefill): chunk ``r``'s queries are rows ``[cu_seqlens[r],
+    cu_seqlens[r + 1])`` of `q` (``[T, heads, head_dim]``) at positions
+    ``[starts[r], starts[r] + len)`` of its sequence, reading that
+    sequence's keys through ``block_tables[r]`` (its own K/V stored first,
+    a prefix hit's before it). `spans`: the same ``(start, len)`` on the
+    host (the torch path's loop, the kernel's grid). ``backend="triton"``:
+    one kernel over every chunk (`_prefill_kernel`); ``"torch"``:
+    `prefill_attention` chunk by chunk (the reference). Returns ``[T,
+    heads, head_dim]`` in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if backend == "torch":
+        outs, at = [], 0
+        for r, (start, n) in enumerate(spans):
+            outs.append(
+                prefill_attention(
+                    q[at : at + n], kv, layer, block_tables[r], start, window=window, scale=scale
+                )
+            )
+            at += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    if backend != "triton":
+        raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
+    from imp_mem.engine.model import _prefill_kernel
+
+    return _prefill_kernel.varlen_prefill(
+        q,
+        kv,
+        layer,
+        block_tables,
+        cu_seqlens,
+        starts,
+        max(n for _, n in spans),
+        window=window,
+        scale=scale,
+    )
 
 
 def contiguous_decode_sdpa(

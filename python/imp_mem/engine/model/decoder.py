@@ -6,8 +6,12 @@ family's own.
 weights against the family's `weight_names` (Hugging Face names and
 shapes), groups each layer's tensors, builds the step's slots into the
 pages, runs the embedding, the layers and the head, and exposes the same
-``prefill`` / ``decode`` calls as `imp_mem.engine.model.qwen3.PagedModel`,
-so the runner serves any family alike. A family subclasses it and writes
+``prefill`` / ``prefill_batch`` / ``decode`` calls as
+`imp_mem.engine.model.qwen3.PagedModel`, so the runner serves any family
+alike (``prefill_batch``: several sequences' chunks in one forward, the
+layer run once over all their tokens; a family whose attention is its own,
+MLA, sets ``prefill_batch_ok = False`` and the runner prefills it one
+sequence a call). A family subclasses it and writes
 `weight_names`, `_layer` (one decoder layer over a `Step`) and, where they
 differ, `_embed`, `_logits` and `kv_block_shape` (the page layout of one
 KV block: ``[layers, 2, block_size, kv_heads, head_dim]`` by default,
@@ -33,12 +37,21 @@ import torch
 
 from imp_mem.engine.config import FULL, ModelConfig
 from imp_mem.engine.model.attention import (
+    batch_slots,
     paged_decode_attention,
     prefill_attention,
     slots,
     store_kv,
+    varlen_prefill_attention,
 )
-from imp_mem.engine.model.layers import KvViews, check_decode_args, check_prefill_args, check_tables
+from imp_mem.engine.model.layers import (
+    KvViews,
+    batch_positions,
+    check_decode_args,
+    check_prefill_args,
+    check_prefill_batch_args,
+    check_tables,
+)
 from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.errors import InvalidArgument
 
@@ -57,8 +70,9 @@ class Layer:
 
 @dataclass
 class Step:
-    """One prefill (one sequence, positions ``[start_pos, start_pos + N)``)
-    or decode (N sequences, one token each) call, as a layer sees it."""
+    """One prefill (one sequence, positions ``[start_pos, start_pos + N)``),
+    batched prefill (several sequences' chunks back to back, `varlen`) or
+    decode (N sequences, one token each) call, as a layer sees it."""
 
     mode: str
     positions: torch.Tensor
@@ -74,6 +88,9 @@ class Step:
     # Prefill: positions ``[s, e)`` that attend to each other both ways (an
     # image's tokens, Gemma-3's rule); None: causal only.
     bidirectional: tuple[int, int] | None = None
+    # Batched prefill: ``(cu_seqlens, starts, spans)`` of its chunks
+    # (`DecoderModel.prefill_batch`); `tables` then has one row a chunk.
+    varlen: tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]] | None = None
 
     def pages(self, layer: Layer) -> torch.Tensor:
         pages = self.kv.full if layer.pool == "full" else self.kv.swa
@@ -88,6 +105,21 @@ class Step:
         pages = self.pages(layer)
         store_kv(pages, layer.slot, k, v, *self.slot[layer.pool])
         table = self.tables[layer.pool]
+        if self.mode == "prefill_batch":
+            assert self.varlen is not None
+            cu, starts, spans = self.varlen
+            return varlen_prefill_attention(
+                q,
+                pages,
+                layer.slot,
+                table,
+                cu,
+                starts,
+                spans,
+                window=layer.window,
+                scale=scale,
+                backend=self.backend,
+            )
         if self.mode == "prefill":
             return prefill_attention(
                 q,
@@ -117,6 +149,8 @@ class DecoderModel:
     The arguments are `PagedModel`'s."""
 
     family = "decoder"
+    # Serves `prefill_batch` (a family with its own attention, MLA, does not).
+    prefill_batch_ok = True
 
     @staticmethod
     def weight_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -251,6 +285,51 @@ class DecoderModel:
         if last_only:
             x = x[-1:]
         return self._logits(x)
+
+    def prefill_batch(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        starts: torch.Tensor,
+        block_tables: torch.Tensor,
+        swa_block_tables: torch.Tensor | None,
+        kv: KvViews,
+        *,
+        spans: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        """`PagedModel.prefill_batch`: R chunks of R sequences in one
+        forward; float32 logits ``[R, vocab]`` of each chunk's last token."""
+        if not self.prefill_batch_ok:
+            raise InvalidArgument(
+                f"prefill_batch: model_type {self.config.model_type!r} prefills one "
+                "sequence a call; use prefill"
+            )
+        end = check_prefill_batch_args(input_ids, cu_seqlens, starts, spans, self.max_positions)
+        check_tables(
+            self.config, kv, block_tables, swa_block_tables, end, self.kv_block_shape, "prefill"
+        )
+        positions, rows = batch_positions(cu_seqlens, starts, input_ids.shape[0])
+        tables = {"full": block_tables, "swa": swa_block_tables}
+        slot = {
+            name: batch_slots(t, rows, positions, kv.block_size)
+            for name, t in tables.items()
+            if t is not None
+        }
+        step = Step(
+            "prefill_batch",
+            positions,
+            kv,
+            tables,
+            slot,
+            0,
+            self.attention_backend,
+            self.split_blocks,
+            varlen=(cu_seqlens, starts, spans),
+        )
+        x = self._embed(input_ids)
+        for layer in self.layers:
+            x = self._layer(x, layer, step)
+        return self._logits(x[(cu_seqlens[1:] - 1).long()])
 
     def decode(
         self,

@@ -63,6 +63,8 @@ class DeepseekV2Model(MoeMixin, DecoderModel):
     """DeepSeek-V2 over a paged latent KV cache (module doc)."""
 
     family = "deepseek_v2"
+    # MLA's attention is its own (latents, absorbed heads): one sequence a prefill.
+    prefill_batch_ok = False
 
     @staticmethod
     def weight_names(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -160,3 +160,52 @@ def check_tables(
                 f"{where}: {tname} has {t.shape[-1]} blocks of {kv.block_size} tokens, "
                 f"fewer than the {end} positions asked for"
             )
+
+
+def check_prefill_batch_args(
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    spans: list[tuple[int, int]],
+    max_positions: int,
+) -> int:
+    """A batched prefill's shapes against its host `spans` (``(start,
+    len)`` per chunk: every length at least 1, their sum the ids', every
+    position inside the RoPE tables). Returns the furthest end position.
+    Host-side: prefill is never captured."""
+    rows = len(spans)
+    if rows == 0 or input_ids.dim() != 1:
+        raise InvalidArgument(
+            f"prefill_batch: pass at least one chunk and 1-D input_ids; got {rows} spans and "
+            f"ids of shape {tuple(input_ids.shape)}"
+        )
+    if tuple(cu_seqlens.shape) != (rows + 1,) or tuple(starts.shape) != (rows,):
+        raise InvalidArgument(
+            f"prefill_batch: cu_seqlens must be [{rows + 1}] and starts [{rows}] for "
+            f"{rows} spans; got {tuple(cu_seqlens.shape)} and {tuple(starts.shape)}"
+        )
+    total = sum(n for _, n in spans)
+    if total != input_ids.shape[0] or min(n for _, n in spans) < 1:
+        raise InvalidArgument(
+            f"prefill_batch: the spans' lengths (each at least 1) must sum to the "
+            f"{input_ids.shape[0]} ids; got {[n for _, n in spans]}"
+        )
+    end = max(s + n for s, n in spans)
+    if min(s for s, _ in spans) < 0 or end > max_positions:
+        raise InvalidArgument(
+            f"prefill_batch: positions up to {end} must lie in [0, {max_positions})"
+        )
+    return end
+
+
+def batch_positions(
+    cu_seqlens: torch.Tensor, starts: torch.Tensor, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, rows)`` of a batched prefill's `tokens` tokens: each
+    token's position in its own sequence and its chunk's index, from the
+    chunks' ``cu_seqlens`` and ``starts``. Index math on the device (no
+    host sync)."""
+    index = torch.arange(tokens, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    rows = torch.searchsorted(cu_seqlens[1:], index, right=True)
+    positions = starts[rows] + (index - cu_seqlens[rows]).long()
+    return positions, rows

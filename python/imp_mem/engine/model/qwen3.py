@@ -17,7 +17,13 @@ allocates itself are the RoPE tables, once, at construction.
 
 `decode` is written for CUDA-graph capture: static shapes, no host syncs,
 all index math on the device. `prefill` is not captured (its length varies)
-and may check its arguments on the host.
+and may check its arguments on the host. `prefill_batch` prefills several
+sequences' chunks in one forward (the runner's batched prefill): the dense
+layers once over all their tokens, each token's RoPE at its own position
+and its K/V into its own sequence's pages, a varlen attention over the
+pages (`attention.varlen_prefill_attention`), the head over each chunk's
+last token only. `prefill_batch_ok` says a model serves it (the runner
+asks).
 
 Tensor parallelism. With a `TensorParallel` (``tp=``) the weights are one
 rank's slices (`imp_mem.engine.tensor_parallel`: column-parallel q/k/v,
@@ -42,15 +48,19 @@ import torch.nn.functional as F
 
 from imp_mem.engine.config import FULL, ModelConfig
 from imp_mem.engine.model.attention import (
+    batch_slots,
     paged_decode_attention,
     prefill_attention,
     slots,
     store_kv,
+    varlen_prefill_attention,
 )
 from imp_mem.engine.model.layers import (
     KvViews,
+    batch_positions,
     check_decode_args,
     check_prefill_args,
+    check_prefill_batch_args,
     check_tables,
     fused_rows,
     rms_norm,
@@ -104,6 +114,9 @@ class PagedModel:
     this rank's share of a tensor-parallel group (`weights` then hold its
     slices, by `TensorParallel.local_shape`); default TP = 1.
     """
+
+    # Serves `prefill_batch` (several sequences' chunks in one forward).
+    prefill_batch_ok = True
 
     def __init__(
         self,
@@ -228,6 +241,73 @@ class PagedModel:
         if last_only:
             x = x[-1:]
         return self._logits(x)
+
+    def prefill_batch(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        starts: torch.Tensor,
+        block_tables: torch.Tensor,
+        swa_block_tables: torch.Tensor | None,
+        kv: KvViews,
+        *,
+        spans: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        """Prefills R chunks of R sequences in one forward: `input_ids` is
+        their tokens back to back, chunk ``r`` rows ``[cu_seqlens[r],
+        cu_seqlens[r + 1])`` (int32, on the device) at positions
+        ``[starts[r], starts[r] + len)`` (int64) of the sequence whose
+        tables are row ``r`` of `block_tables` (``[R, M]``) and
+        `swa_block_tables`; `spans` is ``(start, len)`` per chunk on the
+        host. The dense layers run once over every token, each token's K/V
+        goes to its own sequence's slot, and attention is
+        `varlen_prefill_attention`. Returns float32 logits ``[R, vocab]``,
+        each chunk's last token's: what `prefill` (``last_only``) returns
+        for each chunk alone."""
+        end = check_prefill_batch_args(input_ids, cu_seqlens, starts, spans, self.max_positions)
+        check_tables(
+            self.config, kv, block_tables, swa_block_tables, end, self.kv_block_shape, "prefill"
+        )
+        positions, rows = batch_positions(cu_seqlens, starts, input_ids.shape[0])
+        tables = {"full": block_tables, "swa": swa_block_tables}
+        slot = {
+            name: batch_slots(table, rows, positions, kv.block_size)
+            for name, table in tables.items()
+            if table is not None
+        }
+        backend = self.attention_backend
+        if backend == "flashinfer":  # FlashInfer serves decode only: ours here
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        last = (cu_seqlens[1:] - 1).long()
+
+        def attend(q, layer, pool):
+            return varlen_prefill_attention(
+                q,
+                pool,
+                layer.index,
+                tables[layer.pool],
+                cu_seqlens,
+                starts,
+                spans,
+                window=layer.window,
+                backend=backend,
+            )
+
+        if self.fused_prefill:
+            x = self._forward_fused(input_ids, positions, slot, kv, attend)
+            return self._head(x[last])
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x = self.tp.embed(input_ids, self.embed)
+        for layer in self.layers:
+            pages = kv.full if layer.pool == "full" else kv.swa
+
+            def store_and_attend(q, k, v, layer=layer, pages=pages):
+                store_kv(pages, layer.index, k, v, *slot[layer.pool])
+                return attend(q, layer, pages)
+
+            x = self._block(x, layer, cos, sin, store_and_attend)
+        return self._logits(x[last])
 
     def decode(
         self,
