@@ -346,8 +346,19 @@ def test_batches_group_a_steps_requests():
             engine.close()
 
 
-def test_the_warm_up_runs_the_largest_batch():
-    engine = open_engine("qwen3_swa", prefill_batch_tokens=20, max_batch=3)
+@pytest.mark.parametrize(
+    "name,kw,rows,total",
+    [
+        # 3 chunks (max_batch), 20 tokens (the budget), each at most a chunk.
+        ("qwen3_swa", dict(prefill_batch_tokens=20, max_batch=3), 3, 20),
+        # A budget past one sequence's length (max_seq_len 8: 7 tokens a
+        # chunk at most): still the whole budget, chunks overlapping.
+        ("qwen3_full", dict(prefill_batch_tokens=24, max_batch=4, max_seq_len=8), 4, 24),
+        ("qwen3_swa", dict(prefill_batch_tokens=40, max_batch=8, max_seq_len=6), 8, 40),
+    ],
+)
+def test_the_warm_up_runs_the_largest_batch(name, kw, rows, total):
+    engine = open_engine(name, **kw)
     try:
         runner = engine.runner
         seen = []
@@ -356,9 +367,10 @@ def test_the_warm_up_runs_the_largest_batch():
         runner._warm_up()
         assert len(seen) == 1
         spans = [(s, e) for _, s, e, *_ in seen[0]]
-        # 3 chunks (max_batch), 20 tokens (the budget), each at most a chunk.
-        assert len(spans) == 3 and sum(e - s for s, e in spans) == 20
-        assert max(e - s for s, e in spans) <= 8 and spans[-1][1] == engine.max_seq_len - 1
+        n = engine.max_seq_len - 1
+        assert len(spans) == rows and sum(e - s for s, e in spans) == total
+        assert max(e - s for s, e in spans) <= min(8, n)
+        assert all(e == n and s >= 0 for s, e in spans)
     finally:
         engine.close()
 
