@@ -230,14 +230,7 @@ class PagedModel:
         cos = self.cos[start_pos:end].unsqueeze(1)
         sin = self.sin[start_pos:end].unsqueeze(1)
         x = self.tp.embed(input_ids, self.embed)
-        for layer in self.layers:
-            pages = kv.full if layer.pool == "full" else kv.swa
-
-            def store_and_attend(q, k, v, layer=layer, pages=pages):
-                store_kv(pages, layer.index, k, v, *slot[layer.pool])
-                return attend(q, layer, pages)
-
-            x = self._block(x, layer, cos, sin, store_and_attend)
+        x = self._layers(x, cos, sin, slot, kv, attend)
         if last_only:
             x = x[-1:]
         return self._logits(x)
@@ -299,14 +292,7 @@ class PagedModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = self.tp.embed(input_ids, self.embed)
-        for layer in self.layers:
-            pages = kv.full if layer.pool == "full" else kv.swa
-
-            def store_and_attend(q, k, v, layer=layer, pages=pages):
-                store_kv(pages, layer.index, k, v, *slot[layer.pool])
-                return attend(q, layer, pages)
-
-            x = self._block(x, layer, cos, sin, store_and_attend)
+        x = self._layers(x, cos, sin, slot, kv, attend)
         return self._logits(x[last])
 
     def decode(
@@ -365,6 +351,15 @@ class PagedModel:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = self.tp.embed(input_ids, self.embed)
+        x = self._layers(x, cos, sin, slot, kv, attend)
+        return self._logits(x)
+
+    # -- pieces ---------------------------------------------------------------
+
+    def _layers(self, x, cos, sin, slot, kv, attend):
+        """The layers one operation at a time over hidden states `x` (the
+        unfused path): each stores its K/V at `slot` and attends with
+        `attend`, RoPE from `cos` / `sin` gathered at the tokens' positions."""
         for layer in self.layers:
             pages = kv.full if layer.pool == "full" else kv.swa
 
@@ -373,9 +368,7 @@ class PagedModel:
                 return attend(q, layer, pages)
 
             x = self._block(x, layer, cos, sin, store_and_attend)
-        return self._logits(x)
-
-    # -- pieces ---------------------------------------------------------------
+        return x
 
     def _block(self, x, layer, cos, sin, attend):
         """One decoder layer over ``x[N, hidden]`` (N tokens of one sequence in
