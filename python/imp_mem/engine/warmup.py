@@ -223,6 +223,28 @@ class Meter:
         return self.measured
 
 
+class FixedMeter:
+    """A meter that reads no device: `stop()` returns `figure`. The CPU's
+    (`cpu_meter`), and a test's stand-in."""
+
+    def __init__(self, figure: dict[str, int]) -> None:
+        self.figure = {"torch": int(figure["torch"]), "modules": int(figure["modules"])}
+        self.measured: dict[str, int] | None = None
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> dict[str, int]:
+        self.measured = dict(self.figure)
+        return self.measured
+
+
+def cpu_meter() -> FixedMeter:
+    """The meter of an inline cold boot on the CPU (``warmup_probe="inline"``
+    over a fake backend): the warm-up leaves nothing outside the tiers."""
+    return FixedMeter({"torch": 0, "modules": 0})
+
+
 def probe(
     model_dir: str | Path | dict[str, Any],
     engine_kw: dict[str, Any],
