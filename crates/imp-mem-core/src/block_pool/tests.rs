@@ -1024,10 +1024,17 @@ fn a_limited_pool_grows_to_its_new_maximum_and_no_further() {
     pool.reserve_free(14).unwrap();
     let s = pool.stats();
     assert_eq!((s.capacity, s.max_blocks, s.free), (24, 24, 14));
-    assert!(pool.reserve_free(15).is_err(), "no growth past the new maximum");
+    assert!(
+        pool.reserve_free(15).is_err(),
+        "no growth past the new maximum"
+    );
     assert!(pool.allocate_many(15).is_err());
     let rest = pool.allocate_many(14).unwrap();
-    assert_eq!(pool.reservation().unwrap().addr(), base, "the base never moves");
+    assert_eq!(
+        pool.reservation().unwrap().addr(),
+        base,
+        "the base never moves"
+    );
     drop((held, rest));
     pool.check_invariants().unwrap();
 }
