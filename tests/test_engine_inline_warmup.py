@@ -104,6 +104,31 @@ def test_an_inline_cold_boot_ends_as_the_warm_boot_begins(tmp_path, no_child):
         assert _steady(warm) == 0
 
 
+def test_an_inline_engine_swaps_to_a_pool_held_whole(tmp_path, no_child):
+    """After a model swap that re-lays the (growable) KV pool, the pool is
+    grown to the new plan's blocks before serving: nothing is acquired
+    while serving, as at the boot."""
+    from imp_mem.engine.checkpoint import write_random_checkpoint
+    from imp_mem.engine.config import qwen3_0_6b_config
+
+    directory = _tiny_checkpoint(tmp_path)
+    config = qwen3_0_6b_config()
+    config.update(
+        vocab_size=128, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    other = write_random_checkpoint(tmp_path / "other", config, seed=1, scale=0.1)
+    with Engine(other, warmup_probe=False, **KW) as ref:
+        want = ref.generate(PROMPTS, max_new_tokens=4)
+    with Engine(directory, warmup_probe="inline", **KW) as e:
+        report = e.swap_model(other)
+        assert "kv_pool" in report["relaid"], report
+        blocks = int(e.plan.kv["blocks"])
+        assert e.system.kv_pool.stats()["capacity"] == blocks
+        assert e.generate(PROMPTS, max_new_tokens=4) == want
+        assert _steady(e) == 0
+
+
 def test_a_figure_the_budget_cannot_hold_fails_the_boot_and_is_remembered(tmp_path, no_child):
     """The re-plan is the planner's: a figure past the budget refuses the
     boot (everything opened is closed), and the next boot plans it too."""

@@ -748,6 +748,11 @@ class Engine:
                 warmup.store(fp, self.warmup_measured)  # planned from the next boot
             if self._inline_cold:
                 self._grow_to_plan()
+        elif self.memory.kv_growable and not self.kv_growable and self.tenancy is None:
+            # An inline-booted engine after a model swap, whose KV pool the
+            # system re-laid growable: whole before serving, as at the boot.
+            pool = self.system.kv_pool.stats()
+            self.kv.reserve_free(int(self.plan.kv["blocks"]) - int(pool["live"]))
         if begin:
             self.system.begin_serving()
         self.stats = EngineStats()  # serving starts here

@@ -1014,7 +1014,7 @@ fn a_limited_pool_grows_to_its_new_maximum_and_no_further() {
     let base = pool.reservation().unwrap().addr();
     let held = pool.allocate_many(10).unwrap();
     let committed = pool.stats().capacity;
-    assert!(committed >= 10 && committed < 64);
+    assert!((10..64).contains(&committed));
     // Below what is committed, or above the maximum: refused, unchanged.
     assert!(pool.limit_blocks(committed - 1).is_err());
     assert!(pool.limit_blocks(65).is_err());
