@@ -589,6 +589,9 @@ class BlockPool:
         ``fence``. Returns the bytes decommitted during this call."""
     def flush_decommit(self) -> int:
         """Wait for a pending decommit's fence and decommit; bytes returned."""
+    def limit_blocks(self, max_blocks: int) -> None:
+        """Lowers the most blocks the pool may grow to, at least the blocks
+        committed now (the reservation and every address stay)."""
     def set_decommit_policy(
         self, min_idle_steps: int | None = None, keep_chunks: int | None = None
     ) -> None: ...

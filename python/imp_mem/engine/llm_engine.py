@@ -152,11 +152,21 @@ class Engine:
     in a child process before planning, so the plan's ``warmup`` line and
     the KV pool are exact on the first boot (`imp_mem.engine.warmup`;
     default: on a GPU with torch's own allocator, TP = 1 and the default
-    backend). `boot_seconds` splits the boot: process (start to this
-    call), probe, reserve, backend, plan, open, load, pin (beside the load),
-    warm_up, capture, other (what no phase names) and, once served,
-    first_step (boot to first token); `first_token_seconds` is the first
-    token's time from process start.
+    backend). ``warmup_probe="inline"`` measures it in this process
+    instead, no child (issue 25): a cold boot plans the line at 0 (the
+    largest KV pool any figure gives), opens the KV pool growable with the
+    warm-up's blocks committed, warms up and captures under the meter,
+    re-plans with the measured figure, caps the pool at the re-planned
+    blocks and grows it to them before serving (the graphs stay valid: the
+    pool's base never moves), and remembers the figure; a warm boot plans it
+    directly. It needs a backend with growable regions (`InvalidArgument`
+    otherwise), TP = 1 and no shared GPU; on the CPU the warm-up leaves
+    nothing outside the tiers (`warmup.cpu_meter`). `boot_seconds` splits
+    the boot: process (start to this call), probe, reserve, backend, plan,
+    open, load, pin (beside the load), warm_up, capture, kv_grow (an inline
+    cold boot's re-plan and growth), other (what no phase names) and, once
+    served, first_step (boot to first token); `first_token_seconds` is the
+    first token's time from process start.
     `load_format`: ``"safetensors"`` (default: the checkpoint in `model_dir`)
     or ``"dummy"``: random weights drawn in T1 from `seed` (scale
     `dummy_scale`, default `checkpoint.DEFAULT_SCALE`), planned from the
@@ -202,9 +212,26 @@ class Engine:
     ) -> None:
         t_open = time.perf_counter()
         before = _since_process_start()
-        for name, value in (("fused", fused), ("warmup_probe", warmup_probe)):
-            if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be True, False or None, got {value!r}")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be True, False or None, got {fused!r}")
+        if warmup_probe is not None and not isinstance(warmup_probe, bool):
+            if not isinstance(warmup_probe, str):
+                raise TypeError(
+                    f"warmup_probe must be True, False, None or 'inline', got {warmup_probe!r}"
+                )
+            if warmup_probe != "inline":
+                raise InvalidArgument(
+                    f"warmup_probe={warmup_probe!r}: pass True (a cold boot measures the "
+                    "warm-up in a probe child), False (no probe), None (the default) or "
+                    "'inline' (a cold boot measures it in its own warm-up and grows the KV pool "
+                    "to the re-planned size)"
+                )
+            if group is not None or shared not in (None, False):
+                raise InvalidArgument(
+                    "warmup_probe='inline' serves tp=1 outside a shared GPU (a shared engine "
+                    "settles its warm-up with the ledger); pass group=None and shared=None, or "
+                    "warmup_probe=True"
+                )
         # "process": from process start to this call (the interpreter, the
         # imports and the caller's own code before the engine).
         self.boot_seconds: dict[str, float] = {"process": before}
@@ -346,6 +373,9 @@ class Engine:
         # engine's may be a config dict).
         self._probe_source = model_dir if isinstance(model_dir, dict) else str(model_dir)
         self._warmup_probe = warmup_probe
+        # warmup_probe="inline" on a cold boot: measured in this boot's own
+        # warm-up, the KV pool grown to the re-planned size (`_grow_to_plan`).
+        self._inline_cold = False
         self.warmup_planned: dict[str, int] | None = None
         self.warmup_measured: dict[str, int] | None = None
         error = None
@@ -404,11 +434,23 @@ class Engine:
             memory.kv_grow_blocks = max(
                 self.tenancy.chunk, int(self.plan.kv["blocks_per_sequence"])
             )
+        elif self._inline_cold:
+            # Address space for the provisional plan's KV; committed, the
+            # blocks the warm-up admits (one sequence and the runner's own).
+            memory.kv_growable = True
+            memory.kv_initial_blocks = Tenancy.initial_blocks(
+                self.plan, self.runner.engine_blocks[0]
+            )
         t0 = time.perf_counter()
         memory.open()
         self.boot_seconds["open"] = time.perf_counter() - t0
         self._meter = None
-        if memory.on_gpu:
+        if self._inline_cold and not memory.on_gpu:
+            from imp_mem.engine import warmup
+
+            self._meter = warmup.cpu_meter()
+            self._meter.start()
+        elif memory.on_gpu:
             from imp_mem.engine.warmup import Meter
 
             self._meter = Meter(
@@ -523,7 +565,8 @@ class Engine:
         from imp_mem.engine import warmup
 
         memory = self.memory
-        if not memory.on_gpu or os.environ.get(warmup.CHILD_ENV):
+        inline = self._warmup_probe == "inline"
+        if (not memory.on_gpu and not inline) or os.environ.get(warmup.CHILD_ENV):
             return None
         decides = {
             "max_batch": self.max_batch,
@@ -546,6 +589,18 @@ class Engine:
             decides["flashinfer"] = str(getattr(flashinfer, "__version__", "?"))
         self._warmup_fp = warmup.fingerprint(self.config_dict, decides)
         got = warmup.lookup(self._warmup_fp)
+        if got is None and inline and not getattr(self, "_booted", False):
+            if not getattr(memory.backend, "growable", False):
+                raise InvalidArgument(
+                    f"warmup_probe='inline' grows the KV pool after the warm-up, and this "
+                    f"{memory.backend.kind} backend has no growable regions; pass a VmmBackend "
+                    "(or a FakeBackend), or warmup_probe=True (a probe child)"
+                )
+            # Planned at 0 for now (the largest KV any figure gives: the
+            # pool's reservation covers the final plan's), measured in this
+            # boot's warm-up and re-planned before serving.
+            self._inline_cold = True
+            return None
         probe = self._warmup_probe
         if probe is None:
             probe = (
@@ -606,15 +661,13 @@ class Engine:
         runner.set_model(c, probe_bs)
         limits = imp_mem.Limits(self.max_batch, self.max_seq_len, block_size=block_size)
         default = None
+        engine_blocks = runner.engine_blocks
         if features is None:
             self.warmup_planned = self._warmup_figure(probe_bs, library_reserve)
             from imp_mem.engine.warmup import total
 
-            default = memory.features(
-                t2_bytes(runner.groups(probe_bs)),
-                runner.engine_blocks,
-                warmup_bytes=total(self.warmup_planned),
-            )
+            t2 = t2_bytes(runner.groups(probe_bs))
+            default = memory.features(t2, engine_blocks, warmup_bytes=total(self.warmup_planned))
         memory.make_plan(
             self.model_dir,
             c,
@@ -625,9 +678,25 @@ class Engine:
             library_reserve=library_reserve,
             features=features,
             default_features=default,
-            engine_blocks=runner.engine_blocks,
+            engine_blocks=engine_blocks,
         )
         runner.set_model(c, int(self.plan.kv["block_size"]))
+        if features is not None:
+            return
+        # An inline cold boot plans again with the measured figure, the
+        # same inputs against the same budget (`_grow_to_plan`).
+        self._replan = lambda warmup_bytes: memory.make_plan(
+            self.model_dir,
+            c,
+            self.tp,
+            limits=limits,
+            budget=self.plan.budget,
+            context=memory.context,
+            library_reserve=memory.library_reserve,
+            features=None,
+            default_features=memory.features(t2, engine_blocks, warmup_bytes=warmup_bytes),
+            engine_blocks=engine_blocks,
+        )
 
     def _open(self) -> None:
         prefix_caching, buckets, graphs, attention_backend, progress = self._open_args
@@ -677,9 +746,57 @@ class Engine:
             fp = getattr(self, "_warmup_fp", None)
             if fp is not None and self.warmup_planned is None:
                 warmup.store(fp, self.warmup_measured)  # planned from the next boot
+            if self._inline_cold:
+                self._grow_to_plan()
+        elif self.memory.kv_growable and not self.kv_growable and self.tenancy is None:
+            # An inline-booted engine after a model swap, whose KV pool the
+            # system re-laid growable: whole before serving, as at the boot.
+            pool = self.system.kv_pool.stats()
+            self.kv.reserve_free(int(self.plan.kv["blocks"]) - int(pool["live"]))
         if begin:
             self.system.begin_serving()
         self.stats = EngineStats()  # serving starts here
+
+    def _grow_to_plan(self) -> None:
+        """An inline cold boot's last step before serving
+        (``warmup_probe="inline"``): the plan again with the figure this
+        boot's warm-up measured, the KV pool capped at the re-planned blocks
+        and grown to them (the block manager's capacity with it; the
+        address space and every captured address stay), and the backend's
+        budget lowered by the new line, as opening on that plan would have
+        set it. The pool then holds a warm boot's blocks."""
+        from imp_mem.engine import warmup
+
+        t0 = time.perf_counter()
+        self._inline_cold = False
+        memory, measured = self.memory, self.warmup_measured or {"torch": 0, "modules": 0}
+        provisional = memory.plan
+        final = self._replan(warmup.total(measured))
+        kv0, kv1 = provisional.kv, final.kv
+        if kv1["block_bytes"] != kv0["block_bytes"] or kv1["blocks"] > kv0["blocks"]:
+            raise imp_mem.ImpMemError(
+                f"the re-planned KV pool ({kv1['blocks']} blocks of {kv1['block_bytes']} B) does "
+                f"not fit the provisional one ({kv0['blocks']} of {kv0['block_bytes']} B)"
+            )
+        blocks = int(kv1["blocks"])
+        pool = self.system.kv_pool
+        if blocks < int(kv0["blocks"]):
+            # The reservation stays; the pool grows no further than the plan.
+            pool.limit_blocks(blocks)
+        if not self.kv_growable:
+            # Committed whole before serving: nothing is acquired while serving.
+            if not self.kv.reserve_free(blocks - int(pool.stats()["live"])):
+                raise imp_mem.OutOfMemory(
+                    f"growing the KV pool to the re-planned {blocks} blocks was refused"
+                )
+        backend = memory.backend
+        for_tiers = final.budget - final.context - final.library_reserve - final.warmup
+        if for_tiers < backend.budget:
+            backend.set_budget(for_tiers)
+        # The scheduler refuses a request by the pool's maximum: now the plan's.
+        self.scheduler = Scheduler(self.kv, max_batch=self.max_batch, max_seq_len=self.max_seq_len)
+        self.warmup_planned = dict(measured)
+        self.boot_seconds["kv_grow"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------ the loop
 

@@ -22,6 +22,11 @@ So the engine plans them as one line, ``warmup`` (`Features.warmup_bytes`):
   with its weights left unread (`probe`; the bytes do not depend on their
   values), so the plan that sizes the KV pool already has the line: no
   guess, no second boot, and a cold boot's KV pool is the warm one's;
+* or, with ``Engine(warmup_probe="inline")``, in the cold boot itself: the
+  line planned at 0, the KV pool opened growable, the figure measured
+  across this boot's warm-up, the plan made again with it and the pool
+  grown to it before serving (`Engine._grow_to_plan`); on the CPU the
+  figure is `cpu_meter`'s (nothing outside the tiers);
 * on every boot the engine measures the same quantities across its own
   warm-up (`Meter`) and charges them against the line, so the report shows
   the figure planned next to the one measured.
@@ -221,6 +226,28 @@ class Meter:
             "modules": max(0, modules),
         }
         return self.measured
+
+
+class FixedMeter:
+    """A meter that reads no device: `stop()` returns `figure`. The CPU's
+    (`cpu_meter`), and a test's stand-in."""
+
+    def __init__(self, figure: dict[str, int]) -> None:
+        self.figure = {"torch": int(figure["torch"]), "modules": int(figure["modules"])}
+        self.measured: dict[str, int] | None = None
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> dict[str, int]:
+        self.measured = dict(self.figure)
+        return self.measured
+
+
+def cpu_meter() -> FixedMeter:
+    """The meter of an inline cold boot on the CPU (``warmup_probe="inline"``
+    over a fake backend): the warm-up leaves nothing outside the tiers."""
+    return FixedMeter({"torch": 0, "modules": 0})
 
 
 def probe(

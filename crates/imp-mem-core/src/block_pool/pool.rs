@@ -176,6 +176,28 @@ impl PoolCore {
         self.extend(committed)
     }
 
+    /// Lowers the most blocks a growable pool may grow to: its reservation
+    /// stays, and the blocks past the new maximum are never committed
+    /// (admission no longer counts them as room). Refused while the pool
+    /// sleeps, below the blocks committed now (withdrawn ones included) or
+    /// above the current maximum.
+    pub(super) fn limit_blocks(&mut self, max_blocks: u32) -> Result<(), MemError> {
+        if let Some((level, _)) = self.sleep {
+            return Err(self.asleep_error(level));
+        }
+        let committed = self.committed_blocks().max(self.capacity());
+        if max_blocks < committed || max_blocks > self.max_blocks {
+            return Err(MemError::invalid(format!(
+                "block pool #{}: max_blocks={max_blocks} must lie between the {committed} blocks \
+                 committed now and the pool's maximum of {}; decommit first or pass a value in \
+                 that range",
+                self.id, self.max_blocks
+            )));
+        }
+        self.max_blocks = max_blocks;
+        Ok(())
+    }
+
     /// [`Self::ensure_free`], for `SharedBlockPool::reserve_free`.
     pub(super) fn ensure_free_pub(&mut self, need: u32) -> Result<(), MemError> {
         let r = self.ensure_free(need);

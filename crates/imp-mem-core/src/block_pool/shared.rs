@@ -450,6 +450,14 @@ impl SharedBlockPool {
         self.core().ensure_free_pub(n)
     }
 
+    /// Lowers the most blocks the pool may grow to (`max_blocks`), at least
+    /// the blocks committed now; the reservation and every address stay.
+    /// A growable pool sized before its plan was final is capped at the
+    /// final plan's blocks this way.
+    pub fn limit_blocks(&self, max_blocks: u32) -> Result<(), MemError> {
+        self.core().limit_blocks(max_blocks)
+    }
+
     /// The backend its region came from (`None` in slots mode).
     pub fn backend(&self) -> Option<crate::backend::Backend> {
         self.core().region.as_ref().map(|r| r.backend().clone())

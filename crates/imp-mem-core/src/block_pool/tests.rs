@@ -1006,3 +1006,35 @@ mod batch_props {
         }
     }
 }
+
+#[test]
+fn a_limited_pool_grows_to_its_new_maximum_and_no_further() {
+    let fb = fake();
+    let pool = SharedBlockPool::new(&fb, &PoolConfig::growable(512, 2, 64, 8)).unwrap();
+    let base = pool.reservation().unwrap().addr();
+    let held = pool.allocate_many(10).unwrap();
+    let committed = pool.stats().capacity;
+    assert!((10..64).contains(&committed));
+    // Below what is committed, or above the maximum: refused, unchanged.
+    assert!(pool.limit_blocks(committed - 1).is_err());
+    assert!(pool.limit_blocks(65).is_err());
+    assert_eq!(pool.stats().max_blocks, 64);
+    pool.limit_blocks(24).unwrap();
+    assert_eq!(pool.room(), (committed - 10, 24 - committed));
+    pool.reserve_free(14).unwrap();
+    let s = pool.stats();
+    assert_eq!((s.capacity, s.max_blocks, s.free), (24, 24, 14));
+    assert!(
+        pool.reserve_free(15).is_err(),
+        "no growth past the new maximum"
+    );
+    assert!(pool.allocate_many(15).is_err());
+    let rest = pool.allocate_many(14).unwrap();
+    assert_eq!(
+        pool.reservation().unwrap().addr(),
+        base,
+        "the base never moves"
+    );
+    drop((held, rest));
+    pool.check_invariants().unwrap();
+}

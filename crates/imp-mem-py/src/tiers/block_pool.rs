@@ -268,6 +268,15 @@ impl PyBlockPool {
         done.py()
     }
 
+    /// Lowers the most blocks this pool may grow to (`max_blocks`), at least
+    /// the blocks committed now: the reservation and every address stay,
+    /// and admission counts no room past it. A growable KV pool opened
+    /// before its plan was final is capped at the final plan's blocks so.
+    fn limit_blocks(&self, max_blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = convert::u32_arg(max_blocks, "max_blocks")?;
+        self.pool.limit_blocks(n).py()
+    }
+
     /// Replaces the shrink policy (and restarts the idle count); a value
     /// left out keeps its current setting.
     #[pyo3(signature = (min_idle_steps = None, keep_chunks = None))]
