@@ -212,3 +212,26 @@ def workload(e, n, seed, cancel=0.0, prompt=(8, 400), new=(1, 64)):
             if cancel and not r.done and rng.random() < cancel:
                 e.cancel(r.seq_id)
     return reqs
+
+
+def boot_in_child(script: str, directory, tmp_path) -> dict:
+    """Runs an engine boot `script` in a fresh child process (its argv: the
+    checkpoint `directory` and this process's own device bytes) with the
+    warm-up and reserve caches under `tmp_path`, so that successive calls
+    are a cold and then a warm boot; returns the JSON of its last line."""
+    import torch
+
+    env = dict(
+        os.environ,
+        IMP_MEM_WARMUP_CACHE=str(tmp_path / "warmup.json"),
+        IMP_MEM_CACHE_DIR=str(tmp_path / "cache"),
+    )
+    env.pop("IMP_MEM_WARMUP_PROBE", None)
+    torch.cuda.synchronize()
+    free, whole = torch.cuda.mem_get_info()
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(directory), str(whole - free)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -11,9 +11,6 @@ acquire nothing while serving, and time their boot.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +18,8 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+
+from _device_plan import boot_in_child  # noqa: E402
 
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
 from imp_mem.engine.config import qwen3_0_6b_config  # noqa: E402
@@ -55,27 +54,10 @@ with Engine(sys.argv[1], max_batch=32, max_seq_len=640, keep_logits=False,
 """
 
 
-def boot(directory, env) -> dict:
-    torch.cuda.synchronize()
-    free, whole = torch.cuda.mem_get_info()
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(directory), str(whole - free)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_cold_and_warm_boots_plan_the_warmup_exactly(tmp_path):
     directory = write_random_checkpoint(tmp_path / "ckpt", qwen3_0_6b_config(), device="cuda")
-    env = dict(
-        os.environ,
-        IMP_MEM_WARMUP_CACHE=str(tmp_path / "warmup.json"),
-        IMP_MEM_CACHE_DIR=str(tmp_path / "cache"),
-    )
-    env.pop("IMP_MEM_WARMUP_PROBE", None)
-    cold = boot(directory, env)
-    warm = boot(directory, env)
+    cold = boot_in_child(CHILD, directory, tmp_path)
+    warm = boot_in_child(CHILD, directory, tmp_path)
     for name, r in (("cold", cold), ("warm", warm)):
         print(f"\n{name}: {json.dumps({k: v for k, v in r.items() if k != 'text'})}")
         assert r["planned"] is not None, f"{name}: no warm-up figure planned"

@@ -14,9 +14,6 @@ their boot (printed: the first token and the boot split).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -24,6 +21,8 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+
+from _device_plan import boot_in_child  # noqa: E402
 
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
 from imp_mem.engine.config import qwen3_0_6b_config  # noqa: E402
@@ -62,27 +61,10 @@ with Engine(sys.argv[1], max_batch=32, max_seq_len=640, keep_logits=False,
 """
 
 
-def boot(directory, env) -> dict:
-    torch.cuda.synchronize()
-    free, whole = torch.cuda.mem_get_info()
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(directory), str(whole - free)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_an_inline_cold_boot_holds_the_warm_boots_pool(tmp_path):
     directory = write_random_checkpoint(tmp_path / "ckpt", qwen3_0_6b_config(), device="cuda")
-    env = dict(
-        os.environ,
-        IMP_MEM_WARMUP_CACHE=str(tmp_path / "warmup.json"),
-        IMP_MEM_CACHE_DIR=str(tmp_path / "cache"),
-    )
-    env.pop("IMP_MEM_WARMUP_PROBE", None)
-    cold = boot(directory, env)
-    warm = boot(directory, env)
+    cold = boot_in_child(CHILD, directory, tmp_path)
+    warm = boot_in_child(CHILD, directory, tmp_path)
     for name, r in (("cold", cold), ("warm", warm)):
         split = " ".join(f"{k}={v:.2f}" for k, v in r["boot"].items())
         print(f"\n{name}: first token {r['first_token']:.2f} s; boot {split}")
