@@ -37,7 +37,6 @@ import torch
 
 from imp_mem.engine.config import FULL, ModelConfig
 from imp_mem.engine.model.attention import (
-    batch_slots,
     paged_decode_attention,
     prefill_attention,
     slots,
@@ -46,11 +45,10 @@ from imp_mem.engine.model.attention import (
 )
 from imp_mem.engine.model.layers import (
     KvViews,
-    batch_positions,
     check_decode_args,
     check_prefill_args,
-    check_prefill_batch_args,
     check_tables,
+    prefill_batch_inputs,
 )
 from imp_mem.engine.tensor_parallel import TensorParallel
 from imp_mem.errors import InvalidArgument
@@ -304,17 +302,9 @@ class DecoderModel:
                 f"prefill_batch: model_type {self.config.model_type!r} prefills one "
                 "sequence a call; use prefill"
             )
-        end = check_prefill_batch_args(input_ids, cu_seqlens, starts, spans, self.max_positions)
-        check_tables(
-            self.config, kv, block_tables, swa_block_tables, end, self.kv_block_shape, "prefill"
+        positions, tables, slot = prefill_batch_inputs(
+            self, input_ids, cu_seqlens, starts, block_tables, swa_block_tables, kv, spans
         )
-        positions, rows = batch_positions(cu_seqlens, starts, input_ids.shape[0])
-        tables = {"full": block_tables, "swa": swa_block_tables}
-        slot = {
-            name: batch_slots(t, rows, positions, kv.block_size)
-            for name, t in tables.items()
-            if t is not None
-        }
         step = Step(
             "prefill_batch",
             positions,

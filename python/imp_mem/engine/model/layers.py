@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -209,3 +210,33 @@ def batch_positions(
     rows = torch.searchsorted(cu_seqlens[1:], index, right=True)
     positions = starts[rows] + (index - cu_seqlens[rows]).long()
     return positions, rows
+
+
+def prefill_batch_inputs(
+    model: Any,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    block_tables: torch.Tensor,
+    swa_block_tables: torch.Tensor | None,
+    kv: KvViews,
+    spans: list[tuple[int, int]],
+) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
+    """A batched prefill's arguments checked against `model` (its
+    ``config``, ``max_positions`` and ``kv_block_shape``), and what every
+    family derives from them: each token's position, the tables by pool,
+    and each token's slot in its own sequence's pages, by pool."""
+    from imp_mem.engine.model.attention import batch_slots
+
+    end = check_prefill_batch_args(input_ids, cu_seqlens, starts, spans, model.max_positions)
+    check_tables(
+        model.config, kv, block_tables, swa_block_tables, end, model.kv_block_shape, "prefill"
+    )
+    positions, rows = batch_positions(cu_seqlens, starts, input_ids.shape[0])
+    tables = {"full": block_tables, "swa": swa_block_tables}
+    slot = {
+        name: batch_slots(table, rows, positions, kv.block_size)
+        for name, table in tables.items()
+        if table is not None
+    }
+    return positions, tables, slot

@@ -48,7 +48,6 @@ import torch.nn.functional as F
 
 from imp_mem.engine.config import FULL, ModelConfig
 from imp_mem.engine.model.attention import (
-    batch_slots,
     paged_decode_attention,
     prefill_attention,
     slots,
@@ -57,12 +56,11 @@ from imp_mem.engine.model.attention import (
 )
 from imp_mem.engine.model.layers import (
     KvViews,
-    batch_positions,
     check_decode_args,
     check_prefill_args,
-    check_prefill_batch_args,
     check_tables,
     fused_rows,
+    prefill_batch_inputs,
     rms_norm,
     rope_tables,
     rotate_half,
@@ -257,17 +255,9 @@ class PagedModel:
         `varlen_prefill_attention`. Returns float32 logits ``[R, vocab]``,
         each chunk's last token's: what `prefill` (``last_only``) returns
         for each chunk alone."""
-        end = check_prefill_batch_args(input_ids, cu_seqlens, starts, spans, self.max_positions)
-        check_tables(
-            self.config, kv, block_tables, swa_block_tables, end, self.kv_block_shape, "prefill"
+        positions, tables, slot = prefill_batch_inputs(
+            self, input_ids, cu_seqlens, starts, block_tables, swa_block_tables, kv, spans
         )
-        positions, rows = batch_positions(cu_seqlens, starts, input_ids.shape[0])
-        tables = {"full": block_tables, "swa": swa_block_tables}
-        slot = {
-            name: batch_slots(table, rows, positions, kv.block_size)
-            for name, table in tables.items()
-            if table is not None
-        }
         backend = self.attention_backend
         if backend == "flashinfer":  # FlashInfer serves decode only: ours here
             backend = "triton" if self.device.type == "cuda" else "torch"
