@@ -214,3 +214,51 @@ fn a_pool_of_the_measured_size_replays_an_hf_generate_in_place() {
     assert_eq!(replay(&fixed, &ops, weights).unwrap(), first);
     assert_eq!(replay(&fixed, &ops, weights).unwrap(), first);
 }
+
+/// A recorded trace (`benches/record_hf_trace.py --out F`) replayed on a
+/// measuring pool: `IMP_MEM_TRACE=F cargo test --release --test
+/// measured_trace -- --ignored --nocapture` prints its high-water over its
+/// live peak, for trying placements without a wheel.
+#[test]
+#[ignore = "needs IMP_MEM_TRACE, a recorded trace"]
+fn a_recorded_trace_replayed() {
+    let Ok(path) = std::env::var("IMP_MEM_TRACE") else {
+        return;
+    };
+    let text = std::fs::read_to_string(path).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut ops = Vec::new();
+    for op in json["ops"].as_array().unwrap() {
+        let id = op[1].as_u64().unwrap() as usize;
+        ops.push(if op[0] == "a" {
+            Op::Alloc(id, op[2].as_u64().unwrap())
+        } else {
+            Op::Free(id)
+        });
+    }
+    let fb = fake();
+    let mut config = ActivationConfig::new(32 << 30);
+    config.measure_chunk = Some(2 * MIB);
+    config.strict = Some(true);
+    let pool = ActivationPool::new(&fb, &config, Arc::new(NoStreams)).unwrap();
+    let mut live = std::collections::HashMap::new();
+    let t0 = std::time::Instant::now();
+    for op in ops {
+        match op {
+            Op::Alloc(id, bytes) => {
+                live.insert(id, pool.allocate(bytes, 0).unwrap());
+            }
+            Op::Free(id) => {
+                pool.free(live.remove(&id).unwrap(), 0).unwrap();
+            }
+        }
+    }
+    let (hw, peak) = (pool.high_water(), pool.stats().allocated_peak);
+    println!(
+        "high-water {:.1} MiB, live peak {:.1} MiB: {:.4} ({:?})",
+        hw as f64 / MIB as f64,
+        peak as f64 / MIB as f64,
+        hw as f64 / peak as f64,
+        t0.elapsed()
+    );
+}
