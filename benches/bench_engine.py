@@ -221,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["flashinfer"],
         help="also boot the 8B with this attention backend, beside ours",
     )
+    ap.add_argument(
+        "--warmup-probe",
+        choices=["child", "inline"],
+        default="child",
+        help="how a cold boot measures its warm-up: a probe child before the plan (the "
+        "default), or in the engine's own process (Engine(warmup_probe='inline'))",
+    )
     ap.add_argument("--boot-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.boot_child:
@@ -312,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"serving: {ours['steady_state']}"
             )
     if not args.skip_roofline:
-        roofline_and_boots(args.quick, args.attention)
+        probe = "inline" if args.warmup_probe == "inline" else None
+        roofline_and_boots(args.quick, args.attention, probe)
     write_json(args.json, ROWS)
     return 0
 
@@ -350,6 +358,7 @@ def boot_child(spec: dict) -> int:
         attention_backend=spec.get("attention"),
         pin_sleep_host=False,
         progress=False,
+        warmup_probe=spec.get("warmup_probe"),
     ) as e:
         out["boot_seconds"] = dict(e.boot_seconds)
         # With the open's rounding of growable tiers to whole granules.
@@ -438,7 +447,9 @@ def step_bytes(config, batch: int, context: float) -> float:
     return weights + kv
 
 
-def roofline_and_boots(quick: bool, attention: str | None = None) -> None:
+def roofline_and_boots(
+    quick: bool, attention: str | None = None, warmup_probe: str | None = None
+) -> None:
     import os
 
     from imp_mem.engine.checkpoint import write_random_checkpoint
@@ -479,7 +490,13 @@ def roofline_and_boots(quick: bool, attention: str | None = None) -> None:
             directory = write_random_checkpoint(
                 os.path.join(tmp, name), config_dict, scale=0.02, device="cuda"
             )
-            base = dict(dir=str(directory), max_batch=max_batch, prompt=prompt, new=new)
+            base = dict(
+                dir=str(directory),
+                max_batch=max_batch,
+                prompt=prompt,
+                new=new,
+                warmup_probe=warmup_probe,
+            )
             runs = {}
             runs["cold"] = run_boot(dict(base, fused=True, batches=batches), env)
             if name == "Qwen3-8B":
