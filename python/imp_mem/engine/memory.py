@@ -353,6 +353,10 @@ class EngineMemory:
         against the plan's ``warmup`` line instead."""
         if self.on_gpu and self.warmup_modules is not None:
             outside = torch.cuda.memory_reserved(self.device) if self.torch_pool is None else 0
+            # The line named before the warm-up was measured (a cold boot's
+            # runner charged it) is in the warm-up's line now: dropped, not
+            # counted twice.
+            self.system.set_charge("torch", 0)
             self.system.set_charge(
                 "warmup",
                 outside + self.warmup_modules,
