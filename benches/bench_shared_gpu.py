@@ -19,9 +19,12 @@ The trace (the same for both set-ups). Model *k* bursts in window *k*
 (``--window-s`` each, after ``--lead-s``): ``burst_k`` requests of
 ``--prompt-len`` random tokens + ``--new-tokens`` arriving uniformly over
 ``--burst-s``, where ``burst_k = min(--max-batch, ceil(--burst-factor *
-static max_batch_k))``: a burst whose KV need is ``--burst-factor`` times
-what model *k*'s static third holds, so the static split must queue it in
-waves while the shared set-up, whose cap holds it, admits it at once (the
+static max_batch_k), H_k - 2)``: a burst whose KV need is ``--burst-factor``
+times what model *k*'s static third holds, so the static split must queue it
+in waves while the shared set-up, whose cap holds it, admits it at once
+(``H_k``: the sequences model *k*'s shared cap holds at once, from its static
+plan's KV per sequence, 5 % of the cap kept back; a burst past it would wait
+in the shared set-up too, which is no test of the ledger) (the
 static phase runs first and fixes the bursts; a model whose static third
 already holds ``--max-batch`` is not under memory pressure, and the table
 says so). Outside its window each model gets a trickle (one request of at
@@ -180,7 +183,12 @@ def open_engine(directory, mode, opts, name, max_batch=None, **extra):
                 for lv in e.levers
                 if lv.get("setting") == "max_batch" and lv.get("sufficient")
             ]
-            batch = to[0] if to and 1 <= to[0] < batch else max(1, batch // 2)
+            # The planner names its three largest levers; a max_batch that
+            # frees less than halving max_seq_len is often left out. Then a
+            # tenth down, not a half: the first fit is within 10 % of the
+            # largest (halving left the 0.6B's shared engine at 100 where
+            # about 180 fit its cap, on the H200 at 60 GiB).
+            batch = to[0] if to and 1 <= to[0] < batch else min(batch - 1, batch * 9 // 10)
 
 
 def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch=None):
@@ -197,10 +205,13 @@ def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch
         ready.put((name, {"error": traceback.format_exc()}, 0))
         raise
     engine.generate([[1, 2, 3]] * 2, 2)  # warm-up
-    facts = None
+    plan = engine.plan
+    # What the plan holds beside the KV, and the KV of one sequence: the
+    # parent bounds each burst by what a shared cap can hold at once.
+    facts = {"fixed": plan.total() - plan.kv_bytes, "per_seq": plan.kv_bytes / batch}
     t = engine.tenancy
     if t is not None:
-        facts = {
+        facts |= {
             "floor": t.floor,
             "kv_floor": t.initial * t.block_bytes,
             "chunk": t.chunk * t.block_bytes,
@@ -274,13 +285,27 @@ def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch
     engine.close()
 
 
-def bursts_for(static_batches: dict[str, int], args) -> dict[str, int]:
+def bursts_for(
+    static_batches: dict[str, int], args, holds: dict[str, int] | None = None
+) -> dict[str, int]:
     """Each model's burst: ``--burst-factor`` times what its static third
-    serves at once, at most ``--max-batch`` (module doc)."""
-    return {
-        n: max(1, min(args.max_batch, math.ceil(args.burst_factor * b)))
-        for n, b in static_batches.items()
-    }
+    serves at once, at most ``--max-batch`` and at most what its shared cap
+    `holds` at once less two (the trickle's) (module doc)."""
+    out = {}
+    for n, b in static_batches.items():
+        burst = min(args.max_batch, math.ceil(args.burst_factor * b))
+        if holds and n in holds:
+            burst = min(burst, holds[n] - 2)
+        out[n] = max(1, burst)
+    return out
+
+
+def cap_holds(facts: dict, cap: int) -> int:
+    """The sequences a shared cap holds at once, from a static engine's
+    plan (`facts`: what it holds beside the KV, and one sequence's KV),
+    with 5 % of the cap kept back for what the shared set-up adds (the
+    ledger's chunk rounding, the warm-up's measured line)."""
+    return max(1, int((cap * 0.95 - facts["fixed"]) // facts["per_seq"]))
 
 
 def trace_for(index, n_models, args, vocab, seed, burst):
@@ -345,7 +370,8 @@ def run_phase(mode, dirs, args, opts, bursts=None, kill=None):
         n, f, b = _opened(ready, args, procs)
         opened[n] = (f, b)
     if bursts is None:
-        bursts = bursts_for({n: b for n, (_f, b) in opened.items()}, args)
+        holds = {n: cap_holds(f, opts["caps"][n]) for n, (f, _b) in opened.items() if f}
+        bursts = bursts_for({n: b for n, (_f, b) in opened.items()}, args, holds)
     for k, name in enumerate(names):
         trace_qs[name].put(trace_for(k, len(dirs), args, opts["vocab"], k, bursts[name]))
     start_at.value = time.time() + 1.0

@@ -81,6 +81,22 @@ def test_shared_gpu_bench_smoke_runs_every_phase():
     assert re.search(r"^\s+a\s+static\s+\d+\s+shared\s+\d+\s+burst\s+\d+", out, re.M), out
 
 
+def test_shared_gpu_bursts_are_bounded_by_what_a_cap_holds(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_shared_gpu as b
+
+    args = type("Args", (), {"max_batch": 256, "burst_factor": 1.8})()
+    # 1 GiB beside the KV, 100 MiB a sequence: a 21 GiB cap holds
+    # (0.95 * 21 GiB - 1 GiB) / 100 MiB = 194 sequences at once.
+    facts = {"fixed": 1 << 30, "per_seq": 100 << 20}
+    holds = b.cap_holds(facts, 21 << 30)
+    assert holds == int((0.95 * (21 << 30) - (1 << 30)) // (100 << 20)) == 194
+    # 1.8 x 110 = 198 is past what the cap holds: 194 less the trickle's two.
+    assert b.bursts_for({"m": 110, "n": 19}, args, {"m": holds, "n": 40}) == {"m": 192, "n": 35}
+    # Without the bound, and at most --max-batch.
+    assert b.bursts_for({"m": 110, "n": 200}, args) == {"m": 198, "n": 256}
+
+
 def test_ledger_step_bench_prints_the_step_costs_and_every_ledger_operation():
     pytest.importorskip("torch")
     out = _run("bench_ledger_step.py", "--passes", "2", timeout=300)
