@@ -507,23 +507,24 @@ class ModelRunner:
             if self.attention_backend == "flashinfer":
                 self._flashinfer_wrappers()  # zeroes its workspace on the stream
             self._warm_up()
-        # The warm-up's transients go back to the device before the capture
-        # takes its pool.
-        memory.empty_torch_cache()
         self.warm_up_seconds = time.perf_counter() - t0
         self.graphs = {}
         t0 = time.perf_counter()
         if self.use_graphs:
+            # The warm-up's transients go back to the device before the
+            # capture takes its pool (torch.cuda.graph empties torch's cache
+            # on entry anyway). Without graphs they stay: serving runs the
+            # same eager work, and the boot measures what it holds.
+            memory.empty_torch_cache()
             self._capture()
             memory.empty_torch_cache()
         self.capture_seconds = time.perf_counter() - t0
         if self.use_graphs:
-            # The capture emptied torch's cache (torch.cuda.graph does on
-            # entry, and so does the line above), but every served prefill
-            # needs its working set beside the graphs' pool: the prefills run
-            # again, so that what the boot measures holds both (without it,
-            # the first served batch grew torch's cache 128 MiB past the
-            # plan on the H200: Qwen3-0.6B, 4 x 500-token batches).
+            # Every served prefill needs its working set beside the graphs'
+            # pool: the prefills run again after the capture, so that what
+            # the boot measures holds both (without it, the first served
+            # batch grew torch's cache 128 MiB past the plan on the H200:
+            # Qwen3-0.6B, 4 x 500-token batches).
             t0 = time.perf_counter()
             with torch.inference_mode(), self.on_stream(), memory.torch_ctx():
                 self._warm_prefills()
