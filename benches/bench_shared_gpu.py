@@ -178,17 +178,12 @@ def open_engine(directory, mode, opts, name, max_batch=None, **extra):
         except imp_mem.PlanFailure as e:
             if batch == 1 or e.kind == "ledger_full":
                 raise
-            to = [
-                int(lv["to"])
-                for lv in e.levers
-                if lv.get("setting") == "max_batch" and lv.get("sufficient")
-            ]
-            # The planner names its three largest levers; a max_batch that
-            # frees less than halving max_seq_len is often left out. Then a
-            # tenth down, not a half: the first fit is within 10 % of the
-            # largest (halving left the 0.6B's shared engine at 100 where
-            # about 180 fit its cap, on the H200 at 60 GiB).
-            batch = to[0] if to and 1 <= to[0] < batch else min(batch - 1, batch * 9 // 10)
+            # The largest batch the plan fits (`max_batch_fits`, named even
+            # when the three largest levers leave max_batch out); else a
+            # tenth down, not a half (halving left the 0.6B's shared engine
+            # at 100 where about 180 fit its cap, on the H200 at 60 GiB).
+            fits = getattr(e, "max_batch_fits", None)
+            batch = fits if fits and 1 <= fits < batch else min(batch - 1, batch * 9 // 10)
 
 
 def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch=None):

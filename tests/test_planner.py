@@ -310,6 +310,22 @@ def test_plan_failure_report_and_attributes():
         assert fits == lever["sufficient"], lever
 
 
+def test_plan_failure_names_the_largest_batch_that_fits():
+    # A budget a little short of 32 sequences: the three levers leave
+    # max_batch out, the attribute still names 31.
+    at_31 = plan_memory(plan_input(batch=31, seq=8192, budget="64GiB")).total()
+    with pytest.raises(PlanFailure) as info:
+        plan_memory(plan_input(batch=32, seq=8192, budget=at_31))
+    exc = info.value
+    assert all(lever["setting"] != "max_batch" for lever in exc.levers)
+    assert exc.max_batch_fits == 31
+    plan_memory(plan_input(batch=exc.max_batch_fits, seq=8192, budget=at_31))
+    # Nothing fits an 8 GiB budget for an 8B model: None.
+    with pytest.raises(PlanFailure) as info:
+        plan_memory(plan_input(batch=4, seq=8192, budget="8GiB"))
+    assert info.value.max_batch_fits is None
+
+
 def test_fit_policy_floor_d8():
     ok = plan_memory(plan_input(batch=64, seq=8192, budget="40GiB", kv_policy="fit"))
     assert 1 <= ok.kv["full_sequences"] < 64

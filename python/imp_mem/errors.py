@@ -80,7 +80,10 @@ class PlanFailure(ImpMemError):
     "frees", "sufficient"}``, largest first), ``kind`` (``"over_budget"`` or
     ``"below_admission_floor"``, or ``"ledger_full"`` when a device ledger
     refuses a tenant whose floor does not fit beside the others': then the
-    charges are the tenants' floors) and ``report`` (the message).
+    charges are the tenants' floors), ``report`` (the message) and
+    ``max_batch_fits`` (the largest ``max_batch`` whose plan fits, every
+    other setting as asked, or ``None``: the ``max_batch`` lever's figure,
+    given even when the three largest levers leave it out).
     """
 
     charges: list[dict]
@@ -90,6 +93,7 @@ class PlanFailure(ImpMemError):
     levers: list[dict]
     kind: str
     report: str
+    max_batch_fits: int | None
 
 
 class WeightsOverflow(ImpMemError):

@@ -148,6 +148,7 @@ fn facts(err: MemError) -> (fn(Facts) -> PyErr, Facts) {
                 Attr::Json(serde_json::Value::Array(charges).to_string()),
             ));
             attrs.push(("levers", Attr::Json("[]".to_string())));
+            attrs.push(("max_batch_fits", Attr::Json("null".to_string())));
             PlanFailure::new_err
         }
     };
@@ -222,7 +223,7 @@ pub fn wake_error(err: WakeError) -> PyErr {
 
 /// A plan that does not fit raises `PlanFailure`: the report as its
 /// message, the arithmetic as attributes (`kind`, `total`, `budget`,
-/// `over_by`, `report`, `charges`, `levers`); a bad input is its
+/// `over_by`, `report`, `charges`, `levers`, `max_batch_fits`); a bad input is its
 /// `MemError`'s exception.
 pub fn plan_error(err: PlanError) -> PyErr {
     match err {
@@ -251,6 +252,13 @@ fn plan_failure(failure: &CorePlanFailure) -> PyErr {
     if let Ok(levers) = serde_json::to_string(&failure.levers) {
         attrs.push(("levers", Attr::Json(levers)));
     }
+    attrs.push((
+        "max_batch_fits",
+        match failure.max_batch_fits {
+            Some(batch) => Attr::Int(u64::from(batch)),
+            None => Attr::Json("null".to_string()),
+        },
+    ));
     PlanFailure::new_err(Facts {
         message: report.trim_end().to_string(),
         attrs,

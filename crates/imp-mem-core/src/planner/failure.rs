@@ -65,6 +65,13 @@ pub struct PlanFailure {
     pub over_by: u64,
     /// Up to three levers, largest first.
     pub levers: Vec<Lever>,
+    /// The largest `max_batch` whose plan fits, every other setting as
+    /// asked; `None` when even one sequence does not, or the batch was
+    /// already 1. The `max_batch` lever's figure, kept here when the three
+    /// largest levers leave it out (a step down a few sequences frees less
+    /// than halving `max_seq_len`, yet it is often the change to make).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_fits: Option<u32>,
 }
 
 impl PlanFailure {

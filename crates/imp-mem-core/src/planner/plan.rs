@@ -496,6 +496,7 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
             total: requested_total,
             over_by: requested_total.saturating_sub(budget),
             levers: Vec::new(),
+            max_batch_fits: None,
         }))
     };
 
@@ -612,10 +613,40 @@ pub fn plan_memory(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
     match try_plan(input) {
         Err(PlanError::DoesNotFit(mut failure)) => {
             failure.levers = levers(input, failure.total);
+            failure.max_batch_fits =
+                largest_batch(input).filter(|&b| try_plan(&with_batch(input, b)).is_ok());
             Err(PlanError::DoesNotFit(failure))
         }
         other => other,
     }
+}
+
+/// `input` at `max_batch` `b`.
+fn with_batch(input: &PlanInput, b: u32) -> PlanInput {
+    let mut changed = input.clone();
+    changed.limits.max_batch = b;
+    changed
+}
+
+/// The largest `max_batch` below the asked one whose requested total fits
+/// the budget, or `None` when 1 does not (or the batch is already 1).
+/// Totals grow with the batch, so a binary search finds it exactly.
+fn largest_batch(input: &PlanInput) -> Option<u32> {
+    let batch = input.limits.max_batch;
+    let fits = |b: u32| requested_total(&with_batch(input, b)).is_ok_and(|t| t <= input.budget);
+    if batch <= 1 || !fits(1) {
+        return None;
+    }
+    let (mut lo, mut hi) = (1u32, batch - 1);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Some(lo)
 }
 
 /// The levers of seed A4.3, each recomputed through the same arithmetic:
@@ -658,33 +689,12 @@ fn levers(input: &PlanInput, total: u64) -> Vec<Lever> {
     }
     let batch = input.limits.max_batch;
     if batch > 1 {
-        // The largest batch whose requested total fits; totals grow with the
-        // batch, so a binary search finds it exactly.
-        let with_batch = |b: u32| {
-            let mut changed = input.clone();
-            changed.limits.max_batch = b;
-            changed
-        };
-        let fits = |b: u32| requested_total(&with_batch(b)).is_ok_and(|t| t <= input.budget);
-        let (mut lo, mut hi) = (1u32, batch - 1);
-        let best = if fits(lo) {
-            while lo < hi {
-                let mid = lo + (hi - lo).div_ceil(2);
-                if fits(mid) {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            lo
-        } else {
-            1
-        };
+        let best = largest_batch(input).unwrap_or(1);
         consider(
             "max_batch",
             batch.to_string(),
             best.to_string(),
-            with_batch(best),
+            with_batch(input, best),
         );
     }
     if let Some(tp2) = input.tp.checked_mul(2) {

@@ -507,6 +507,32 @@ fn failure_report_has_the_arithmetic_and_three_exact_levers() {
 }
 
 #[test]
+fn a_failure_names_the_largest_batch_that_fits_when_its_lever_is_left_out() {
+    // Llama-3-8B, 8192 tokens a sequence, a budget a little short of 32
+    // sequences: stepping down a few sequences frees less than halving
+    // max_seq_len, fp8 KV or TP x 2, so the three levers leave max_batch out.
+    let fits_31 = plan_memory(&input(shape(&llama3_8b()), 31, 8192, 64 * GIB)).unwrap();
+    let inp = input(shape(&llama3_8b()), 32, 8192, fits_31.total);
+    let Err(PlanError::DoesNotFit(failure)) = plan_memory(&inp) else {
+        panic!("32 should not fit where 31 just does")
+    };
+    assert!(failure.levers.iter().all(|l| l.setting != "max_batch"));
+    assert_eq!(failure.max_batch_fits, Some(31));
+    // Exact: that batch plans, the next one up does not.
+    for (batch, fits) in [(31, true), (32, false)] {
+        let mut at = inp.clone();
+        at.limits.max_batch = batch;
+        assert_eq!(plan_memory(&at).is_ok(), fits, "max_batch {batch}");
+    }
+    // Even one sequence over the budget: none.
+    let tiny = input(shape(&llama3_8b()), 4, 8192, 8 * GIB);
+    let Err(PlanError::DoesNotFit(failure)) = plan_memory(&tiny) else {
+        panic!("8 GiB cannot hold the weights")
+    };
+    assert_eq!(failure.max_batch_fits, None);
+}
+
+#[test]
 fn fit_policy_sizes_kv_from_the_residual_with_a_floor_d8() {
     let mut inp = input(shape(&llama3_8b()), 64, 8192, 40 * GIB);
     inp.limits.kv_policy = KvPolicy::Fit;
