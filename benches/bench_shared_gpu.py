@@ -365,7 +365,7 @@ def run_phase(mode, dirs, args, opts, bursts=None, kill=None):
         n, f, b = _opened(ready, args, procs)
         opened[n] = (f, b)
     if bursts is None:
-        holds = {n: cap_holds(f, opts["caps"][n]) for n, (f, _b) in opened.items() if f}
+        holds = {n: cap_holds(f, opts["caps"][n]) for n, (f, _b) in opened.items()}
         bursts = bursts_for({n: b for n, (_f, b) in opened.items()}, args, holds)
     for k, name in enumerate(names):
         trace_qs[name].put(trace_for(k, len(dirs), args, opts["vocab"], k, bursts[name]))

@@ -528,8 +528,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             with torch.inference_mode(), self.on_stream(), memory.torch_ctx():
                 self._warm_prefills()
-            if self.on_gpu:
-                torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # graphs imply a GPU
             self.warm_up_seconds += time.perf_counter() - t0
         if hasattr(self.model, "encode_images"):
             # One image's working set, left in torch's cache (or the
@@ -574,14 +573,13 @@ class ModelRunner:
         self.t2_raw["decode_in"].copy_(staged.raw, non_blocking=not blocking)
 
     def _warm_up(self) -> None:
-        """Prefills of the longest chunk at the end of the longest context,
-        of a full chunk from the start and of one token, then the decode at
-        every bucket: torch's allocator (or the activation pool) holds the
-        prefill's working set before serving, and every kernel is compiled
-        before any capture."""
+        """The prefills (`_warm_prefills`), then the decode at every
+        bucket: torch's allocator (or the activation pool) holds the
+        prefill's working set before serving (`serve` runs the prefills
+        again after a capture, which empties torch's cache), and every
+        kernel is compiled before any capture."""
         with torch.inference_mode(), self.memory.torch_ctx():
             self._warm_prefills()
-        with torch.inference_mode(), self.memory.torch_ctx():
             for b in sorted(self.buckets, reverse=True):
                 if self.flashinfer is not None:
                     self._stage_decode(b, blocking=True)

@@ -612,9 +612,9 @@ pub(crate) fn try_plan(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
 pub fn plan_memory(input: &PlanInput) -> Result<MemoryPlan, PlanError> {
     match try_plan(input) {
         Err(PlanError::DoesNotFit(mut failure)) => {
-            failure.levers = levers(input, failure.total);
-            failure.max_batch_fits =
-                largest_batch(input).filter(|&b| try_plan(&with_batch(input, b)).is_ok());
+            let best = largest_batch(input);
+            failure.levers = levers(input, failure.total, best);
+            failure.max_batch_fits = best.filter(|&b| try_plan(&with_batch(input, b)).is_ok());
             Err(PlanError::DoesNotFit(failure))
         }
         other => other,
@@ -652,7 +652,8 @@ fn largest_batch(input: &PlanInput) -> Option<u32> {
 /// The levers of seed A4.3, each recomputed through the same arithmetic:
 /// halve `max_seq_len`, KV to fp8, the largest `max_batch` that fits, twice
 /// the tensor-parallel ranks. The three that free the most, largest first.
-fn levers(input: &PlanInput, total: u64) -> Vec<Lever> {
+/// `best_batch`: [`largest_batch`] of `input`, searched once by the caller.
+fn levers(input: &PlanInput, total: u64, best_batch: Option<u32>) -> Vec<Lever> {
     let mut out: Vec<Lever> = Vec::new();
     let mut consider = |setting: &str, from: String, to: String, changed: PlanInput| {
         if let Ok(new_total) = requested_total(&changed) {
@@ -689,7 +690,7 @@ fn levers(input: &PlanInput, total: u64) -> Vec<Lever> {
     }
     let batch = input.limits.max_batch;
     if batch > 1 {
-        let best = largest_batch(input).unwrap_or(1);
+        let best = best_batch.unwrap_or(1);
         consider(
             "max_batch",
             batch.to_string(),
