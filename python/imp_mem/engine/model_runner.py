@@ -580,6 +580,7 @@ class ModelRunner:
         kernel is compiled before any capture."""
         with torch.inference_mode(), self.memory.torch_ctx():
             self._warm_prefills()
+        with torch.inference_mode(), self.memory.torch_ctx():
             for b in sorted(self.buckets, reverse=True):
                 if self.flashinfer is not None:
                     self._stage_decode(b, blocking=True)
