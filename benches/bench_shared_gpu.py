@@ -227,9 +227,13 @@ def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch
     tokens = 0
     t_first_work = None
     next_report = opts["lead_s"] + opts["window_s"]
+    # Where a burst's time goes: each step's (start, seconds, prefills,
+    # batch after it), and the engine's own split.
+    steps = []
 
     def report(final):
         ttft = [first[s] - arrivals[s] for s in first]
+        st = engine.stats
         busy = (max(done_at.values()) - t_first_work) if done_at and t_first_work else 0.0
         out.put(
             {
@@ -245,6 +249,16 @@ def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch
                 "arrived": i,
                 "requests": len(pending),
                 "final": final,
+                "steps": sorted(steps, key=lambda x: -x[1])[:6],
+                "n_steps": len(steps),
+                "step_s": sum(x[1] for x in steps),
+                "split": {
+                    "prefill_s": st.prefill_seconds,
+                    "decode_s": st.decode_seconds,
+                    "imp_mem_s": st.imp_mem_seconds,
+                    "decode_steps": st.decode_steps,
+                    "prefill_tokens": st.prefill_tokens,
+                },
             }
         )
 
@@ -262,11 +276,15 @@ def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch
             i += 1
             t_first_work = t_first_work or time.time()
         if engine.scheduler.has_work:
+            t_s = time.time()
+            n_first = 0
             for sid, _tok in engine.step():
                 if sid in arrivals:
                     tokens += 1
                     if sid not in first:
                         first[sid] = time.time()
+                        n_first += 1
+            steps.append((t_s - t0, time.time() - t_s, n_first, len(engine.scheduler.running)))
             for sid in list(arrivals):
                 if sid not in done_at and engine.scheduler.requests[sid].done:
                     done_at[sid] = time.time()
@@ -540,7 +558,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--sat-batch", type=int, default=64)
     ap.add_argument("--sat-reps", type=int, default=3, help="timed passes a process")
-    ap.add_argument("--sat-rounds", type=int, default=2, help="processes a set-up, interleaved")
+    ap.add_argument(
+        "--sat-rounds",
+        type=int,
+        default=2,
+        help="processes a set-up, interleaved (0: no saturation run)",
+    )
     ap.add_argument("--idle-sleep-s", type=float, default=None)
     ap.add_argument(
         "--vmm-chunk",
@@ -683,6 +706,21 @@ def main(argv: list[str] | None = None) -> int:
                         "requests": r["requests"],
                     }
                 )
+            for mode in ("shared", "static"):
+                r = by.get((name, mode))
+                if r is None or "split" not in r:
+                    continue
+                sp = r["split"]
+                slow = ", ".join(
+                    f"{dt * 1e3:.0f} ms @{at:.2f} s ({k} first, batch {b})"
+                    for at, dt, k, b in r["steps"][:4]
+                )
+                print(
+                    f"         {mode:7s} {r['n_steps']} steps {r['step_s']:.2f} s: prefill "
+                    f"{sp['prefill_s']:.2f} s ({sp['prefill_tokens']} tokens), decode "
+                    f"{sp['decode_s']:.2f} s ({sp['decode_steps']} steps), imp-mem "
+                    f"{sp['imp_mem_s']:.3f} s; slowest: {slow}"
+                )
             s_, t_ = by.get((name, "shared")), by.get((name, "static"))
             if s_ and t_:
                 ratio = pct(t_["ttft"], 0.99) / max(pct(s_["ttft"], 0.99), 1e-9)
@@ -738,6 +776,9 @@ def main(argv: list[str] | None = None) -> int:
         # Three set-ups: the plain engine (its KV pool committed whole at
         # open), the same with a growable pool but no ledger (what elastic
         # KV costs by itself), and on the ledger.
+        if args.sat_rounds < 1:
+            write_json(args.json, rows)
+            return 0  # --sat-rounds 0: the bursts only
         sat_runs: dict[str, list[dict]] = {m: [] for m in SAT_MODES}
         for _ in range(args.sat_rounds):
             for m in SAT_MODES:

@@ -151,6 +151,55 @@ def test_a_checkpoint_larger_than_the_plan_is_refused_by_tensor(tmp_path):
     system.close()
 
 
+@pytest.mark.parametrize("threads", ["1", "3", "8"])
+def test_the_threads_read_the_same_bytes(tmp_path, monkeypatch, threads):
+    """A chunk's reads split across threads in pieces (64 B here, so every
+    tensor crosses pieces, chunks and threads) land as one thread's do,
+    shards included; a file cut short is refused by tensor under threads
+    too."""
+    import imp_mem._safetensors as st
+
+    monkeypatch.setattr(st, "READ_PIECE_MIN", 64)
+    monkeypatch.setenv("IMP_MEM_LOAD_THREADS", threads)
+    assert st.read_threads() == int(threads)
+    want = checkpoint(tmp_path, 2)
+    system = open_system(tmp_path)
+    got = load_safetensors(system, tmp_path, chunk_bytes=4096)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    del got
+    system.close()
+    system = open_system(tmp_path)
+    got = load_safetensors(
+        system, tmp_path, chunk_bytes=1000, shards={"lm_head.weight": Shard(1, 100, 356)}
+    )
+    assert torch.equal(got["lm_head.weight"], want["lm_head.weight"][:, 100:356])
+    del got
+    system.close()
+    # The last shard cut inside its last tensor once its header was read
+    # (a file changed under the load).
+    last = tmp_path / "model-00001.safetensors"
+    whole = last.read_bytes()
+    system = open_system(tmp_path)
+    with pytest.raises(InvalidArgument, match="ended inside tensor"):
+        load_safetensors(
+            system,
+            tmp_path,
+            chunk_bytes=4096,
+            on_layout=lambda _total: last.write_bytes(whole[:-100]),
+        )
+    system.close()
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "many"])
+def test_a_bad_thread_count_is_refused(monkeypatch, bad):
+    import imp_mem._safetensors as st
+
+    monkeypatch.setenv("IMP_MEM_LOAD_THREADS", bad)
+    with pytest.raises(InvalidArgument, match="IMP_MEM_LOAD_THREADS"):
+        st.read_threads()
+
+
 def test_bad_files_are_refused(tmp_path):
     checkpoint(tmp_path)
     system = open_system(tmp_path)
