@@ -361,6 +361,7 @@ def boot_child(spec: dict) -> int:
         warmup_probe=spec.get("warmup_probe"),
     ) as e:
         out["boot_seconds"] = dict(e.boot_seconds)
+        out["warm_up_split"] = dict(e.runner.warm_up_split)
         # With the open's rounding of growable tiers to whole granules.
         out["plan_total"] = e.plan.total() + e.mem_report()["granule_rounding"]
         out["plan_warmup"] = e.plan.warmup
@@ -563,6 +564,10 @@ def roofline_and_boots(
                 r = runs[boot]
                 w = r["workloads"][0]
                 split = ", ".join(f"{k} {v:.2f}" for k, v in r["boot_seconds"].items())
+                if r.get("warm_up_split"):
+                    split += "; warm_up: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in r["warm_up_split"].items()
+                    )
                 if r.get("probe_boot_seconds"):
                     child = r["probe_boot_seconds"]
                     split += "; the probe child: " + ", ".join(

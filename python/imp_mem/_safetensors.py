@@ -15,8 +15,9 @@ chunk at a time: the file is read into one buffer while the other's copy to
 the device runs, and a buffer is reused only after its copy's event
 completed. A chunk's reads are positional (``preadv``) and split across a
 few threads (`read_threads`): one thread's copy out of the page cache, not
-the PCIe link, bounded the load on the H200's host. The returned torch tensors view the arena in place (DLPack); on
-the fake backend they are CPU tensors over the fake's host memory.
+the PCIe link, bounded the load on the H200's host. The returned torch
+tensors view the arena in place (DLPack); on the fake backend they are CPU
+tensors over the fake's host memory.
 
 Shards. With `shards` (name -> the rows or columns ``[start, stop)`` of one
 dimension, a tensor-parallel rank's slice), a tensor is laid out and

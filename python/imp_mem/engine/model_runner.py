@@ -304,6 +304,9 @@ class ModelRunner:
         self.graphs: dict[int, Any] = {}
         self.warm_up_seconds = 0.0
         self.capture_seconds = 0.0
+        # The warm-up's seconds by part (`serve`): its prefills, its
+        # decodes, the prefills again after a capture.
+        self.warm_up_split: dict[str, float] = {}
         # Seconds spent in imp-mem calls (block tables), for EngineStats.
         self.imp_mem_seconds = 0.0
 
@@ -529,6 +532,7 @@ class ModelRunner:
             with torch.inference_mode(), self.on_stream(), memory.torch_ctx():
                 self._warm_prefills()
             torch.cuda.synchronize(self.device)  # graphs imply a GPU
+            self.warm_up_split["prefills_again"] = time.perf_counter() - t0
             self.warm_up_seconds += time.perf_counter() - t0
         if hasattr(self.model, "encode_images"):
             # One image's working set, left in torch's cache (or the
@@ -578,8 +582,12 @@ class ModelRunner:
         prefill's working set before serving (`serve` runs the prefills
         again after a capture, which empties torch's cache), and every
         kernel is compiled before any capture."""
+        t0 = time.perf_counter()
         with torch.inference_mode(), self.memory.torch_ctx():
             self._warm_prefills()
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
         with torch.inference_mode(), self.memory.torch_ctx():
             for b in sorted(self.buckets, reverse=True):
                 if self.flashinfer is not None:
@@ -587,6 +595,7 @@ class ModelRunner:
                 self.decode_body(b)
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
+        self.warm_up_split = {"prefills": t1 - t0, "decodes": time.perf_counter() - t1}
 
     def _warm_prefills(self) -> None:
         """The warm-up's prefills (the largest batch, when batching; then
