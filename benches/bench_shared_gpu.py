@@ -160,6 +160,8 @@ def open_engine(directory, mode, opts, name, max_batch=None, **extra):
         max_seq_len=opts["max_seq_len"],
         keep_logits=False,
     )
+    if opts.get("prefill_batch_tokens") is not None:
+        kw["prefill_batch_tokens"] = opts["prefill_batch_tokens"]
     if mode == "shared":
         kw["shared"] = SharedGPU(
             cap=opts["caps"][name],
@@ -476,6 +478,8 @@ def _saturate(directory, args, opts, mode, q):
         keep_logits=False,
         budget=opts["static_budget"],
     )
+    if opts.get("prefill_batch_tokens") is not None:
+        kw["prefill_batch_tokens"] = opts["prefill_batch_tokens"]
     if mode == "growable":
         kw["kv_growable"] = True
     if mode == "ledger":
@@ -571,6 +575,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the VMM backends' chunk (default 64MiB): a larger one maps growable pools in "
         "fewer, larger handles",
     )
+    ap.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=None,
+        help="every engine's prefill_batch_tokens, both set-ups (default: the engine's)",
+    )
     ap.add_argument("--open-timeout", type=float, default=300.0)
     ap.add_argument(
         "--smoke", action="store_true", help="tiny models on fake backends (CPU): checks the run"
@@ -626,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
             "sat_new": 8 if args.smoke else 128,
             "vocab": 512 if args.smoke else 151936,
             "vmm_chunk": args.vmm_chunk,
+            "prefill_batch_tokens": args.prefill_batch_tokens,
         }
         # A cap each: the budget less what the other two must always have
         # (their weights plus a margin; the ledger enforces the floors).
