@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--early-v", default="0,1", help="0: V loaded after the scores, 1: with K")
+    ap.add_argument(
+        "--head-fast", default="0,1", help="1: a sequence's KV heads in consecutive programs"
+    )
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
     kv_heads, heads, d = 8, 32, 128
@@ -50,7 +53,7 @@ def main(argv=None) -> int:
         return [int(x) for x in arg.split(",") if x]
 
     a = args
-    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v)
+    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_fast)
 
     configs = [
         dict(
@@ -59,8 +62,9 @@ def main(argv=None) -> int:
             num_warps=warps,
             num_stages=stages,
             early_v=bool(early),
+            head_fast=bool(fast),
         )
-        for split, tile, warps, stages, early in itertools.product(*map(ints, axes))
+        for split, tile, warps, stages, early, fast in itertools.product(*map(ints, axes))
         if tile <= split * bs
     ]
     for kw in configs:

@@ -29,7 +29,7 @@ if (
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")
 
-from imp_mem.engine.model import _paged_kernel  # noqa: E402, F401
+from imp_mem.engine.model import _paged_kernel  # noqa: E402
 from imp_mem.engine.model.attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -91,6 +91,12 @@ def test_kernel_matches_reference(group, window, holes):
     )
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    # The grid with a sequence's KV heads fastest computes the same.
+    fast = _paged_kernel.paged_decode(
+        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5,
+        split_blocks=2, head_fast=True,
+    )  # fmt: skip
+    torch.testing.assert_close(fast, out, atol=0, rtol=0)
 
 
 def test_default_split_and_bf16():

@@ -44,6 +44,7 @@ DEFAULT_TILE = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 2
 DEFAULT_EARLY_V = True
+DEFAULT_HEAD_FAST = False
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly in tl.dot; under
 # it the kernel rounds P to the input dtype as on the GPU, then multiplies
@@ -83,9 +84,16 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EARLY_V: tl.constexpr,
+    HEAD_FAST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEAD_FAST:
+        # A sequence's KV heads in consecutive programs: the programs that
+        # run together read neighbouring 256-B rows of the same pages.
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
@@ -223,6 +231,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     early_v: bool | None = None,
+    head_fast: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype."""
@@ -244,7 +253,9 @@ def paged_decode(
     out = torch.empty_like(q)
     has_window = window is not None
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
-    _split_kernel[(batch, kv_heads, splits)](
+    head_fast = DEFAULT_HEAD_FAST if head_fast is None else head_fast
+    grid = (kv_heads, batch, splits) if head_fast else (batch, kv_heads, splits)
+    _split_kernel[grid](
         q,
         pages,
         block_tables,
@@ -275,6 +286,7 @@ def paged_decode(
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
         EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
+        HEAD_FAST=head_fast,
         num_warps=num_warps or DEFAULT_WARPS,
         num_stages=num_stages or DEFAULT_STAGES,
     )
