@@ -64,10 +64,15 @@ SCRIPT = textwrap.dedent(
     for window in (False, True):
         consts = dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, SPLIT_TOKENS=128,
                       TILE=K.DEFAULT_TILE, HAS_WINDOW=window, DOT_FP32=False,
-                      EARLY_V=K.DEFAULT_EARLY_V)
+                      EARLY_V=K.DEFAULT_EARLY_V, HEAD_FAST=K.DEFAULT_HEAD_FAST)
         out[f"split window={window}"] = compile(
             K._split_kernel, split_args, consts,
             {"num_warps": K.DEFAULT_WARPS, "num_stages": K.DEFAULT_STAGES})
+        if not window:
+            # The other grid order (sweep_paged_kernel --head-fast).
+            out["split head_fast"] = compile(
+                K._split_kernel, split_args, dict(consts, HEAD_FAST=not K.DEFAULT_HEAD_FAST),
+                {"num_warps": K.DEFAULT_WARPS, "num_stages": K.DEFAULT_STAGES})
         consts = dict(HEAD_DIM=128, SPLIT_TOKENS=128, BLOCK_S=8, HAS_WINDOW=window)
         out[f"merge window={window}"] = compile(K._merge_kernel, merge_args, consts,
                                                 {"num_warps": 1})
@@ -96,7 +101,7 @@ def test_kernels_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(result) == 8
+    assert len(result) == 9
     for name, kernel in result.items():
         assert kernel["cubin"] > 0, name
         assert kernel["spill_bytes"] == 0, f"{name} spills registers: {kernel}"
