@@ -307,6 +307,9 @@ class ModelRunner:
         # The warm-up's seconds by part (`serve`): its prefills, its
         # decodes, the prefills again after a capture.
         self.warm_up_split: dict[str, float] = {}
+        # A list to time each decode's graph replay into (CUDA event pairs
+        # on the runner's stream), or None (the default: no events).
+        self.replay_events: list[tuple[Any, Any]] | None = None
         # Seconds spent in imp-mem calls (block tables), for EngineStats.
         self.imp_mem_seconds = 0.0
 
@@ -862,7 +865,14 @@ class ModelRunner:
         # tokens below guarantees.
         self._stage_decode(b, blocking=False)
         if self.use_graphs:
-            self.graphs[b].replay()
+            if self.replay_events is None:
+                self.graphs[b].replay()
+            else:
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                self.graphs[b].replay()
+                end.record()
+                self.replay_events.append((start, end))
         else:
             self.decode_body(b)
         nxt = self.staging["next"]
