@@ -144,6 +144,15 @@ def sync():
         torch.cuda.synchronize()
 
 
+def engine_kwargs(opts) -> dict:
+    """What every engine of the run opens with (both set-ups, the
+    saturation's too)."""
+    kw = dict(backend=make_backend(opts), max_seq_len=opts["max_seq_len"], keep_logits=False)
+    if opts.get("prefill_batch_tokens") is not None:
+        kw["prefill_batch_tokens"] = opts["prefill_batch_tokens"]
+    return kw
+
+
 def open_engine(directory, mode, opts, name, max_batch=None, **extra):
     """An engine planned for its budget (static: the third; shared: its
     cap) at the first ``max_batch`` that fits on the way down from
@@ -155,13 +164,7 @@ def open_engine(directory, mode, opts, name, max_batch=None, **extra):
     from imp_mem.engine import Engine
     from imp_mem.engine.shared import SharedGPU
 
-    kw = dict(
-        backend=make_backend(opts),
-        max_seq_len=opts["max_seq_len"],
-        keep_logits=False,
-    )
-    if opts.get("prefill_batch_tokens") is not None:
-        kw["prefill_batch_tokens"] = opts["prefill_batch_tokens"]
+    kw = engine_kwargs(opts)
     if mode == "shared":
         kw["shared"] = SharedGPU(
             cap=opts["caps"][name],
@@ -471,15 +474,7 @@ def _saturate(directory, args, opts, mode, q):
 
     os.environ["IMP_MEM_LEDGER_DIR"] = opts["ledger_dir"]
     batch = args.sat_batch
-    kw = dict(
-        backend=make_backend(opts),
-        max_batch=batch,
-        max_seq_len=opts["max_seq_len"],
-        keep_logits=False,
-        budget=opts["static_budget"],
-    )
-    if opts.get("prefill_batch_tokens") is not None:
-        kw["prefill_batch_tokens"] = opts["prefill_batch_tokens"]
+    kw = engine_kwargs(opts) | dict(max_batch=batch, budget=opts["static_budget"])
     if mode == "growable":
         kw["kv_growable"] = True
     if mode == "ledger":

@@ -428,30 +428,22 @@ def read_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _read_exact(fd: int, view: memoryview, pos: int, what: str) -> None:
-    """`view`'s bytes from `fd` at `pos` (no shared file offset: threads
-    read one file at once)."""
+def _read_piece(fd: int, view: memoryview, pos: int, what: str) -> str | None:
+    """`view`'s bytes from `fd` at `pos` (positional: the load's threads
+    share no file offset); `what` if the file ends first, else None."""
     got, n = 0, len(view)
     while got < n:
         r = os.preadv(fd, [view[got:]], pos + got)
         if not r:
-            raise InvalidArgument(what)
+            return what
         got += r
-
-
-def _read_piece(fd: int, view: memoryview, pos: int, what: str) -> str | None:
-    """`_read_exact` on a load thread: a short read's message, else None."""
-    try:
-        _read_exact(fd, view, pos, what)
-    except InvalidArgument as e:
-        return str(e)
     return None
 
 
-def _stream(system, views, total, chunk_bytes, progress, device, threads=None) -> None:
+def _stream(system, views, total, chunk_bytes, progress, device) -> None:
     """Copies every tensor's file bytes into its arena view, through two
-    pinned staging buffers. A chunk's reads are split across `threads`
-    (`read_threads`) in pieces of a few MiB, all done before its copies
+    pinned staging buffers. A chunk's reads are split across
+    `read_threads()` threads in pieces of a few MiB, all done before its copies
     are queued; the other buffer's copies run meanwhile."""
     import torch
 
@@ -461,7 +453,7 @@ def _stream(system, views, total, chunk_bytes, progress, device, threads=None) -
         return
     chunk = max(ALIGN, min(chunk_bytes, max(t.nbytes for t, _ in views)))
     cuda = device.type == "cuda"
-    threads = read_threads() if threads is None else threads
+    threads = read_threads()
     buffers = [PinnedBuffer(chunk, backend=system.backend) for _ in range(2)]
     staging = [torch.from_dlpack(b.span()) for b in buffers]
     hosts = [memoryview(s.numpy()) for s in staging]
@@ -488,17 +480,16 @@ def _stream(system, views, total, chunk_bytes, progress, device, threads=None) -
                 m = min(piece, n - k)
                 jobs.append((fd, host[at + k : at + k + m], pos + k, what))
         if pool is None or len(jobs) == 1:
-            for job in jobs:
-                _read_exact(*job)
+            short = next((m for job in jobs if (m := _read_piece(*job)) is not None), None)
         else:
             # Every piece waited for (a buffer is not reused under a read);
-            # a short read comes back as its message, raised here afresh
-            # (an error a future holds would keep this frame's views alive).
+            # a short read comes back as its message, raised here (an error
+            # a future held would keep this frame's views alive).
             futures = [pool.submit(_read_piece, *job) for job in jobs]
-            short = [m for f in futures if (m := f.result()) is not None]
+            short = next((m for m in [f.result() for f in futures] if m is not None), None)
             del futures
-            if short:
-                raise InvalidArgument(short[0])
+        if short is not None:
+            raise InvalidArgument(short)
         reads.clear()
 
     def flush() -> None:
