@@ -410,7 +410,8 @@ def boot_child(spec: dict) -> int:
                     ),
                 }
             )
-        out["report"] = e.mem_report_text()
+        # The parent's own device memory left out, as in the figures above.
+        out["report"] = e.mem_report_text(other_processes=spec["other"])
     del imp_mem
     print("BOOT " + json.dumps(out), flush=True)
     return 0

@@ -10,7 +10,7 @@ meta device would pick (the math path materialises the attention matrix).
 The loop is generate()'s, written out (generate() reads a tensor's value,
 which meta tensors have none of): the prompt with ``logits_to_keep=1``,
 then one token a step, the cache growing by ``torch.cat``. The model's
-build (fp32 parameters, then their bf16 copies) comes first in the trace,
+build (in bf16, as ``bench_torch_hf`` builds it) comes first in the trace,
 as the H200's warm-up measures it.
 
     python benches/record_hf_trace.py [--batch 32 --prompt 1024 --new 64] --out trace.json
@@ -83,7 +83,7 @@ def record(batch: int, prompt: int, new: int) -> dict:
     try:
         with rec, torch.no_grad():
             with torch.device("meta"):
-                model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+                model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
                 prompt_ids = torch.zeros((batch, prompt), dtype=torch.long)
             model_ops = len(rec.ops)
             cache = DynamicCache(config=config)

@@ -397,5 +397,50 @@ def test_the_default_budget_is_four_chunks():
     engine = open_engine("qwen3_full")
     try:
         assert engine.prefill_batch_tokens == 4 * 8 and engine.runner.batching
+        assert engine.runner.prefill_batch_tokens == 4 * 8
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("capacity", "chunks"), [("69GiB", 4), ("70GiB", 16), ("141GiB", 16)])
+def test_the_default_budget_follows_the_devices_size(capacity, chunks):
+    # A device of 70 GiB or more prefills 16 chunks a forward (vLLM's line
+    # for its max_num_batched_tokens); the probe child gets the same figure.
+    engine = Engine(
+        config_of("qwen3_full"),
+        load_format="dummy",
+        seed=7,
+        dummy_scale=0.1,
+        backend=FakeBackend(capacity=capacity),
+        budget="1GiB",
+        block_size=BLOCK,
+        prefill_chunk=8,
+        max_batch=4,
+        max_seq_len=64,
+    )
+    try:
+        assert engine.prefill_batch_tokens == chunks * 8
+        assert engine.runner.prefill_batch_tokens == chunks * 8
+        assert engine._warmup_kw["prefill_batch_tokens"] == chunks * 8
+    finally:
+        engine.close()
+
+
+def test_an_explicit_budget_wins_over_the_devices_size():
+    engine = Engine(
+        config_of("qwen3_full"),
+        load_format="dummy",
+        seed=7,
+        dummy_scale=0.1,
+        backend=FakeBackend(capacity="141GiB"),
+        budget="1GiB",
+        block_size=BLOCK,
+        prefill_chunk=8,
+        prefill_batch_tokens=24,
+        max_batch=4,
+        max_seq_len=64,
+    )
+    try:
+        assert engine.prefill_batch_tokens == 24
     finally:
         engine.close()

@@ -68,9 +68,9 @@ import imp_mem
 from imp_mem.engine.config import ModelConfig, read_config_json
 from imp_mem.engine.memory import EngineMemory, measure_torch_high_water
 from imp_mem.engine.model_runner import (
-    PREFILL_BATCH_CHUNKS,
     ModelRunner,
     default_buckets,
+    default_prefill_batch_tokens,
     t2_bytes,
 )
 from imp_mem.engine.scheduler import Request, Scheduler
@@ -138,8 +138,9 @@ class Engine:
     (default 512; a sliding model's window). `prefill_batch_tokens`: the
     tokens of one batched prefill forward, which runs one chunk of each of
     several requests at once (`model_runner`'s module doc); default
-    `PREFILL_BATCH_CHUNKS` x `prefill_chunk`; 0 prefills one request a
-    forward; otherwise at least `prefill_chunk`. `features` replaces the plan's
+    4 x `prefill_chunk`, 16 x on a device of 70 GiB or more
+    (`default_prefill_batch_tokens`); 0 prefills one request a forward;
+    otherwise at least `prefill_chunk`. `features` replaces the plan's
     `Features` (default: T2 sized to the engine's buffers, T4 at 1 MiB
     unless `torch_pool` or `scratch_bytes` is given). The plan serves
     `max_batch` sequences of `max_seq_len` plus the blocks the engine holds
@@ -293,9 +294,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.prefill_chunk = min(prefill_chunk, max_seq_len)
-        if prefill_batch_tokens is None:
-            prefill_batch_tokens = PREFILL_BATCH_CHUNKS * self.prefill_chunk
-        if (
+        if prefill_batch_tokens is not None and (
             isinstance(prefill_batch_tokens, bool)
             or not isinstance(prefill_batch_tokens, int)
             or (prefill_batch_tokens != 0 and prefill_batch_tokens < self.prefill_chunk)
@@ -384,6 +383,12 @@ class Engine:
             t0 = time.perf_counter()
             memory.resolve_backend(backend, budget, self.tp)
             self.boot_seconds["backend"] = time.perf_counter() - t0
+            if self.prefill_batch_tokens is None:
+                # The default follows the device's size (its backend's capacity).
+                self.prefill_batch_tokens = default_prefill_batch_tokens(
+                    self.prefill_chunk, memory.backend.capacity
+                )
+                self._warmup_kw["prefill_batch_tokens"] = self.prefill_batch_tokens
             self.runner = ModelRunner(
                 memory,
                 max_batch=max_batch,

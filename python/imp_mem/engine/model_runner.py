@@ -99,8 +99,26 @@ PREFILL_SLOTS = 4
 # The default batched prefill budget, in chunks (`Engine(prefill_batch_tokens=)`):
 # 4 x 512 tokens of Qwen3-0.6B's activations are ~0.1 GiB (hidden, q/k/v,
 # the MLP's 3 x 3072 columns, in bf16), small beside the KV pool, and 4
-# chunks a forward cut a step's launches about fourfold.
+# chunks a forward cut a step's launches about fourfold. On a device of at
+# least `LARGE_DEVICE_BYTES` (vLLM draws the same line at 70 GiB for its
+# max_num_batched_tokens) a forward holds 16 chunks, 8 192 tokens at the
+# default chunk: a burst's prefill is the queue its time to first token
+# waits in, and the 0.6B prefills 171 k tokens/s at 8 192 a forward
+# against 97 k at 2 048 (the H200; `bench_shared_gpu`'s burst TTFT p99,
+# docs/perf/history.md, session 18). The 8B's warm-up line grows
+# 854 -> 2 010 MiB with it, which a 70 GiB device can spare.
 PREFILL_BATCH_CHUNKS = 4
+PREFILL_BATCH_CHUNKS_LARGE = 16
+LARGE_DEVICE_BYTES = 70 << 30
+
+
+def default_prefill_batch_tokens(prefill_chunk: int, device_bytes: int) -> int:
+    """`Engine(prefill_batch_tokens=None)`: `PREFILL_BATCH_CHUNKS` chunks a
+    forward, `PREFILL_BATCH_CHUNKS_LARGE` on a device of at least
+    `LARGE_DEVICE_BYTES` (`device_bytes`: the backend's capacity)."""
+    large = device_bytes >= LARGE_DEVICE_BYTES
+    return (PREFILL_BATCH_CHUNKS_LARGE if large else PREFILL_BATCH_CHUNKS) * prefill_chunk
+
 
 # The plan's KV dtype names -> torch's.
 _KV_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
