@@ -27,8 +27,13 @@ now maps handles of its 2 MiB chunk; 64 MiB, the source's default, is what
 the H200 froze with). ``--trace`` replays a trace recorded by
 ``record_hf_trace.py`` (the model's build, then generate()'s every storage,
 from transformers itself on the meta device) in place of the synthetic one,
-which leaves out the norms' fp32 upcasts and the rotary temporaries: the
-recorded one reproduces the H200's gap (1.016 at 32 x 1024 + 64).
+which leaves out the norms' fp32 upcasts and the rotary temporaries. The
+meta-device recording of the fp32-then-bf16 build replayed at 1.016
+against the H200's 1.019; of the bf16 build (the bench's since session
+17) at 1.075 against the H200's 1.016 at margin 0 (session 18): the meta
+device's sequence no longer models the GPU's. ``bench_torch_hf.py
+--record-trace`` writes the real one, from torch's own memory history on
+the GPU, in the same format.
 
     python benches/bench_measured_replay.py [--batch 32 --prompt 1024 --new 64]
         [--granule 64MiB] [--trace trace.json] [--json out.json]

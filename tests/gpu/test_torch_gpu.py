@@ -242,7 +242,7 @@ def test_hf_generate_on_imp_mem_allocates_nothing_while_serving(tmp_path):
     # (first and second start) and scope mode; the compiled variants run in
     # tests/gpu/test_torch_serve_gpu.py on the quick workload.
     cmd = [sys.executable, str(ROOT / "benches" / "bench_torch_hf.py"), "--json", str(out)]
-    cmd += ["--compiles", "none", "--cache", str(tmp_path / "cache")]
+    cmd += ["--compiles", "none", "--cache", str(tmp_path / "cache"), "--peer-runs", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-8000:])
     assert proc.returncode == 0, proc.stderr[-6000:]

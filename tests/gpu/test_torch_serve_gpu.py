@@ -70,6 +70,7 @@ def test_hf_generate_on_the_one_call_path(tmp_path, compile_mode):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "benches" / "bench_torch_hf.py"), "--quick"]
     cmd += ["--compiles", compile_mode, "--json", str(out), "--cache", str(tmp_path / "c")]
+    cmd += ["--peer-runs", "1"]
     run = subprocess.run(
         cmd, cwd=ROOT / "benches", env=_env(tmp_path), capture_output=True, text=True, timeout=900
     )
