@@ -95,10 +95,13 @@ def test_an_idle_engine_sleeps_and_the_next_request_wakes_it(checkpoint, expecte
     try:
         assert e.generate(PROMPTS[:2], NEW) == expected[:2]
         awake = e.tenancy.tenant.record()["committed"]
-        e.idle()
+        weights = e.backend.stats()["tags"]["weights"]["committed"]
+        given = e.idle()
         assert e.asleep
         rec = e.tenancy.tenant.record()
         assert rec["asleep"] == 1 and rec["committed"] < awake
+        # idle() counts what the sleep gave back, the weights among it.
+        assert given == awake - rec["committed"] and given >= weights > 0
         # The wake happens inside submit: the request's clock includes it.
         assert e.generate(PROMPTS, NEW) == expected
         assert not e.asleep and e.tenancy.tenant.record()["asleep"] == 0

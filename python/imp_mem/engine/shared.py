@@ -305,7 +305,11 @@ class Tenancy:
             # which the ledger always grants.
             kv.reset_prefix_cache()
             given += int(kv.give_back(1 << 62))
+            # What the sleep itself gave back (the weights, the pool's
+            # floor): the ledger's own figure, before and after.
+            before = int(self.tenant.record()["committed"])
             engine.sleep(1)
+            given += max(0, before - int(self.tenant.record()["committed"]))
             self.auto_slept = True
         return given
 
