@@ -234,14 +234,57 @@ def test_the_floor_counts_what_the_plan_holds_outside_the_backend_and_the_ledger
         # Open: committed is the floor less the VMM slack at most.
         slack = 16 * e.backend.granularity
         assert rec["floor"] - slack <= rec["committed"] <= rec["floor"]
-        # A warm-up measured above the plan's line is charged on top.
+        # A warm-up measured above the plan's line is charged on top, and
+        # the floor raised with it (torch keeps those bytes).
+        floor = t.floor
         t.settle_warmup(t.planned_warmup + 3 * MIB)
-        assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
-        assert t.outside_past_floor == 3 * MIB
+        now = t.tenant.record()
+        assert now["committed"] == rec["committed"] + 3 * MIB
+        assert now["floor"] == rec["floor"] + 3 * MIB and t.floor == floor + 3 * MIB
+        assert t.outside_past_floor == 0
         t.settle_warmup(0)  # below the line: nothing changes
         assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
         # Past the cap the ledger refuses: the charge stays as it was.
         t.settle_warmup(t.planned_warmup + 1024 * MIB)
         assert t.tenant.record()["committed"] == rec["committed"] + 3 * MIB
+        assert t.tenant.record()["floor"] == now["floor"]
+
+        # Charged, but the floor refused (the others' reservations): the
+        # charge is counted above the floor instead.
+        class NoRaise:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def raise_floor(self, nbytes):
+                raise imp_mem.OutOfMemory("no room for the floor")
+
+        real, t.tenant = t.tenant, NoRaise(t.tenant)
+        try:
+            t.settle_warmup(t.planned_warmup + 2 * MIB)
+        finally:
+            t.tenant = real
+        assert real.record()["committed"] == rec["committed"] + 5 * MIB
+        assert real.record()["floor"] == now["floor"] and t.outside_past_floor == 2 * MIB
     finally:
         e.close()
+
+
+def test_a_raised_floor_is_met_by_the_next_join(tmp_path):
+    led = imp_mem.DeviceLedger("fake-floor", "100MiB", str(tmp_path))
+    a = led.join("a", "20MiB", "40MiB")
+    a.grow("25MiB")
+    a.raise_floor("45MiB")
+    rec = a.record()
+    assert (rec["floor"], rec["cap"]) == (65 * MIB, 65 * MIB)
+    with pytest.raises(PlanFailure):
+        led.join("b", "36MiB", "36MiB")
+    b = led.join("b", "35MiB", "35MiB")
+    with pytest.raises(imp_mem.OutOfMemory):
+        a.raise_floor("1MiB")
+    assert a.record()["floor"] == 65 * MIB
+    with pytest.raises(imp_mem.InvalidArgument, match="nbytes"):
+        a.raise_floor(-1)
+    del a, b

@@ -203,6 +203,28 @@ impl PyLedgerTenant {
         }
     }
 
+    /// Raises its floor by `nbytes` (memory it must always hold, learned
+    /// after its join: a warm-up measured past its plan's line); its cap
+    /// rises with it. `OutOfMemory` when the others' reservations leave no
+    /// room for it (nothing changed).
+    fn raise_floor(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = convert::bytes(nbytes, "nbytes")?;
+        match py.detach(|| self.inner.raise_floor(n)).py()? {
+            Ok(()) => Ok(()),
+            Err(refused) => Err(crate::errors::to_py(imp_mem_core::MemError::OutOfMemory(
+                imp_mem_core::error::OomReport {
+                    asked: n,
+                    live: 0,
+                    budget: self.inner.ledger().budget(),
+                    capacity: self.inner.ledger().budget(),
+                    tag: imp_mem_core::Tag::Workspace,
+                    device_refused: false,
+                    ledger_headroom: Some(refused.headroom),
+                },
+            ))),
+        }
+    }
+
     /// Returns `nbytes` charged with `grow`.
     fn shrink(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
         let n = convert::bytes(nbytes, "nbytes")?;

@@ -162,8 +162,9 @@ class Tenancy:
         # The KV-live figure last written, and when the pressure was read.
         self._kv_live_written = -1
         self._pressure_at = 0.0
-        # What `settle_warmup` charged past the floor (the floor is fixed at
-        # the join; the next boot plans the measured figure into it).
+        # What `settle_warmup` charged past the floor when the ledger could
+        # not raise the floor with it (the next boot plans the measured
+        # figure into the floor).
         self.outside_past_floor = 0
         # Ledger calls made by `tick` / `check_submit` (for tests and benches).
         self.ledger_reads = 0
@@ -172,8 +173,11 @@ class Tenancy:
     def settle_warmup(self, measured: int) -> None:
         """After the warm-up was measured: where it left more outside the
         tiers than the plan's ``warmup`` line, the ledger is charged the
-        difference too (a refusal leaves the charge as planned: the device
-        holds it either way, and the floor's slack absorbs small misses)."""
+        difference too, and the floor raised by it (torch keeps those bytes
+        for good, so a tenant joining later must find them reserved). A
+        refused charge leaves it as planned (the device holds it either
+        way, and the floor's slack absorbs small misses); a refused raise
+        leaves the charge above the floor (`outside_past_floor`)."""
         extra = int(measured) - self.planned_warmup
         if extra <= 0:
             return
@@ -183,7 +187,12 @@ class Tenancy:
             return
         self.outside += extra
         self.planned_warmup += extra
-        self.outside_past_floor += extra
+        try:
+            self.tenant.raise_floor(extra)
+        except imp_mem.OutOfMemory:
+            self.outside_past_floor += extra
+            return
+        self.floor += extra
 
     @staticmethod
     def initial_blocks(plan: Any, engine_kv_blocks: int) -> int:

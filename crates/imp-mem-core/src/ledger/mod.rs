@@ -736,6 +736,39 @@ impl Tenant {
         Ok(result)
     }
 
+    /// Raises its floor by `bytes`: memory it learned it must always hold
+    /// (a warm-up measured past its plan's line, whose bytes torch keeps).
+    /// Granted when every tenant's reservation, its own at the new floor,
+    /// still fits the budget (always, for bytes it already holds beyond its
+    /// floor); refused otherwise, nothing changed. Its cap rises with it.
+    pub fn raise_floor(&self, bytes: u64) -> Result<Result<(), Refused>, MemError> {
+        let locked = self.ledger.lock()?;
+        let slots = locked.reap()?.0;
+        let mut me = self.mine(&slots)?;
+        let floor = me.floor.saturating_add(bytes);
+        let others: u64 = slots
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != self.slot)
+            .map(|(_, s)| match s.state {
+                SlotState::Pending => s.floor,
+                _ => s.reserved(),
+            })
+            .sum();
+        let room = self.ledger.budget.saturating_sub(others);
+        if me.committed.max(floor) > room {
+            return Ok(Err(Refused {
+                asked: bytes,
+                headroom: room.saturating_sub(me.reserved()),
+            }));
+        }
+        me.floor = floor;
+        me.cap = me.cap.max(floor);
+        me.updated_ms = now_ms();
+        locked.write_slot(self.slot, &me)?;
+        Ok(Ok(()))
+    }
+
     /// Returns `bytes` of its commitment (a decommit or a release).
     pub fn shrink(&self, bytes: u64) -> Result<(), MemError> {
         self.update(|_, me| me.committed = me.committed.saturating_sub(bytes))

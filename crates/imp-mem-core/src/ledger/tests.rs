@@ -194,3 +194,32 @@ fn a_foreign_file_and_a_bad_key_are_typed_errors() {
         vec!["gpu-1".to_string(), "x".to_string()]
     );
 }
+
+#[test]
+fn a_floor_rises_when_the_reservations_still_fit() {
+    let (_d, l) = ledger(100 * MIB);
+    let a = l.join("a", 20 * MIB, 40 * MIB, Duration::ZERO).unwrap();
+    let b = l.join("b", 30 * MIB, 100 * MIB, Duration::ZERO).unwrap();
+    // Bytes a already holds past its floor: always granted.
+    a.grow(25 * MIB).unwrap().unwrap();
+    a.raise_floor(5 * MIB).unwrap().unwrap();
+    assert_eq!(a.record().unwrap().floor, 25 * MIB);
+    // Past its commitment: granted while b's reservation leaves room, and
+    // the cap follows the floor.
+    a.raise_floor(45 * MIB).unwrap().unwrap();
+    let rec = a.record().unwrap();
+    assert_eq!((rec.floor, rec.cap), (70 * MIB, 70 * MIB));
+    // b takes its floor: nothing is left for a's floor to rise into.
+    b.grow(30 * MIB).unwrap().unwrap();
+    let refused = a.raise_floor(MIB).unwrap().unwrap_err();
+    assert_eq!(refused.asked, MIB);
+    assert_eq!(refused.headroom, 0);
+    assert_eq!(a.record().unwrap().floor, 70 * MIB);
+    // A new tenant now meets the raised floor at its join.
+    let err = l.join("c", MIB, MIB, Duration::ZERO).unwrap_err();
+    assert!(matches!(err, MemError::LedgerFull(_)), "{err:?}");
+    let snap = l.snapshot().unwrap();
+    assert!(snap.reserved() <= snap.budget);
+    drop(b);
+    let _c = l.join("c", 30 * MIB, 30 * MIB, Duration::ZERO).unwrap();
+}
