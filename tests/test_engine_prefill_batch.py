@@ -37,7 +37,7 @@ from hypothesis import strategies as st  # noqa: E402
 from test_engine_families import tiny as family_tiny  # noqa: E402
 from test_engine_model import tiny as qwen3_tiny  # noqa: E402
 
-from imp_mem import FakeBackend, InvalidArgument  # noqa: E402
+from imp_mem import FakeBackend, InvalidArgument, PlanFailure  # noqa: E402
 from imp_mem.engine import Engine  # noqa: E402
 from imp_mem.engine.checkpoint import random_weights  # noqa: E402
 from imp_mem.engine.config import ModelConfig  # noqa: E402
@@ -444,3 +444,44 @@ def test_an_explicit_budget_wins_over_the_devices_size():
         assert engine.prefill_batch_tokens == 24
     finally:
         engine.close()
+
+
+def test_a_plan_that_does_not_fit_names_the_prefill_budget(monkeypatch):
+    # The warm-up line is measured on a GPU; here a large one is planned as
+    # though measured. With the large default (a 70 GiB device) a plan that
+    # does not fit says which prefill_batch_tokens shrinks the line.
+    from imp_mem.engine.llm_engine import Engine as E
+
+    monkeypatch.setattr(
+        E, "_warmup_figure", lambda self, *a, **k: {"torch": 900 << 20, "modules": 0}
+    )
+    with pytest.raises(PlanFailure) as info:
+        Engine(
+            config_of("qwen3_full"),
+            load_format="dummy",
+            seed=7,
+            dummy_scale=0.1,
+            backend=FakeBackend(capacity="141GiB"),
+            budget="512MiB",
+            block_size=BLOCK,
+            prefill_chunk=8,
+            max_batch=4,
+            max_seq_len=64,
+        )
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "prefill_batch_tokens=128" in notes and "prefill_batch_tokens=32" in notes
+    # The small default names nothing: the lever would not shrink it.
+    with pytest.raises(PlanFailure) as info:
+        Engine(
+            config_of("qwen3_full"),
+            load_format="dummy",
+            seed=7,
+            dummy_scale=0.1,
+            backend=FakeBackend(capacity="2GiB"),
+            budget="512MiB",
+            block_size=BLOCK,
+            prefill_chunk=8,
+            max_batch=4,
+            max_seq_len=64,
+        )
+    assert not getattr(info.value, "__notes__", [])

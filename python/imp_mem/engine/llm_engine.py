@@ -68,6 +68,7 @@ import imp_mem
 from imp_mem.engine.config import ModelConfig, read_config_json
 from imp_mem.engine.memory import EngineMemory, measure_torch_high_water
 from imp_mem.engine.model_runner import (
+    PREFILL_BATCH_CHUNKS,
     ModelRunner,
     default_buckets,
     default_prefill_batch_tokens,
@@ -673,18 +674,22 @@ class Engine:
 
             t2 = t2_bytes(runner.groups(probe_bs))
             default = memory.features(t2, engine_blocks, warmup_bytes=total(self.warmup_planned))
-        memory.make_plan(
-            self.model_dir,
-            c,
-            self.tp,
-            limits=limits,
-            budget=budget,
-            context=context,
-            library_reserve=library_reserve,
-            features=features,
-            default_features=default,
-            engine_blocks=engine_blocks,
-        )
+        try:
+            memory.make_plan(
+                self.model_dir,
+                c,
+                self.tp,
+                limits=limits,
+                budget=budget,
+                context=context,
+                library_reserve=library_reserve,
+                features=features,
+                default_features=default,
+                engine_blocks=engine_blocks,
+            )
+        except imp_mem.PlanFailure as e:
+            self._note_prefill_lever(e)
+            raise
         runner.set_model(c, int(self.plan.kv["block_size"]))
         if features is not None:
             return
@@ -702,6 +707,23 @@ class Engine:
             default_features=memory.features(t2, engine_blocks, warmup_bytes=warmup_bytes),
             engine_blocks=engine_blocks,
         )
+
+    def _note_prefill_lever(self, failure: BaseException) -> None:
+        """Names `prefill_batch_tokens` on a plan that did not fit, where
+        the warm-up line it sizes (one prefill forward's activations, which
+        the planner's own levers do not reach) holds more than the small
+        default would: the large default on a 70 GiB device can tip a
+        tight budget over."""
+        from imp_mem.engine.warmup import total
+
+        small = PREFILL_BATCH_CHUNKS * self.prefill_chunk
+        warm = total(self.warmup_planned) if self.warmup_planned else 0
+        if warm and self.prefill_batch_tokens > small:
+            failure.add_note(
+                f"the plan's warm-up line holds {warm / (1 << 20):.0f} MiB outside the tiers "
+                f"(graph pools and one prefill forward of prefill_batch_tokens="
+                f"{self.prefill_batch_tokens}); prefill_batch_tokens={small} shrinks it"
+            )
 
     def _open(self) -> None:
         prefix_caching, buckets, graphs, attention_backend, progress = self._open_args
