@@ -213,7 +213,7 @@ def test_prefill_batch_checks_its_spans(model):
 ENGINE_MODELS = [*MODELS, "deepseek_v2"]
 
 
-def open_engine(name, **kw):
+def open_engine(name, capacity="1GiB", **kw):
     kw.setdefault("max_batch", 4)
     kw.setdefault("max_seq_len", 64)
     return Engine(
@@ -221,7 +221,7 @@ def open_engine(name, **kw):
         load_format="dummy",
         seed=7,
         dummy_scale=0.1,
-        backend=FakeBackend(capacity="1GiB"),
+        backend=FakeBackend(capacity=capacity),
         block_size=BLOCK,
         prefill_chunk=8,
         **kw,
@@ -406,18 +406,7 @@ def test_the_default_budget_is_four_chunks():
 def test_the_default_budget_follows_the_devices_size(capacity, chunks):
     # A device of 70 GiB or more prefills 16 chunks a forward (vLLM's line
     # for its max_num_batched_tokens); the probe child gets the same figure.
-    engine = Engine(
-        config_of("qwen3_full"),
-        load_format="dummy",
-        seed=7,
-        dummy_scale=0.1,
-        backend=FakeBackend(capacity=capacity),
-        budget="1GiB",
-        block_size=BLOCK,
-        prefill_chunk=8,
-        max_batch=4,
-        max_seq_len=64,
-    )
+    engine = open_engine("qwen3_full", capacity=capacity, budget="1GiB")
     try:
         assert engine.prefill_batch_tokens == chunks * 8
         assert engine.runner.prefill_batch_tokens == chunks * 8
@@ -427,19 +416,7 @@ def test_the_default_budget_follows_the_devices_size(capacity, chunks):
 
 
 def test_an_explicit_budget_wins_over_the_devices_size():
-    engine = Engine(
-        config_of("qwen3_full"),
-        load_format="dummy",
-        seed=7,
-        dummy_scale=0.1,
-        backend=FakeBackend(capacity="141GiB"),
-        budget="1GiB",
-        block_size=BLOCK,
-        prefill_chunk=8,
-        prefill_batch_tokens=24,
-        max_batch=4,
-        max_seq_len=64,
-    )
+    engine = open_engine("qwen3_full", capacity="141GiB", budget="1GiB", prefill_batch_tokens=24)
     try:
         assert engine.prefill_batch_tokens == 24
     finally:
@@ -456,32 +433,10 @@ def test_a_plan_that_does_not_fit_names_the_prefill_budget(monkeypatch):
         E, "_warmup_figure", lambda self, *a, **k: {"torch": 900 << 20, "modules": 0}
     )
     with pytest.raises(PlanFailure) as info:
-        Engine(
-            config_of("qwen3_full"),
-            load_format="dummy",
-            seed=7,
-            dummy_scale=0.1,
-            backend=FakeBackend(capacity="141GiB"),
-            budget="512MiB",
-            block_size=BLOCK,
-            prefill_chunk=8,
-            max_batch=4,
-            max_seq_len=64,
-        )
+        open_engine("qwen3_full", capacity="141GiB", budget="512MiB")
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "prefill_batch_tokens=128" in notes and "prefill_batch_tokens=32" in notes
     # The small default names nothing: the lever would not shrink it.
     with pytest.raises(PlanFailure) as info:
-        Engine(
-            config_of("qwen3_full"),
-            load_format="dummy",
-            seed=7,
-            dummy_scale=0.1,
-            backend=FakeBackend(capacity="2GiB"),
-            budget="512MiB",
-            block_size=BLOCK,
-            prefill_chunk=8,
-            max_batch=4,
-            max_seq_len=64,
-        )
+        open_engine("qwen3_full", capacity="2GiB", budget="512MiB")
     assert not getattr(info.value, "__notes__", [])

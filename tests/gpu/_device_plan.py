@@ -19,6 +19,33 @@ from typing import Any
 
 import imp_mem
 
+# A small Qwen3 shape (8 layers of Qwen3-0.6B's widths), for the engine
+# tests that boot on the GPU in this process.
+SMALL_QWEN3: dict[str, Any] = {
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+def small_prompts(n: int, first: int, step: int, seed: int) -> list[list[int]]:
+    """`n` random prompts over `SMALL_QWEN3`'s vocabulary, the k-th of
+    ``first + step * k`` tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = SMALL_QWEN3["vocab_size"]
+    return [torch.randint(0, vocab, (first + step * k,), generator=g).tolist() for k in range(n)]
+
+
 CHILD = r"""
 import json, sys
 import torch

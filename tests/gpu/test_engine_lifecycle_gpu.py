@@ -20,33 +20,19 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 pytest.importorskip("safetensors")
 
+from _device_plan import SMALL_QWEN3, small_prompts  # noqa: E402
+
 from imp_mem.engine.checkpoint import random_weights, write_random_checkpoint  # noqa: E402
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 from imp_mem.engine.memory import measure_torch_high_water  # noqa: E402
 
 MIB = 1 << 20
-CONFIG = {
-    "model_type": "qwen3",
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-}
+CONFIG = SMALL_QWEN3
 ENGINE = {"max_batch": 8, "max_seq_len": 512, "budget": "8GiB"}
 
 
 def prompts():
-    g = torch.Generator().manual_seed(3)
-    return [
-        torch.randint(0, CONFIG["vocab_size"], (40 + 7 * i,), generator=g).tolist()
-        for i in range(8)
-    ]
+    return small_prompts(8, 40, 7, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -21,38 +21,23 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 pytest.importorskip("safetensors")
 
+from _device_plan import SMALL_QWEN3, small_prompts  # noqa: E402
+
 from imp_mem.engine.checkpoint import write_random_checkpoint  # noqa: E402
 from imp_mem.engine.llm_engine import Engine  # noqa: E402
 from imp_mem.engine.shared import SharedGPU  # noqa: E402
 
 MIB = 1 << 20
-CONFIG = {
-    "model_type": "qwen3",
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-}
 
 
 def prompts():
-    g = torch.Generator().manual_seed(5)
-    return [
-        torch.randint(0, CONFIG["vocab_size"], (48 + 5 * i,), generator=g).tolist()
-        for i in range(6)
-    ]
+    return small_prompts(6, 48, 5, seed=5)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("shared-gpu")
-    return write_random_checkpoint(root / "m", CONFIG, seed=0, device="cuda")
+    return write_random_checkpoint(root / "m", SMALL_QWEN3, seed=0, device="cuda")
 
 
 def test_an_idle_shared_engine_sleeps_and_its_next_request_wakes_it(checkpoint, tmp_path):

@@ -148,6 +148,24 @@ pub struct PyLedgerTenant {
     pub(crate) inner: Arc<Tenant>,
 }
 
+impl PyLedgerTenant {
+    /// A refused grant as Python's `OutOfMemory`, with the ledger's headroom.
+    fn refusal(&self, asked: u64, refused: imp_mem_core::ledger::Refused) -> PyErr {
+        let budget = self.inner.ledger().budget();
+        crate::errors::to_py(imp_mem_core::MemError::OutOfMemory(
+            imp_mem_core::error::OomReport {
+                asked,
+                live: 0,
+                budget,
+                capacity: budget,
+                tag: imp_mem_core::Tag::Workspace,
+                device_refused: false,
+                ledger_headroom: Some(refused.headroom),
+            },
+        ))
+    }
+}
+
 #[pymethods]
 impl PyLedgerTenant {
     /// Its slot in the table.
@@ -187,20 +205,8 @@ impl PyLedgerTenant {
     /// context, NCCL's buffers); `OutOfMemory` when it cannot grant them.
     fn grow(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
         let n = convert::bytes(nbytes, "nbytes")?;
-        match py.detach(|| self.inner.grow(n)).py()? {
-            Ok(()) => Ok(()),
-            Err(refused) => Err(crate::errors::to_py(imp_mem_core::MemError::OutOfMemory(
-                imp_mem_core::error::OomReport {
-                    asked: n,
-                    live: 0,
-                    budget: self.inner.ledger().budget(),
-                    capacity: self.inner.ledger().budget(),
-                    tag: imp_mem_core::Tag::Workspace,
-                    device_refused: false,
-                    ledger_headroom: Some(refused.headroom),
-                },
-            ))),
-        }
+        let answer = py.detach(|| self.inner.grow(n)).py()?;
+        answer.map_err(|refused| self.refusal(n, refused))
     }
 
     /// Raises its floor by `nbytes` (memory it must always hold, learned
@@ -209,20 +215,8 @@ impl PyLedgerTenant {
     /// room for it (nothing changed).
     fn raise_floor(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
         let n = convert::bytes(nbytes, "nbytes")?;
-        match py.detach(|| self.inner.raise_floor(n)).py()? {
-            Ok(()) => Ok(()),
-            Err(refused) => Err(crate::errors::to_py(imp_mem_core::MemError::OutOfMemory(
-                imp_mem_core::error::OomReport {
-                    asked: n,
-                    live: 0,
-                    budget: self.inner.ledger().budget(),
-                    capacity: self.inner.ledger().budget(),
-                    tag: imp_mem_core::Tag::Workspace,
-                    device_refused: false,
-                    ledger_headroom: Some(refused.headroom),
-                },
-            ))),
-        }
+        let answer = py.detach(|| self.inner.raise_floor(n)).py()?;
+        answer.map_err(|refused| self.refusal(n, refused))
     }
 
     /// Returns `nbytes` charged with `grow`.
