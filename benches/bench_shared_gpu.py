@@ -246,6 +246,8 @@ def worker(name, directory, mode, opts, trace_q, start_at, out, ready, max_batch
                 "mode": mode,
                 "batch": batch,
                 "ttft": ttft,
+                # Each request's (arrival, TTFT), seconds from the trace's start.
+                "ttft_at": sorted((arrivals[s] - t0, first[s] - arrivals[s]) for s in first),
                 "tokens": tokens,
                 "busy_s": busy,
                 "preempted": engine.scheduler.stats.preempted,
@@ -647,6 +649,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.new_tokens} tokens"
         )
 
+        rows.append(
+            {
+                "trace": {
+                    "models": [n for n, _ in dirs],
+                    "lead_s": args.lead_s,
+                    "window_s": args.window_s,
+                    "burst_s": args.burst_s,
+                }
+            }
+        )
         # The static phase first: its max_batches fix the bursts. Then the
         # shared run on the same trace; the last model's burst sees the
         # first model (idle since its own burst) SIGKILLed.
@@ -710,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
                         "finished": r["finished"],
                         "arrived": r["arrived"],
                         "requests": r["requests"],
+                        "ttft_at": [[round(a, 4), round(t, 4)] for a, t in r["ttft_at"]],
                     }
                 )
             for mode in ("shared", "static"):

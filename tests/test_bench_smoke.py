@@ -8,6 +8,7 @@ that breaks before its first measurement. The figures themselves mean
 nothing on a CPU and are not asserted.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -62,9 +63,10 @@ def test_kv_persist_bench_prints_every_row_on_the_fake_backend(tmp_path):
     assert all(float(ratio) > 0 for _, _, ratio in rows), out
 
 
-def test_shared_gpu_bench_smoke_runs_every_phase():
+def test_shared_gpu_bench_smoke_runs_every_phase(tmp_path):
     pytest.importorskip("torch")
-    out = _run("bench_shared_gpu.py", "--smoke", timeout=900)
+    rows_path = tmp_path / "shared.json"
+    out = _run("bench_shared_gpu.py", "--smoke", "--json", str(rows_path), timeout=900)
     for model in ("a", "b", "c"):
         for setup in ("shared", "static"):
             assert re.search(rf"^{model}\s+{setup}\s+\d+\s+[\d.]+\s+[\d.]+", out, re.M), out
@@ -79,6 +81,19 @@ def test_shared_gpu_bench_smoke_runs_every_phase():
     growable = r"growable pool without a ledger .* the ledger over it:\s+-?[\d.]+ %"
     assert re.search(growable, out), out
     assert re.search(r"^\s+a\s+static\s+\d+\s+shared\s+\d+\s+burst\s+\d+", out, re.M), out
+    # The JSON holds each request's (arrival, TTFT) and the trace's windows;
+    # the figure draws a panel a model from it.
+    rows = json.loads(rows_path.read_text())
+    trace = next(r["trace"] for r in rows if "trace" in r)
+    assert trace["models"] == ["a", "b", "c"]
+    for r in (r for r in rows if "setup" in r):
+        assert r["finished"] <= len(r["ttft_at"]) <= r["arrived"], r
+        assert all(t >= 0 and at >= 0 for at, t in r["ttft_at"]), r
+        assert r["ttft_p99"] <= max(t for _, t in r["ttft_at"]) + 1e-3, r
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = tmp_path / "shared.png"
+        drawn = _run("plot_shared_gpu.py", str(rows_path), str(png), timeout=120)
+        assert "3 panels" in drawn and png.stat().st_size > 10_000, drawn
 
 
 def test_shared_gpu_bursts_are_bounded_by_what_a_cap_holds(monkeypatch):
