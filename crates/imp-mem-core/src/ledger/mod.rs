@@ -327,13 +327,10 @@ fn fresh_want(s: &Slot, now: u64) -> u64 {
     }
 }
 
-/// How much tenant `i` may grow now: up to its floor always (that is
-/// reserved for it), and beyond it into what the others' reservations and
-/// the floors of pending joiners leave (so elastic growth never takes the
-/// room a joiner waits for).
-fn headroom(slots: &[Slot], i: usize, budget: u64) -> u64 {
-    let me = &slots[i];
-    let others: u64 = slots
+/// What every tenant but `i` holds back from it: a live one its larger of
+/// commitment and floor, a pending joiner its floor.
+fn others_reserved(slots: &[Slot], i: usize) -> u64 {
+    slots
         .iter()
         .enumerate()
         .filter(|&(j, _)| j != i)
@@ -341,7 +338,16 @@ fn headroom(slots: &[Slot], i: usize, budget: u64) -> u64 {
             SlotState::Pending => s.floor,
             _ => s.reserved(),
         })
-        .sum();
+        .sum()
+}
+
+/// How much tenant `i` may grow now: up to its floor always (that is
+/// reserved for it), and beyond it into what the others' reservations and
+/// the floors of pending joiners leave (so elastic growth never takes the
+/// room a joiner waits for).
+fn headroom(slots: &[Slot], i: usize, budget: u64) -> u64 {
+    let me = &slots[i];
+    let others = others_reserved(slots, i);
     let within_floor = me.floor.saturating_sub(me.committed);
     let by_budget = budget
         .saturating_sub(others)
@@ -746,16 +752,10 @@ impl Tenant {
         let slots = locked.reap()?.0;
         let mut me = self.mine(&slots)?;
         let floor = me.floor.saturating_add(bytes);
-        let others: u64 = slots
-            .iter()
-            .enumerate()
-            .filter(|&(j, _)| j != self.slot)
-            .map(|(_, s)| match s.state {
-                SlotState::Pending => s.floor,
-                _ => s.reserved(),
-            })
-            .sum();
-        let room = self.ledger.budget.saturating_sub(others);
+        let room = self
+            .ledger
+            .budget
+            .saturating_sub(others_reserved(&slots, self.slot));
         if me.committed.max(floor) > room {
             return Ok(Err(Refused {
                 asked: bytes,
