@@ -231,9 +231,9 @@ def test_the_floor_counts_what_the_plan_holds_outside_the_backend_and_the_ledger
         t, plan = e.tenancy, e.plan
         assert t.outside == plan.context + plan.library_reserve + plan.warmup
         rec = t.tenant.record()
-        # Open: committed is the floor less the VMM slack at most.
-        slack = 16 * e.backend.granularity
-        assert rec["floor"] - slack <= rec["committed"] <= rec["floor"]
+        # Open: the join's rounding slack given back, the floor is what the
+        # tenant holds at rest.
+        assert rec["committed"] == rec["floor"] == t.floor
         # A warm-up measured above the plan's line is charged on top, and
         # the floor raised with it (torch keeps those bytes).
         floor = t.floor
@@ -272,6 +272,38 @@ def test_the_floor_counts_what_the_plan_holds_outside_the_backend_and_the_ledger
         e.close()
 
 
+def test_a_coarse_granularity_s_slack_is_not_reserved_once_the_tiers_are_open(checkpoint, tmp_path):
+    # A VMM backend's 64 MiB chunk made the join's slack (a granule a tier)
+    # 1 GiB on the H200, reserved from the other tenants for good; here 4 MiB.
+    gran = 4 * MIB
+    e = Engine(
+        checkpoint,
+        backend=FakeBackend(capacity="256MiB", granularity=gran),
+        max_batch=4,
+        max_seq_len=64,
+        block_size=4,
+        prefill_chunk=8,
+        shared=cfg(tmp_path, cap="96MiB"),
+    )
+    try:
+        t, plan = e.tenancy, e.plan
+        rec = t.tenant.record()
+        joined = plan.total() - plan.kv["bytes"] + t.initial * t.block_bytes + 16 * gran
+        assert rec["committed"] == rec["floor"] == t.floor
+        assert rec["floor"] <= joined - 8 * gran
+        # What it holds does not move across serving and the idle shrink:
+        # nothing above the floor is left for the others to press for.
+        e.generate(PROMPTS, NEW)
+        e.idle()
+        assert t.tenant.record()["committed"] - t.floor <= t.chunk * t.block_bytes + gran
+        # The other tenants find the room the slack held.
+        led = imp_mem.DeviceLedger("fake-engine", "160MiB", str(tmp_path))
+        other = led.join("other", 160 * MIB - rec["floor"], 160 * MIB - rec["floor"])
+        del other
+    finally:
+        e.close()
+
+
 def test_a_raised_floor_is_met_by_the_next_join(tmp_path):
     led = imp_mem.DeviceLedger("fake-floor", "100MiB", str(tmp_path))
     a = led.join("a", "20MiB", "40MiB")
@@ -287,4 +319,12 @@ def test_a_raised_floor_is_met_by_the_next_join(tmp_path):
     assert a.record()["floor"] == 65 * MIB
     with pytest.raises(imp_mem.InvalidArgument, match="nbytes"):
         a.raise_floor(-1)
-    del a, b
+    # Lowered (always granted, the cap kept), the room is the next join's.
+    a.lower_floor("30MiB")
+    assert (a.record()["floor"], a.record()["cap"]) == (35 * MIB, 65 * MIB)
+    c = led.join("c", "5MiB", "5MiB")
+    with pytest.raises(imp_mem.InvalidArgument, match="nbytes"):
+        a.lower_floor(-1)
+    a.lower_floor("1GiB")
+    assert a.record()["floor"] == 0
+    del a, b, c

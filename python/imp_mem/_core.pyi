@@ -1311,6 +1311,9 @@ class LedgerTenant:
     def raise_floor(self, nbytes: ByteCount) -> None:
         """Raises its floor (and cap) by `nbytes`; `OutOfMemory` when the
         others' reservations leave no room (nothing changed)."""
+    def lower_floor(self, nbytes: ByteCount) -> None:
+        """Lowers its floor by `nbytes` (to zero at most); always granted,
+        its cap unchanged."""
     def shrink(self, nbytes: ByteCount) -> None: ...
     def set_asleep(self, level: int) -> None: ...
     def set_kv_live(self, nbytes: ByteCount) -> None: ...

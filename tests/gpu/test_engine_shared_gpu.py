@@ -99,3 +99,34 @@ def test_an_idle_shared_engine_sleeps_and_its_next_request_wakes_it(checkpoint, 
             with open(os.path.join(keep, "shared_idle_sleep.txt"), "a") as f:
                 f.write(line + "\n")
     assert imp_mem.DeviceLedger(shared.key, 1, str(tmp_path)).tenants() == []
+
+
+def test_a_shared_engine_s_floor_is_what_it_holds_at_rest(checkpoint, tmp_path):
+    # The join plans a granule of slack a tier, 1 GiB at the VMM backend's
+    # 64 MiB chunk; once the tiers are open the floor is lowered to what
+    # the tenant holds, and the warm-up's bytes past the plan's line raise
+    # both alike. Before, the floors sat ~1 GiB above the commitments on
+    # the H200 and starved the tenant that burst (session 19).
+    shared = SharedGPU(
+        cap="6GiB", device_budget="24GiB", key=f"gpu-test-floor-{os.getpid()}", dir=str(tmp_path)
+    )
+    with Engine(checkpoint, max_batch=8, max_seq_len=512, shared=shared) as e:
+        t = e.tenancy
+        rec = t.tenant.record()
+        gran = e.backend.granularity
+        assert rec["floor"] == t.floor
+        assert 0 <= rec["committed"] - rec["floor"] <= gran, (rec, gran)
+        e.generate(prompts(), 16)
+        e.idle()
+        rec = t.tenant.record()
+        assert rec["committed"] - rec["floor"] <= t.chunk * t.block_bytes + gran, (rec, gran)
+        line = (
+            f"shared floor at rest: committed {rec['committed'] / MIB:.1f} MiB, floor "
+            f"{rec['floor'] / MIB:.1f} MiB (granularity {gran / MIB:.0f} MiB, warm-up past its "
+            f"line {t.outside_past_floor / MIB:.0f} MiB unraised)"
+        )
+        print(line)
+        keep = os.environ.get("IMP_MEM_GPU_OUT")
+        if keep:
+            with open(os.path.join(keep, "shared_idle_sleep.txt"), "a") as f:
+                f.write(line + "\n")

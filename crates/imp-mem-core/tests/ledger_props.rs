@@ -1,5 +1,5 @@
 //! The device ledger against a model of it, in one process (issue 27):
-//! random joins, grows, shrinks, floor raises and leaves of up to four
+//! random joins, grows, shrinks, floor raises and lowerings and leaves of up to four
 //! tenants. Each answer is the model's (a join refused with `LedgerFull`
 //! exactly when the floors do not fit, one whose floor fits but finds the
 //! room held refused with `Capacity`; a grow granted exactly within its
@@ -25,6 +25,7 @@ enum Op {
     Grow(u64),
     Shrink(u64),
     RaiseFloor(u64),
+    LowerFloor(u64),
     Leave,
 }
 
@@ -35,6 +36,7 @@ fn op() -> impl Strategy<Value = (usize, Op)> {
         mib(50).prop_map(Op::Grow),
         mib(50).prop_map(Op::Shrink),
         mib(40).prop_map(Op::RaiseFloor),
+        mib(40).prop_map(Op::LowerFloor),
         Just(Op::Leave),
     ];
     (0..4usize, kind)
@@ -138,6 +140,11 @@ proptest! {
                             prop_assert_eq!(refused.asked, bytes);
                         }
                     }
+                }
+                (Op::LowerFloor(bytes), true) => {
+                    tenants[i].as_ref().unwrap().lower_floor(bytes).unwrap();
+                    let m = models[i].as_mut().unwrap();
+                    m.floor = m.floor.saturating_sub(bytes);
                 }
                 (Op::Leave, true) => {
                     tenants[i] = None;

@@ -219,6 +219,14 @@ impl PyLedgerTenant {
         answer.map_err(|refused| self.refusal(n, refused))
     }
 
+    /// Lowers its floor by `nbytes` (to zero at most): what a join planned
+    /// for rounding, given back once the tenant knows what it holds at
+    /// rest. Always granted; its cap stays.
+    fn lower_floor(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
+        let n = convert::bytes(nbytes, "nbytes")?;
+        py.detach(|| self.inner.lower_floor(n)).py()
+    }
+
     /// Returns `nbytes` charged with `grow`.
     fn shrink(&self, py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<()> {
         let n = convert::bytes(nbytes, "nbytes")?;

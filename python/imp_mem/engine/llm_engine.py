@@ -450,6 +450,8 @@ class Engine:
         t0 = time.perf_counter()
         memory.open()
         self.boot_seconds["open"] = time.perf_counter() - t0
+        if self.tenancy is not None:
+            self.tenancy.fit_floor()
         self._meter = None
         if self._inline_cold and not memory.on_gpu:
             from imp_mem.engine import warmup

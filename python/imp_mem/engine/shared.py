@@ -170,6 +170,17 @@ class Tenancy:
         self.ledger_reads = 0
         self.ledger_writes = 0
 
+    def fit_floor(self) -> None:
+        """Once the memory system is open (its tiers at rest, the KV pool at
+        its initial blocks): the floor lowered to what the tenant holds, so
+        the join's rounding slack (a granule a tier, 1 GiB at a VMM
+        backend's 64 MiB chunk) is not reserved from the other tenants for
+        good. A floor the commitment already meets or passes stays."""
+        committed = int(self.tenant.record()["committed"])
+        if committed < self.floor:
+            self.tenant.lower_floor(self.floor - committed)
+            self.floor = committed
+
     def settle_warmup(self, measured: int) -> None:
         """After the warm-up was measured: where it left more outside the
         tiers than the plan's ``warmup`` line, the ledger is charged the

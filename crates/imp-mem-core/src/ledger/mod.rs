@@ -769,6 +769,14 @@ impl Tenant {
         Ok(Ok(()))
     }
 
+    /// Lowers its floor by `bytes` (to zero at most): a join's floor is
+    /// planned with room for rounding, and once its tiers are open the
+    /// tenant knows what it holds at rest. Always granted (a lower floor
+    /// only frees room for the others); its cap stays.
+    pub fn lower_floor(&self, bytes: u64) -> Result<(), MemError> {
+        self.update(|_, me| me.floor = me.floor.saturating_sub(bytes))
+    }
+
     /// Returns `bytes` of its commitment (a decommit or a release).
     pub fn shrink(&self, bytes: u64) -> Result<(), MemError> {
         self.update(|_, me| me.committed = me.committed.saturating_sub(bytes))
