@@ -43,7 +43,10 @@ def plot(rows: list[dict], path: str) -> int:
         ax.set_ylabel("TTFT (s)")
         ratio = f", p99 static / shared {ratios[model]:.2f}x" if model in ratios else ""
         ax.set_title(f"{model}{ratio}", fontsize=10)
-        ax.legend(fontsize=8, loc="upper right")
+        # The legend on the side away from the burst, so no point is hidden.
+        end = trace["lead_s"] + len(models) * trace["window_s"]
+        side = "upper left" if start > end / 2 else "upper right"
+        ax.legend(fontsize=8, loc=side)
     axes[-1, 0].set_xlabel("arrival (s from the trace's start)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
