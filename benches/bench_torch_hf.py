@@ -12,7 +12,7 @@ process-wide allocator is chosen before its first CUDA tensor):
   build the model, one warm-up ``generate()``, ``begin_serving()``, the
   counted ``generate()``. No calibration run, no margin ladder, no KV pool:
   the activations tier is *measured* while the warm-up runs and frozen at
-  its high-water plus 1 % by ``begin_serving()``;
+  its high-water plus 0.2 % by ``begin_serving()``;
 * ``imp`` again with the same fingerprint and cache: the second start plans
   the tier at the remembered figure and does not measure;
 * the same pairs under ``torch.compile`` (``default`` and
