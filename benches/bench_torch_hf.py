@@ -359,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         help="process/none again at each CHUNK_MIB:MARGIN (e.g. 2:0.01,2:0.005), side by side",
     )
     args = ap.parse_args(argv)
+    for name in ("reps", "peer_runs"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
     if args.child:
         import torch
 

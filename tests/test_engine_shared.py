@@ -296,9 +296,16 @@ def test_a_coarse_granularity_s_slack_is_not_reserved_once_the_tiers_are_open(ch
         e.generate(PROMPTS, NEW)
         e.idle()
         assert t.tenant.record()["committed"] - t.floor <= t.chunk * t.block_bytes + gran
+        # A floor below what it holds (more rounding than the slack) is
+        # raised to it: those bytes are not the KV's to give back.
+        t.tenant.lower_floor(3 * gran)
+        t.floor -= 3 * gran
+        held = t.tenant.record()["committed"]
+        t.fit_floor()
+        assert t.floor == t.tenant.record()["floor"] == held
         # The other tenants find the room the slack held.
         led = imp_mem.DeviceLedger("fake-engine", "160MiB", str(tmp_path))
-        other = led.join("other", 160 * MIB - rec["floor"], 160 * MIB - rec["floor"])
+        other = led.join("other", 160 * MIB - held, 160 * MIB - held)
         del other
     finally:
         e.close()

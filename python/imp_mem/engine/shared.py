@@ -175,10 +175,18 @@ class Tenancy:
         its initial blocks): the floor lowered to what the tenant holds, so
         the join's rounding slack (a granule a tier, 1 GiB at a VMM
         backend's 64 MiB chunk) is not reserved from the other tenants for
-        good. A floor the commitment already meets or passes stays."""
+        good. A floor below the commitment (more rounding than the slack
+        held) is raised to it where the others' reservations leave room, as
+        those bytes are not the KV's to give back; refused, it stays."""
         committed = int(self.tenant.record()["committed"])
         if committed < self.floor:
             self.tenant.lower_floor(self.floor - committed)
+            self.floor = committed
+        elif committed > self.floor:
+            try:
+                self.tenant.raise_floor(committed - self.floor)
+            except imp_mem.OutOfMemory:
+                return
             self.floor = committed
 
     def settle_warmup(self, measured: int) -> None:
