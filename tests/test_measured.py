@@ -316,6 +316,15 @@ def test_serve_measures_then_the_second_start_recalls(tmp_path):
     third.begin_serving()
     assert third.measured()[0]["size"] == 6 * MIB and third.remembered is None
     third.activations.free(c)
+    # The default margin: a fifth of a per cent where work past the tier
+    # falls back (the process mode), 1 % where it is torch's OOM (the
+    # scope mode's strict tier).
+    assert torch_mod.DEFAULT_MARGIN < torch_mod.DEFAULT_SCOPE_MARGIN
+    assert torch_mod.default_margin("scope") == torch_mod.DEFAULT_SCOPE_MARGIN
+    assert torch_mod.default_margin("process") == torch_mod.DEFAULT_MARGIN
+    fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+    fourth = torch_mod.serve(backend=fb, chunk=CHUNK)
+    assert fourth.margin_share == torch_mod.DEFAULT_MARGIN
 
 
 def test_serve_arguments_are_checked():
