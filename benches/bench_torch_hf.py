@@ -278,6 +278,21 @@ def child_imp(args) -> dict:
     return out
 
 
+def parse_cpus(text: str | None) -> set[int]:
+    """``--cpus``: CPU ids and ranges (``0-3,8``); empty: no pinning."""
+    cpus: set[int] = set()
+    for part in filter(None, (text or "").split(",")):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise SystemExit(f"--cpus: expected ids and ranges such as 0-3; got {text!r}") from None
+        if first < 0 or last < first:
+            raise SystemExit(f"--cpus: {part!r} is not a range of CPU ids")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
 def run_child(kind: str, args, extra: list[str], cache: str, record: bool = True) -> dict:
     env = dict(
         os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1", IMP_MEM_CACHE_DIR=cache
@@ -287,7 +302,11 @@ def run_child(kind: str, args, extra: list[str], cache: str, record: bool = True
     cmd += ["--reps", str(args.reps)]
     if kind == "default" and record and args.record_trace and "none" in extra:
         cmd += ["--record-trace", args.record_trace]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    cpus = parse_cpus(args.cpus)
+    # Every child on the same cores (HF's generate() is host-bound at these
+    # shapes, and identical children's tokens/s moved by ±20 %).
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, preexec_fn=pin)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -350,6 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch-allocator children a compile mode (before and after ours), the median kept",
     )
     ap.add_argument(
+        "--cpus",
+        default=None,
+        help="pin every child to these CPUs (e.g. 0-3): the same cores for each side",
+    )
+    ap.add_argument(
         "--record-trace",
         help="write the torch side's allocation trace (build + first generate()) here",
     )
@@ -359,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         help="process/none again at each CHUNK_MIB:MARGIN (e.g. 2:0.01,2:0.005), side by side",
     )
     args = ap.parse_args(argv)
+    parse_cpus(args.cpus)  # refused here, before any child
     for name in ("reps", "peer_runs"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")

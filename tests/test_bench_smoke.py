@@ -154,3 +154,17 @@ def test_a_recorded_hf_trace_replays_through_the_tier(tmp_path):
     got = json.loads(figures.read_text())
     assert got["fallbacks"] == {"warm_up": 0, "served": 0, "second_start": [0, 0]}
     assert got["live_peak"] <= got["high_water"] <= got["frozen"]
+
+
+def test_the_hf_bench_pins_its_children_where_asked(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_torch_hf as b
+
+    assert b.parse_cpus("0-3,8") == {0, 1, 2, 3, 8}
+    assert b.parse_cpus(None) == set() and b.parse_cpus("") == set()
+    for bad in ("3-1", "x", "-2"):
+        with pytest.raises(SystemExit, match="--cpus"):
+            b.parse_cpus(bad)
+    # Refused before any child runs.
+    with pytest.raises(SystemExit):
+        b.main(["--cpus", "a-b"])
