@@ -32,6 +32,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--head-fast", default="0,1", help="1: a sequence's KV heads in consecutive programs"
     )
+    ap.add_argument(
+        "--all-heads",
+        default="0,1",
+        help="1: one program a (sequence, split) for every KV head, contiguous loads",
+    )
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
     kv_heads, heads, d = 8, 32, 128
@@ -53,7 +58,7 @@ def main(argv=None) -> int:
         return [int(x) for x in arg.split(",") if x]
 
     a = args
-    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_fast)
+    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_fast, a.all_heads)
 
     configs = [
         dict(
@@ -63,9 +68,11 @@ def main(argv=None) -> int:
             num_stages=stages,
             early_v=bool(early),
             head_fast=bool(fast),
+            all_heads=bool(every),
         )
-        for split, tile, warps, stages, early, fast in itertools.product(*map(ints, axes))
-        if tile <= split * bs
+        for split, tile, warps, stages, early, fast, every in itertools.product(*map(ints, axes))
+        # The all-heads kernel loads V with K and has no grid order to choose.
+        if tile <= split * bs and not (every and (fast or not early))
     ]
     for kw in configs:
         try:

@@ -97,6 +97,13 @@ def test_kernel_matches_reference(group, window, holes):
         split_blocks=2, head_fast=True,
     )  # fmt: skip
     torch.testing.assert_close(fast, out, atol=0, rtol=0)
+    # One program for every KV head of a split (contiguous loads, the
+    # other heads' columns masked): the same attention, its tiles shorter.
+    every = _paged_kernel.paged_decode(
+        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5,
+        split_blocks=2, all_heads=True,
+    )  # fmt: skip
+    torch.testing.assert_close(every, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_default_split_and_bf16():
@@ -108,6 +115,10 @@ def test_default_split_and_bf16():
     out = paged_decode_attention(q, kv, 2, tables, positions, backend="triton")
     # bf16 in, fp32 accumulate; P is rounded to bf16 before P @ V.
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    every = _paged_kernel.paged_decode(
+        q, kv, 2, tables, positions, window=None, scale=q.shape[-1] ** -0.5, all_heads=True
+    )
+    torch.testing.assert_close(every.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_store_then_attend_sees_the_new_token():
