@@ -390,12 +390,16 @@ the live peak). Work past the frozen tier is not refused in
 ``mode="process"``: it falls back to the backend and is counted
 (``fallbacks_total``). At 1 % the tier came to 1.026 of HF's live peak;
 at 0.2 % to 1.018 (H200, both starts, 0 fallbacks)."""
-DEFAULT_SCOPE_MARGIN = 0.01
-"""The margin in ``mode="scope"``: torch's caching allocator sub-allocates
-its MemPool's segments from a strict tier, so the served run's segments
-need not fall as the warm-up's did, and a segment past the tier is torch's
-OutOfMemoryError, not a fallback (HF's quick generate(), 8 x 256 + 16, ran
-out at 0.2 % on the H200 and served at 1 %)."""
+DEFAULT_SCOPE_MARGIN = 64 << 20
+"""The margin in ``mode="scope"``, in bytes: torch's caching allocator takes
+its MemPool's memory in whole segments (20 MiB for a 1-10 MiB request, the
+request rounded to 2 MiB above that) from a strict tier, so the served run
+can need a segment or two past the warm-up's arrangement, and a segment past
+the tier is torch's OutOfMemoryError, not a fallback. A share of a small
+tier is less than a segment: at 0.2 % HF's quick generate() (8 x 256 + 16,
+298 MiB in its pool when it failed) ran out asking for 16 MiB on the H200.
+It passed in session 14 at 1 % with 64 MiB handles, whose rounding left up
+to 64 MiB."""
 
 
 class Served:
@@ -536,7 +540,7 @@ def graph_pool(target: Any) -> Iterator[Any]:
         torch.cuda.graph_pool_handle = original  # type: ignore[assignment]
 
 
-def default_margin(mode: str) -> float:
+def default_margin(mode: str) -> float | int:
     """:func:`serve`'s margin where none is given: `DEFAULT_SCOPE_MARGIN` in
     ``mode="scope"``, else `DEFAULT_MARGIN`."""
     return DEFAULT_SCOPE_MARGIN if mode == "scope" else DEFAULT_MARGIN
