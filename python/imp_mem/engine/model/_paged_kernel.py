@@ -77,7 +77,9 @@ def _split_kernel(
     window,
     qk_scale,
     GROUP: tl.constexpr,
+    KV_HEADS: tl.constexpr,
     BLOCK_G: tl.constexpr,
+    BLOCK_KVH: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
@@ -86,16 +88,29 @@ def _split_kernel(
     DOT_FP32: tl.constexpr,
     EARLY_V: tl.constexpr,
     HEAD_FAST: tl.constexpr,
+    ALL_HEADS: tl.constexpr,
 ):
-    if HEAD_FAST:
+    # ALL_HEADS: one program a (sequence, split) for every KV head. A tile
+    # is TILE tokens times BLOCK_KVH heads, each token's heads side by side
+    # in the pool, so one load is one contiguous run of memory instead of
+    # rows a head's stride apart; every query row scores every column and
+    # keeps its own KV head's (KV_HEADS times the arithmetic of a
+    # memory-bound kernel). Otherwise one program a (sequence, KV head,
+    # split), BLOCK_KVH 1.
+    if ALL_HEADS:
+        b = tl.program_id(0)
+        kvh = 0
+        split = tl.program_id(1)
+    elif HEAD_FAST:
         # A sequence's KV heads in consecutive programs: the programs that
         # run together read neighbouring 256-B rows of the same pages.
         kvh = tl.program_id(0)
         b = tl.program_id(1)
+        split = tl.program_id(2)
     else:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-    split = tl.program_id(2)
+        split = tl.program_id(2)
     ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
     if HAS_WINDOW:
@@ -107,7 +122,10 @@ def _split_kernel(
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
-        gmask = g < GROUP
+        if ALL_HEADS:
+            gmask = g < KV_HEADS * GROUP
+        else:
+            gmask = g < GROUP
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
             mask=gmask[:, None],
@@ -115,15 +133,25 @@ def _split_kernel(
         )
         if DOT_FP32:
             q = q.to(tl.float32)
+        c = tl.arange(0, TILE * BLOCK_KVH)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        head_base = kvh * stride_kvh
+        if ALL_HEADS:
+            col_head = c % BLOCK_KVH
+            mine = (g // GROUP)[:, None] == col_head[None, :]
+            head_base = col_head * stride_kvh
+        else:
+            head_base = kvh * stride_kvh
         # A static trip count (Triton's interpreter cannot loop over tensor
         # bounds); tiles past `end` load nothing, their lanes being masked.
         for tile in range(0, SPLIT_TOKENS, TILE):
-            t = start + tile + tl.arange(0, TILE)
-            in_range = t < end
+            if ALL_HEADS:
+                t = start + tile + c // BLOCK_KVH
+                in_range = (t < end) & (col_head < KV_HEADS)
+            else:
+                t = start + tile + c
+                in_range = t < end
             logical = t // BLOCK_SIZE
             block = tl.load(
                 TABLES + b * stride_tb + logical, mask=in_range & (logical < width), other=-1
@@ -139,7 +167,10 @@ def _split_kernel(
             if DOT_FP32:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
+            if ALL_HEADS:
+                s = tl.where(mine & valid[None, :], s, float("-inf"))
+            else:
+                s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
@@ -163,116 +194,6 @@ def _split_kernel(
             mask=gmask[:, None],
         )
         tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
-
-
-@triton.jit
-def _split_kernel_all_heads(
-    Q,
-    KV,
-    TABLES,
-    POS,
-    O_PART,
-    LSE_PART,
-    stride_qb,
-    stride_qh,
-    stride_kvb,
-    stride_kvkv,
-    stride_kvt,
-    stride_kvh,
-    stride_tb,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    width,
-    window,
-    qk_scale,
-    HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_KVH: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr,
-    TILE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-):
-    """`_split_kernel` with one program per (sequence, split) for every KV
-    head: a tile is ``TILE`` tokens times every KV head, the rows of each
-    token's heads side by side in the pool, so each load is one contiguous
-    run of memory instead of rows a head's stride apart. Each query row
-    scores every column and keeps its own KV head's (the rest masked): the
-    wasted arithmetic is ``KV_HEADS`` times a memory-bound kernel's."""
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    ctx = tl.load(POS + b).to(tl.int64) + 1
-    lo = ctx * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(ctx - window, 0)
-    split_start = split.to(tl.int64) * SPLIT_TOKENS
-    start = tl.maximum(split_start, lo)
-    end = tl.minimum(split_start + SPLIT_TOKENS, ctx)
-    if start < end:
-        r = tl.arange(0, BLOCK_R)
-        d = tl.arange(0, HEAD_DIM)
-        rmask = r < HEADS
-        q = tl.load(
-            Q + b * stride_qb + r[:, None] * stride_qh + d[None, :],
-            mask=rmask[:, None],
-            other=0.0,
-        )
-        if DOT_FP32:
-            q = q.to(tl.float32)
-        row_kvh = r // GROUP
-        c = tl.arange(0, TILE * BLOCK_KVH)
-        col_kvh = c % BLOCK_KVH
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
-        mine = row_kvh[:, None] == col_kvh[None, :]
-        for tile in range(0, SPLIT_TOKENS, TILE):
-            t = start + tile + c // BLOCK_KVH
-            in_range = (t < end) & (col_kvh < KV_HEADS)
-            logical = t // BLOCK_SIZE
-            block = tl.load(
-                TABLES + b * stride_tb + logical, mask=in_range & (logical < width), other=-1
-            )
-            valid = in_range & (block >= 0)
-            offs = (
-                block.to(tl.int64) * stride_kvb
-                + (t % BLOCK_SIZE) * stride_kvt
-                + col_kvh * stride_kvh
-            )
-            k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(
-                KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0
-            )
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(mine & valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(
-            O_PART + b * stride_ob + r[:, None] * stride_oh + split * stride_os + d[None, :],
-            out,
-            mask=rmask[:, None],
-        )
-        tl.store(LSE_PART + b * stride_lb + r * stride_lh + split, lse, mask=rmask)
 
 
 @triton.jit
@@ -347,7 +268,7 @@ def paged_decode(
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype. ``all_heads``: one program per (sequence,
-    split) for every KV head, contiguous loads (`_split_kernel_all_heads`;
+    split) for every KV head, contiguous loads (`_split_kernel`'s ``ALL_HEADS``;
     not yet timed on the GPU, so off by default)."""
     batch, heads, head_dim = q.shape
     _, _, _, block_size, kv_heads, kv_dim = kv.shape
@@ -370,81 +291,51 @@ def paged_decode(
     head_fast = DEFAULT_HEAD_FAST if head_fast is None else head_fast
     all_heads = DEFAULT_ALL_HEADS if all_heads is None else all_heads
     if all_heads:
+        grid = (batch, splits)
+        # A tile of this many tokens holds `tile` rows of every KV head.
         block_kvh = triton.next_power_of_2(kv_heads)
-        _split_kernel_all_heads[(batch, splits)](
-            q,
-            pages,
-            block_tables,
-            positions,
-            o_part,
-            lse_part,
-            q.stride(0),
-            q.stride(1),
-            pages.stride(0),
-            pages.stride(1),
-            pages.stride(2),
-            pages.stride(3),
-            block_tables.stride(0),
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse_part.stride(0),
-            lse_part.stride(1),
-            width,
-            window if has_window else 0,
-            scale * LOG2E,
-            HEADS=heads,
-            GROUP=group,
-            KV_HEADS=kv_heads,
-            BLOCK_R=max(16, triton.next_power_of_2(heads)),
-            BLOCK_KVH=block_kvh,
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            SPLIT_TOKENS=split_tokens,
-            # A tile of this many tokens holds `tile` rows of every KV head.
-            TILE=max(1, tile // block_kvh),
-            HAS_WINDOW=has_window,
-            DOT_FP32=_INTERPRETING,
-            num_warps=num_warps or DEFAULT_WARPS,
-            num_stages=num_stages or DEFAULT_STAGES,
-        )
+        rows, tile, early_v = heads, max(1, tile // block_kvh), True
     else:
         grid = (kv_heads, batch, splits) if head_fast else (batch, kv_heads, splits)
-        _split_kernel[grid](
-            q,
-            pages,
-            block_tables,
-            positions,
-            o_part,
-            lse_part,
-            q.stride(0),
-            q.stride(1),
-            pages.stride(0),
-            pages.stride(1),
-            pages.stride(2),
-            pages.stride(3),
-            block_tables.stride(0),
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse_part.stride(0),
-            lse_part.stride(1),
-            width,
-            window if has_window else 0,
-            scale * LOG2E,
-            GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
-            SPLIT_TOKENS=split_tokens,
-            TILE=tile,
-            HAS_WINDOW=has_window,
-            DOT_FP32=_INTERPRETING,
-            EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
-            HEAD_FAST=head_fast,
-            num_warps=num_warps or DEFAULT_WARPS,
-            num_stages=num_stages or DEFAULT_STAGES,
-        )
+        block_kvh, rows = 1, group
+    _split_kernel[grid](
+        q,
+        pages,
+        block_tables,
+        positions,
+        o_part,
+        lse_part,
+        q.stride(0),
+        q.stride(1),
+        pages.stride(0),
+        pages.stride(1),
+        pages.stride(2),
+        pages.stride(3),
+        block_tables.stride(0),
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse_part.stride(0),
+        lse_part.stride(1),
+        width,
+        window if has_window else 0,
+        scale * LOG2E,
+        GROUP=group,
+        KV_HEADS=kv_heads,
+        BLOCK_G=max(16, triton.next_power_of_2(rows)),
+        BLOCK_KVH=block_kvh,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        SPLIT_TOKENS=split_tokens,
+        TILE=tile,
+        HAS_WINDOW=has_window,
+        DOT_FP32=_INTERPRETING,
+        EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
+        HEAD_FAST=head_fast,
+        ALL_HEADS=all_heads,
+        num_warps=num_warps or DEFAULT_WARPS,
+        num_stages=num_stages or DEFAULT_STAGES,
+    )
     _merge_kernel[(batch, heads)](
         o_part,
         lse_part,
