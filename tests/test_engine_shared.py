@@ -29,10 +29,10 @@ def checkpoint(tmp_path_factory):
     )
 
 
-def engine(directory, shared=None, **kw) -> Engine:
+def engine(directory, shared=None, backend=None, **kw) -> Engine:
     return Engine(
         directory,
-        backend=FakeBackend(capacity="256MiB"),
+        backend=FakeBackend(capacity="256MiB") if backend is None else backend,
         max_batch=4,
         max_seq_len=64,
         block_size=4,
@@ -276,14 +276,10 @@ def test_a_coarse_granularity_s_slack_is_not_reserved_once_the_tiers_are_open(ch
     # A VMM backend's 64 MiB chunk made the join's slack (a granule a tier)
     # 1 GiB on the H200, reserved from the other tenants for good; here 4 MiB.
     gran = 4 * MIB
-    e = Engine(
+    e = engine(
         checkpoint,
+        cfg(tmp_path, cap="96MiB"),
         backend=FakeBackend(capacity="256MiB", granularity=gran),
-        max_batch=4,
-        max_seq_len=64,
-        block_size=4,
-        prefill_chunk=8,
-        shared=cfg(tmp_path, cap="96MiB"),
     )
     try:
         t, plan = e.tenancy, e.plan

@@ -324,6 +324,8 @@ def test_serve_measures_then_the_second_start_recalls(tmp_path):
     assert torch_mod.DEFAULT_SCOPE_MARGIN >= 2 * 20 * MIB
     assert torch_mod.default_margin("scope") == torch_mod.DEFAULT_SCOPE_MARGIN
     assert torch_mod.default_margin("process") == torch_mod.DEFAULT_MARGIN
+    with pytest.raises(InvalidArgument, match="mode"):
+        torch_mod.default_margin("both")
     fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
     fourth = torch_mod.serve(backend=fb, chunk=CHUNK)
     assert fourth.margin_share == torch_mod.DEFAULT_MARGIN

@@ -540,9 +540,15 @@ def graph_pool(target: Any) -> Iterator[Any]:
         torch.cuda.graph_pool_handle = original  # type: ignore[assignment]
 
 
+def _check_mode(mode: Any) -> None:
+    if mode not in ("process", "scope"):
+        raise InvalidArgument(f'mode: expected "process" or "scope", got {mode!r}')
+
+
 def default_margin(mode: str) -> float | int:
     """:func:`serve`'s margin where none is given: `DEFAULT_SCOPE_MARGIN` in
-    ``mode="scope"``, else `DEFAULT_MARGIN`."""
+    ``mode="scope"``, `DEFAULT_MARGIN` in ``mode="process"``."""
+    _check_mode(mode)
     return DEFAULT_SCOPE_MARGIN if mode == "scope" else DEFAULT_MARGIN
 
 
@@ -586,8 +592,7 @@ def serve(
     see :mod:`imp_mem.measured`). A later start with the same fingerprint
     plans the tier at the remembered size, committed at open, and does not
     measure (``served.measuring`` is False)."""
-    if mode not in ("process", "scope"):
-        raise InvalidArgument(f'mode: expected "process" or "scope", got {mode!r}')
+    _check_mode(mode)
     if margin is None:
         margin = default_margin(mode)
     _check_margin(margin)

@@ -183,11 +183,17 @@ class Tenancy:
             self.tenant.lower_floor(self.floor - committed)
             self.floor = committed
         elif committed > self.floor:
-            try:
-                self.tenant.raise_floor(committed - self.floor)
-            except imp_mem.OutOfMemory:
-                return
-            self.floor = committed
+            self._raise_floor(committed - self.floor)
+
+    def _raise_floor(self, extra: int) -> bool:
+        """Raises the floor by `extra` on the ledger and here; False, and
+        nothing changed, where the others' reservations leave no room."""
+        try:
+            self.tenant.raise_floor(extra)
+        except imp_mem.OutOfMemory:
+            return False
+        self.floor += extra
+        return True
 
     def settle_warmup(self, measured: int) -> None:
         """After the warm-up was measured: where it left more outside the
@@ -206,12 +212,8 @@ class Tenancy:
             return
         self.outside += extra
         self.planned_warmup += extra
-        try:
-            self.tenant.raise_floor(extra)
-        except imp_mem.OutOfMemory:
+        if not self._raise_floor(extra):
             self.outside_past_floor += extra
-            return
-        self.floor += extra
 
     @staticmethod
     def initial_blocks(plan: Any, engine_kv_blocks: int) -> int:
