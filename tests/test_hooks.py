@@ -290,3 +290,40 @@ def test_hooks_race_install_and_uninstall_without_harm():
         pool.check_invariants()
         live = pool.stats()["live"]
         assert live <= stats["foreign_frees"] + stats["free_not_installed"]
+
+
+def test_torch_malloc_yields_a_measured_strict_pools_growth_once():
+    """torch's malloc on a strict measured pool (the scope mode of
+    ``imp_mem.torch.serve``) is refused once where it would grow the pool,
+    so that torch hands back the segments its MemPool caches and asks again;
+    the same request again grows it. A request that fits what is committed
+    is not refused; CuPy's malloc never yields; a frozen pool never does."""
+    chunk = 256 * 1024
+    fb = imp_mem.FakeBackend(capacity=64 * MIB, granularity=64 * 1024)
+    pool = imp_mem.ActivationPool(fb, 32 * chunk, strict=True, measure_chunk=chunk)
+    pool.install(0)
+    first = TORCH_MALLOC(chunk, 0, None)  # the first chunk: growth
+    assert first is None
+    assert pool.committed == 0 and pool.stats()["live"] == 0
+    assert _core.hook_stats()["growth_yields"] == 1
+    first = TORCH_MALLOC(chunk, 0, None)
+    assert first is not None and pool.committed == chunk
+    other = TORCH_MALLOC(2 * chunk, 0, None)  # a different request: yielded too
+    assert other is None
+    small = TORCH_MALLOC(4096, 0, None)  # fits nowhere committed: yields
+    assert small is None
+    TORCH_FREE(first, chunk, 0, None)
+    small = TORCH_MALLOC(4096, 0, None)  # now it fits the committed chunk
+    assert small is not None and pool.committed == chunk
+    cupy = CUPY_MALLOC(None, 3 * chunk, 0)  # CuPy: grows at once
+    assert cupy is not None and pool.committed == 4 * chunk
+    stats = _core.hook_stats()
+    assert stats["growth_yields"] == 3 and stats["ooms"] == 0
+    assert pool.stats()["growth_yields"] == 3 and pool.stats()["ooms"] == 0
+    pool.freeze(0)
+    assert TORCH_MALLOC(4 * chunk, 0, None) is None  # frozen: an OOM, not a yield
+    stats = _core.hook_stats()
+    assert stats["growth_yields"] == 3 and stats["ooms"] == 1
+    TORCH_FREE(small, 4096, 0, None)
+    CUPY_FREE(None, cupy, 0)
+    pool.check_invariants()

@@ -118,6 +118,7 @@ __all__ = [
     "DEFAULT_CHUNK",
     "DEFAULT_MARGIN",
     "DEFAULT_SCOPE_MARGIN",
+    "SCOPE_MAX_SPLIT_MB",
     "default_margin",
     "Pool",
     "Served",
@@ -390,6 +391,20 @@ the live peak). Work past the frozen tier is not refused in
 ``mode="process"``: it falls back to the backend and is counted
 (``fallbacks_total``). At 1 % the tier came to 1.026 of HF's live peak;
 at 0.2 % to 1.018 (H200, both starts, 0 fallbacks)."""
+SCOPE_MAX_SPLIT_MB = 21
+"""``mode="scope"`` sets torch's ``max_split_size_mb`` to this (the least
+torch accepts) unless ``PYTORCH_CUDA_ALLOC_CONF`` sets it already. torch
+hands a *live* ``MemPool``'s cached segments back to its allocator, when
+that allocator refuses, only if they are "oversize" (at least
+``max_split_size_mb``; unset, none is): measured on the H200 with torch
+2.11 (``benches/probe_mempool_release.py``): six cached 30 MiB segments
+and a 100 MiB request the tier could place only without them: an
+OutOfMemoryError with torch's defaults, served at 21 MiB (four handed
+back). With it, the measured tier refuses each growth once (the hooks'
+``growth_yields``) so torch gives back what it caches before the tier
+grows, and a frozen tier's refusal is torch's cue to do the same. The
+setting is torch's, process-wide: outside the scope too, a cached block of
+21 MiB or more is not split for a smaller request."""
 DEFAULT_SCOPE_MARGIN = 64 << 20
 """The margin in ``mode="scope"``, in bytes: torch's caching allocator takes
 its MemPool's memory in whole segments (20 MiB for a 1-10 MiB request, the
@@ -473,14 +488,19 @@ class Served:
             yield self
 
     def begin_serving(self) -> None:
-        """Charges what the warm-up took outside every allocator, trims
-        torch's cache inside the scope's pool back to the tier, freezes the
+        """Charges what the warm-up took outside every allocator, freezes the
         measured tier (high-water + margin; the rest decommitted) and
-        remembers its figure under the fingerprint; then SERVING."""
+        remembers its figure under the fingerprint; then SERVING.
+
+        The scope mode's pool is kept as the warm-up left it: its cached
+        segments are the served work's (a fresh pool, as :meth:`Pool.trim`
+        makes, could not use the free parts of the segments still holding
+        the weights, and ran out of a tier measured with them: H200,
+        session 20), and where the served work needs a segment the frozen
+        tier cannot place, torch hands back its cached ones first (see
+        :data:`SCOPE_MAX_SPLIT_MB`)."""
         if self.device >= 0 and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
-        if self.pool is not None:
-            self.pool.trim()
         if self.device >= 0 and self.outside_charge is None:
             free, _ = _core.cuda_mem_get_info(self.device)
             committed = int(self.system.backend.stats()["committed"])
@@ -664,8 +684,22 @@ def serve(
         if is_device:
             install(system, device=dev)
     else:
+        if is_device:
+            _release_oversize_segments()
         served.pool = Pool(system, device=dev)
     return served
+
+
+def _release_oversize_segments() -> None:
+    """Sets torch's ``max_split_size_mb`` to `SCOPE_MAX_SPLIT_MB` unless
+    the environment sets it (torch's private setter; nothing where a torch
+    lacks it)."""
+    import os
+
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if "max_split_size_mb" not in conf and setter is not None:
+        setter(f"max_split_size_mb:{SCOPE_MAX_SPLIT_MB}")
 
 
 def _tier_bytes(budget: int, context: int) -> int:

@@ -96,7 +96,7 @@ macro_rules! counters {
     };
 }
 
-const N: usize = 23;
+const N: usize = 24;
 const _: () = assert!(NAMES.len() == N, "N must count the counters");
 
 /// One thread's counters. Only its thread writes them (a load and a store,
@@ -185,6 +185,7 @@ counters! {
     absurd_size,
     wrong_device,
     ooms,
+    growth_yields,
     malloc_errors,
     null_frees,
     foreign_frees,
@@ -441,7 +442,9 @@ pub fn count_panic() {
     bump(C::panics);
 }
 
-/// malloc with a signed size (torch's `ssize_t`); 0 is null.
+/// malloc with a signed size (torch's `ssize_t`); 0 is null. torch's pair:
+/// a strict measured pool yields its growth once (torch hands back its
+/// cached segments and asks again).
 #[inline]
 pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
     if size < 0 {
@@ -449,12 +452,18 @@ pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
         bump(C::negative_size);
         return 0;
     }
-    malloc(size as u64, device, stream)
+    malloc_as(size as u64, device, stream, true)
 }
 
-/// malloc; 0 is null.
+/// malloc; 0 is null. Never yields (the CuPy pair: CuPy's own pool is
+/// not known to ask again).
 #[inline]
 pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
+    malloc_as(size, device, stream, false)
+}
+
+#[inline]
+fn malloc_as(size: u64, device: i32, stream: u64, yielding: bool) -> usize {
     bump(C::mallocs);
     if size == 0 {
         bump(C::zero_size);
@@ -463,10 +472,16 @@ pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
     if let Some(region) = current_region() {
         return region_malloc(region, size, device, stream);
     }
-    with_installed(|inst| malloc_on(inst, size, device, stream))
+    with_installed(|inst| malloc_on(inst, size, device, stream, yielding))
 }
 
-fn malloc_on(inst: Option<&Installed>, size: u64, device: i32, stream: u64) -> usize {
+fn malloc_on(
+    inst: Option<&Installed>,
+    size: u64,
+    device: i32,
+    stream: u64,
+    yielding: bool,
+) -> usize {
     let Some(inst) = inst else {
         bump(C::not_installed);
         return 0;
@@ -482,7 +497,19 @@ fn malloc_on(inst: Option<&Installed>, size: u64, device: i32, stream: u64) -> u
     if route() == Route::Weights {
         return weights_take(inst, size);
     }
-    allocated(inst.pool.allocate(size, stream))
+    if !yielding {
+        return allocated(inst.pool.allocate(size, stream));
+    }
+    // A strict pool's null is torch's OutOfMemoryError unless torch can
+    // hand cached segments back first; a measured one yields its growth
+    // once so that torch does (see `ActivationPool::allocate_yielding`).
+    match inst.pool.allocate_yielding(size, stream) {
+        Ok(None) => {
+            bump(C::growth_yields);
+            0
+        }
+        other => allocated(other.map(|addr| addr.unwrap_or(0))),
+    }
 }
 
 fn weights_take(inst: &Installed, size: u64) -> usize {
