@@ -753,9 +753,7 @@ def hook_stats() -> dict[str, Any]:
     ``not_installed`` / ``free_not_installed`` (no pool), ``zero_size`` (torch
     asks for 0 bytes for an empty tensor; null is returned), ``negative_size``,
     ``absurd_size`` (above the device's capacity), ``wrong_device``, ``ooms``
-    (the pool, or its fallback, refused), ``growth_yields`` (torch's malloc on
-    a strict measured pool, refused once rather than grow it so that torch
-    hands back the segments it caches and asks again), ``malloc_errors`` (any other core
+    (the pool, or its fallback, refused), ``malloc_errors`` (any other core
     error), ``null_frees``, ``foreign_frees`` (never handed out by the
     installed pool), ``double_frees`` (inside the pool but not a live block's
     start: a second free, or a pointer into a block), ``bad_stream_frees``

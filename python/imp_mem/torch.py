@@ -398,13 +398,16 @@ hands a *live* ``MemPool``'s cached segments back to its allocator, when
 that allocator refuses, only if they are "oversize" (at least
 ``max_split_size_mb``; unset, none is): measured on the H200 with torch
 2.11 (``benches/probe_mempool_release.py``): six cached 30 MiB segments
-and a 100 MiB request the tier could place only without them: an
+and a 100 MiB request the frozen tier could place only without them: an
 OutOfMemoryError with torch's defaults, served at 21 MiB (four handed
-back). With it, the measured tier refuses each growth once (the hooks'
-``growth_yields``) so torch gives back what it caches before the tier
-grows, and a frozen tier's refusal is torch's cue to do the same. The
-setting is torch's, process-wide: outside the scope too, a cached block of
-21 MiB or more is not split for a smaller request."""
+back). So a frozen tier's refusal is torch's cue to give back what it
+caches. It is not a cue to ask again: inside ``use_mem_pool`` torch skips
+its last retry (the pool counts as a capture under way), so a refusal that
+finds less than the request cached is torch's OutOfMemoryError; the
+measured tier therefore grows as torch asks, and its high-water includes
+torch's cache. The setting is torch's, process-wide: outside the scope
+too, a cached block of 21 MiB or more is not split for a smaller
+request."""
 DEFAULT_SCOPE_MARGIN = 64 << 20
 """The margin in ``mode="scope"``, in bytes: torch's caching allocator takes
 its MemPool's memory in whole segments (20 MiB for a 1-10 MiB request, the
@@ -497,8 +500,8 @@ class Served:
         makes, could not use the free parts of the segments still holding
         the weights, and ran out of a tier measured with them: H200,
         session 20), and where the served work needs a segment the frozen
-        tier cannot place, torch hands back its cached ones first (see
-        :data:`SCOPE_MAX_SPLIT_MB`)."""
+        tier cannot place, torch hands back its cached oversize ones first
+        (see :data:`SCOPE_MAX_SPLIT_MB`)."""
         if self.device >= 0 and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
         if self.device >= 0 and self.outside_charge is None:
@@ -697,7 +700,10 @@ def _release_oversize_segments() -> None:
     import os
 
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    # torch 2.11 names the CUDA one deprecated in favour of the accelerator's.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None
+    )
     if "max_split_size_mb" not in conf and setter is not None:
         setter(f"max_split_size_mb:{SCOPE_MAX_SPLIT_MB}")
 

@@ -14,12 +14,6 @@
 //!   inside the frozen size or refused.
 //! * A reset of the high-water brings it down to the highest live end; the
 //!   freeze after it decommits the chunks only the earlier peak needed.
-//! * Yielding (torch's entry point on a strict measured pool): a request is
-//!   refused once only when it would grow the pool (nothing committed,
-//!   nothing allocated, counted as a yield and never as an OOM); the same
-//!   request asked again is served by growing (or refused as OOM at the
-//!   budget), never yielded twice; a request that fits what is committed is
-//!   never yielded; a frozen pool never yields.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
 
@@ -218,89 +212,6 @@ proptest! {
             pool.check_invariants().unwrap();
         }
         prop_assert!(pool.freeze(0).is_err());
-    }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
-
-    #[test]
-    fn yielding_refuses_only_growth_and_only_once(
-        ops in prop::collection::vec(op(), 1..80),
-        after in prop::collection::vec(op(), 0..20),
-        budget_chunks in 8u64..=80,
-    ) {
-        let budget = budget_chunks * CHUNK;
-        let fb = FakeBackend::new(FakeConfig {
-            capacity: 1 << 30,
-            budget: Some(budget),
-            granularity: GRANULE as usize,
-            mode: PhaseMode::Strict,
-            ..FakeConfig::default()
-        })
-        .unwrap();
-        let mut config = ActivationConfig::new(RESERVE);
-        config.measure_chunk = Some(CHUNK);
-        config.strict = Some(true);
-        let pool = ActivationPool::new(&fb, &config, Arc::new(NoStreams)).unwrap();
-        let mut live: Vec<Live> = Vec::new();
-        let (mut marker, mut yields, mut ooms) = (0u8, 0u64, 0u64);
-        for (phase, ops) in [ops, after].iter().enumerate() {
-            for op in ops {
-                match *op {
-                    Op::Alloc { bytes, stream } => {
-                        let before = committed(&fb);
-                        let mut got = pool.allocate_yielding(bytes, stream);
-                        if matches!(got, Ok(None)) {
-                            yields += 1;
-                            prop_assert_eq!(phase, 0, "a frozen pool yielded");
-                            prop_assert_eq!(committed(&fb), before);
-                            prop_assert_eq!(pool.stats().live as usize, live.len());
-                            got = pool.allocate_yielding(bytes, stream);
-                            // Nothing changed between: the retry grows or
-                            // meets the budget.
-                            match got {
-                                Ok(Some(_)) => prop_assert!(committed(&fb) > before),
-                                Err(MemError::OutOfMemory(_)) => {}
-                                ref other => {
-                                    return Err(TestCaseError::fail(format!("retry: {other:?}")))
-                                }
-                            }
-                        } else if let Ok(Some(_)) = got {
-                            prop_assert_eq!(committed(&fb), before, "grew without a yield");
-                        }
-                        match got {
-                            Ok(Some(addr)) => {
-                                marker = marker.wrapping_add(1).max(1);
-                                let l = Live { addr, bytes, marker };
-                                fill(&fb, &l);
-                                live.push(l);
-                            }
-                            Err(MemError::OutOfMemory(_)) => ooms += 1,
-                            ref other => return Err(TestCaseError::fail(format!("{other:?}"))),
-                        }
-                    }
-                    Op::Free { pick } => {
-                        if !live.is_empty() {
-                            let l = live.swap_remove(pick % live.len());
-                            intact(&fb, &l)?;
-                            pool.free(l.addr, 1).unwrap();
-                        }
-                    }
-                    Op::Reset => pool.reset_high_water(),
-                }
-                pool.check_invariants().unwrap();
-                let stats = pool.stats();
-                prop_assert_eq!(stats.growth_yields, yields);
-                prop_assert_eq!(stats.ooms, ooms);
-            }
-            if phase == 0 && pool.freeze(0).is_err() {
-                return Ok(());
-            }
-        }
-        for l in &live {
-            intact(&fb, l)?;
-        }
     }
 }
 

@@ -169,7 +169,6 @@ impl PyActivationPool {
         d.set_item("reserved", reserved + s.fallback_bytes)?;
         d.set_item("reserved_peak", s.reserved_peak)?;
         d.set_item("ooms", s.ooms)?;
-        d.set_item("growth_yields", s.growth_yields)?;
         d.set_item("refused_frees", s.refused_frees)?;
         d.set_item("free_bytes", s.free_bytes)?;
         d.set_item("free_blocks", s.free_blocks)?;

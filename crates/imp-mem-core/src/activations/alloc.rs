@@ -11,40 +11,11 @@ use super::config::{Freed, RefusedFree};
 use super::pool::{reserve_err, ActivationPool};
 use super::FRESH_STREAM;
 
-/// Whether one request may grow a measured pool, and whether it was kept
-/// from doing so (see [`ActivationPool::allocate_yielding`]).
-struct Growth {
-    allowed: bool,
-    refused: bool,
-}
-
 impl ActivationPool {
     /// Allocates `bytes` (rounded up to the alignment) for work on `stream`
     /// and returns its address. See the module documentation for the order
     /// in which free blocks are tried.
     pub fn allocate(&self, bytes: u64, stream: u64) -> Result<usize, MemError> {
-        // Not yielding, a request is never refused to keep the pool small.
-        self.allocate_as(bytes, stream, false)?
-            .ok_or_else(|| MemError::invalid("an allocate that may grow the pool was yielded"))
-    }
-
-    /// [`ActivationPool::allocate`] for a caller that hands back what it
-    /// caches and asks again when refused (torch's caching allocator in a
-    /// `MemPool`): while a strict pool measures, a request that fits only by
-    /// growing the pool is refused once, `Ok(None)`, counted as a yield and
-    /// not as an OOM; the same request again (bytes and stream) may grow
-    /// it. So the high-water a warm-up leaves is what its live blocks need,
-    /// not what the caller kept cached beside them.
-    pub fn allocate_yielding(&self, bytes: u64, stream: u64) -> Result<Option<usize>, MemError> {
-        self.allocate_as(bytes, stream, true)
-    }
-
-    fn allocate_as(
-        &self,
-        bytes: u64,
-        stream: u64,
-        yielding: bool,
-    ) -> Result<Option<usize>, MemError> {
         let inner = &*self.inner;
         if bytes == 0 || bytes > MAX_REQUEST_BYTES {
             return Err(MemError::invalid(format!(
@@ -72,38 +43,26 @@ impl ActivationPool {
                 core.c.ooms += 1;
                 return Err(reserve_err("pointer map"));
             }
-            let yields = yielding && inner.strict && core.measuring;
-            let mut grow = Growth {
-                allowed: !yields || core.take_yield(need, stream),
-                refused: false,
-            };
             let own = Self::find_own(&core, stream, units, need);
-            if let Some(idx) = own.filter(|&idx| self.reach(&mut core, idx, need, &mut grow)) {
+            if let Some(idx) = own.filter(|&idx| self.reach(&mut core, idx, need)) {
                 core.take(idx);
                 core.carve(idx, need, stream, bytes, shift);
-                return Ok(Some(inner.base + core.slab[idx as usize].offset as usize));
+                return Ok(inner.base + core.slab[idx as usize].offset as usize);
             }
             if need <= self.capacity() {
-                let other =
-                    self.take_other_lane(&mut core, stream, units, need, bytes, &mut grow)?;
-                if let Some(addr) = other {
-                    return Ok(Some(addr));
+                if let Some(addr) = self.take_other_lane(&mut core, stream, units, need, bytes)? {
+                    return Ok(addr);
                 }
-                if let Some(addr) = self.reclaim(&mut core, stream, units, need, bytes, &mut grow) {
-                    return Ok(Some(addr));
+                if let Some(addr) = self.reclaim(&mut core, stream, units, need, bytes) {
+                    return Ok(addr);
                 }
-            }
-            if grow.refused {
-                core.remember_yield(need, stream);
-                core.c.growth_yields += 1;
-                return Ok(None);
             }
             if inner.strict {
                 core.c.ooms += 1;
                 return Err(self.oom(&core, bytes));
             }
         }
-        self.fall_back(bytes, need, stream).map(Some)
+        self.fall_back(bytes, need, stream)
     }
 
     /// A block of `stream`'s own lane that fits.
@@ -123,7 +82,6 @@ impl ActivationPool {
         units: u64,
         need: u64,
         bytes: u64,
-        grow: &mut Growth,
     ) -> Result<Option<usize>, MemError> {
         // Never-used memory first: it needs no order (and so no driver
         // call, which matters while a stream is being captured).
@@ -140,7 +98,7 @@ impl ActivationPool {
         let Some((idx, producer)) = found else {
             return Ok(None);
         };
-        if !self.reach(core, idx, need, grow) {
+        if !self.reach(core, idx, need) {
             return Ok(None);
         }
         if producer != FRESH_STREAM {
@@ -163,7 +121,6 @@ impl ActivationPool {
         units: u64,
         need: u64,
         bytes: u64,
-        grow: &mut Growth,
     ) -> Option<usize> {
         let shift = self.inner.shift;
         if core
@@ -189,7 +146,7 @@ impl ActivationPool {
         }
         core.c.reclaims += 1;
         let idx = Self::find_own(core, stream, units, need)?;
-        if !self.reach(core, idx, need, grow) {
+        if !self.reach(core, idx, need) {
             return None;
         }
         core.take(idx);
@@ -199,18 +156,13 @@ impl ActivationPool {
 
     /// Whether the first `need` bytes of free block `idx` are committed,
     /// committing whole chunks up to them first while the pool measures
-    /// (false when the backend refuses the commit, or `grow` forbids it: the
-    /// request is then exhausted, as if the block did not fit). Records the
-    /// extent reached.
-    fn reach(&self, core: &mut Core, idx: u32, need: u64, grow: &mut Growth) -> bool {
+    /// (false when the backend refuses the commit: the request is then
+    /// exhausted, as if the block did not fit). Records the extent reached.
+    fn reach(&self, core: &mut Core, idx: u32, need: u64) -> bool {
         let end = core.slab[idx as usize].offset + need;
         if core.measuring {
             let mut region = self.region();
             if end > region.len() as u64 {
-                if !grow.allowed {
-                    grow.refused = true;
-                    return false;
-                }
                 let chunk = self.inner.chunk;
                 let target = end
                     .div_ceil(chunk)

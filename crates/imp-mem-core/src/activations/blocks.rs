@@ -56,7 +56,6 @@ pub(super) struct Counters {
     pub(super) cross_stream_reuses: u64,
     pub(super) reclaims: u64,
     pub(super) parked_blocks: u64,
-    pub(super) growth_yields: u64,
 }
 
 pub(super) struct Fallback {
@@ -89,31 +88,9 @@ pub(super) struct Core {
     pub(super) extent_peak: u64,
     /// What the freeze fixed.
     pub(super) frozen: Option<super::config::Frozen>,
-    /// Requests refused once rather than grow the pool (bytes, stream),
-    /// oldest first: the same request again may grow it.
-    pub(super) yielded: Vec<(u64, u64)>,
 }
 
-/// Requests [`Core::yielded`] remembers: torch asks again at once, so one
-/// would do; a few cover threads that allocate at the same time.
-pub(super) const YIELDS_REMEMBERED: usize = 8;
-
 impl Core {
-    /// Whether (`need`, `stream`) was refused last time and may grow the
-    /// pool now (forgotten once taken).
-    pub(super) fn take_yield(&mut self, need: u64, stream: u64) -> bool {
-        let found = self.yielded.iter().position(|&y| y == (need, stream));
-        found.map(|i| self.yielded.remove(i)).is_some()
-    }
-
-    /// Remembers a refused request, forgetting the oldest past a few.
-    pub(super) fn remember_yield(&mut self, need: u64, stream: u64) {
-        if self.yielded.len() == YIELDS_REMEMBERED {
-            self.yielded.remove(0);
-        }
-        self.yielded.push((need, stream));
-    }
-
     /// A free slab entry, growing the slab (fallibly) when none is spare.
     fn new_slot(&mut self) -> Option<u32> {
         if self.spare != NONE {

@@ -112,9 +112,6 @@ pub struct ActivationStats {
     /// Free blocks that could be listed nowhere (metadata allocation failed);
     /// their bytes are counted free but never reused.
     pub parked_blocks: u64,
-    /// Requests refused once rather than grow a measured strict pool
-    /// ([`ActivationPool::allocate_yielding`](super::ActivationPool::allocate_yielding)).
-    pub growth_yields: u64,
 }
 
 /// What [`ActivationPool::freeze`](super::ActivationPool::freeze) fixed: the

@@ -96,7 +96,7 @@ macro_rules! counters {
     };
 }
 
-const N: usize = 24;
+const N: usize = 23;
 const _: () = assert!(NAMES.len() == N, "N must count the counters");
 
 /// One thread's counters. Only its thread writes them (a load and a store,
@@ -185,7 +185,6 @@ counters! {
     absurd_size,
     wrong_device,
     ooms,
-    growth_yields,
     malloc_errors,
     null_frees,
     foreign_frees,
@@ -442,9 +441,7 @@ pub fn count_panic() {
     bump(C::panics);
 }
 
-/// malloc with a signed size (torch's `ssize_t`); 0 is null. torch's pair:
-/// a strict measured pool yields its growth once (torch hands back its
-/// cached segments and asks again).
+/// malloc with a signed size (torch's `ssize_t`); 0 is null.
 #[inline]
 pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
     if size < 0 {
@@ -452,18 +449,12 @@ pub fn malloc_signed(size: i64, device: i32, stream: u64) -> usize {
         bump(C::negative_size);
         return 0;
     }
-    malloc_as(size as u64, device, stream, true)
+    malloc(size as u64, device, stream)
 }
 
-/// malloc; 0 is null. Never yields (the CuPy pair: CuPy's own pool is
-/// not known to ask again).
+/// malloc; 0 is null.
 #[inline]
 pub fn malloc(size: u64, device: i32, stream: u64) -> usize {
-    malloc_as(size, device, stream, false)
-}
-
-#[inline]
-fn malloc_as(size: u64, device: i32, stream: u64, yielding: bool) -> usize {
     bump(C::mallocs);
     if size == 0 {
         bump(C::zero_size);
@@ -472,16 +463,10 @@ fn malloc_as(size: u64, device: i32, stream: u64, yielding: bool) -> usize {
     if let Some(region) = current_region() {
         return region_malloc(region, size, device, stream);
     }
-    with_installed(|inst| malloc_on(inst, size, device, stream, yielding))
+    with_installed(|inst| malloc_on(inst, size, device, stream))
 }
 
-fn malloc_on(
-    inst: Option<&Installed>,
-    size: u64,
-    device: i32,
-    stream: u64,
-    yielding: bool,
-) -> usize {
+fn malloc_on(inst: Option<&Installed>, size: u64, device: i32, stream: u64) -> usize {
     let Some(inst) = inst else {
         bump(C::not_installed);
         return 0;
@@ -497,19 +482,7 @@ fn malloc_on(
     if route() == Route::Weights {
         return weights_take(inst, size);
     }
-    if !yielding {
-        return allocated(inst.pool.allocate(size, stream));
-    }
-    // A strict pool's null is torch's OutOfMemoryError unless torch can
-    // hand cached segments back first; a measured one yields its growth
-    // once so that torch does (see `ActivationPool::allocate_yielding`).
-    match inst.pool.allocate_yielding(size, stream) {
-        Ok(None) => {
-            bump(C::growth_yields);
-            0
-        }
-        other => allocated(other.map(|addr| addr.unwrap_or(0))),
-    }
+    allocated(inst.pool.allocate(size, stream))
 }
 
 fn weights_take(inst: &Installed, size: u64) -> usize {

@@ -102,10 +102,6 @@ impl ActivationPool {
         lanes
             .try_reserve(INITIAL_LANES)
             .map_err(|_| reserve_err("stream lanes"))?;
-        let mut yielded = Vec::new();
-        yielded
-            .try_reserve_exact(super::blocks::YIELDS_REMEMBERED)
-            .map_err(|_| reserve_err("refused requests"))?;
         let mut live: OffsetMap<u32> = OffsetMap::default();
         live.try_reserve(INITIAL_BLOCKS)
             .map_err(|_| reserve_err("pointer map"))?;
@@ -156,7 +152,6 @@ impl ActivationPool {
             measuring: chunk > 0,
             extent_peak: 0,
             frozen: None,
-            yielded,
         };
         core.slab.push(Block {
             offset: 0,
@@ -466,7 +461,6 @@ impl ActivationPool {
             reclaims: c.reclaims,
             streams,
             parked_blocks: c.parked_blocks,
-            growth_yields: c.growth_yields,
         }
     }
 
