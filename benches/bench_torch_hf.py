@@ -22,7 +22,7 @@ process-wide allocator is chosen before its first CUDA tensor):
   which torch's process-wide pluggable path lacks), its graphs captured into a
   MemPool over the tier (``imp_mem.torch.graph_pool``);
 * the scope mode (``serve(mode="scope")``: a ``MemPool`` over a measured
-  tier, kept as the warm-up left it; ``imp_mem.torch.SCOPE_MAX_SPLIT_MB``).
+  tier, kept as the warm-up left it, torch's cache inside it).
 
 Both sides run with torch's deterministic mode (``CUBLAS_WORKSPACE_CONFIG``
 ``:4096:8``), so their greedy tokens must be identical. Printed, per variant:

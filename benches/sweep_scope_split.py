@@ -1,10 +1,10 @@
 """The scope mode's reserved bytes against torch's ``max_split_size_mb``
-(GPU; the data behind ``imp_mem.torch.SCOPE_MAX_SPLIT_MB``, issue 28).
+(GPU; why ``serve(mode="scope")`` leaves torch's setting alone, issue 28).
 
 Runs ``bench_torch_hf.py``'s torch-allocator child once (HF's live peak)
 and its scope-mode child once per value (each a fresh process with
-``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:V``, which ``serve()`` keeps;
-a huge value is torch's default, no block oversize), and prints the tier's
+``PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:V``; a huge value is torch's
+default, no block oversize), and prints the tier's
 committed bytes ÷ HF's live peak, the fallbacks and whether the tokens
 matched.
 

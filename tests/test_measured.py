@@ -389,22 +389,3 @@ def test_the_readme_serve_example_runs_on_the_cpu(monkeypatch, tmp_path, capsys)
     assert system.remembered == tmp_path / "measured.json"
     assert ns["out"].shape == (4, 64 + 8)
     assert "measured tier activations: frozen" in capsys.readouterr().out
-
-
-def test_the_scope_mode_lets_torch_give_cached_segments_back(monkeypatch):
-    """serve(mode="scope") on a GPU sets torch's max_split_size_mb to
-    SCOPE_MAX_SPLIT_MB (without it torch 2.11 never hands a live MemPool's
-    cached segments back when the tier refuses), unless the environment
-    already chose one."""
-    torch_mod = pytest.importorskip("imp_mem.torch")
-    import torch
-
-    calls: list[str] = []
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    torch_mod._release_oversize_segments()
-    assert calls == [f"max_split_size_mb:{torch_mod.SCOPE_MAX_SPLIT_MB}"]
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False,max_split_size_mb:64")
-    torch_mod._release_oversize_segments()
-    assert len(calls) == 1, "the environment's choice is kept"

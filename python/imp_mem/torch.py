@@ -118,7 +118,6 @@ __all__ = [
     "DEFAULT_CHUNK",
     "DEFAULT_MARGIN",
     "DEFAULT_SCOPE_MARGIN",
-    "SCOPE_MAX_SPLIT_MB",
     "default_margin",
     "Pool",
     "Served",
@@ -391,23 +390,6 @@ the live peak). Work past the frozen tier is not refused in
 ``mode="process"``: it falls back to the backend and is counted
 (``fallbacks_total``). At 1 % the tier came to 1.026 of HF's live peak;
 at 0.2 % to 1.018 (H200, both starts, 0 fallbacks)."""
-SCOPE_MAX_SPLIT_MB = 21
-"""``mode="scope"`` sets torch's ``max_split_size_mb`` to this (the least
-torch accepts) unless ``PYTORCH_CUDA_ALLOC_CONF`` sets it already. torch
-hands a *live* ``MemPool``'s cached segments back to its allocator, when
-that allocator refuses, only if they are "oversize" (at least
-``max_split_size_mb``; unset, none is): measured on the H200 with torch
-2.11 (``benches/probe_mempool_release.py``): six cached 30 MiB segments
-and a 100 MiB request the frozen tier could place only without them: an
-OutOfMemoryError with torch's defaults, served at 21 MiB (four handed
-back). So a frozen tier's refusal is torch's cue to give back what it
-caches. It is not a cue to ask again: inside ``use_mem_pool`` torch skips
-its last retry (the pool counts as a capture under way), so a refusal that
-finds less than the request cached is torch's OutOfMemoryError; the
-measured tier therefore grows as torch asks, and its high-water includes
-torch's cache. The setting is torch's, process-wide: outside the scope
-too, a cached block of 21 MiB or more is not split for a smaller
-request."""
 DEFAULT_SCOPE_MARGIN = 64 << 20
 """The margin in ``mode="scope"``, in bytes: torch's caching allocator takes
 its MemPool's memory in whole segments (20 MiB for a 1-10 MiB request, the
@@ -499,9 +481,13 @@ class Served:
         segments are the served work's (a fresh pool, as :meth:`Pool.trim`
         makes, could not use the free parts of the segments still holding
         the weights, and ran out of a tier measured with them: H200,
-        session 20), and where the served work needs a segment the frozen
-        tier cannot place, torch hands back its cached oversize ones first
-        (see :data:`SCOPE_MAX_SPLIT_MB`)."""
+        session 20). torch's cache in it is in the tier's high-water: torch
+        2.11 gives a live ``MemPool``'s cached segments back to a refusing
+        allocator only when they are at least ``max_split_size_mb`` (unset,
+        none are; ``benches/probe_mempool_release.py``), and setting it
+        took the H200's scope run from 1.310 to 1.608 (256 MiB) and 2.667
+        (64 MiB) of HF's live peak (``benches/sweep_scope_split.py``), as
+        oversize blocks are never split for smaller requests."""
         if self.device >= 0 and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
         if self.device >= 0 and self.outside_charge is None:
@@ -687,25 +673,8 @@ def serve(
         if is_device:
             install(system, device=dev)
     else:
-        if is_device:
-            _release_oversize_segments()
         served.pool = Pool(system, device=dev)
     return served
-
-
-def _release_oversize_segments() -> None:
-    """Sets torch's ``max_split_size_mb`` to `SCOPE_MAX_SPLIT_MB` unless
-    the environment sets it (torch's private setter; nothing where a torch
-    lacks it)."""
-    import os
-
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    # torch 2.11 names the CUDA one deprecated in favour of the accelerator's.
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
-        torch.cuda.memory, "_set_allocator_settings", None
-    )
-    if "max_split_size_mb" not in conf and setter is not None:
-        setter(f"max_split_size_mb:{SCOPE_MAX_SPLIT_MB}")
 
 
 def _tier_bytes(budget: int, context: int) -> int:
