@@ -168,3 +168,28 @@ def test_the_hf_bench_pins_its_children_where_asked(monkeypatch):
     # Refused before any child runs.
     with pytest.raises(SystemExit):
         b.main(["--cpus", "a-b"])
+
+
+def test_the_hf_bench_runs_ours_alone_where_torchs_side_crashes(monkeypatch, tmp_path):
+    """reduce-overhead's torch-allocator child segfaults on torch 2.11: the
+    bench still runs ours, reports its own figures with no ratio, and exits
+    non-zero naming torch's failure."""
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import bench_torch_hf as b
+
+    def fake_child(kind, args, extra, cache, record=True):
+        if kind == "default":
+            raise RuntimeError("default failed (rc=-11)")
+        assert extra[-2:] == ["--mode", "scope"], extra
+        return {"tokens": [[1]], "report": "r", "seconds": 2.0, "committed": 5, "fallbacks": 0}
+
+    monkeypatch.setattr(b, "run_child", fake_child)
+    out = tmp_path / "hf.json"
+    rc = b.main(["--quick", "--compiles", "reduce-overhead", "--json", str(out)])
+    assert rc == 1
+    got = json.loads(out.read_text())
+    assert got["variants"] == {}
+    alone = got["alone"]["scope/reduce-overhead"]
+    assert alone["committed"] == 5 and "tokens" not in alone and "report" not in alone
+    assert alone["tokens_per_s"] == 8 * 16 / 2.0
+    assert "rc=-11" in got["failed"]["reduce-overhead/torch"]
