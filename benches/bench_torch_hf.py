@@ -410,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             # torch's own side crashed (HF generate() under reduce-overhead
             # segfaults on torch 2.11 in the default allocator): ours alone,
             # its own figures, no ratio.
-            failed[f"{mode}/torch"] = str(exc)[-600:]
-            print(f"[{mode}] torch's allocator FAILED: {str(exc)[-600:]}")
+            failed[f"{mode}/torch"] = tail = str(exc)[-600:]
+            print(f"[{mode}] torch's allocator FAILED: {tail}")
             try:
                 alone = run_child("imp", args, [*comp, "--mode", where], cache)
             except RuntimeError as exc2:

@@ -14,21 +14,9 @@ matched.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def child(kind: str, shape: list[str], env: dict) -> dict | str:
-    cmd = [sys.executable, os.path.join(HERE, "bench_torch_hf.py"), "--child", kind, *shape]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return (proc.stderr or proc.stdout)[-300:]
+import bench_torch_hf as hf
 
 
 def main() -> int:
@@ -36,22 +24,27 @@ def main() -> int:
     ap.add_argument("--values", default="21,64,256,1000000")
     ap.add_argument("--quick", action="store_true", help="batch 8 x 256 + 16")
     args = ap.parse_args()
-    dims = ("8", "256", "16") if args.quick else ("32", "1024", "64")
-    shape = ["--batch", dims[0], "--prompt", dims[1], "--new", dims[2], "--reps", "1"]
-    shape += ["--compile", "none"]
-    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1")
-    peer = child("default", shape, env)
-    if isinstance(peer, str):
-        print("torch's allocator failed:", peer)
+    batch, prompt, new = (8, 256, 16) if args.quick else (32, 1024, 64)
+    shape = argparse.Namespace(
+        batch=batch, prompt=prompt, new=new, reps=1, cpus=None, record_trace=None
+    )
+    comp = ["--compile", "none"]
+    try:
+        peer = hf.run_child("default", shape, comp, "/tmp/imp-mem-scope-split-peer")
+    except RuntimeError as exc:
+        print("torch's allocator failed:", str(exc)[-300:])
         return 1
     print(f"HF live peak {peer['live_peak'] / 2**20:.1f} MiB; torch reserved "
           f"{peer['reserved'] / peer['live_peak']:.3f} of it")  # fmt: skip
     for value in args.values.split(","):
-        run_env = dict(env, PYTORCH_CUDA_ALLOC_CONF=f"max_split_size_mb:{value}")
-        run_env["IMP_MEM_CACHE_DIR"] = f"/tmp/imp-mem-scope-split-{value}"
-        got = child("imp", [*shape, "--mode", "scope"], run_env)
-        if isinstance(got, str):
-            print(f"max_split_size_mb {value:>8}: FAILED {got}")
+        # The child inherits it (run_child passes this process's environment).
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"max_split_size_mb:{value}"
+        try:
+            got = hf.run_child(
+                "imp", shape, [*comp, "--mode", "scope"], f"/tmp/imp-mem-scope-split-{value}"
+            )
+        except RuntimeError as exc:
+            print(f"max_split_size_mb {value:>8}: FAILED {str(exc)[-300:]}")
             continue
         print(
             f"max_split_size_mb {value:>8}: reserved/live-peak "

@@ -396,10 +396,11 @@ its MemPool's memory in whole segments (20 MiB for a 1-10 MiB request, the
 request rounded to 2 MiB above that) from a strict tier, so the served run
 can need a segment or two past the warm-up's arrangement, and a segment past
 the tier is torch's OutOfMemoryError, not a fallback. A share of a small
-tier is less than a segment: at 0.2 % HF's quick generate() (8 x 256 + 16,
-298 MiB in its pool when it failed) ran out asking for 16 MiB on the H200.
-It passed in session 14 at 1 % with 64 MiB handles, whose rounding left up
-to 64 MiB."""
+tier is less than a segment. HF's quick generate() (8 x 256 + 16) served
+at this margin on the H200 once ``begin_serving`` kept the warm-up's pool
+(1.069 of HF's live peak, session 20); its earlier failures, at 0.2 % and
+at this margin, came from the fresh pool ``begin_serving`` used to swap
+in."""
 
 
 class Served:

@@ -269,7 +269,8 @@ def paged_decode(
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype. ``all_heads``: one program per (sequence,
     split) for every KV head, contiguous loads (`_split_kernel`'s ``ALL_HEADS``;
-    not yet timed on the GPU, so off by default)."""
+    off by default: its best was 59.4 % of the H200's HBM peak against the
+    default path's 68.7 % in one sweep, session 20)."""
     batch, heads, head_dim = q.shape
     _, _, _, block_size, kv_heads, kv_dim = kv.shape
     width = block_tables.shape[1]
