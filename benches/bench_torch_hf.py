@@ -33,12 +33,12 @@ the report's attribution (goal 100 %), tokens identical, tokens/s imp ÷
 default (goal >= 0.98); for the scope mode reserved ÷ needed (weights + the
 KV the batch needs, goal <= 1.2); for the second start whether it measured.
 
-``--record-trace PATH`` (``--compiles none``) also writes the torch side's
-allocation trace, from torch's own memory history: every block its
-caching allocator handed out and took back while the model was built and
-its first ``generate()`` ran, in ``record_hf_trace.py``'s format, for
-``bench_measured_replay.py --trace`` to replay the real sequence through
-the tier on the CPU.
+``--record-trace PATH`` also writes the torch side's allocation trace,
+from torch's own memory history: every block its caching allocator handed
+out and took back while the model was built and its first ``generate()``
+ran (compiled: its second too, as ``PATH``'s stem + ``.MODE``), in
+``record_hf_trace.py``'s format, for ``bench_measured_replay.py --trace``
+to replay the real sequence through the tier on the CPU.
 
     python benches/bench_torch_hf.py [--quick] [--compile none,default,reduce-overhead]
         [--json out.json] [--record-trace trace.json]
@@ -139,20 +139,24 @@ def _kv_needed(batch: int, tokens: int) -> int:
     return batch * tokens * layers * 2 * kv_heads * head_dim * 2
 
 
-def trace_of(events: list[dict], marks: int, meta: dict) -> dict:
+def trace_of(events: list[dict], marks: int, meta: dict, second: int | None = None) -> dict:
     """torch's memory history (``device_traces`` of one device) as a
     replayable trace: ``["a", id, bytes]`` at each ``alloc``, ``["f", id]``
     at each ``free_requested`` (when the tensor died; the block is reused
     from then on a single stream); ``model_ops``: the ops of the first
-    `marks` events. Segment events (the cache's own driver calls) are not
-    the work's and are left out; so are frees of blocks allocated before
-    the history began."""
+    `marks` events; ``second_ops`` (with `second`, a compiled run's trace):
+    where the second ``generate()`` begins, the pass after the warm-up's
+    ``reset_high_water()``. Segment events (the cache's own driver calls)
+    are not the work's and are left out; so are frees of blocks allocated
+    before the history began."""
     ops: list[list] = []
     live: dict[int, int] = {}
-    model_ops, count = None, 0
+    model_ops, second_ops, count = None, None, 0
     for k, ev in enumerate(events):
         if k == marks:
             model_ops = len(ops)
+        if k == second:
+            second_ops = len(ops)
         action = ev.get("action")
         if action == "alloc":
             count += 1
@@ -160,7 +164,10 @@ def trace_of(events: list[dict], marks: int, meta: dict) -> dict:
             ops.append(["a", count, int(ev["size"])])
         elif action == "free_requested" and ev["addr"] in live:
             ops.append(["f", live.pop(ev["addr"])])
-    return dict(meta, ops=ops, model_ops=len(ops) if model_ops is None else model_ops)
+    out = dict(meta, ops=ops, model_ops=len(ops) if model_ops is None else model_ops)
+    if second is not None:
+        out["second_ops"] = len(ops) if second_ops is None else second_ops
+    return out
 
 
 def child_default(args) -> dict:
@@ -177,18 +184,31 @@ def child_default(args) -> dict:
     if args.record_trace:
         marks = len(torch.cuda.memory._snapshot()["device_traces"][0])
     first = generate(model, ids, args.new, args.compile)
+    meta = {"batch": args.batch, "prompt": args.prompt, "new": args.new, "source": "H200",
+            "compile": args.compile}  # fmt: skip
+    second_mark = None
     if args.record_trace:
         events = torch.cuda.memory._snapshot()["device_traces"][0]
-        torch.cuda.memory._record_memory_history(enabled=None)
-        meta = {"batch": args.batch, "prompt": args.prompt, "new": args.new, "source": "H200"}
-        with open(args.record_trace, "w") as f:
-            json.dump(trace_of(events, marks, meta), f)
+        if args.compile == "none":
+            torch.cuda.memory._record_memory_history(enabled=None)
+            with open(args.record_trace, "w") as f:
+                json.dump(trace_of(events, marks, meta), f)
+        else:
+            # Compiled: the second generate() too, the pass ours measures
+            # after reset_high_water() (the compile's own blocks are live or
+            # gone by then).
+            second_mark = len(events)
     torch.cuda.reset_peak_memory_stats()
     s0 = torch.cuda.memory_stats()
     t0 = time.perf_counter()
     second = generate(model, ids, args.new, args.compile)
     dt = time.perf_counter() - t0
     s1 = torch.cuda.memory_stats()
+    if second_mark is not None:
+        events = torch.cuda.memory._snapshot()["device_traces"][0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        with open(args.record_trace, "w") as f:
+            json.dump(trace_of(events, marks, meta, second_mark), f)
     return {
         "tokens": second.tolist(),
         "first_equals_second": bool(torch.equal(first, second)),
@@ -300,8 +320,11 @@ def run_child(kind: str, args, extra: list[str], cache: str, record: bool = True
     cmd = [sys.executable, __file__, "--child", kind, *extra]
     cmd += ["--batch", str(args.batch), "--prompt", str(args.prompt), "--new", str(args.new)]
     cmd += ["--reps", str(args.reps)]
-    if kind == "default" and record and args.record_trace and "none" in extra:
-        cmd += ["--record-trace", args.record_trace]
+    if kind == "default" and record and args.record_trace:
+        # One trace a compile mode: trace.json, trace.default.json, ...
+        mode = extra[extra.index("--compile") + 1] if "--compile" in extra else "none"
+        root, ext = os.path.splitext(args.record_trace)
+        cmd += ["--record-trace", args.record_trace if mode == "none" else f"{root}.{mode}{ext}"]
     cpus = parse_cpus(args.cpus)
     # Every child on the same cores (HF's generate() is host-bound at these
     # shapes, and identical children's tokens/s moved by ±20 %).
@@ -375,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--record-trace",
-        help="write the torch side's allocation trace (build + first generate()) here",
+        help="write the torch side's allocation trace (build + first generate(); compiled: "
+        "+ the second, to PATH's stem + .MODE) here",
     )
     ap.add_argument(
         "--variants",

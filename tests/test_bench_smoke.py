@@ -156,6 +156,27 @@ def test_a_recorded_hf_trace_replays_through_the_tier(tmp_path):
     assert got["live_peak"] <= got["high_water"] <= got["frozen"]
 
 
+def test_a_compiled_trace_measures_only_the_pass_after_the_reset(tmp_path):
+    """A compiled run's trace (``second_ops``): the first generate()'s
+    blocks that outlive it stay where they were placed, reset_high_water()
+    forgets the compile's peak, and the live peak is the second pass's. Here
+    the compile's 50 MiB temporary leaves a hole under a 20 MiB block that
+    stays; the second pass's 30 MiB fits in it, so the high-water is the
+    kept block's top (170 MiB) over a live peak of 150."""
+    m = 1 << 20
+    ops = [["a", 1, 100 * m], ["a", 2, 50 * m], ["a", 3, 20 * m], ["f", 2]]
+    ops += [["a", 4, 30 * m], ["f", 4]]
+    trace, figures = tmp_path / "trace.json", tmp_path / "figures.json"
+    meta = {"batch": 1, "prompt": 1, "new": 1, "model_ops": 1, "second_ops": 4}
+    trace.write_text(json.dumps(dict(meta, ops=ops)))
+    out = _run(
+        "bench_measured_replay.py", "--trace", str(trace), "--json", str(figures), timeout=120
+    )
+    got = json.loads(figures.read_text())
+    assert got["live_peak"] == 150 * m and got["high_water"] == 170 * m, out
+    assert got["fallbacks"] == {"warm_up": 0, "served": 0, "second_start": [0, 0]}
+
+
 def test_the_hf_bench_pins_its_children_where_asked(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHES))
     import bench_torch_hf as b
