@@ -33,9 +33,9 @@ def main(argv=None) -> int:
         "--head-fast", default="0,1", help="1: a sequence's KV heads in consecutive programs"
     )
     ap.add_argument(
-        "--all-heads",
-        default="0,1",
-        help="1: one program a (sequence, split) for every KV head, contiguous loads",
+        "--heads-per-program",
+        default="1,2,4,8",
+        help="KV heads one program reads side by side (contiguous rows), each value swept",
     )
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         return [int(x) for x in arg.split(",") if x]
 
     a = args
-    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_fast, a.all_heads)
+    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_fast, a.heads_per_program)
 
     configs = [
         dict(
@@ -68,11 +68,11 @@ def main(argv=None) -> int:
             num_stages=stages,
             early_v=bool(early),
             head_fast=bool(fast),
-            all_heads=bool(every),
+            heads_per_program=per,
         )
-        for split, tile, warps, stages, early, fast, every in itertools.product(*map(ints, axes))
-        # The all-heads kernel loads V with K and has no grid order to choose.
-        if tile <= split * bs and not (every and (fast or not early))
+        for split, tile, warps, stages, early, fast, per in itertools.product(*map(ints, axes))
+        # A multi-head program loads V with K and has no grid order to choose.
+        if tile <= split * bs and not (per > 1 and (fast or not early))
     ]
     for kw in configs:
         try:

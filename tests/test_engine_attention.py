@@ -106,6 +106,24 @@ def test_kernel_matches_reference(group, window, holes):
     torch.testing.assert_close(every, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(("kv_heads", "per"), [(4, 2), (3, 2), (3, 4), (5, 4)])
+@pytest.mark.parametrize("window", [None, 9])
+def test_a_program_over_several_kv_heads_matches_the_reference(kv_heads, per, window):
+    """``heads_per_program``: one program reads `per` KV heads' rows side by
+    side; where `per` does not divide the KV heads the last program's
+    missing heads are masked (their query rows neither read nor written)."""
+    q, kv, tables, positions = random_case(
+        kv_heads * 7 + per, batch=3, kv_heads=kv_heads, group=2, head_dim=16, block_size=4,
+        width=10, blocks=48, holes=True,
+    )  # fmt: skip
+    ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=window)
+    out = _paged_kernel.paged_decode(
+        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5,
+        split_blocks=2, heads_per_program=per,
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_default_split_and_bf16():
     q, kv, tables, positions = random_case(
         7, batch=3, kv_heads=2, group=2, head_dim=32, block_size=8, width=40, blocks=128, holes=True
@@ -134,3 +152,19 @@ def test_store_then_attend_sees_the_new_token():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     # Row with position 0 attends to its own token only: the output is v.
     torch.testing.assert_close(out[-1].view(2, 2, 16), v[-1][:, None].expand(2, 2, 16))
+
+
+def test_the_default_split_is_whole_tiles():
+    """A split the default tile does not divide walks a mostly masked last
+    tile (80 tokens: 45.7 % of the H200's HBM peak against 68.7 %)."""
+    for block_size in (8, 16, 32):
+        for width in range(1, 600):
+            blocks = _paged_kernel.choose_split_blocks(width, block_size)
+            tokens = blocks * block_size
+            assert tokens % _paged_kernel.DEFAULT_TILE == 0, (width, block_size, blocks)
+            assert -(-width // blocks) <= _paged_kernel.MAX_SPLITS
+            assert tokens >= _paged_kernel.MIN_SPLIT_TOKENS
+    # Blocks of a tile or more: any count is whole tiles, the fewest that
+    # keep the splits at MAX_SPLITS.
+    assert _paged_kernel.choose_split_blocks(65, 128) == -(-65 // _paged_kernel.MAX_SPLITS)
+    assert _paged_kernel.choose_split_blocks(8, 128) == 1
