@@ -164,6 +164,8 @@ def test_the_default_split_is_whole_tiles():
             assert tokens % _paged_kernel.DEFAULT_TILE == 0, (width, block_size, blocks)
             assert -(-width // blocks) <= _paged_kernel.MAX_SPLITS
             assert tokens >= _paged_kernel.MIN_SPLIT_TOKENS
+    # A larger tile (as paged_decode passes it): whole tiles of it.
+    assert _paged_kernel.choose_split_blocks(65, 16, tile=128) % 8 == 0
     # Blocks of a tile or more: any count is whole tiles, the fewest that
     # keep the splits at MAX_SPLITS.
     assert _paged_kernel.choose_split_blocks(65, 128) == -(-65 // _paged_kernel.MAX_SPLITS)

@@ -196,18 +196,6 @@ def decisive_tokens(label: str, logits_rows, outs) -> tuple[int, int]:
 THRESHOLDS = Path(__file__).resolve().parent / "engine_peak_thresholds.json"
 
 
-def torch_reserved_before() -> int:
-    """What torch's allocator still holds before a peak is measured (after
-    ``empty_cache()``): blocks an earlier test in the same process keeps
-    alive. The thresholds were measured in a process of their own, where
-    it is 0; subtracted, the peak is this configuration's alone (a run of
-    several GPU files in one pytest, session 21, read the same 768 MiB more
-    in all four families' peaks)."""
-    import torch
-
-    return int(torch.cuda.memory_reserved())
-
-
 def check_peak_thresholds(name: str, got: dict[str, int], config: dict[str, Any]) -> None:
     """Asserts each peak in `got` (device bytes) is within the checked-in
     threshold of engine configuration `name`; with

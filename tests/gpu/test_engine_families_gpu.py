@@ -39,7 +39,6 @@ from _device_plan import (  # noqa: E402
     check_peak_thresholds,
     decisive_tokens,
     plan_against_device,
-    torch_reserved_before,
     workload,
 )
 
@@ -191,7 +190,10 @@ def test_peak_memory_within_the_checked_in_thresholds(family):
     backend = imp_mem.VmmBackend(device=0, strict=True)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    held = torch_reserved_before()
+    # What torch still holds from an earlier test in this process (0 when
+    # the file runs alone, as the thresholds were taken; a run of several
+    # GPU files in one pytest, session 21, read 768 MiB more in all four).
+    held = int(torch.cuda.memory_reserved())
     with Engine(configs()[family], load_format="dummy", seed=7, backend=backend, **limits) as e:
         workload(e, 32, seed=6)
         got = {

@@ -293,7 +293,7 @@ def paged_decode(
             "(head_dim equal, heads a multiple of kv_heads, last dims contiguous)"
         )
     group = heads // kv_heads
-    split_blocks = split_blocks or choose_split_blocks(width, block_size)
+    split_blocks = split_blocks or choose_split_blocks(width, block_size, tile or DEFAULT_TILE)
     split_tokens = split_blocks * block_size
     splits = -(-width // split_blocks)
     tile = max(16, min(tile or DEFAULT_TILE, triton.next_power_of_2(split_tokens)))
