@@ -36,6 +36,7 @@ from imp_mem.engine.model.attention import (  # noqa: E402
     slots,
     store_kv,
 )
+from imp_mem.errors import InvalidArgument  # noqa: E402
 
 
 def random_case(seed, *, batch, kv_heads, group, head_dim, block_size, width, blocks, holes):
@@ -170,3 +171,14 @@ def test_the_default_split_is_whole_tiles():
     # keep the splits at MAX_SPLITS.
     assert _paged_kernel.choose_split_blocks(65, 128) == -(-65 // _paged_kernel.MAX_SPLITS)
     assert _paged_kernel.choose_split_blocks(8, 128) == 1
+
+
+def test_heads_per_program_below_one_is_refused():
+    q, kv, tables, positions = random_case(
+        5, batch=2, kv_heads=2, group=2, head_dim=16, block_size=4, width=4, blocks=16, holes=False
+    )
+    for bad in (0, -2):
+        with pytest.raises(InvalidArgument, match="heads_per_program must be at least 1"):
+            _paged_kernel.paged_decode(
+                q, kv, 1, tables, positions, window=None, scale=0.25, heads_per_program=bad
+            )

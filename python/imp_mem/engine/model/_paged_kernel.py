@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from imp_mem.errors import InvalidArgument
+
 LOG2E = 1.4426950408889634
 
 # Upper bound on splits per sequence: bounds the partials' memory whatever
@@ -292,6 +294,11 @@ def paged_decode(
             f"paged_decode: q {tuple(q.shape)} and kv {tuple(kv.shape)} do not fit "
             "(head_dim equal, heads a multiple of kv_heads, last dims contiguous)"
         )
+    if heads_per_program is not None and heads_per_program < 1:
+        raise InvalidArgument(
+            f"paged_decode: heads_per_program must be at least 1 (got {heads_per_program}); "
+            "leave it None for the default"
+        )
     group = heads // kv_heads
     split_blocks = split_blocks or choose_split_blocks(width, block_size, tile or DEFAULT_TILE)
     split_tokens = split_blocks * block_size
@@ -304,7 +311,7 @@ def paged_decode(
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
     head_fast = DEFAULT_HEAD_FAST if head_fast is None else head_fast
     per = kv_heads if all_heads else heads_per_program or DEFAULT_HEADS_PER_PROGRAM
-    block_kvh = min(triton.next_power_of_2(max(1, per)), triton.next_power_of_2(kv_heads))
+    block_kvh = min(triton.next_power_of_2(per), triton.next_power_of_2(kv_heads))
     multi = block_kvh > 1
     if multi:
         grid = (batch, -(-kv_heads // block_kvh), splits)
