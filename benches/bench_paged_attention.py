@@ -141,13 +141,11 @@ def main() -> None:
 
 def sweep(q, kv, tables, positions, args, roofline) -> None:
     results = []
-    for split, tile, warps, stages in itertools.product(
-        (4, 8, 16), (16, 32, 64, 128), (4, 8), (1, 2, 3)
+    for splits, tile, warps, stages in itertools.product(
+        (1, 2, 4, 8), (16, 32, 64), (1, 2, 4), (3, 4, 5)
     ):
-        if tile > split * BLOCK:
-            continue
 
-        def fn(split=split, tile=tile, warps=warps, stages=stages):
+        def fn(splits=splits, tile=tile, warps=warps, stages=stages):
             return _paged_kernel.paged_decode(
                 q,
                 kv,
@@ -156,25 +154,25 @@ def sweep(q, kv, tables, positions, args, roofline) -> None:
                 positions,
                 window=args.window,
                 scale=HEAD_DIM**-0.5,
-                split_blocks=split,
+                splits=splits,
                 tile=tile,
                 num_warps=warps,
                 num_stages=stages,
             )
 
         try:
-            results.append((graph_time_us(fn, args.calls, 10), split, tile, warps, stages))
+            results.append((graph_time_us(fn, args.calls, 10), splits, tile, warps, stages))
         except Exception as err:  # a configuration that does not compile or fit
-            print(f"  split={split} tile={tile} warps={warps} stages={stages}: {err}")
+            print(f"  splits={splits} tile={tile} warps={warps} stages={stages}: {err}")
     results.sort()
-    default = _paged_kernel.choose_split_blocks(tables.shape[1], BLOCK)
-    print(
-        f"  defaults: split_blocks={default} tile={_paged_kernel.DEFAULT_TILE} "
-        f"warps={_paged_kernel.DEFAULT_WARPS} stages={_paged_kernel.DEFAULT_STAGES}"
-    )
-    for t, split, tile, warps, stages in results[:8]:
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    kv_heads = kv.shape[4]
+    default = _paged_kernel.choose_splits(q.shape[0], kv_heads, tables.shape[1], BLOCK, sms)
+    tile, warps, stages = _paged_kernel.launch_defaults(q.shape[0] * kv_heads * default, sms)
+    print(f"  defaults: splits={default} tile={tile} warps={warps} stages={stages}")
+    for t, splits, tile, warps, stages in results[:8]:
         print(
-            f"  {t:6.1f}µs ({roofline / t:4.0%} of roofline) split_blocks={split} tile={tile} "
+            f"  {t:6.1f}µs ({roofline / t:4.0%} of roofline) splits={splits} tile={tile} "
             f"warps={warps} stages={stages}"
         )
 

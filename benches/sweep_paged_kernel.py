@@ -1,8 +1,12 @@
 """Times the paged decode kernel's launch configurations at one shape
 (batch, context, Qwen3-8B's heads) and prints them best first, as
-fractions of the HBM peak: the data behind `_paged_kernel`'s defaults.
+fractions of the HBM peak, beside the default: the data behind
+`_paged_kernel`'s defaults (`choose_splits`, `launch_defaults`).
 
-Usage: ``python benches/sweep_paged_kernel.py [--batch 64] [--ctx 1024]``.
+Usage: ``python benches/sweep_paged_kernel.py [--batch 64] [--ctx 1024]
+[--splits 1,2] [--tiles 16,32] [--warps 1,2,4] [--stages 3,4,5]`` or
+``--configs SPLITS:TILE:WARPS:STAGES,...`` for a list. ``--no-merge`` times
+the split pass alone (its output is then wrong: not checked).
 """
 
 from __future__ import annotations
@@ -10,7 +14,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
-import statistics
+
+from bench_json import write_json
+from bench_paged_attention import graph_time_us
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
 
 
 def main(argv=None) -> int:
@@ -18,25 +31,19 @@ def main(argv=None) -> int:
 
     from imp_mem.engine.model import _paged_kernel as pk
 
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--peak-tbs", type=float, default=4.8)
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--splits", default="4,8,16,32", help="split_blocks values swept")
-    ap.add_argument("--tiles", default="32,64,128")
-    ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--stages", default="1,2,3")
-    ap.add_argument("--early-v", default="0,1", help="0: V loaded after the scores, 1: with K")
-    ap.add_argument(
-        "--head-fast", default="0,1", help="1: a sequence's KV heads in consecutive programs"
-    )
-    ap.add_argument(
-        "--heads-per-program",
-        default="1,2,4,8",
-        help="KV heads one program reads side by side (contiguous rows), each value swept",
-    )
+    ap.add_argument("--splits", default="1,2,4")
+    ap.add_argument("--tiles", default="16,32,64")
+    ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument("--stages", default="3,4,5")
+    ap.add_argument("--configs", help="SPLITS:TILE:WARPS:STAGES,... instead of the product")
+    ap.add_argument("--no-merge", action="store_true", help="time the split pass alone")
+    ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
     kv_heads, heads, d = 8, 32, 128
@@ -51,56 +58,48 @@ def main(argv=None) -> int:
     q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
     pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
     nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
+    peak = args.peak_tbs * 1e12
     ref = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5)
-    rows = []
 
     def ints(arg: str) -> list[int]:
         return [int(x) for x in arg.split(",") if x]
 
-    a = args
-    axes = (a.splits, a.tiles, a.warps, a.stages, a.early_v, a.head_fast, a.heads_per_program)
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    else:
+        axes = (args.splits, args.tiles, args.warps, args.stages)
+        configs = list(itertools.product(*map(ints, axes)))
+    if args.no_merge:
+        merge, pk._merge_kernel = pk._merge_kernel, _NoLaunch()
 
-    configs = [
-        dict(
-            split_blocks=split,
-            tile=tile,
-            num_warps=warps,
-            num_stages=stages,
-            early_v=bool(early),
-            head_fast=bool(fast),
-            heads_per_program=per,
-        )
-        for split, tile, warps, stages, early, fast, per in itertools.product(*map(ints, axes))
-        # A multi-head program loads V with K and has no grid order to choose.
-        if tile <= split * bs and not (per > 1 and (fast or not early))
-    ]
-    for kw in configs:
+    def decode(**kw):
+        return pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5, **kw)
+
+    rows = []
+    base = graph_time_us(decode, 10, 20)
+    for splits, tile, warps, stages in configs:
+        kw = dict(splits=splits, tile=tile, num_warps=warps, num_stages=stages)
         try:
-            out = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5, **kw)
+            out = decode(**kw)
             torch.cuda.synchronize()
-        except Exception as e:  # a configuration that does not compile
-            print("skip", kw, type(e).__name__)
+            t = graph_time_us(lambda kw=kw: decode(**kw), 10, 20)
+        except Exception as e:  # a configuration that does not compile or fit
+            print("skip", kw, type(e).__name__, str(e)[:160], flush=True)
             continue
-        assert (out.float() - ref.float()).abs().max().item() < 2e-2
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(10):
-                pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5, **kw)
-        times = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3 / 10)
-        t = statistics.median(times)
-        rows.append((nbytes / t / (args.peak_tbs * 1e12), t, kw))
-        del g
-    rows.sort(key=lambda r: -r[0])
+        if not args.no_merge:
+            err = (out.float() - ref.float()).abs().max().item()
+            assert err < 2e-2, (kw, err)
+        rows.append({"us": t, "fraction": nbytes / (t * 1e-6) / peak, **kw})
+    if args.no_merge:
+        pk._merge_kernel = merge
+    rows.sort(key=lambda r: r["us"])
     print(f"batch {batch} ctx {ctx}: {nbytes / 1e6:.1f} MB a call")
-    for frac, t, kw in rows[: args.top]:
-        print(f"{frac * 100:5.1f} %  {t * 1e6:7.1f} us  {kw}")
+    for r in rows[: args.top]:
+        print(f"{r['fraction'] * 100:5.1f} %  {r['us']:7.1f} us  splits={r['splits']} "
+              f"tile={r['tile']} warps={r['num_warps']} stages={r['num_stages']}")  # fmt: skip
+    print(f"SUMMARY default {base:.1f} us = {nbytes / (base * 1e-6) / peak * 100:.1f} % of the "
+          f"peak" + (f"; best {rows[0]['us']:.1f} us" if rows else ""))  # fmt: skip
+    write_json(args.json, {"rows": rows, "default_us": base, "bytes": nbytes})
     return 0
 
 

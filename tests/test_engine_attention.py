@@ -86,43 +86,50 @@ def test_kernel_matches_reference(group, window, holes):
         holes=holes,
     )
     ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=window)
-    # split_blocks=2: eight-token splits, six of them, so the merge has work.
+    # Three splits of each live range, so the merge has work (a split of a
+    # short range can be empty: -inf, skipped).
     out = paged_decode_attention(
-        q, kv, 1, tables, positions, window=window, backend="triton", split_blocks=2
+        q, kv, 1, tables, positions, window=window, backend="triton", splits=3
     )
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    # The grid with a sequence's KV heads fastest computes the same.
-    fast = _paged_kernel.paged_decode(
-        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5,
-        split_blocks=2, head_fast=True,
-    )  # fmt: skip
-    torch.testing.assert_close(fast, out, atol=0, rtol=0)
-    # One program for every KV head of a split (contiguous loads, the
-    # other heads' columns masked): the same attention, its tiles shorter.
-    every = _paged_kernel.paged_decode(
-        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5,
-        split_blocks=2, all_heads=True,
-    )  # fmt: skip
-    torch.testing.assert_close(every, ref, atol=2e-5, rtol=2e-5)
+    # One split: the program writes the output itself, no merge.
+    one = paged_decode_attention(
+        q, kv, 1, tables, positions, window=window, backend="triton", splits=1
+    )
+    torch.testing.assert_close(one, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize(("kv_heads", "per"), [(4, 2), (3, 2), (3, 4), (5, 4)])
-@pytest.mark.parametrize("window", [None, 9])
-def test_a_program_over_several_kv_heads_matches_the_reference(kv_heads, per, window):
-    """``heads_per_program``: one program reads `per` KV heads' rows side by
-    side; where `per` does not divide the KV heads the last program's
-    missing heads are masked (their query rows neither read nor written)."""
+@pytest.mark.parametrize("splits", [1, 2, 5, 32])
+@pytest.mark.parametrize("tile", [16, 32])
+def test_every_split_count_matches_the_reference(splits, tile):
+    """The live range is cut into `splits` whole tiles from the positions,
+    not the table: more splits than tiles leaves the trailing ones empty."""
     q, kv, tables, positions = random_case(
-        kv_heads * 7 + per, batch=3, kv_heads=kv_heads, group=2, head_dim=16, block_size=4,
-        width=10, blocks=48, holes=True,
+        splits * 3 + tile, batch=3, kv_heads=2, group=4, head_dim=16, block_size=4,
+        width=24, blocks=96, holes=True,
     )  # fmt: skip
-    ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=window)
+    ref = paged_decode_attention_reference(q, kv, 0, tables, positions, window=None)
     out = _paged_kernel.paged_decode(
-        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5,
-        split_blocks=2, heads_per_program=per,
+        q, kv, 0, tables, positions, window=None, scale=q.shape[-1] ** -0.5, splits=splits,
+        tile=tile,
     )  # fmt: skip
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_a_sequence_of_holes_reads_zero():
+    """Every block a hole: nothing to attend to reads 0 with one split or
+    several (the merge divides by no weight)."""
+    q, kv, tables, positions = random_case(
+        4, batch=2, kv_heads=2, group=2, head_dim=16, block_size=4, width=6, blocks=32, holes=False
+    )
+    tables[1] = -1
+    for splits in (1, 3):
+        out = _paged_kernel.paged_decode(
+            q, kv, 0, tables, positions, window=None, scale=0.25, splits=splits
+        )
+        assert torch.isfinite(out).all()
+        assert (out[1] == 0).all()
 
 
 def test_default_split_and_bf16():
@@ -134,10 +141,6 @@ def test_default_split_and_bf16():
     out = paged_decode_attention(q, kv, 2, tables, positions, backend="triton")
     # bf16 in, fp32 accumulate; P is rounded to bf16 before P @ V.
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    every = _paged_kernel.paged_decode(
-        q, kv, 2, tables, positions, window=None, scale=q.shape[-1] ** -0.5, all_heads=True
-    )
-    torch.testing.assert_close(every.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_store_then_attend_sees_the_new_token():
@@ -148,37 +151,46 @@ def test_store_then_attend_sees_the_new_token():
     k = torch.randn(3, 2, 16) * 4
     v = torch.randn(3, 2, 16) * 4
     store_kv(kv, 0, k, v, *slots(tables, positions, 4))
-    out = paged_decode_attention(q, kv, 0, tables, positions, backend="triton", split_blocks=1)
+    out = paged_decode_attention(q, kv, 0, tables, positions, backend="triton", splits=1)
     ref = paged_decode_attention_reference(q, kv, 0, tables, positions)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     # Row with position 0 attends to its own token only: the output is v.
     torch.testing.assert_close(out[-1].view(2, 2, 16), v[-1][:, None].expand(2, 2, 16))
 
 
-def test_the_default_split_is_whole_tiles():
-    """A split the default tile does not divide walks a mostly masked last
-    tile (80 tokens: 45.7 % of the H200's HBM peak against 68.7 %)."""
-    for block_size in (8, 16, 32):
-        for width in range(1, 600):
-            blocks = _paged_kernel.choose_split_blocks(width, block_size)
-            tokens = blocks * block_size
-            assert tokens % _paged_kernel.DEFAULT_TILE == 0, (width, block_size, blocks)
-            assert -(-width // blocks) <= _paged_kernel.MAX_SPLITS
-            assert tokens >= _paged_kernel.MIN_SPLIT_TOKENS
-    # A larger tile (as paged_decode passes it): whole tiles of it.
-    assert _paged_kernel.choose_split_blocks(65, 16, tile=128) % 8 == 0
-    # Blocks of a tile or more: any count is whole tiles, the fewest that
-    # keep the splits at MAX_SPLITS.
-    assert _paged_kernel.choose_split_blocks(65, 128) == -(-65 // _paged_kernel.MAX_SPLITS)
-    assert _paged_kernel.choose_split_blocks(8, 128) == 1
+def test_the_default_splits_follow_the_grid():
+    """Enough programs for the SMs, no more: batch 64 x 8 KV heads fill an
+    H200 (132 SMs) with one split, batch 32 needs two, one sequence many,
+    never more than MAX_SPLITS nor splits under MIN_SPLIT_TOKENS of the
+    table's width."""
+    choose = _paged_kernel.choose_splits
+    assert choose(64, 8, 65, 16, 132) == 1
+    assert choose(32, 8, 65, 16, 132) == 2
+    assert choose(1, 8, 4096, 16, 132) == _paged_kernel.MAX_SPLITS
+    assert choose(1, 8, 8, 16, 132) == 2  # 128 tokens: two of 64
+    assert choose(1, 8, 1, 16, 132) == 1
+    for batch in range(1, 300, 7):
+        for width in (1, 3, 65, 257):
+            splits = choose(batch, 8, width, 16, 132)
+            assert 1 <= splits <= _paged_kernel.MAX_SPLITS
+            assert splits == 1 or width * 16 // splits >= _paged_kernel.MIN_SPLIT_TOKENS
+            assert splits == 1 or batch * 8 * (splits - 1) < _paged_kernel.PROGRAMS_PER_SM * 132
+    few, many = _paged_kernel.FEW_PROGRAMS, _paged_kernel.MANY_PROGRAMS
+    assert _paged_kernel.launch_defaults(512, 132) == few
+    assert _paged_kernel.launch_defaults(1024, 132) == many
 
 
-def test_heads_per_program_below_one_is_refused():
+def test_bad_splits_and_tiles_are_refused():
     q, kv, tables, positions = random_case(
         5, batch=2, kv_heads=2, group=2, head_dim=16, block_size=4, width=4, blocks=16, holes=False
     )
-    for bad in (0, -2):
-        with pytest.raises(InvalidArgument, match="heads_per_program must be at least 1"):
+    for name, bad in (("splits", 0), ("splits", -2), ("tile", 0)):
+        with pytest.raises(InvalidArgument, match=f"{name} must be at least 1"):
             _paged_kernel.paged_decode(
-                q, kv, 1, tables, positions, window=None, scale=0.25, heads_per_program=bad
+                q, kv, 1, tables, positions, window=None, scale=0.25, **{name: bad}
             )
+    with pytest.raises(InvalidArgument, match="splits must be at most"):
+        _paged_kernel.paged_decode(
+            q, kv, 1, tables, positions, window=None, scale=0.25,
+            splits=_paged_kernel.MAX_SPLITS + 1,
+        )  # fmt: skip

@@ -58,35 +58,21 @@ SCRIPT = textwrap.dedent(
         return {"cubin": len(c.asm["cubin"]), "registers": int(regs.group(1)),
                 "spill_bytes": int(spills.group(1))}
 
-    split_args = ["*bf16", "*bf16", "*i32", "*i64", "*fp32", "*fp32"] + ["i32"] * 14 + ["fp32"]
-    merge_args = ["*fp32", "*fp32", "*i64", "*bf16"] + ["i32"] * 8
+    split_args = (["*bf16", "*bf16", "*i32", "*i64", "*fp32", "*fp32", "*bf16"] + ["i32"] * 16
+                  + ["fp32"])
+    merge_args = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 7
     out = {}
-    for window in (False, True):
-        consts = dict(GROUP=2, KV_HEADS=8, BLOCK_G=16, BLOCK_KVH=1, HEAD_DIM=128,
-                      BLOCK_SIZE=16, SPLIT_TOKENS=128, TILE=K.DEFAULT_TILE, HAS_WINDOW=window,
-                      DOT_FP32=False, EARLY_V=K.DEFAULT_EARLY_V, HEAD_FAST=K.DEFAULT_HEAD_FAST,
-                      MULTI_HEAD=False)
-        out[f"split window={window}"] = compile(
-            K._split_kernel, split_args, consts,
-            {"num_warps": K.DEFAULT_WARPS, "num_stages": K.DEFAULT_STAGES})
-        if not window:
-            # The other grid order (sweep_paged_kernel --head-fast).
-            out["split head_fast"] = compile(
-                K._split_kernel, split_args, dict(consts, HEAD_FAST=not K.DEFAULT_HEAD_FAST),
-                {"num_warps": K.DEFAULT_WARPS, "num_stages": K.DEFAULT_STAGES})
-            # Several KV heads a program (sweep_paged_kernel
-            # --heads-per-program), as paged_decode launches it for Qwen3-8B's
-            # 32 / 8 heads: every head, and four.
-            for per in (8, 4):
-                out[f"split heads_per_program={per}"] = compile(
-                    K._split_kernel, split_args,
-                    dict(consts, GROUP=4, BLOCK_G=max(16, 4 * per), BLOCK_KVH=per,
-                         TILE=K.DEFAULT_TILE // per, EARLY_V=True, HEAD_FAST=False,
-                         MULTI_HEAD=True),
-                    {"num_warps": K.DEFAULT_WARPS, "num_stages": K.DEFAULT_STAGES})
-        consts = dict(HEAD_DIM=128, SPLIT_TOKENS=128, BLOCK_S=8, HAS_WINDOW=window)
-        out[f"merge window={window}"] = compile(K._merge_kernel, merge_args, consts,
-                                                {"num_warps": 1})
+    # Both launch defaults (few programs, many), one split and several, with
+    # and without a window, as paged_decode launches them for Qwen3-8B's
+    # 32 / 8 heads.
+    for name, (tile, warps, stages) in (("few", K.FEW_PROGRAMS), ("many", K.MANY_PROGRAMS)):
+        for splits, window in ((1, False), (4, True)):
+            consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=tile,
+                          SPLITS=splits, HAS_WINDOW=window, DOT_FP32=False, EVICT=K.EVICTION)
+            out[f"split {name} splits={splits} window={window}"] = compile(
+                K._split_kernel, split_args, consts, {"num_warps": warps, "num_stages": stages})
+    out["merge"] = compile(K._merge_kernel, merge_args,
+                           dict(HEAD_DIM=128, SPLITS=4, BLOCK_S=4), {"num_warps": 1})
     # The fused decode kernels (issue 25), as the engine launches them.
     from imp_mem.engine.model import _fused_kernels as F
     out["add_rms"] = compile(
@@ -112,7 +98,7 @@ def test_kernels_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(result) == 11
+    assert len(result) == 9
     for name, kernel in result.items():
         assert kernel["cubin"] > 0, name
         assert kernel["spill_bytes"] == 0, f"{name} spills registers: {kernel}"

@@ -96,11 +96,12 @@ def test_kernel_matches_reference(batch, max_ctx, window, holes):
         check(out, ref)
 
 
-@pytest.mark.parametrize("split_blocks", [1, 3, 16, 64])
-def test_split_sizes(split_blocks):
-    q, kv, tables, positions = make_case(32, 1024, holes=True, seed=split_blocks)
-    ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=256)
-    out = paged_decode_attention(q, kv, 1, tables, positions, window=256, split_blocks=split_blocks)
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 32])
+@pytest.mark.parametrize("window", [None, 256])
+def test_split_counts(splits, window):
+    q, kv, tables, positions = make_case(32, 1024, holes=True, seed=splits)
+    ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=window)
+    out = paged_decode_attention(q, kv, 1, tables, positions, window=window, splits=splits)
     check(out, ref)
 
 

@@ -2,17 +2,20 @@
 
 Algorithm. One query token per sequence. The key range of sequence ``b``
 (``[max(0, p + 1 - window), p]`` with ``p = positions[b]``) is cut into
-splits of ``split_blocks`` logical blocks; one program per (sequence, KV
-head, split) handles every query head of that KV head's group at once, so K
-and V are read once per group. It walks its split in tiles of ``tile``
-tokens: each token's block id comes from the block table (-1: skipped), K
-and V are loaded straight from the pool at ``kv[block, layer, 0|1, offset,
-head]``, and an online softmax (base 2, float32) accumulates ``P @ V``. The
-program writes its normalised partial output and log-sum-exp; a second
-kernel, one program per (sequence, query head), merges the partials of the
-splits that overlap the key range. Splits outside the range do nothing and
-are never read, so the grid can be sized from the table width alone, which
-is static: the launch is CUDA-graph capturable.
+``splits`` equal parts, each a whole number of ``tile``-token tiles, from the
+live range itself (not from the table's width), so the work of a step is
+spread evenly whatever the context. One program per (sequence, KV head,
+split) handles every query head of that KV head's group at once, so K and V
+are read once per group. It walks its part tile by tile in a loop whose trip
+count is the live length (Triton pipelines its loads ``num_stages`` deep):
+each token's block id comes from the block table (-1: skipped), K and V are
+loaded straight from the pool at ``kv[block, layer, 0|1, offset, head]``,
+and an online softmax (base 2, float32) accumulates ``P @ V``. With one
+split the program writes the output itself; otherwise it writes its
+normalised partial output and log-sum-exp and a second kernel, one program
+per (sequence, query head), merges them. The grid depends only on the batch,
+the heads and ``splits``, which are static: the launch is CUDA-graph
+capturable.
 
 Shapes: ``q[B, heads, head_dim]`` (contiguous last dim), the pool
 ``kv[num_blocks, n_layers, 2, block_size, kv_heads, head_dim]`` (any
@@ -20,12 +23,13 @@ strides, last dim contiguous), ``block_tables[B, M]`` int32,
 ``positions[B]`` int64. Block offsets are computed in int64: a pool can
 exceed 2^31 elements.
 
-No state; each call allocates its partials and output (from whatever
-allocator is current: the engine routes them through imp-mem).
+No state; each call allocates its output (and, split, its partials) from
+whatever allocator is current: the engine routes them through imp-mem.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -36,21 +40,27 @@ from imp_mem.errors import InvalidArgument
 
 LOG2E = 1.4426950408889634
 
-# Upper bound on splits per sequence: bounds the partials' memory whatever
-# the table width (B x heads x MAX_SPLITS x head_dim floats); the minimum
-# split keeps programs long enough to amortise loading q and writing a
-# partial. 32, so that a table of up to 128 blocks keeps 64-token splits:
-# at batch 64 and a 65-block table, 17 splits of 64 tokens took 82.3 us on
-# the H200 and 9 of 128 (what 16 allowed) 94.8 us (session 21).
+# Upper bound on splits per sequence: bounds the partials' memory (B x heads
+# x MAX_SPLITS x head_dim floats) and the merge's width.
 MAX_SPLITS = 32
+# No split is cut shorter than this many tokens of the table's width.
 MIN_SPLIT_TOKENS = 64
-# Launch defaults; benches/bench_paged_attention.py --sweep times the others.
-DEFAULT_TILE = 64
-DEFAULT_WARPS = 4
-DEFAULT_STAGES = 2
-DEFAULT_EARLY_V = True
-DEFAULT_HEAD_FAST = False
-DEFAULT_HEADS_PER_PROGRAM = 1
+# The default cuts a sequence until the programs number at least this many
+# per SM (batch x KV heads x splits): at batch 64 x 8 KV heads one split
+# (3.9 programs an SM) read at 81.5 % of the H200's HBM peak and two at
+# 76.7 %; batch 32 needed two or four (session 22).
+PROGRAMS_PER_SM = 3
+# Launch defaults, by programs per SM (benches/sweep_paged_kernel.py times
+# them; session 22): few programs want long tiles and deep pipelines (32-token
+# tiles, 2 warps, 5 stages: 68.7 us at batch 64 x 1 025 against 71.4 for
+# 16-token tiles); many want small programs, more of them resident
+# (16-token tiles, 1 warp, 4 stages: 129.4 us at batch 128 against 135.6).
+FEW_PROGRAMS = (32, 2, 5)  # tile, warps, stages
+MANY_PROGRAMS = (16, 1, 4)
+MANY_PROGRAMS_PER_SM = 5
+DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_STAGES = FEW_PROGRAMS
+# K and V are read once a call: first out of L2.
+EVICTION = "evict_first"
 
 # Triton 3.6's interpreter multiplies bfloat16 tiles wrongly in tl.dot; under
 # it the kernel rounds P to the input dtype as on the GPU, then multiplies
@@ -66,6 +76,7 @@ def _split_kernel(
     POS,
     O_PART,
     LSE_PART,
+    OUT,
     stride_qb,
     stride_qh,
     stride_kvb,
@@ -78,121 +89,88 @@ def _split_kernel(
     stride_os,
     stride_lb,
     stride_lh,
-    width,
+    stride_outb,
+    stride_outh,
     window,
     qk_scale,
     GROUP: tl.constexpr,
-    KV_HEADS: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    BLOCK_KVH: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr,
     TILE: tl.constexpr,
+    SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    EARLY_V: tl.constexpr,
-    HEAD_FAST: tl.constexpr,
-    MULTI_HEAD: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
-    # MULTI_HEAD: one program a (sequence, BLOCK_KVH KV heads, split). A
-    # tile is TILE tokens times BLOCK_KVH heads, each token's heads side by
-    # side in the pool, so one load is one contiguous run of BLOCK_KVH rows
-    # instead of rows a head's stride apart; every query row scores every
-    # column and keeps its own KV head's (BLOCK_KVH times the arithmetic of
-    # a memory-bound kernel, though with a group of 4 the 16-row minimum of
-    # a dot pads one head's rows to the same work at 4 heads). Otherwise one
-    # program a (sequence, KV head, split), BLOCK_KVH 1.
-    if MULTI_HEAD:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1) * BLOCK_KVH
-        split = tl.program_id(2)
-    elif HEAD_FAST:
-        # A sequence's KV heads in consecutive programs: the programs that
-        # run together read neighbouring 256-B rows of the same pages.
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        split = tl.program_id(2)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx - window, 0)
-    split_start = split.to(tl.int64) * SPLIT_TOKENS
-    start = tl.maximum(split_start, lo)
-    end = tl.minimum(split_start + SPLIT_TOKENS, ctx)
-    if start < end:
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, HEAD_DIM)
-        heads = kvh * GROUP + g
-        if MULTI_HEAD:
-            gmask = (g < BLOCK_KVH * GROUP) & (heads < KV_HEADS * GROUP)
-        else:
-            gmask = g < GROUP
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=gmask[:, None],
+    # This split's part of the live range, whole tiles; the last may be short
+    # and trailing ones empty.
+    per = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), TILE) * TILE
+    start = lo + split * per
+    end = tl.minimum(start + per, ctx)
+    n_tiles = tl.cdiv(tl.maximum(end - start, 0), TILE)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, TILE)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    head_base = kvh.to(tl.int64) * stride_kvh
+    table = TABLES + b * stride_tb
+    for i in range(0, n_tiles):
+        t = start + i * TILE + c
+        valid = t < end
+        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
+        valid = valid & (block >= 0)
+        offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
+        k = tl.load(
+            KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT
+        )
+        v = tl.load(
+            KV + stride_kvkv + offs[:, None] + d[None, :],
+            mask=valid[:, None],
             other=0.0,
+            eviction_policy=EVICT,
         )
         if DOT_FP32:
-            q = q.to(tl.float32)
-        c = tl.arange(0, TILE * BLOCK_KVH)
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        if MULTI_HEAD:
-            col_head = c % BLOCK_KVH
-            mine = (g // GROUP)[:, None] == col_head[None, :]
-            head_base = (kvh + col_head).to(tl.int64) * stride_kvh
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
         else:
-            head_base = kvh * stride_kvh
-        # A static trip count (Triton's interpreter cannot loop over tensor
-        # bounds); tiles past `end` load nothing, their lanes being masked.
-        for tile in range(0, SPLIT_TOKENS, TILE):
-            if MULTI_HEAD:
-                t = start + tile + c // BLOCK_KVH
-                in_range = (t < end) & (kvh + col_head < KV_HEADS)
-            else:
-                t = start + tile + c
-                in_range = t < end
-            logical = t // BLOCK_SIZE
-            block = tl.load(
-                TABLES + b * stride_tb + logical, mask=in_range & (logical < width), other=-1
-            )
-            valid = in_range & (block >= 0)
-            offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
-            k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            if EARLY_V:
-                # V's load issued with K's: twice the bytes in flight.
-                v = tl.load(
-                    KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0
-                )
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            if MULTI_HEAD:
-                s = tl.where(mine & valid[None, :], s, float("-inf"))
-            else:
-                s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if not EARLY_V:
-                v = tl.load(
-                    KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0
-                )
-            if DOT_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SPLITS == 1:
+        tl.store(
+            OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=gmask[:, None],
+        )
+    else:
+        # Every split writes its log-sum-exp (-inf when it saw nothing), so
+        # the merge needs no range of its own.
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(
             O_PART + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
@@ -206,7 +184,6 @@ def _split_kernel(
 def _merge_kernel(
     O_PART,
     LSE_PART,
-    POS,
     OUT,
     stride_ob,
     stride_oh,
@@ -215,26 +192,15 @@ def _merge_kernel(
     stride_lh,
     stride_outb,
     stride_outh,
-    window,
     HEAD_DIM: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    ctx = tl.load(POS + b).to(tl.int64) + 1
-    lo = ctx * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(ctx - window, 0)
-    first = lo // SPLIT_TOKENS
-    last = (ctx - 1) // SPLIT_TOKENS + 1
-    # Only the splits that overlap the key range were written.
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(
-        LSE_PART + b * stride_lb + h * stride_lh + s,
-        mask=(s >= first) & (s < last),
-        other=float("-inf"),
+        LSE_PART + b * stride_lb + h * stride_lh + s, mask=s < SPLITS, other=float("-inf")
     )
     live = lse > float("-inf")
     w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)
@@ -244,21 +210,32 @@ def _merge_kernel(
         mask=live[:, None],
         other=0.0,
     )
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    # A sequence with nothing to attend to (every block a hole) reads 0, as
+    # with one split.
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(OUT + b * stride_outb + h * stride_outh + d, out.to(OUT.dtype.element_ty))
 
 
-def choose_split_blocks(width: int, block_size: int, tile: int = DEFAULT_TILE) -> int:
-    """Logical blocks per split for a table `width` blocks wide: at most
-    `MAX_SPLITS` splits, none shorter than `MIN_SPLIT_TOKENS`, and a whole
-    number of `tile`-token tiles where the blocks allow (a split of 80
-    tokens walked two 64-token tiles, the second three-quarters masked:
-    45.7 % of the HBM peak at batch 64 and a 65-block table against 68.7 %
-    at 64-token splits, H200, session 21)."""
-    min_blocks = max(1, MIN_SPLIT_TOKENS // block_size)
-    blocks = max(min_blocks, -(-width // MAX_SPLITS))
-    step = max(1, tile // block_size)
-    return -(-blocks // step) * step
+@functools.cache
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(batch: int, kv_heads: int, width: int, block_size: int, sms: int) -> int:
+    """Splits a sequence is cut into by default: the fewest that give at least
+    `PROGRAMS_PER_SM` programs an SM over `sms` SMs, at most `MAX_SPLITS`, and
+    none so many that a split of the table's full width (`width` blocks of
+    `block_size` tokens) is under `MIN_SPLIT_TOKENS`."""
+    pairs = max(1, batch * kv_heads)
+    wanted = -(-(PROGRAMS_PER_SM * sms) // pairs)
+    longest = max(1, (width * block_size) // MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, MAX_SPLITS, longest))
+
+
+def launch_defaults(programs: int, sms: int) -> tuple[int, int, int]:
+    """(tile, warps, stages) for a grid of `programs` over `sms` SMs."""
+    return MANY_PROGRAMS if programs >= MANY_PROGRAMS_PER_SM * sms else FEW_PROGRAMS
 
 
 def paged_decode(
@@ -270,22 +247,15 @@ def paged_decode(
     *,
     window: int | None,
     scale: float,
-    split_blocks: int | None = None,
+    splits: int | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    early_v: bool | None = None,
-    head_fast: bool | None = None,
-    all_heads: bool | None = None,
-    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
-    head_dim]`` in q's dtype. ``heads_per_program``: KV heads one program
-    reads side by side (rounded up to a power of two; `_split_kernel`'s
-    ``MULTI_HEAD``), contiguous loads of that many rows a token;
-    ``all_heads`` is every KV head in one program (its best was 59.4 % of
-    the H200's HBM peak against the default path's 68.7 % in one sweep,
-    session 20)."""
+    head_dim]`` in q's dtype. ``splits``: parts each sequence's live key
+    range is cut into (`choose_splits` by default); ``tile``, ``num_warps``,
+    ``num_stages``: the launch (`launch_defaults` by default)."""
     batch, heads, head_dim = q.shape
     _, _, _, block_size, kv_heads, kv_dim = kv.shape
     width = block_tables.shape[1]
@@ -294,39 +264,38 @@ def paged_decode(
             f"paged_decode: q {tuple(q.shape)} and kv {tuple(kv.shape)} do not fit "
             "(head_dim equal, heads a multiple of kv_heads, last dims contiguous)"
         )
-    if heads_per_program is not None and heads_per_program < 1:
+    for name, value in (("splits", splits), ("tile", tile)):
+        if value is not None and value < 1:
+            raise InvalidArgument(
+                f"paged_decode: {name} must be at least 1 (got {value}); leave it None for "
+                "the default"
+            )
+    if splits is not None and splits > MAX_SPLITS:
         raise InvalidArgument(
-            f"paged_decode: heads_per_program must be at least 1 (got {heads_per_program}); "
-            "leave it None for the default"
+            f"paged_decode: splits must be at most MAX_SPLITS = {MAX_SPLITS} (got {splits})"
         )
     group = heads // kv_heads
-    split_blocks = split_blocks or choose_split_blocks(width, block_size, tile or DEFAULT_TILE)
-    split_tokens = split_blocks * block_size
-    splits = -(-width // split_blocks)
-    tile = max(16, min(tile or DEFAULT_TILE, triton.next_power_of_2(split_tokens)))
-    o_part = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    splits = splits or choose_splits(batch, kv_heads, width, block_size, sms)
+    d_tile, d_warps, d_stages = launch_defaults(batch * kv_heads * splits, sms)
+    tile = max(16, triton.next_power_of_2(tile or d_tile))
     out = torch.empty_like(q)
+    if splits > 1:
+        o_part = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        # Not written: the program stores the output itself.
+        o_part = lse_part = out
     has_window = window is not None
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
-    head_fast = DEFAULT_HEAD_FAST if head_fast is None else head_fast
-    per = kv_heads if all_heads else heads_per_program or DEFAULT_HEADS_PER_PROGRAM
-    block_kvh = min(triton.next_power_of_2(per), triton.next_power_of_2(kv_heads))
-    multi = block_kvh > 1
-    if multi:
-        grid = (batch, -(-kv_heads // block_kvh), splits)
-        # A tile of this many tokens holds `tile` rows of `block_kvh` heads.
-        rows, tile, early_v = block_kvh * group, max(1, tile // block_kvh), True
-    else:
-        grid = (kv_heads, batch, splits) if head_fast else (batch, kv_heads, splits)
-        block_kvh, rows = 1, group
-    _split_kernel[grid](
+    _split_kernel[(batch, kv_heads, splits)](
         q,
         pages,
         block_tables,
         positions,
         o_part,
         lse_part,
+        out,
         q.stride(0),
         q.stride(1),
         pages.stride(0),
@@ -339,42 +308,37 @@ def paged_decode(
         o_part.stride(2),
         lse_part.stride(0),
         lse_part.stride(1),
-        width,
-        window if has_window else 0,
-        scale * LOG2E,
-        GROUP=group,
-        KV_HEADS=kv_heads,
-        BLOCK_G=max(16, triton.next_power_of_2(rows)),
-        BLOCK_KVH=block_kvh,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        SPLIT_TOKENS=split_tokens,
-        TILE=tile,
-        HAS_WINDOW=has_window,
-        DOT_FP32=_INTERPRETING,
-        EARLY_V=DEFAULT_EARLY_V if early_v is None else early_v,
-        HEAD_FAST=head_fast,
-        MULTI_HEAD=multi,
-        num_warps=num_warps or DEFAULT_WARPS,
-        num_stages=num_stages or DEFAULT_STAGES,
-    )
-    _merge_kernel[(batch, heads)](
-        o_part,
-        lse_part,
-        positions,
-        out,
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
         out.stride(0),
         out.stride(1),
         window if has_window else 0,
+        scale * LOG2E,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        SPLIT_TOKENS=split_tokens,
-        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        SPLITS=splits,
         HAS_WINDOW=has_window,
-        num_warps=1,
+        DOT_FP32=_INTERPRETING,
+        EVICT=EVICTION,
+        num_warps=num_warps or d_warps,
+        num_stages=num_stages or d_stages,
     )
+    if splits > 1:
+        _merge_kernel[(batch, heads)](
+            o_part,
+            lse_part,
+            out,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse_part.stride(0),
+            lse_part.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=1,
+        )
     return out

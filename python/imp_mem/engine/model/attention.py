@@ -152,11 +152,12 @@ def paged_decode_attention(
     window: int | None = None,
     scale: float | None = None,
     backend: str = "triton",
-    split_blocks: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Decode attention over the pages in place (see the module doc).
-    `backend` is ``"triton"`` or ``"torch"``; `split_blocks` (Triton only) is
-    how many logical blocks one program covers."""
+    `backend` is ``"triton"`` or ``"torch"``; `splits` (Triton only) is
+    how many parts each sequence's live key range is cut into (None: the
+    kernel's default for the batch and the GPU)."""
     if backend == "torch":
         return paged_decode_attention_reference(
             q, kv, layer, block_tables, positions, window=window, scale=scale
@@ -173,7 +174,7 @@ def paged_decode_attention(
         positions,
         window=window,
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
-        split_blocks=split_blocks,
+        splits=splits,
     )
 
 

@@ -79,7 +79,7 @@ class Step:
     slot: dict[str, tuple[torch.Tensor, torch.Tensor]]
     start_pos: int
     backend: str
-    split_blocks: int | None
+    splits: int | None
     # Per-call values a family computes once and every layer reuses (its
     # RoPE's cos/sin at these positions).
     cache: dict[str, Any] = field(default_factory=dict)
@@ -138,7 +138,7 @@ class Step:
             window=layer.window,
             scale=scale,
             backend=self.backend,
-            split_blocks=self.split_blocks,
+            splits=self.splits,
         )
 
 
@@ -161,7 +161,7 @@ class DecoderModel:
         *,
         attention_backend: str | None = None,
         max_positions: int | None = None,
-        split_blocks: int | None = None,
+        splits: int | None = None,
         tp: TensorParallel | None = None,
         fused: bool | None = None,
     ) -> None:
@@ -198,7 +198,7 @@ class DecoderModel:
                 f"attention_backend must be 'triton' or 'torch', got {attention_backend!r}"
             )
         self.attention_backend = attention_backend
-        self.split_blocks = split_blocks
+        self.splits = splits
         self.embed = embed
         self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
@@ -313,7 +313,7 @@ class DecoderModel:
             slot,
             0,
             self.attention_backend,
-            self.split_blocks,
+            self.splits,
             varlen=(cu_seqlens, starts, spans),
         )
         x = self._embed(input_ids)
@@ -353,5 +353,5 @@ class DecoderModel:
             name: slots(t, positions, kv.block_size) for name, t in tables.items() if t is not None
         }
         return Step(
-            mode, positions, kv, tables, slot, start_pos, self.attention_backend, self.split_blocks
+            mode, positions, kv, tables, slot, start_pos, self.attention_backend, self.splits
         )

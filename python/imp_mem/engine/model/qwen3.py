@@ -123,7 +123,7 @@ class PagedModel:
         *,
         attention_backend: str | None = None,
         max_positions: int | None = None,
-        split_blocks: int | None = None,
+        splits: int | None = None,
         tp: TensorParallel | None = None,
         fused: bool | None = None,
         fused_prefill: bool = False,
@@ -167,7 +167,7 @@ class PagedModel:
         # serving workload, +12 % torch peak on Qwen3-0.6B) for little gain
         # (its GEMMs dominate), so only decode fuses unless asked.
         self.fused_prefill = self.fused and fused_prefill
-        self.split_blocks = split_blocks
+        self.splits = splits
         self.embed = embed
         self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
@@ -333,7 +333,7 @@ class PagedModel:
                 positions,
                 window=layer.window,
                 backend=backend,
-                split_blocks=self.split_blocks,
+                splits=self.splits,
             )
 
         if self.fused:
