@@ -41,10 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", default="16,32,64")
     ap.add_argument("--warps", default="1,2,4")
     ap.add_argument("--stages", default="3,4,5")
-    ap.add_argument(
-        "--configs",
-        help="SPLITS:TILE:WARPS:STAGES[:KV_HEADS_PER_PROGRAM],... instead of the product",
-    )
+    ap.add_argument("--configs", help="SPLITS:TILE:WARPS:STAGES,... instead of the product")
     ap.add_argument("--no-merge", action="store_true", help="time the split pass alone")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
@@ -68,9 +65,9 @@ def main(argv=None) -> int:
         return [int(x) for x in arg.split(",") if x]
 
     if args.configs:
-        configs = [(*map(int, c.split(":")), 1)[:5] for c in args.configs.split(",")]
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     else:
-        axes = (args.splits, args.tiles, args.warps, args.stages, "1")
+        axes = (args.splits, args.tiles, args.warps, args.stages)
         configs = list(itertools.product(*map(ints, axes)))
     if args.no_merge:
         merge, pk._merge_kernel = pk._merge_kernel, _NoLaunch()
@@ -80,10 +77,8 @@ def main(argv=None) -> int:
 
     rows = []
     base = graph_time_us(decode, 10, 20)
-    for splits, tile, warps, stages, per in configs:
-        kw = dict(
-            splits=splits, tile=tile, num_warps=warps, num_stages=stages, kv_heads_per_program=per
-        )
+    for splits, tile, warps, stages in configs:
+        kw = dict(splits=splits, tile=tile, num_warps=warps, num_stages=stages)
         try:
             out = decode(**kw)
             torch.cuda.synchronize()
@@ -101,8 +96,7 @@ def main(argv=None) -> int:
     print(f"batch {batch} ctx {ctx}: {nbytes / 1e6:.1f} MB a call")
     for r in rows[: args.top]:
         print(f"{r['fraction'] * 100:5.1f} %  {r['us']:7.1f} us  splits={r['splits']} "
-              f"tile={r['tile']} warps={r['num_warps']} stages={r['num_stages']} "
-              f"kv_heads_per_program={r['kv_heads_per_program']}")  # fmt: skip
+              f"tile={r['tile']} warps={r['num_warps']} stages={r['num_stages']}")  # fmt: skip
     print(f"SUMMARY default {base:.1f} us = {nbytes / (base * 1e-6) / peak * 100:.1f} % of the "
           f"peak" + (f"; best {rows[0]['us']:.1f} us" if rows else ""))  # fmt: skip
     write_json(args.json, {"rows": rows, "default_us": base, "bytes": nbytes})

@@ -117,24 +117,6 @@ def test_every_split_count_matches_the_reference(splits, tile):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("per", [2, 4])
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("window", [None, 9])
-def test_a_program_over_several_kv_heads_matches_the_reference(per, splits, window):
-    """``kv_heads_per_program``: one program walks `per` KV heads one after
-    another in one loop, its softmax restarting at each head's first tile."""
-    q, kv, tables, positions = random_case(
-        per * 5 + splits, batch=3, kv_heads=4, group=2, head_dim=16, block_size=4,
-        width=10, blocks=48, holes=True,
-    )  # fmt: skip
-    ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=window)
-    out = _paged_kernel.paged_decode(
-        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5, splits=splits,
-        kv_heads_per_program=per,
-    )  # fmt: skip
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-
-
 def test_a_sequence_of_holes_reads_zero():
     """Every block a hole: nothing to attend to reads 0 with one split or
     several (the merge divides by no weight)."""
@@ -202,15 +184,11 @@ def test_bad_splits_and_tiles_are_refused():
     q, kv, tables, positions = random_case(
         5, batch=2, kv_heads=2, group=2, head_dim=16, block_size=4, width=4, blocks=16, holes=False
     )
-    for name, bad in (("splits", 0), ("splits", -2), ("tile", 0), ("kv_heads_per_program", 0)):
+    for name, bad in (("splits", 0), ("splits", -2), ("tile", 0)):
         with pytest.raises(InvalidArgument, match=f"{name} must be at least 1"):
             _paged_kernel.paged_decode(
                 q, kv, 1, tables, positions, window=None, scale=0.25, **{name: bad}
             )
-    with pytest.raises(InvalidArgument, match="kv_heads_per_program must divide the 2 KV heads"):
-        _paged_kernel.paged_decode(
-            q, kv, 1, tables, positions, window=None, scale=0.25, kv_heads_per_program=3
-        )
     with pytest.raises(InvalidArgument, match="splits must be at most"):
         _paged_kernel.paged_decode(
             q, kv, 1, tables, positions, window=None, scale=0.25,

@@ -69,68 +69,6 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _attend_tile(
-    q, m_i, l_i, acc, KV, table, t, end, head_base, d, stride_kvb, stride_kvkv, stride_kvt,
-    qk_scale, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, EVICT: tl.constexpr,
-):  # fmt: skip
-    """One tile of tokens `t` (those at or past `end`, or in a hole, masked)
-    folded into the online softmax (`m_i`, `l_i`, `acc`)."""
-    valid = t < end
-    block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
-    valid = valid & (block >= 0)
-    offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
-    k = tl.load(
-        KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT
-    )
-    v = tl.load(
-        KV + stride_kvkv + offs[:, None] + d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-        eviction_policy=EVICT,
-    )
-    if DOT_FP32:
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if DOT_FP32:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _write(
-    m_i, l_i, acc, O_PART, LSE_PART, OUT, b, heads, gmask, split, d, stride_ob, stride_oh,
-    stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SPLITS: tl.constexpr,
-):  # fmt: skip
-    """A program's result for one KV head's query rows: the output itself
-    with one split, else the partial and its log-sum-exp (-inf when the
-    split saw nothing, so the merge needs no range of its own)."""
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if SPLITS == 1:
-        tl.store(
-            OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
-            out.to(OUT.dtype.element_ty),
-            mask=gmask[:, None],
-        )
-    else:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(
-            O_PART + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
-            out,
-            mask=gmask[:, None],
-        )
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
-
-
-@triton.jit
 def _split_kernel(
     Q,
     KV,
@@ -161,16 +99,12 @@ def _split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     SPLITS: tl.constexpr,
-    HEADS_SEQ: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVICT: tl.constexpr,
 ):
-    # One program a (sequence, HEADS_SEQ KV heads, split); its heads one
-    # after another in one loop, so the loads of the next head's first tile
-    # are in flight while the last one's are folded in.
     b = tl.program_id(0)
-    kvh0 = tl.program_id(1) * HEADS_SEQ
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
@@ -185,66 +119,65 @@ def _split_kernel(
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     c = tl.arange(0, TILE)
+    heads = kvh * GROUP + g
     gmask = g < GROUP
-    table = TABLES + b * stride_tb
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    if HEADS_SEQ == 1:
-        heads = kvh0 * GROUP + g
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-            mask=gmask[:, None],
+    head_base = kvh.to(tl.int64) * stride_kvh
+    table = TABLES + b * stride_tb
+    for i in range(0, n_tiles):
+        t = start + i * TILE + c
+        valid = t < end
+        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
+        valid = valid & (block >= 0)
+        offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
+        k = tl.load(
+            KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT
+        )
+        v = tl.load(
+            KV + stride_kvkv + offs[:, None] + d[None, :],
+            mask=valid[:, None],
             other=0.0,
+            eviction_policy=EVICT,
         )
         if DOT_FP32:
-            q = q.to(tl.float32)
-        head_base = kvh0.to(tl.int64) * stride_kvh
-        for i in range(0, n_tiles):
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, KV, table, start + i * TILE + c, end, head_base, d,
-                stride_kvb, stride_kvkv, stride_kvt, qk_scale, BLOCK_SIZE, DOT_FP32, EVICT,
-            )  # fmt: skip
-        _write(
-            m_i, l_i, acc, O_PART, LSE_PART, OUT, b, heads, gmask, split, d, stride_ob,
-            stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, SPLITS,
-        )  # fmt: skip
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SPLITS == 1:
+        tl.store(
+            OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=gmask[:, None],
+        )
     else:
-        for i in range(0, n_tiles * HEADS_SEQ):
-            kvh = kvh0 + i // n_tiles
-            j = i % n_tiles
-            heads = kvh * GROUP + g
-            # A head's first tile starts its softmax afresh.
-            fresh = j == 0
-            m_i = tl.where(fresh, float("-inf"), m_i)
-            l_i = tl.where(fresh, 0.0, l_i)
-            acc = tl.where(fresh, 0.0, acc)
-            q = tl.load(
-                Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None],
-                other=0.0,
-            )
-            if DOT_FP32:
-                q = q.to(tl.float32)
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, KV, table, start + j * TILE + c, end,
-                kvh.to(tl.int64) * stride_kvh, d, stride_kvb, stride_kvkv, stride_kvt,
-                qk_scale, BLOCK_SIZE, DOT_FP32, EVICT,
-            )  # fmt: skip
-            if j == n_tiles - 1:
-                _write(
-                    m_i, l_i, acc, O_PART, LSE_PART, OUT, b, heads, gmask, split, d,
-                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb,
-                    stride_outh, SPLITS,
-                )  # fmt: skip
-        if n_tiles == 0:
-            # An empty split still tells the merge so, for each of its heads.
-            for hh in tl.static_range(HEADS_SEQ):
-                _write(
-                    m_i, l_i, acc, O_PART, LSE_PART, OUT, b, (kvh0 + hh) * GROUP + g, gmask,
-                    split, d, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    stride_outb, stride_outh, SPLITS,
-                )  # fmt: skip
+        # Every split writes its log-sum-exp (-inf when it saw nothing), so
+        # the merge needs no range of its own.
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(
+            O_PART + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
+            out,
+            mask=gmask[:, None],
+        )
+        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
 
 
 @triton.jit
@@ -318,15 +251,11 @@ def paged_decode(
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    kv_heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype. ``splits``: parts each sequence's live key
     range is cut into (`choose_splits` by default); ``tile``, ``num_warps``,
-    ``num_stages``: the launch (`launch_defaults` by default);
-    ``kv_heads_per_program``: KV heads one program walks one after another
-    (a divisor of the KV heads; 1 by default), fewer programs for the same
-    work."""
+    ``num_stages``: the launch (`launch_defaults` by default)."""
     batch, heads, head_dim = q.shape
     _, _, _, block_size, kv_heads, kv_dim = kv.shape
     width = block_tables.shape[1]
@@ -335,8 +264,7 @@ def paged_decode(
             f"paged_decode: q {tuple(q.shape)} and kv {tuple(kv.shape)} do not fit "
             "(head_dim equal, heads a multiple of kv_heads, last dims contiguous)"
         )
-    named = (("splits", splits), ("tile", tile), ("kv_heads_per_program", kv_heads_per_program))
-    for name, value in named:
+    for name, value in (("splits", splits), ("tile", tile)):
         if value is not None and value < 1:
             raise InvalidArgument(
                 f"paged_decode: {name} must be at least 1 (got {value}); leave it None for "
@@ -345,11 +273,6 @@ def paged_decode(
     if splits is not None and splits > MAX_SPLITS:
         raise InvalidArgument(
             f"paged_decode: splits must be at most MAX_SPLITS = {MAX_SPLITS} (got {splits})"
-        )
-    seq = kv_heads_per_program or 1
-    if kv_heads % seq:
-        raise InvalidArgument(
-            f"paged_decode: kv_heads_per_program must divide the {kv_heads} KV heads (got {seq})"
         )
     group = heads // kv_heads
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
@@ -365,7 +288,7 @@ def paged_decode(
         o_part = lse_part = out
     has_window = window is not None
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
-    _split_kernel[(batch, kv_heads // seq, splits)](
+    _split_kernel[(batch, kv_heads, splits)](
         q,
         pages,
         block_tables,
@@ -395,7 +318,6 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         TILE=tile,
         SPLITS=splits,
-        HEADS_SEQ=seq,
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
         EVICT=EVICTION,
