@@ -39,6 +39,7 @@ SCRIPT = textwrap.dedent(
 
     def compile(fn, args, consts, options):
         names = [n for n in fn.arg_names if n not in consts]
+        assert len(names) == len(args), (fn.arg_names, args)
         sig = dict(zip(names, args))
         sig.update({k: "constexpr" for k in consts})
         # Strides and pointers divisible by 16, as Triton specialises them at
@@ -58,9 +59,10 @@ SCRIPT = textwrap.dedent(
         return {"cubin": len(c.asm["cubin"]), "registers": int(regs.group(1)),
                 "spill_bytes": int(spills.group(1))}
 
-    split_args = (["*bf16", "*bf16", "*i32", "*i64", "*fp32", "*fp32", "*bf16"] + ["i32"] * 16
-                  + ["fp32"])
-    merge_args = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 7
+    # Pointers, 14 strides and the window, the scale, the split count.
+    split_args = (["*bf16", "*bf16", "*i32", "*i64", "*fp32", "*fp32", "*bf16"] + ["i32"] * 15
+                  + ["fp32", "i32"])
+    merge_args = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 8
     out = {}
     # Both launch defaults (few programs, many), one split and several, with
     # and without a window, as paged_decode launches them for Qwen3-8B's
@@ -68,11 +70,12 @@ SCRIPT = textwrap.dedent(
     for name, (tile, warps, stages) in (("few", K.FEW_PROGRAMS), ("many", K.MANY_PROGRAMS)):
         for splits, window in ((1, False), (4, True)):
             consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=tile,
-                          SPLITS=splits, HAS_WINDOW=window, DOT_FP32=False, EVICT=K.EVICTION)
+                          ONE_SPLIT=splits == 1, HAS_WINDOW=window, DOT_FP32=False,
+                          EVICT=K.EVICTION)
             out[f"split {name} splits={splits} window={window}"] = compile(
                 K._split_kernel, split_args, consts, {"num_warps": warps, "num_stages": stages})
     out["merge"] = compile(K._merge_kernel, merge_args,
-                           dict(HEAD_DIM=128, SPLITS=4, BLOCK_S=4), {"num_warps": 1})
+                           dict(HEAD_DIM=128, BLOCK_S=K.MAX_SPLITS), {"num_warps": 4})
     # The fused decode kernels (issue 25), as the engine launches them.
     from imp_mem.engine.model import _fused_kernels as F
     out["add_rms"] = compile(

@@ -68,7 +68,10 @@ EVICTION = "evict_first"
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# `splits` is a value, not a constant, and never specialised, so that every
+# batch bucket of an engine (each its own split count) runs one compiled
+# kernel: a cold boot compiled seven before (session 22).
+@triton.jit(do_not_specialize=["splits"])
 def _split_kernel(
     Q,
     KV,
@@ -93,12 +96,13 @@ def _split_kernel(
     stride_outh,
     window,
     qk_scale,
+    splits,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
-    SPLITS: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVICT: tl.constexpr,
@@ -112,7 +116,7 @@ def _split_kernel(
         lo = tl.maximum(ctx - window, 0)
     # This split's part of the live range, whole tiles; the last may be short
     # and trailing ones empty.
-    per = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), TILE) * TILE
+    per = tl.cdiv(tl.cdiv(ctx - lo, splits), TILE) * TILE
     start = lo + split * per
     end = tl.minimum(start + per, ctx)
     n_tiles = tl.cdiv(tl.maximum(end - start, 0), TILE)
@@ -162,7 +166,7 @@ def _split_kernel(
         m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if SPLITS == 1:
+    if ONE_SPLIT:
         tl.store(
             OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
             out.to(OUT.dtype.element_ty),
@@ -180,7 +184,7 @@ def _split_kernel(
         tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(
     O_PART,
     LSE_PART,
@@ -192,15 +196,15 @@ def _merge_kernel(
     stride_lh,
     stride_outb,
     stride_outh,
+    splits,
     HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(
-        LSE_PART + b * stride_lb + h * stride_lh + s, mask=s < SPLITS, other=float("-inf")
+        LSE_PART + b * stride_lb + h * stride_lh + s, mask=s < splits, other=float("-inf")
     )
     live = lse > float("-inf")
     w = tl.where(live, tl.exp2(lse - tl.max(lse, 0)), 0.0)
@@ -282,7 +286,9 @@ def paged_decode(
     out = torch.empty_like(q)
     if splits > 1:
         o_part = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+        # Room for MAX_SPLITS a row whatever `splits`: the strides, which
+        # Triton specialises on, stay the same across batch buckets.
+        lse_part = torch.empty(batch, heads, MAX_SPLITS, dtype=torch.float32, device=q.device)
     else:
         # Not written: the program stores the output itself.
         o_part = lse_part = out
@@ -312,12 +318,13 @@ def paged_decode(
         out.stride(1),
         window if has_window else 0,
         scale * LOG2E,
+        splits,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=tile,
-        SPLITS=splits,
+        ONE_SPLIT=splits == 1,
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
         EVICT=EVICTION,
@@ -336,9 +343,9 @@ def paged_decode(
             lse_part.stride(1),
             out.stride(0),
             out.stride(1),
+            splits,
             HEAD_DIM=head_dim,
-            SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=1,
+            BLOCK_S=MAX_SPLITS,
+            num_warps=4,
         )
     return out
