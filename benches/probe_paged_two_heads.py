@@ -1,0 +1,253 @@
+"""Does a program over two KV heads read the pages faster? (issue 25; GPU)
+
+At batch 64 x 1 k the engine's kernel (one split a sequence, 32-token tiles
+pipelined 5 deep, 2 warps: 38.4 KiB of shared memory and 128 registers, so
+its 512 programs are one wave) streams at the plain read's rate but loses
+~8.5 us a call to its ramp and drain (83 % of the HBM peak; shapes with
+twice the bytes reach 87-88 %). This probe times, in one process and on the
+same pages, the engine's kernel beside two variants with half the programs,
+each covering two KV heads, twice as long:
+
+* ``side``: the two heads' rows side by side in every tile (a token's two
+  heads are adjacent in the pool: one 512-byte run), each query row scoring
+  every column and keeping its own head's; one straight pipelined loop;
+* ``seq``: the two heads one after another in one flat loop, the softmax
+  restarted at the second head's first tile and the output stored under a
+  mask every iteration (no branch in the loop: session 22's first try, a
+  store inside an ``if``, took 116 us).
+
+One split, no window: what the probe needs, not what the engine would.
+
+    python benches/probe_paged_two_heads.py [--batch 64] [--ctx 1024]
+        [--configs TILE:WARPS:STAGES,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import triton
+import triton.language as tl
+from bench_json import write_json
+from bench_paged_attention import graph_time_us
+
+from imp_mem.engine.model import _paged_kernel as pk
+
+
+@triton.jit
+def _side_kernel(
+    Q, KV, TABLES, POS, OUT,
+    stride_qb, stride_qh, stride_kvb, stride_kvkv, stride_kvt, stride_kvh, stride_tb,
+    stride_outb, stride_outh, qk_scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    # Rows: GROUP query heads of KV head kvh0, then GROUP of kvh0 + 1, then
+    # padding. Columns: TILE tokens x 2 heads, a token's two heads adjacent.
+    b = tl.program_id(0)
+    kvh0 = tl.program_id(1) * 2
+    ctx = tl.load(POS + b).to(tl.int64) + 1
+    n_tiles = tl.cdiv(ctx, TILE)
+    r = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, 2 * TILE)
+    rmask = r < 2 * GROUP
+    heads = kvh0 * GROUP + r
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    col_head = c % 2
+    mine = (r // GROUP)[:, None] == col_head[None, :]
+    head_base = (kvh0 + col_head).to(tl.int64) * stride_kvh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    table = TABLES + b * stride_tb
+    for i in range(0, n_tiles):
+        t = i * TILE + c // 2
+        valid = t < ctx
+        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
+        valid = valid & (block >= 0)
+        offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
+        k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
+                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(mine & valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=rmask[:, None],
+    )
+
+
+@triton.jit
+def _seq_kernel(
+    Q, KV, TABLES, POS, OUT,
+    stride_qb, stride_qh, stride_kvb, stride_kvkv, stride_kvt, stride_kvh, stride_tb,
+    stride_outb, stride_outh, qk_scale,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kvh0 = tl.program_id(1) * 2
+    ctx = tl.load(POS + b).to(tl.int64) + 1
+    n_tiles = tl.cdiv(ctx, TILE)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, TILE)
+    gmask = g < GROUP
+    q0 = tl.load(Q + b * stride_qb + (kvh0 * GROUP + g)[:, None] * stride_qh + d[None, :],
+                 mask=gmask[:, None], other=0.0)  # fmt: skip
+    q1 = tl.load(Q + b * stride_qb + ((kvh0 + 1) * GROUP + g)[:, None] * stride_qh + d[None, :],
+                 mask=gmask[:, None], other=0.0)  # fmt: skip
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    table = TABLES + b * stride_tb
+    for i in range(0, 2 * n_tiles):
+        second = i >= n_tiles
+        j = tl.where(second, i - n_tiles, i)
+        fresh = j == 0
+        m_i = tl.where(fresh, float("-inf"), m_i)
+        l_i = tl.where(fresh, 0.0, l_i)
+        acc = tl.where(fresh, 0.0, acc)
+        q = tl.where(second, q1, q0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        kvh = kvh0 + second.to(tl.int32)
+        t = j * TILE + c
+        valid = t < ctx
+        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
+        valid = valid & (block >= 0)
+        offs = (block.to(tl.int64) * stride_kvb + kvh.to(tl.int64) * stride_kvh
+                + (t % BLOCK_SIZE) * stride_kvt)  # fmt: skip
+        k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
+                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        # The head's last tile: its output, under a mask (no branch).
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            OUT + b * stride_outb + (kvh * GROUP + g)[:, None] * stride_outh + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=(gmask & (g * 0 + j == n_tiles - 1))[:, None],
+        )
+
+
+def two_heads(kernel, q, kv, layer, tables, pos, *, scale, tile, warps, stages):
+    """`kernel` over ``(batch, kv_heads / 2)`` programs; one split, no window."""
+    batch, heads, head_dim = q.shape
+    kv_heads = kv.shape[4]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    pages = kv[:, layer]
+    rows = 2 * group if kernel is _side_kernel else group
+    kernel[(batch, kv_heads // 2)](
+        q, pages, tables, pos, out,
+        q.stride(0), q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2),
+        pages.stride(3), tables.stride(0), out.stride(0), out.stride(1), scale * pk.LOG2E,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(rows)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=kv.shape[3], TILE=tile, DOT_FP32=pk._INTERPRETING, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--peak-tbs", type=float, default=4.8)
+    ap.add_argument(
+        "--configs",
+        default="16:2:5,16:4:5,16:2:4,32:4:4,32:2:3,16:2:3,16:1:4",
+        help="TILE:WARPS:STAGES for the variants (side's tile is tokens; 2 heads each)",
+    )
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    batch, ctx, bs, kv_heads, heads, d = args.batch, args.ctx, 16, 8, 32, 128
+    width = -(-(ctx + 1) // bs)
+    n = batch * width + 1
+    pool = torch.randn(n, 1, 2, bs, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    order = list(range(1, n))
+    random.Random(1).shuffle(order)
+    tables = torch.tensor(
+        [order[r * width : (r + 1) * width] for r in range(batch)], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
+    pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+    nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
+    peak = args.peak_tbs * 1e12
+    scale = d**-0.5
+
+    def engine():
+        return pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=scale)
+
+    ref = engine()
+    rows = [{"variant": "engine", "us": graph_time_us(engine, 10, 20)}]
+    print(f"batch {batch} ctx {ctx}: {nbytes / 1e6:.1f} MB a call", flush=True)
+    for kernel, name in ((_side_kernel, "side"), (_seq_kernel, "seq")):
+        for cfg in args.configs.split(","):
+            tile, warps, stages = (int(x) for x in cfg.split(":"))
+            kw = dict(scale=scale, tile=tile, warps=warps, stages=stages)
+
+            def fn(kernel=kernel, kw=kw):
+                return two_heads(kernel, q, pool, 0, tables, pos, **kw)
+
+            try:
+                err = (fn().float() - ref.float()).abs().max().item()
+                us = graph_time_us(fn, 10, 20)
+            except Exception as e:  # a configuration that does not compile or fit
+                print(f"skip {name} {cfg}: {type(e).__name__} {str(e)[:160]}", flush=True)
+                continue
+            rows.append({"variant": name, "config": cfg, "us": us, "max_err": err})
+            print(f"{name:6s} {cfg:8s} {us:7.1f} us  err {err:.1e}", flush=True)
+    for r in rows:
+        r["fraction"] = nbytes / (r["us"] * 1e-6) / peak
+    rows.sort(key=lambda r: r["us"])
+    for r in rows:
+        print(f"{r['fraction'] * 100:5.1f} %  {r['us']:7.1f} us  {r['variant']} "
+              f"{r.get('config', '')}")  # fmt: skip
+    engine_row = next(r for r in rows if r["variant"] == "engine")
+    print(f"SUMMARY engine {engine_row['us']:.1f} us ({engine_row['fraction'] * 100:.1f} %); "
+          f"best {rows[0]['variant']} {rows[0].get('config', '')} {rows[0]['us']:.1f} us "
+          f"({rows[0]['fraction'] * 100:.1f} %)")  # fmt: skip
+    write_json(args.json, {"rows": rows, "bytes": nbytes})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
