@@ -25,13 +25,13 @@ One split, no window: what the probe needs, not what the engine would.
 from __future__ import annotations
 
 import argparse
-import random
 
 import torch
 import triton
 import triton.language as tl
 from bench_json import write_json
 from bench_paged_attention import graph_time_us
+from sweep_paged_kernel import paged_case
 
 from imp_mem.engine.model import _paged_kernel as pk
 
@@ -58,8 +58,6 @@ def _side_kernel(
     q = tl.load(
         Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rmask[:, None], other=0.0
     )
-    if DOT_FP32:
-        q = q.to(tl.float32)
     col_head = c % 2
     mine = (r // GROUP)[:, None] == col_head[None, :]
     head_base = (kvh0 + col_head).to(tl.int64) * stride_kvh
@@ -77,20 +75,9 @@ def _side_kernel(
                     eviction_policy="evict_first")  # fmt: skip
         v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
                     other=0.0, eviction_policy="evict_first")  # fmt: skip
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(mine & valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = pk.fold_tile(
+            q, k, v, mine & valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32
+        )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
@@ -131,8 +118,6 @@ def _seq_kernel(
         l_i = tl.where(fresh, 0.0, l_i)
         acc = tl.where(fresh, 0.0, acc)
         q = tl.where(second, q1, q0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
         kvh = kvh0 + second.to(tl.int32)
         t = j * TILE + c
         valid = t < ctx
@@ -144,20 +129,7 @@ def _seq_kernel(
                     eviction_policy="evict_first")  # fmt: skip
         v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
                     other=0.0, eviction_policy="evict_first")  # fmt: skip
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = pk.fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
         # The head's last tile: its output, under a mask (no branch).
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -198,18 +170,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
-    batch, ctx, bs, kv_heads, heads, d = args.batch, args.ctx, 16, 8, 32, 128
-    width = -(-(ctx + 1) // bs)
-    n = batch * width + 1
-    pool = torch.randn(n, 1, 2, bs, kv_heads, d, dtype=torch.bfloat16, device="cuda")
-    order = list(range(1, n))
-    random.Random(1).shuffle(order)
-    tables = torch.tensor(
-        [order[r * width : (r + 1) * width] for r in range(batch)], dtype=torch.int32, device="cuda"
-    )
-    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
-    pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
-    nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
+    batch, ctx, d = args.batch, args.ctx, 128
+    pool, tables, q, pos = paged_case(batch, ctx)
+    nbytes = batch * (ctx + 1) * pool.shape[4] * d * 2 * 2
     peak = args.peak_tbs * 1e12
     scale = d**-0.5
 

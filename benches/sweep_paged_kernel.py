@@ -19,6 +19,26 @@ from bench_json import write_json
 from bench_paged_attention import graph_time_us
 
 
+def paged_case(batch: int, ctx: int, block_size: int = 16, kv_heads: int = 8, heads: int = 32):
+    """Qwen3-8B's heads over `batch` sequences of `ctx` + 1 tokens in
+    shuffled pages (one layer, bf16, random): ``(pool, tables, q,
+    positions)`` on the GPU."""
+    import torch
+
+    d = 128
+    width = -(-(ctx + 1) // block_size)
+    n = batch * width + 1
+    pool = torch.randn(n, 1, 2, block_size, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    order = list(range(1, n))
+    random.Random(1).shuffle(order)
+    tables = torch.tensor(
+        [order[r * width : (r + 1) * width] for r in range(batch)], dtype=torch.int32, device="cuda"
+    )
+    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
+    pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+    return pool, tables, q, pos
+
+
 class _NoLaunch:
     """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
 
@@ -46,17 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
-    kv_heads, heads, d = 8, 32, 128
-    width = -(-(ctx + 1) // bs)
-    n = batch * width + 1
-    pool = torch.randn(n, 1, 2, bs, kv_heads, d, dtype=torch.bfloat16, device="cuda")
-    order = list(range(1, n))
-    random.Random(1).shuffle(order)
-    tables = torch.tensor(
-        [order[r * width : (r + 1) * width] for r in range(batch)], dtype=torch.int32, device="cuda"
-    )
-    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
-    pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+    kv_heads, d = 8, 128
+    pool, tables, q, pos = paged_case(batch, ctx, bs)
     nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
     peak = args.peak_tbs * 1e12
     ref = pk.paged_decode(q, pool, 0, tables, pos, window=None, scale=d**-0.5)

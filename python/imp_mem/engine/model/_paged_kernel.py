@@ -68,6 +68,32 @@ EVICTION = "evict_first"
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def fold_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constexpr):
+    """Folds one tile of keys `k` and values `v` (rows of tokens) into an
+    online softmax over base 2 in float32: running max `m_i`, sum `l_i` and
+    output `acc` for the query rows of `q`. `keep` (broadcast to [rows,
+    columns]) masks the scores. P is rounded to the values' dtype before
+    P @ V, as on the GPU also under the interpreter (`DOT_FP32`: there bf16
+    tiles multiply wrongly, so both dots run in float32). The decode and
+    prefill kernels share it."""
+    if DOT_FP32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 # `splits` is a value, not a constant, and never specialised, so that every
 # batch bucket of an engine (each its own split count) runs one compiled
 # kernel: a cold boot compiled seven before (session 22).
@@ -128,8 +154,6 @@ def _split_kernel(
     q = tl.load(
         Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
     )
-    if DOT_FP32:
-        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -150,20 +174,7 @@ def _split_kernel(
             other=0.0,
             eviction_policy=EVICT,
         )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if ONE_SPLIT:

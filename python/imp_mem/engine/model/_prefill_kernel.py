@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from imp_mem.engine.model._paged_kernel import fold_tile
+
 LOG2E = 1.4426950408889634
 
 # Under Triton's interpreter, bf16 tiles multiply wrongly in tl.dot (see
@@ -93,8 +95,6 @@ def _varlen_kernel(
             mask=qmask[:, None] & dmask[None, :],
             other=0.0,
         )
-        if DOT_FP32:
-            q = q.to(tl.float32)
         hi = start + tl.minimum(n, first + BLOCK_M)
         lo = hi * 0
         if HAS_WINDOW:
@@ -115,23 +115,10 @@ def _varlen_kernel(
             kvmask = valid[:, None] & dmask[None, :]
             k = tl.load(KV + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
             v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=kvmask, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
             allowed = valid[None, :] & (t[None, :] <= qpos[:, None])
             if HAS_WINDOW:
                 allowed = allowed & (t[None, :] > qpos[:, None] - window)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_FP32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = fold_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, DOT_FP32)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             OUT + (q0 + m)[:, None] * stride_ot + h * stride_oh + d[None, :],
