@@ -303,6 +303,8 @@ def paged_decode(
     else:
         # Not written: the program stores the output itself.
         o_part = lse_part = out
+    # Where the programs write: the partials' and the output's strides.
+    results = (*o_part.stride()[:3], *lse_part.stride()[:2], *out.stride()[:2])
     has_window = window is not None
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
     _split_kernel[(batch, kv_heads, splits)](
@@ -320,13 +322,7 @@ def paged_decode(
         pages.stride(2),
         pages.stride(3),
         block_tables.stride(0),
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
-        out.stride(0),
-        out.stride(1),
+        *results,
         window if has_window else 0,
         scale * LOG2E,
         splits,
@@ -347,13 +343,7 @@ def paged_decode(
             o_part,
             lse_part,
             out,
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse_part.stride(0),
-            lse_part.stride(1),
-            out.stride(0),
-            out.stride(1),
+            *results,
             splits,
             HEAD_DIM=head_dim,
             BLOCK_S=MAX_SPLITS,
