@@ -1,12 +1,17 @@
-"""Does a program over two KV heads read the pages faster? (issue 25; GPU)
+"""Variants of the paged decode kernel against the engine's (issue 25; GPU)
 
 At batch 64 x 1 k the engine's kernel (one split a sequence, 32-token tiles
 pipelined 5 deep, 2 warps: 38.4 KiB of shared memory and 128 registers, so
 its 512 programs are one wave) streams at the plain read's rate but loses
 ~8.5 us a call to its ramp and drain (83 % of the HBM peak; shapes with
 twice the bytes reach 87-88 %). This probe times, in one process and on the
-same pages, the engine's kernel beside two variants with half the programs,
-each covering two KV heads, twice as long:
+same pages, the engine's kernel beside three variants:
+
+* ``early``: one KV head a program, as the engine's, its first tile's loads
+  issued before the position is known (bounded by the table's width, V past
+  the context zeroed), so the ramp waits on the table alone;
+
+and two with half the programs, each covering two KV heads, twice as long:
 
 * ``side``: the two heads' rows side by side in every tile (a token's two
   heads are adjacent in the pool: one 512-byte run), each query row scoring
@@ -18,7 +23,7 @@ each covering two KV heads, twice as long:
 
 One split, no window: what the probe needs, not what the engine would.
 
-    python benches/probe_paged_two_heads.py [--batch 64] [--ctx 1024]
+    python benches/probe_paged_variants.py [--batch 64] [--ctx 1024]
         [--configs TILE:WARPS:STAGES,...] [--json out.json]
 """
 
@@ -40,7 +45,7 @@ from imp_mem.engine.model import _paged_kernel as pk
 def _side_kernel(
     Q, KV, TABLES, POS, OUT,
     stride_qb, stride_qh, stride_kvb, stride_kvkv, stride_kvt, stride_kvh, stride_tb,
-    stride_outb, stride_outh, qk_scale,
+    stride_outb, stride_outh, qk_scale, width,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -90,7 +95,7 @@ def _side_kernel(
 def _seq_kernel(
     Q, KV, TABLES, POS, OUT,
     stride_qb, stride_qh, stride_kvb, stride_kvkv, stride_kvt, stride_kvh, stride_tb,
-    stride_outb, stride_outh, qk_scale,
+    stride_outb, stride_outh, qk_scale, width,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -139,18 +144,77 @@ def _seq_kernel(
         )
 
 
+@triton.jit
+def _early_kernel(
+    Q, KV, TABLES, POS, OUT,
+    stride_qb, stride_qh, stride_kvb, stride_kvkv, stride_kvt, stride_kvh, stride_tb,
+    stride_outb, stride_outh, qk_scale, width,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    # One KV head a program, as the engine's kernel, but the first tile's
+    # loads go out before the position is known: bounded by the table's
+    # width, not the context, so they wait on the table alone; V past the
+    # context (a block's unwritten slots: any bits) is zeroed before P @ V.
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, TILE)
+    gmask = g < GROUP
+    table = TABLES + b * stride_tb
+    head_base = kvh.to(tl.int64) * stride_kvh
+    block = tl.load(table + c // BLOCK_SIZE, mask=c // BLOCK_SIZE < width, other=-1)
+    offs = block.to(tl.int64) * stride_kvb + head_base + (c % BLOCK_SIZE) * stride_kvt
+    k = tl.load(KV + offs[:, None] + d[None, :], mask=(block >= 0)[:, None], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=(block >= 0)[:, None],
+                other=0.0, eviction_policy="evict_first")  # fmt: skip
+    heads = kvh * GROUP + g
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
+    )
+    ctx = tl.load(POS + b).to(tl.int64) + 1
+    valid = (c < ctx) & (block >= 0)
+    v = tl.where(valid[:, None], v, 0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = pk.fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
+    for i in range(1, tl.cdiv(ctx, TILE)):
+        t = i * TILE + c
+        valid = t < ctx
+        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
+        valid = valid & (block >= 0)
+        offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
+        k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
+                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        m_i, l_i, acc = pk.fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=gmask[:, None],
+    )
+
+
 def two_heads(kernel, q, kv, layer, tables, pos, *, scale, tile, warps, stages):
-    """`kernel` over ``(batch, kv_heads / 2)`` programs; one split, no window."""
+    """`kernel` over ``(batch, kv_heads / 2)`` programs (``_early_kernel``:
+    ``kv_heads``); one split, no window."""
     batch, heads, head_dim = q.shape
     kv_heads = kv.shape[4]
     group = heads // kv_heads
     out = torch.empty_like(q)
     pages = kv[:, layer]
     rows = 2 * group if kernel is _side_kernel else group
-    kernel[(batch, kv_heads // 2)](
+    per = 1 if kernel is _early_kernel else 2
+    kernel[(batch, kv_heads // per)](
         q, pages, tables, pos, out,
         q.stride(0), q.stride(1), pages.stride(0), pages.stride(1), pages.stride(2),
         pages.stride(3), tables.stride(0), out.stride(0), out.stride(1), scale * pk.LOG2E,
+        tables.shape[1],
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(rows)), HEAD_DIM=head_dim,
         BLOCK_SIZE=kv.shape[3], TILE=tile, DOT_FP32=pk._INTERPRETING, num_warps=warps,
         num_stages=stages,
@@ -165,7 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--peak-tbs", type=float, default=4.8)
     ap.add_argument(
         "--configs",
-        default="16:2:5,16:4:5,16:2:4,32:4:4,32:2:3,16:2:3,16:1:4",
+        default="32:2:5,16:2:5,16:4:5,16:2:4,32:4:4,32:2:3,16:1:4",
         help="TILE:WARPS:STAGES for the variants (side's tile is tokens; 2 heads each)",
     )
     ap.add_argument("--json", help="write the rows here")
@@ -182,7 +246,8 @@ def main(argv=None) -> int:
     ref = engine()
     rows = [{"variant": "engine", "us": graph_time_us(engine, 10, 20)}]
     print(f"batch {batch} ctx {ctx}: {nbytes / 1e6:.1f} MB a call", flush=True)
-    for kernel, name in ((_side_kernel, "side"), (_seq_kernel, "seq")):
+    variants = ((_early_kernel, "early"), (_side_kernel, "side"), (_seq_kernel, "seq"))
+    for kernel, name in variants:
         for cfg in args.configs.split(","):
             tile, warps, stages = (int(x) for x in cfg.split(":"))
             kw = dict(scale=scale, tile=tile, warps=warps, stages=stages)
