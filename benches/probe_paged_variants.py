@@ -42,6 +42,21 @@ from imp_mem.engine.model import _paged_kernel as pk
 
 
 @triton.jit
+def _tile_kv(KV, table, t, in_range, head_base, d, stride_kvb, stride_kvkv, stride_kvt,
+             BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """K and V of tokens `t` (where `in_range` and not in a hole; 0 elsewhere)
+    and that mask; `head_base` may differ by token."""
+    block = tl.load(table + t // BLOCK_SIZE, mask=in_range, other=-1)
+    valid = in_range & (block >= 0)
+    offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
+    k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    return k, v, valid
+
+
+@triton.jit
 def _side_kernel(
     Q, KV, TABLES, POS, OUT,
     stride_qb, stride_qh, stride_kvb, stride_kvkv, stride_kvt, stride_kvh, stride_tb,
@@ -72,14 +87,8 @@ def _side_kernel(
     table = TABLES + b * stride_tb
     for i in range(0, n_tiles):
         t = i * TILE + c // 2
-        valid = t < ctx
-        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
-        valid = valid & (block >= 0)
-        offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
-        k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-        v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
-                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        k, v, valid = _tile_kv(KV, table, t, t < ctx, head_base, d, stride_kvb, stride_kvkv,
+                               stride_kvt, BLOCK_SIZE)  # fmt: skip
         m_i, l_i, acc = pk.fold_tile(
             q, k, v, mine & valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32
         )
@@ -125,15 +134,8 @@ def _seq_kernel(
         q = tl.where(second, q1, q0)
         kvh = kvh0 + second.to(tl.int32)
         t = j * TILE + c
-        valid = t < ctx
-        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
-        valid = valid & (block >= 0)
-        offs = (block.to(tl.int64) * stride_kvb + kvh.to(tl.int64) * stride_kvh
-                + (t % BLOCK_SIZE) * stride_kvt)  # fmt: skip
-        k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-        v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
-                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        k, v, valid = _tile_kv(KV, table, t, t < ctx, kvh.to(tl.int64) * stride_kvh, d,
+                               stride_kvb, stride_kvkv, stride_kvt, BLOCK_SIZE)  # fmt: skip
         m_i, l_i, acc = pk.fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
         # The head's last tile: its output, under a mask (no branch).
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -164,18 +166,14 @@ def _early_kernel(
     gmask = g < GROUP
     table = TABLES + b * stride_tb
     head_base = kvh.to(tl.int64) * stride_kvh
-    block = tl.load(table + c // BLOCK_SIZE, mask=c // BLOCK_SIZE < width, other=-1)
-    offs = block.to(tl.int64) * stride_kvb + head_base + (c % BLOCK_SIZE) * stride_kvt
-    k = tl.load(KV + offs[:, None] + d[None, :], mask=(block >= 0)[:, None], other=0.0,
-                eviction_policy="evict_first")  # fmt: skip
-    v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=(block >= 0)[:, None],
-                other=0.0, eviction_policy="evict_first")  # fmt: skip
+    k, v, loaded = _tile_kv(KV, table, c, c // BLOCK_SIZE < width, head_base, d, stride_kvb,
+                            stride_kvkv, stride_kvt, BLOCK_SIZE)  # fmt: skip
     heads = kvh * GROUP + g
     q = tl.load(
         Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
     )
     ctx = tl.load(POS + b).to(tl.int64) + 1
-    valid = (c < ctx) & (block >= 0)
+    valid = (c < ctx) & loaded
     v = tl.where(valid[:, None], v, 0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -183,14 +181,8 @@ def _early_kernel(
     m_i, l_i, acc = pk.fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
     for i in range(1, tl.cdiv(ctx, TILE)):
         t = i * TILE + c
-        valid = t < ctx
-        block = tl.load(table + t // BLOCK_SIZE, mask=valid, other=-1)
-        valid = valid & (block >= 0)
-        offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
-        k = tl.load(KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-        v = tl.load(KV + stride_kvkv + offs[:, None] + d[None, :], mask=valid[:, None],
-                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        k, v, valid = _tile_kv(KV, table, t, t < ctx, head_base, d, stride_kvb, stride_kvkv,
+                               stride_kvt, BLOCK_SIZE)  # fmt: skip
         m_i, l_i, acc = pk.fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
