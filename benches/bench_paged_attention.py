@@ -165,7 +165,7 @@ def sweep(q, kv, tables, positions, args, roofline) -> None:
         except Exception as err:  # a configuration that does not compile or fit
             print(f"  splits={splits} tile={tile} warps={warps} stages={stages}: {err}")
     results.sort()
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _paged_kernel._sm_count(q.device.index or 0)
     kv_heads = kv.shape[4]
     default = _paged_kernel.choose_splits(q.shape[0], kv_heads, tables.shape[1], BLOCK, sms)
     tile, warps, stages = _paged_kernel.launch_defaults(q.shape[0] * kv_heads * default, sms)

@@ -58,7 +58,8 @@ PROGRAMS_PER_SM = 3
 FEW_PROGRAMS = (32, 2, 5)  # tile, warps, stages
 MANY_PROGRAMS = (16, 1, 4)
 MANY_PROGRAMS_PER_SM = 5
-DEFAULT_TILE, DEFAULT_WARPS, DEFAULT_STAGES = FEW_PROGRAMS
+# The SMs the defaults assume off a GPU (under the interpreter): an H200's.
+INTERPRETER_SMS = 132
 # K and V are read once a call: first out of L2.
 EVICTION = "evict_first"
 
@@ -290,7 +291,7 @@ def paged_decode(
             f"paged_decode: splits must be at most MAX_SPLITS = {MAX_SPLITS} (got {splits})"
         )
     group = heads // kv_heads
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else INTERPRETER_SMS
     splits = splits or choose_splits(batch, kv_heads, width, block_size, sms)
     d_tile, d_warps, d_stages = launch_defaults(batch * kv_heads * splits, sms)
     tile = max(16, triton.next_power_of_2(tile or d_tile))

@@ -28,20 +28,15 @@ No state; each call allocates its output only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from imp_mem.engine.model._paged_kernel import fold_tile
+# Under Triton's interpreter (`_INTERPRETING`) bf16 tiles multiply wrongly
+# in tl.dot; `fold_tile` rounds P to the input dtype as on the GPU, then
+# multiplies in float32.
+from imp_mem.engine.model._paged_kernel import _INTERPRETING, LOG2E, fold_tile
 
-LOG2E = 1.4426950408889634
-
-# Under Triton's interpreter, bf16 tiles multiply wrongly in tl.dot (see
-# `_paged_kernel`): P is rounded to the input dtype as on the GPU, then
-# multiplied in float32.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if _INTERPRETING else 64
 BLOCK_N = 16 if _INTERPRETING else 64
 WARPS = 4
