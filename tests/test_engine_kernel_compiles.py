@@ -59,8 +59,10 @@ SCRIPT = textwrap.dedent(
         return {"cubin": len(c.asm["cubin"]), "registers": int(regs.group(1)),
                 "spill_bytes": int(spills.group(1))}
 
-    # Pointers, 14 strides and the window, the scale, the split count.
-    split_args = (["*bf16", "*bf16", "*i32", "*i64", "*fp32", "*fp32", "*bf16"] + ["i32"] * 15
+    # Pointers (the last the probes' stamps), 14 strides and the window, the
+    # scale, the split count.
+    split_args = (["*bf16", "*bf16", "*i32", "*i64", "*fp32", "*fp32", "*bf16", "*i64"]
+                  + ["i32"] * 15
                   + ["fp32", "i32"])
     merge_args = ["*fp32", "*fp32", "*bf16"] + ["i32"] * 8
     out = {}
@@ -71,9 +73,16 @@ SCRIPT = textwrap.dedent(
         for splits, window in ((1, False), (4, True)):
             consts = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=tile,
                           ONE_SPLIT=splits == 1, HAS_WINDOW=window, DOT_FP32=False,
-                          EVICT=K.EVICTION)
+                          EVICT=K.EVICTION, STAMP=False)
             out[f"split {name} splits={splits} window={window}"] = compile(
                 K._split_kernel, split_args, consts, {"num_warps": warps, "num_stages": stages})
+    # The probes' stamped kernel (inline PTX for the timer and the SM id).
+    out["split few stamped"] = compile(
+        K._split_kernel, split_args,
+        dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, TILE=K.FEW_PROGRAMS[0],
+             ONE_SPLIT=True, HAS_WINDOW=False, DOT_FP32=False, EVICT=K.EVICTION,
+             STAMP=True),
+        {"num_warps": K.FEW_PROGRAMS[1], "num_stages": K.FEW_PROGRAMS[2]})
     out["merge"] = compile(K._merge_kernel, merge_args,
                            dict(HEAD_DIM=128, BLOCK_S=K.MAX_SPLITS), {"num_warps": 4})
     # The fused decode kernels (issue 25), as the engine launches them.
@@ -101,7 +110,7 @@ def test_kernels_compile_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(result) == 9
+    assert len(result) == 10
     for name, kernel in result.items():
         assert kernel["cubin"] > 0, name
         assert kernel["spill_bytes"] == 0, f"{name} spills registers: {kernel}"

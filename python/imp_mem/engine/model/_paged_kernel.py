@@ -70,6 +70,21 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _stamp(STAMPS, program, k: tl.constexpr):
+    """Writes the global timer (ns) to ``STAMPS[program, k]`` and, with the
+    first, the SM this program runs on to ``STAMPS[program, 4]``."""
+    now = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+    tl.store(STAMPS + program * 5 + k, now)
+    if k == 0:
+        sm = tl.inline_asm_elementwise(
+            "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1
+        )
+        tl.store(STAMPS + program * 5 + 4, sm.to(tl.int64))
+
+
+@triton.jit
 def fold_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constexpr):
     """Folds one tile of keys `k` and values `v` (rows of tokens) into an
     online softmax over base 2 in float32: running max `m_i`, sum `l_i` and
@@ -107,6 +122,7 @@ def _split_kernel(
     O_PART,
     LSE_PART,
     OUT,
+    STAMPS,
     stride_qb,
     stride_qh,
     stride_kvb,
@@ -133,10 +149,14 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVICT: tl.constexpr,
+    STAMP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    program = (b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split
+    if STAMP:
+        _stamp(STAMPS, program, 0)
     ctx = tl.load(POS + b).to(tl.int64) + 1
     lo = ctx * 0
     if HAS_WINDOW:
@@ -160,6 +180,8 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     head_base = kvh.to(tl.int64) * stride_kvh
     table = TABLES + b * stride_tb
+    if STAMP:
+        _stamp(STAMPS, program, 1)
     for i in range(0, n_tiles):
         t = start + i * TILE + c
         valid = t < end
@@ -167,7 +189,10 @@ def _split_kernel(
         valid = valid & (block >= 0)
         offs = block.to(tl.int64) * stride_kvb + head_base + (t % BLOCK_SIZE) * stride_kvt
         k = tl.load(
-            KV + offs[:, None] + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT
+            KV + offs[:, None] + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
+            eviction_policy=EVICT,
         )
         v = tl.load(
             KV + stride_kvkv + offs[:, None] + d[None, :],
@@ -176,6 +201,8 @@ def _split_kernel(
             eviction_policy=EVICT,
         )
         m_i, l_i, acc = fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
+    if STAMP:
+        _stamp(STAMPS, program, 2)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if ONE_SPLIT:
@@ -194,6 +221,8 @@ def _split_kernel(
             mask=gmask[:, None],
         )
         tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+    if STAMP:
+        _stamp(STAMPS, program, 3)
 
 
 @triton.jit(do_not_specialize=["splits"])
@@ -267,11 +296,15 @@ def paged_decode(
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    stamps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype. ``splits``: parts each sequence's live key
     range is cut into (`choose_splits` by default); ``tile``, ``num_warps``,
-    ``num_stages``: the launch (`launch_defaults` by default)."""
+    ``num_stages``: the launch (`launch_defaults` by default). ``stamps``
+    (GPU only, for probes): an int64 ``[programs, 5]`` tensor that each
+    program of the split kernel fills with the global timer (ns) at its
+    start, before its loop, after it and at its end, then its SM."""
     batch, heads, head_dim = q.shape
     _, _, _, block_size, kv_heads, kv_dim = kv.shape
     width = block_tables.shape[1]
@@ -306,6 +339,12 @@ def paged_decode(
         o_part = lse_part = out
     # Where the programs write: the partials' and the output's strides.
     results = (*o_part.stride()[:3], *lse_part.stride()[:2], *out.stride()[:2])
+    programs = batch * kv_heads * splits
+    if stamps is not None and (stamps.shape != (programs, 5) or stamps.dtype != torch.int64):
+        raise InvalidArgument(
+            f"paged_decode: stamps must be an int64 tensor of shape ({programs}, 5), one row a "
+            f"program (got {stamps.dtype} {tuple(stamps.shape)})"
+        )
     has_window = window is not None
     pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
     _split_kernel[(batch, kv_heads, splits)](
@@ -316,6 +355,7 @@ def paged_decode(
         o_part,
         lse_part,
         out,
+        out if stamps is None else stamps,
         q.stride(0),
         q.stride(1),
         pages.stride(0),
@@ -336,6 +376,7 @@ def paged_decode(
         HAS_WINDOW=has_window,
         DOT_FP32=_INTERPRETING,
         EVICT=EVICTION,
+        STAMP=stamps is not None,
         num_warps=num_warps or d_warps,
         num_stages=num_stages or d_stages,
     )
