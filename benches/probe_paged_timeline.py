@@ -86,6 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", type=int, help="the engine's default if not given")
     ap.add_argument("--launch", help="TILE:WARPS:STAGES (the engine's default if not given)")
     ap.add_argument("--evict", help="the K/V loads' eviction policy (the engine's if not given)")
+    ap.add_argument(
+        "--layout",
+        choices=("nhd", "hnd"),
+        default="nhd",
+        help="the pool's memory order: the engine's (nhd) or each block's heads apart (hnd)",
+    )
     ap.add_argument("--peak-tbs", type=float, default=4.8)
     ap.add_argument("--calls", type=int, default=5, help="stamped calls; the median span is kept")
     ap.add_argument("--json", help="write the summary here")
@@ -94,7 +100,7 @@ def main(argv=None) -> int:
     batch, ctx, d = args.batch, args.ctx, 128
     if args.evict is not None:
         pk.EVICTION = args.evict
-    pool, tables, q, pos = paged_case(batch, ctx)
+    pool, tables, q, pos = paged_case(batch, ctx, layout=args.layout)
     kv_heads = pool.shape[4]
     nbytes = batch * (ctx + 1) * kv_heads * d * 2 * 2
     scale = d**-0.5
@@ -138,6 +144,7 @@ def main(argv=None) -> int:
         "ctx": ctx,
         "splits": splits,
         "launch": args.launch or "default",
+        "layout": args.layout,
         "evict": pk.EVICTION,
         "programs": programs,
         "sms": sms,
@@ -149,8 +156,8 @@ def main(argv=None) -> int:
         **calls[len(calls) // 2],
     }
     print(
-        f"batch {batch} ctx {ctx}: {splits} split(s), launch {args.launch or 'default'} "
-        f"{pk.EVICTION or '-'}, "
+        f"batch {batch} ctx {ctx}: {splits} split(s), {args.layout}, "
+        f"launch {args.launch or 'default'} {pk.EVICTION or '-'}, "
         f"{programs} programs on {sms} SMs; "
         f"{plain_us:.1f} us a call graph-timed ({summary['fraction_of_peak'] * 100:.1f} % of "
         f"the peak), {stamped_us:.1f} stamped; stamped output differs by {err:.1e}"

@@ -19,23 +19,42 @@ from bench_json import write_json
 from bench_paged_attention import graph_time_us
 
 
-def paged_case(batch: int, ctx: int, block_size: int = 16, kv_heads: int = 8, heads: int = 32):
+def paged_case(
+    batch: int,
+    ctx: int,
+    block_size: int = 16,
+    kv_heads: int = 8,
+    heads: int = 32,
+    layout: str = "nhd",
+    device: str = "cuda",
+):
     """Qwen3-8B's heads over `batch` sequences of `ctx` + 1 tokens in
     shuffled pages (one layer, bf16, random): ``(pool, tables, q,
-    positions)`` on the GPU."""
+    positions)`` on `device`. The pool has the engine's shape ``[blocks, 1,
+    2, block_size, kv_heads, head_dim]``; with ``layout="hnd"`` its memory
+    holds each block's heads one after another (``[..., kv_heads,
+    block_size, head_dim]``, FlashInfer's HND: a head's 16 tokens one 4 KiB
+    run) and the pool is a transposed view of it, which the kernel reads
+    through its strides."""
     import torch
 
     d = 128
     width = -(-(ctx + 1) // block_size)
     n = batch * width + 1
-    pool = torch.randn(n, 1, 2, block_size, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+    if layout == "nhd":
+        pool = torch.randn(n, 1, 2, block_size, kv_heads, d, dtype=torch.bfloat16, device=device)
+    elif layout == "hnd":
+        pool = torch.randn(n, 1, 2, kv_heads, block_size, d, dtype=torch.bfloat16, device=device)
+        pool = pool.transpose(3, 4)
+    else:
+        raise ValueError(f"layout: 'nhd' or 'hnd', not {layout!r}")
     order = list(range(1, n))
     random.Random(1).shuffle(order)
     tables = torch.tensor(
-        [order[r * width : (r + 1) * width] for r in range(batch)], dtype=torch.int32, device="cuda"
+        [order[r * width : (r + 1) * width] for r in range(batch)], dtype=torch.int32, device=device
     )
-    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
-    pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+    q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device=device)
+    pos = torch.full((batch,), ctx, dtype=torch.int64, device=device)
     return pool, tables, q, pos
 
 

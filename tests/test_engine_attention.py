@@ -5,8 +5,9 @@ runs on the GPU in ``tests/gpu/test_engine_attention_gpu.py``.
 
 Cases: GQA groups of 1, 2 and 3 (padded rows), several splits with the
 merge, a window that starts inside a split, holes (-1) in the table,
-padding rows on a scratch block, NaN in every slot no context covers, and
-a pool view that is a non-leading layer of a multi-layer pool.
+padding rows on a scratch block, NaN in every slot no context covers, a
+pool view that is a non-leading layer of a multi-layer pool, and a pool
+whose memory is head-major (read through its strides).
 """
 
 from __future__ import annotations
@@ -115,6 +116,30 @@ def test_every_split_count_matches_the_reference(splits, tile):
         tile=tile,
     )  # fmt: skip
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_head_major_pool_reads_the_same_through_its_strides(splits):
+    """The kernel takes the pool's strides, not its layout: the same values
+    with each block's heads one after another in memory (FlashInfer's HND,
+    as `benches/sweep_paged_kernel.paged_case(layout="hnd")` lays them out
+    to time it), seen through a transposed view, give the same output."""
+    q, kv, tables, positions = random_case(
+        7 + splits, batch=3, kv_heads=2, group=2, head_dim=16, block_size=4, width=10,
+        blocks=48, holes=True,
+    )  # fmt: skip
+    hnd = kv.transpose(3, 4).contiguous().transpose(3, 4)
+    assert hnd.shape == kv.shape and hnd.stride(3) == kv.shape[-1]
+    scale = q.shape[-1] ** -0.5
+    nhd_out = _paged_kernel.paged_decode(
+        q, kv, 2, tables, positions, window=None, scale=scale, splits=splits
+    )
+    hnd_out = _paged_kernel.paged_decode(
+        q, hnd, 2, tables, positions, window=None, scale=scale, splits=splits
+    )
+    torch.testing.assert_close(hnd_out, nhd_out, atol=0, rtol=0)
+    ref = paged_decode_attention_reference(q, kv, 2, tables, positions, window=None)
+    torch.testing.assert_close(hnd_out, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_a_sequence_of_holes_reads_zero():
