@@ -51,7 +51,7 @@ def clean_hooks():
 
 def misuse(stats: dict) -> dict:
     """The non-zero counters, without the call totals."""
-    skip = {"mallocs", "frees", "malloc_ok", "free_ok", "installed", "route"}
+    skip = {"mallocs", "frees", "malloc_ok", "free_ok", "installed", "route", "retired_pools"}
     return {k: v for k, v in stats.items() if k not in skip and v}
 
 
@@ -142,18 +142,38 @@ def test_every_misuse_is_counted_exactly(fake):
 def test_uninstall_stops_routing_and_a_new_install_replaces(fake):
     first = imp_mem.ActivationPool(fake, MIB)
     second = imp_mem.ActivationPool(fake, MIB)
+    kept = _core.hook_stats()["retired_pools"]  # earlier tests' live blocks
     first.install()
     p = TORCH_MALLOC(512, 0, None)
     assert first.size_of(p) == 512
     second.install()
     assert not first.installed and second.installed
-    TORCH_FREE(p, 512, 0, None)  # not the installed pool's: foreign
+    # The replaced pool had a live block: it is retired, and the block's
+    # free still reaches it (torch keeps blocks, its cuBLAS workspace, past
+    # any pool's life).
+    assert _core.hook_stats()["retired_pools"] == kept + 1
+    q = TORCH_MALLOC(512, 0, None)
+    assert second.size_of(q) == 512
+    TORCH_FREE(p, 512, 0, None)
+    stats = _core.hook_stats()
+    assert (stats["retired_frees"], stats["retired_pools"], stats["foreign_frees"]) == (
+        1,
+        kept,
+        0,
+    )
+    assert first.stats()["live"] == 0
+    TORCH_FREE(p, 512, 0, None)  # gone from the hooks now: foreign
     assert _core.hook_stats()["foreign_frees"] == 1
-    first.free(p)
     assert _core.uninstall_hooks() is True
+    assert _core.hook_stats()["retired_pools"] == kept + 1  # q is live
     assert _core.uninstall_hooks() is False
     assert TORCH_MALLOC(512, 0, None) is None
     assert _core.hook_stats()["not_installed"] == 1
+    TORCH_FREE(q, 512, 0, None)
+    assert _core.hook_stats()["retired_pools"] == kept
+    first.check_invariants()
+    second.check_invariants()
+    assert second.stats()["live"] == 0
 
 
 def test_install_checks_its_arguments(fake):
@@ -219,6 +239,7 @@ def test_the_weights_route_without_an_arena_refuses(fake):
 def test_random_calls_never_break_the_pool(calls):
     _core.uninstall_hooks()
     _core.reset_hook_stats()
+    kept = _core.hook_stats()["retired_pools"]
     fake = imp_mem.FakeBackend(capacity=4 * MIB)
     pool = imp_mem.ActivationPool(fake, MIB)
     pool.install()
@@ -240,7 +261,15 @@ def test_random_calls_never_break_the_pool(calls):
     assert pool.stats()["live"] == len(live)
     assert _core.hook_stats()["malloc_ok"] == expected_ok
     pool.check_invariants()
+    # Uninstalled with blocks live, the pool is retired until their frees.
     _core.uninstall_hooks()
+    assert _core.hook_stats()["retired_pools"] == kept + (1 if live else 0)
+    for p, size in live:
+        TORCH_FREE(p, size, 0, None)
+    stats = _core.hook_stats()
+    assert (stats["retired_frees"], stats["retired_pools"]) == (len(live), kept)
+    assert pool.stats()["live"] == 0
+    pool.check_invariants()
 
 
 def test_hooks_race_install_and_uninstall_without_harm():

@@ -761,13 +761,17 @@ def hook_stats() -> dict[str, Any]:
     free whose size disagrees; freed by the real size). Weights route:
     ``weights_takes`` / ``weights_bytes``, ``weights_refused``,
     ``stranded_frees`` / ``stranded_bytes`` (freed T1 takes, not reusable).
-    ``panics``: caught panics (always a bug)."""
+    ``panics``: caught panics (always a bug). ``retired_frees``: frees that
+    reached a pool which had left the hooks with live blocks;
+    ``retired_pools``: how many such pools are still kept."""
 
 def reset_hook_stats() -> None: ...
 def uninstall_hooks() -> bool:
     """Removes the installed pool (every thread's next hook call returns null);
     True if one was. The pool is released once no thread holds it: this
-    thread's copy goes now, another thread's at its next hook call."""
+    thread's copy goes now, another thread's at its next hook call. A pool
+    with live blocks is retired instead (``hook_stats()["retired_pools"]``):
+    frees of its blocks still reach it, and it goes with the last."""
 
 def set_hook_route(route: Literal["activations", "weights"]) -> None:
     """Where the hooks' mallocs go: the installed pool, or (while loading) the
@@ -780,7 +784,8 @@ def add_hook_region(pool: ActivationPool, device: int | None = None) -> None:
     from any thread (``imp_mem.torch.region``)."""
 
 def remove_hook_region(pool: ActivationPool) -> bool:
-    """Remove ``pool``'s region; True if it was one."""
+    """Remove ``pool``'s region; True if it was one. With blocks of it live
+    it is retired: their frees still reach it until the last."""
 
 def set_hook_region(pool: ActivationPool | None) -> None:
     """Route this thread's mallocs to ``pool``'s region (None: the installed

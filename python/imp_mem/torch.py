@@ -181,10 +181,17 @@ def _device_index(device: Any) -> int:
     return dev.index if dev.index is not None else _current_device()
 
 
+def _same_tier(a: Any, b: Any) -> bool:
+    """Whether two ActivationPool handles are the same tier. A MemorySystem
+    hands out a new wrapper at each ``system.activations``, so identity of
+    the Python objects says nothing; the tier's id does."""
+    return a is not None and b is not None and a.id == b.id
+
+
 def _install_hooks(activations: Any, device: int, weights_arena: Any = None) -> None:
     with _lock:
         current = _installed["activations"]
-        if current is not None and current is not activations:
+        if current is not None and not _same_tier(current, activations):
             if _installed["process_wide"]:
                 raise PhaseViolation(
                     "imp_mem.torch: another activations tier is installed process-wide; "
@@ -196,6 +203,29 @@ def _install_hooks(activations: Any, device: int, weights_arena: Any = None) -> 
             activations.install(device=device)
         _installed["activations"] = activations
         _installed["device"] = device
+
+
+def _uninstall_hooks(activations: Any) -> None:
+    """Takes ``activations`` out of the hooks if it is the tier installed for
+    scopes (never a process-wide one: torch keeps calling its allocator). A
+    block still live there (a tensor someone kept) keeps the tier: the core
+    retires it, and its free still reaches it."""
+    with _lock:
+        if _installed["process_wide"] or not _same_tier(_installed["activations"], activations):
+            return
+        _core.uninstall_hooks()
+        _installed["activations"] = None
+        _installed["device"] = None
+
+
+def _clear_cublas_workspaces() -> None:
+    """torch keeps a cuBLAS workspace per handle and stream, allocated at the
+    first GEMM from whatever pool was current then, for the process's life.
+    Cleared before a tier closes so that no workspace lies in it (torch makes
+    a new one at the next GEMM)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def installed() -> Any:
@@ -240,15 +270,25 @@ class Pool:
         self.mempool: Any = torch.cuda.MemPool(allocator)
         # The MemPool CUDA graphs capture into (graph_pool), made on first use.
         self.graph_mempool: Any = None
+        self._tier = self.activations.id
+        with _lock:
+            _open[self._tier] = _open.get(self._tier, 0) + 1
+        self._open = True
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise InvalidArgument("pool: this Pool was closed; make a new one")
 
     @property
     def id(self) -> tuple[int, int]:
         """The MemPool id, for ``torch.cuda.graph(..., pool=...)``."""
+        self._check_open()
         return self.mempool.id
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Pool]:
         """Routes torch's allocations in the block to the tier."""
+        self._check_open()
         with torch.cuda.use_mem_pool(self.mempool, device=self.device):
             yield self
 
@@ -286,21 +326,41 @@ class Pool:
         pool's segments). Run it at a phase change (before
         ``begin_serving()``), outside :meth:`scope`; the pool's ``id``
         changes, so capture CUDA graphs after it."""
-        if self.mempool is None:
-            raise InvalidArgument("pool: this Pool was closed; make a new one")
+        self._check_open()
         _renew_mempool(self)
 
     def close(self) -> None:
-        """Drops the MemPool: torch gives its free segments back to the tier at
-        once, and the rest as their tensors die. The Pool cannot be used after."""
-        _pools.pop(id(self.activations), None)
-        if self.mempool is not None:
-            self.mempool = None
-            import gc
+        """Drops the MemPools (the scope's and the graphs'): torch gives their
+        free segments back to the tier at once, and the rest as their tensors
+        die. The last open Pool over a tier also takes it out of the hooks
+        (unless it is installed process-wide) and lets go of the tier and the
+        T1 arena, so the system can close. The Pool cannot be used after;
+        closing it again does nothing."""
+        if not self._open:
+            return
+        self._open = False
+        key = self._tier
+        if _pools.get(key) is self:
+            del _pools[key]
+        with _lock:
+            left = _open.get(key, 1) - 1
+            if left:
+                _open[key] = left
+            else:
+                _open.pop(key, None)
+        import gc
 
-            gc.collect()
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        _clear_cublas_workspaces()
+        self.mempool = None
+        self.graph_mempool = None
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        if not left:
+            _uninstall_hooks(self.activations)
+        # The tier's and T1's handles: held, they keep the system's memory.
+        self.activations = None
+        self.weights_arena = None
 
     def graph(self, cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Any:
         """``torch.cuda.graph(cuda_graph, pool=self.id, ...)``: a capture whose
@@ -309,9 +369,12 @@ class Pool:
 
     def memory_stats(self) -> dict[str, int]:
         """The tier's counters under ``torch.cuda.memory_stats`` key names."""
+        self._check_open()
         return memory_stats(self.activations)
 
     def __repr__(self) -> str:
+        if not self._open:
+            return f"imp_mem.torch.Pool(device={self.device}, closed)"
         stats = self.activations.stats()
         return (
             f"imp_mem.torch.Pool(device={self.device}, capacity={self.activations.capacity}, "
@@ -320,16 +383,20 @@ class Pool:
 
 
 _pools: dict[int, Pool] = {}
+"""The Pool :func:`pool` made for each tier, by the tier's id."""
+_open: dict[int, int] = {}
+"""Open Pools by tier id: the last one closed takes the tier out of the hooks."""
 
 
 def pool(system: Any, *, device: Any = None) -> Pool:
-    """The :class:`Pool` over ``system``'s activations tier (one per tier)."""
+    """The :class:`Pool` over ``system``'s activations tier (one per tier, made
+    at the first call; closed with :meth:`Pool.close`, after which the next
+    call makes a new one)."""
     activations = _activations_of(system)
-    key = id(activations)
-    found = _pools.get(key)
-    if found is None or found.activations is not activations:
+    found = _pools.get(activations.id)
+    if found is None:
         found = Pool(system, device=device)
-        _pools[key] = found
+        _pools[activations.id] = found
     return found
 
 
@@ -360,7 +427,7 @@ def install(system: Any, *, device: Any = None) -> None:
         )
     dev = 0 if device is None else _device_index(device)
     if _installed["process_wide"]:
-        if _installed["activations"] is activations:
+        if _same_tier(_installed["activations"], activations):
             return
         raise PhaseViolation(
             "imp_mem.torch.install: a tier is already torch's process-wide allocator; "
@@ -510,6 +577,17 @@ class Served:
                         self.fingerprint, line, line["tier"], self.cache_path
                     )
 
+    def close(self) -> dict[str, Any]:
+        """Closes the scope mode's :class:`Pool` (its MemPools go back to the
+        tier, the tier leaves the hooks) and then the system; the system's
+        closing report. In ``mode="process"`` the tier stays torch's
+        allocator for the process (torch cannot change it back), so its
+        memory is released when the process ends."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        return self.system.close()
+
     def report(self) -> dict[str, Any]:
         """``mem_report`` with the device reading, less what other processes
         held at the start."""
@@ -535,6 +613,7 @@ def graph_pool(target: Any) -> Iterator[Any]:
     allocator still manages that pool (its checkpoint state, which the trees
     need, exists). Yields the MemPool."""
     p = target if isinstance(target, Pool) else pool(target)
+    p._check_open()
     if p.graph_mempool is None:
         p.graph_mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
     handle = p.graph_mempool.id

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -275,42 +276,54 @@ def test_engine_on_the_imp_mem_torch_pool_allocates_nothing_while_serving(checkp
     with Engine(path, backend=imp_mem.VmmBackend(device=0, strict=True), **ENGINE) as e:
         reference = tokens(e)
     backend = imp_mem.VmmBackend(device=0, strict=True)
-    with Engine(
-        path,
-        backend=backend,
-        torch_pool="imp_mem",
-        activation_bytes=int(high * 1.1) + 64 * MIB,
-        **ENGINE,
-    ) as e:
-        acts = e.system.activations
-        assert acts is not None and acts.strict
-        workload(e, 48, seed=3, cancel=0.02)  # the first workload warms torch's lazy state
-        torch.cuda.synchronize()
-        h0, s0 = imt.hook_stats(), torch.cuda.memory_stats()
-        free0, _ = imp_mem.cuda_mem_get_info(0)
-        got = tokens(e)
-        torch.cuda.synchronize()
-        h1, s1 = imt.hook_stats(), torch.cuda.memory_stats()
-        free1, _ = imp_mem.cuda_mem_get_info(0)
-        steady = backend.stats()["steady_state_allocations_total"]
-        report = e.mem_report_text()
-        print("\n" + report)
-        print(
-            f"tier: {acts.stats()}; hook calls while serving: "
-            f"{ {k: h1[k] - h0[k] for k in h1 if h1[k] != h0.get(k)} }"
-        )
-        assert sum(steady.values()) == 0
-        # torch counts a segment its MemPool took from the tier as a device
-        # allocation: every one of them must be a hook call into the tier
-        # (a sub-allocation of the planned region), none a cudaMalloc.
-        segments = s1["num_device_alloc"] - s0["num_device_alloc"]
-        assert segments == h1["malloc_ok"] - h0["malloc_ok"], "torch called cudaMalloc"
-        assert abs(free1 - free0) <= 16 * MIB, "the device's free memory moved while serving"
-        assert h1["ooms"] == h0["ooms"] and h1["panics"] == 0
-        for misuse in ("foreign_frees", "double_frees", "wrong_device", "size_mismatches"):
-            assert h1[misuse] == h0[misuse], misuse
-        assert acts.stats()["fallbacks_total"] == 0
-        acts.check_invariants()
+    retired = imp_mem._core.hook_stats()["retired_pools"]  # earlier tests' leftovers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Engine(
+            path,
+            backend=backend,
+            torch_pool="imp_mem",
+            activation_bytes=int(high * 1.1) + 64 * MIB,
+            **ENGINE,
+        ) as e:
+            acts = e.system.activations
+            assert acts is not None and acts.strict
+            tier = acts.id
+            workload(e, 48, seed=3, cancel=0.02)  # the first workload warms torch's lazy state
+            torch.cuda.synchronize()
+            h0, s0 = imt.hook_stats(), torch.cuda.memory_stats()
+            free0, _ = imp_mem.cuda_mem_get_info(0)
+            got = tokens(e)
+            torch.cuda.synchronize()
+            h1, s1 = imt.hook_stats(), torch.cuda.memory_stats()
+            free1, _ = imp_mem.cuda_mem_get_info(0)
+            steady = backend.stats()["steady_state_allocations_total"]
+            report = e.mem_report_text()
+            print("\n" + report)
+            print(
+                f"tier: {acts.stats()}; hook calls while serving: "
+                f"{ {k: h1[k] - h0[k] for k in h1 if h1[k] != h0.get(k)} }"
+            )
+            assert sum(steady.values()) == 0
+            # torch counts a segment its MemPool took from the tier as a device
+            # allocation: every one of them must be a hook call into the tier
+            # (a sub-allocation of the planned region), none a cudaMalloc.
+            segments = s1["num_device_alloc"] - s0["num_device_alloc"]
+            assert segments == h1["malloc_ok"] - h0["malloc_ok"], "torch called cudaMalloc"
+            assert abs(free1 - free0) <= 16 * MIB, "the device's free memory moved while serving"
+            assert h1["ooms"] == h0["ooms"] and h1["panics"] == 0
+            for misuse in ("foreign_frees", "double_frees", "wrong_device", "size_mismatches"):
+                assert h1[misuse] == h0[misuse], misuse
+            assert acts.stats()["fallbacks_total"] == 0
+            acts.check_invariants()
+            del acts
+    # The engine's Pool closes with it: its tier leaves the hooks, and the
+    # system releases every byte (it warned "still referenced" before).
+    held = [w for w in caught if issubclass(w.category, imp_mem.ImpMemWarning)]
+    assert held == [], [str(w.message) for w in held]
+    hooks = imp_mem._core.hook_stats()
+    assert not hooks["installed"] and hooks["retired_pools"] == retired
+    assert all(p._tier != tier for p in imt._pools.values())
     same = sum(a == b for a, b in zip(reference, got, strict=True))
     print(f"greedy outputs identical to torch's allocator's: {same} of {len(prompts)}")
     assert same >= 0.9 * len(prompts)

@@ -76,6 +76,47 @@ def system():
         p.close()
 
 
+def test_one_pool_a_tier_and_the_system_closes_with_nothing_held():
+    """``imp_mem.torch.pool`` gives one Pool a tier (a MemorySystem's
+    ``activations`` is a new handle at each access); a GEMM in its scope puts
+    torch's cuBLAS workspace in the tier; closing the Pool clears it, takes
+    the tier out of the hooks, and the system then closes with no memory held
+    and no warning; GEMMs after it run on torch's own allocator."""
+    import warnings
+
+    import imp_mem.torch as imt
+
+    retired = imp_mem._core.hook_stats()["retired_pools"]  # earlier tests' leftovers
+    system = _system()
+    pool = imt.pool(system)
+    assert imt.pool(system) is pool
+    assert imp_mem._core.hook_stats()["installed"]
+    a = torch.randn(512, 512, device="cuda")
+    with pool.scope():
+        b = a @ a
+        c = torch.nn.functional.linear(b.bfloat16(), a.bfloat16())
+    torch.cuda.synchronize()
+    expect = float((a.double() @ a.double()).sum())
+    assert abs(float(b.double().sum()) - expect) <= 1e-3 * max(1.0, abs(expect))
+    del b, c
+    pool.close()
+    pool.close()  # a second close does nothing
+    with pytest.raises(imp_mem.InvalidArgument, match="closed"):
+        with pool.scope():
+            pass
+    hooks = imp_mem._core.hook_stats()
+    assert not hooks["installed"] and hooks["retired_pools"] == retired, hooks
+    assert system.activations.stats()["live"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", imp_mem.ImpMemWarning)
+        report = system.close()
+    assert report["still_held"] == {}
+    d = a @ a  # a new cuBLAS workspace, on torch's allocator
+    torch.cuda.synchronize()
+    assert torch.isfinite(d).all()
+    assert pool not in imt._pools.values()
+
+
 def test_scope_routes_torch_segments_into_the_tier(system):
     import imp_mem.torch as imt
 

@@ -112,6 +112,7 @@ fn hook_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     }
     d.set_item("installed", installed_pool_id().is_some())?;
     d.set_item("route", routing::route().name())?;
+    d.set_item("retired_pools", routing::retired_pool_ids().len())?;
     Ok(d)
 }
 
@@ -124,7 +125,9 @@ fn reset_hook_stats() {
 /// Removes the installed pool: the hooks refuse (null) until another is
 /// installed. Returns whether one was installed. A call already running on
 /// another thread finishes on its pool; the pool is released once no
-/// thread holds it (another thread lets go at its next call).
+/// thread holds it (another thread lets go at its next call). A pool with
+/// live blocks is retired instead: their frees still reach it, and it is
+/// released with the last (`hook_stats()["retired_pools"]`).
 #[pyfunction]
 fn uninstall_hooks(py: Python<'_>) -> bool {
     py.detach(routing::uninstall)

@@ -446,9 +446,9 @@ class EngineMemory:
             import imp_mem.torch as imt
 
             self.torch_pool = None
-            for p in [p for p in imt._pools.values() if p.activations is system.activations]:
+            tier = system.activations.id
+            for p in [p for p in imt._pools.values() if p._tier == tier]:
                 p.close()
-            imt._core.uninstall_hooks()
         self.system = None
         return system.close()
 

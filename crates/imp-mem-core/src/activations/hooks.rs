@@ -18,6 +18,14 @@
 //! load when none is added), so a region's segments go back to it whichever
 //! thread frees them, and the installed pool serves everything else.
 //!
+//! A pool that leaves the hooks (replaced or uninstalled, or a region
+//! removed) while blocks it handed out are still live is *retired*, not
+//! released: torch keeps some blocks for the process's life (its cuBLAS
+//! workspace, made at the first GEMM), and releasing the memory under them
+//! would leave torch reading released memory. A free of a retired pool's
+//! address goes back to it whatever is installed then (counted as
+//! `retired_frees`), and the pool goes with its last live block.
+//!
 //! Nothing here panics or blocks on anything but the locks (the slot's,
 //! the regions', and the pool's). Misuse — a foreign pointer, a double free, size 0, a
 //! negative or absurd size, the wrong device, a free whose size disagrees,
@@ -96,7 +104,7 @@ macro_rules! counters {
     };
 }
 
-const N: usize = 23;
+const N: usize = 24;
 const _: () = assert!(NAMES.len() == N, "N must count the counters");
 
 /// One thread's counters. Only its thread writes them (a load and a store,
@@ -197,6 +205,7 @@ counters! {
     stranded_frees,
     stranded_bytes,
     panics,
+    retired_frees,
 }
 
 fn slot() -> RwLockReadGuard<'static, Option<Arc<Installed>>> {
@@ -265,6 +274,7 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
         weights,
         weight_ptrs: Mutex::new(HashMap::new()),
     };
+    let id = new.pool.id();
     let old = {
         let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
         let old = slot.replace(Arc::new(new));
@@ -272,14 +282,20 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
         old
     };
     forget_cached();
+    // Installed again: its frees go through the slot, not the retired list.
+    let back = unretire(id);
+    if let Some(old) = old.as_ref().filter(|o| o.pool.id() != id) {
+        retire(&old.pool, old.device);
+    }
     // Released outside the lock: the last handle may release a region.
-    drop(old);
+    drop((old, back));
 }
 
 /// Removes the installed pool; true if one was installed. Every thread's
 /// next call refuses. The pool itself is released once no thread holds a
 /// copy: the calling thread's is dropped here, another thread's at its next
-/// call (or when it exits).
+/// call (or when it exits); if blocks of it are live, it is retired and
+/// kept until the last of them is freed.
 pub fn uninstall() -> bool {
     let old = {
         let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
@@ -288,6 +304,9 @@ pub fn uninstall() -> bool {
         old
     };
     forget_cached();
+    if let Some(old) = old.as_ref() {
+        retire(&old.pool, old.device);
+    }
     old.is_some()
 }
 
@@ -339,7 +358,8 @@ pub fn add_region(pool: ActivationPool, device: i32) {
 }
 
 /// Removes the region of pool `pool_id`; true if there was one. Frees of
-/// its addresses are refused (foreign) from now on.
+/// its addresses go back to it while blocks of it are live (it is
+/// retired); once none is, they are refused (foreign).
 pub fn remove_region(pool_id: u64) -> bool {
     let removed: Vec<Arc<RegionEntry>> = {
         let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
@@ -350,8 +370,93 @@ pub fn remove_region(pool_id: u64) -> bool {
         REGION_COUNT.store(all.len(), Ordering::Release);
         gone
     };
+    for r in &removed {
+        retire(&r.pool, r.device);
+    }
     // Dropped outside the lock: the last handle may release a region.
     !removed.is_empty()
+}
+
+/// Pools that left the hooks with live blocks (a [`RegionEntry`] each:
+/// a pool and its device).
+static RETIRED: RwLock<Vec<Arc<RegionEntry>>> = RwLock::new(Vec::new());
+/// `RETIRED.len()`, read without the lock by every free.
+static RETIRED_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn retired() -> RwLockReadGuard<'static, Vec<Arc<RegionEntry>>> {
+    RETIRED.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Keeps `pool` for the frees of its live blocks, if it has any and is not
+/// still serving the hooks (installed, or a region).
+fn retire(pool: &ActivationPool, device: i32) {
+    if pool.stats().live == 0 {
+        return;
+    }
+    let id = pool.id();
+    if installed_pool_id() == Some(id) || regions().iter().any(|r| r.pool.id() == id) {
+        return;
+    }
+    let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
+    if !all.iter().any(|r| r.pool.id() == id) {
+        all.push(Arc::new(RegionEntry {
+            pool: pool.clone(),
+            device,
+        }));
+        RETIRED_COUNT.store(all.len(), Ordering::Release);
+    }
+}
+
+/// Takes pool `pool_id` off the retired list (it serves the hooks again).
+fn unretire(pool_id: u64) -> Vec<Arc<RegionEntry>> {
+    if RETIRED_COUNT.load(Ordering::Relaxed) == 0 {
+        return Vec::new();
+    }
+    let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
+    let (gone, kept) = std::mem::take(&mut *all)
+        .into_iter()
+        .partition(|r| r.pool.id() == pool_id);
+    *all = kept;
+    RETIRED_COUNT.store(all.len(), Ordering::Release);
+    gone
+}
+
+/// The ids of the retired pools (left the hooks, blocks still live).
+pub fn retired_pool_ids() -> Vec<u64> {
+    retired().iter().map(|r| r.pool.id()).collect()
+}
+
+/// Frees `ptr` in the retired pool that holds it, dropping the pool with
+/// its last live block; false if none holds it.
+fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool {
+    // A fallback block lies outside the region: its address is a key.
+    let entry = retired()
+        .iter()
+        .find(|r| r.pool.contains(ptr) || r.pool.requested_size(ptr).is_some())
+        .cloned();
+    let Some(entry) = entry else {
+        return false;
+    };
+    if device != entry.device {
+        bump(C::wrong_device);
+        return true;
+    }
+    match entry.pool.try_free(ptr, stream) {
+        Ok(freed) => {
+            bump(C::retired_frees);
+            counted_free(freed.requested, size);
+        }
+        Err(RefusedFree::Foreign) => bump(C::foreign_frees),
+        Err(RefusedFree::NotLive) => bump(C::double_frees),
+        Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
+    }
+    if entry.pool.stats().live == 0 {
+        let gone = unretire(entry.pool.id());
+        // The last handles go outside the lock, after the entry's own.
+        drop(entry);
+        drop(gone);
+    }
+    true
 }
 
 /// Routes the calling thread's mallocs to the region of pool `pool_id`
@@ -516,6 +621,9 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
     if REGION_COUNT.load(Ordering::Relaxed) > 0 && region_free(ptr, size, device, stream) {
         return;
     }
+    if RETIRED_COUNT.load(Ordering::Relaxed) > 0 && retired_free(ptr, size, device, stream) {
+        return;
+    }
     with_installed(|inst| free_on(inst, ptr, size, device, stream));
 }
 
@@ -648,5 +756,65 @@ mod tests {
         assert_eq!(called.recv().unwrap(), 0, "refused after the uninstall");
         worker.join().unwrap();
         assert_eq!(region(&fb2), 0, "released with the worker's copy");
+
+        // A pool that leaves the hooks with a live block is retired: the
+        // block's free still reaches it, whatever is installed then, and
+        // the pool goes with that last block.
+        let fb3 = FakeBackend::new(FakeConfig::default()).unwrap();
+        let open = |fb: &FakeBackend| {
+            ActivationPool::new(fb, &ActivationConfig::new(1 << 20), Arc::new(NoStreams)).unwrap()
+        };
+        let (a, b) = (open(&fb3), open(&fb3));
+        let (a_id, b_id) = (a.id(), b.id());
+        install(a, 0, None);
+        let kept = malloc(4096, 0, 0);
+        let gone = malloc(4096, 0, 0);
+        free(gone, Some(4096), 0, 0);
+        install(b, 0, None);
+        assert_eq!(retired_pool_ids(), vec![a_id], "replaced with a live block");
+        assert_eq!(region(&fb3), 2 << 20, "both pools' regions held");
+        let on_b = malloc(4096, 0, 0);
+        assert!(on_b != 0 && on_b != kept);
+        free(kept, Some(4096), 0, 0);
+        assert_eq!(count("retired_frees"), 1);
+        assert!(retired_pool_ids().is_empty(), "gone with its last block");
+        assert_eq!(region(&fb3), 1 << 20, "a's region released");
+        free(kept, Some(4096), 0, 0);
+        assert_eq!(
+            count("retired_frees"),
+            1,
+            "a second free is not a retired one"
+        );
+        // Uninstalled with a live block, then installed again: no longer
+        // retired, its frees go through the slot.
+        assert!(uninstall());
+        assert_eq!(retired_pool_ids(), vec![b_id]);
+        let b_again = {
+            let all = RETIRED.read().unwrap();
+            all[0].pool.clone()
+        };
+        install(b_again, 0, None);
+        assert!(retired_pool_ids().is_empty(), "installed again");
+        free(on_b, Some(4096), 0, 0);
+        assert_eq!(count("retired_frees"), 1);
+        // A region removed with a live block.
+        let c = open(&fb3);
+        let c_id = c.id();
+        add_region(c, 0);
+        set_region(Some(c_id)).unwrap();
+        let in_c = malloc(4096, 0, 0);
+        set_region(None).unwrap();
+        assert!(remove_region(c_id));
+        assert_eq!(retired_pool_ids(), vec![c_id]);
+        free(in_c, Some(4096), 0, 0);
+        assert_eq!(count("retired_frees"), 2);
+        assert!(retired_pool_ids().is_empty());
+        assert!(uninstall());
+        assert!(
+            retired_pool_ids().is_empty(),
+            "nothing live: released, not retired"
+        );
+        assert_eq!(region(&fb3), 0);
+        assert_eq!(count("panics"), 0);
     }
 }
