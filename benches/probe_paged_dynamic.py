@@ -181,7 +181,9 @@ class Dynamic:
         self.items = pairs * chunks
         sms = pk._sm_count(0)
         self.programs = self.items if resident == 0 else min(self.items, resident * sms)
-        self.o_part = torch.empty(pairs, chunks, self.block_g, d, dtype=torch.float32, device="cuda")
+        self.o_part = torch.empty(
+            pairs, chunks, self.block_g, d, dtype=torch.float32, device="cuda"
+        )
         self.lse = torch.empty(pairs, chunks, self.block_g, dtype=torch.float32, device="cuda")
         self.counters = torch.zeros(2 + pairs, dtype=torch.int32, device="cuda")
         self.chunks, self.resident = chunks, resident
@@ -292,7 +294,9 @@ def main(argv=None) -> int:
         )
     base2 = graph_time_us(engine, 10, 20)
     print(f"engine again {base2:.1f} us ({frac(base2) * 100:.1f} %)")
-    rows.append({"config": "engine_again", "us": round(base2, 2), "fraction": round(frac(base2), 4)})
+    rows.append(
+        {"config": "engine_again", "us": round(base2, 2), "fraction": round(frac(base2), 4)}
+    )
     write_json(args.json, {"batch": batch, "ctx": ctx, "bytes": nbytes, "rows": rows})
     return 0
 

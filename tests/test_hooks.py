@@ -51,7 +51,16 @@ def clean_hooks():
 
 def misuse(stats: dict) -> dict:
     """The non-zero counters, without the call totals."""
-    skip = {"mallocs", "frees", "malloc_ok", "free_ok", "installed", "route", "retired_pools"}
+    skip = {
+        "mallocs",
+        "frees",
+        "malloc_ok",
+        "free_ok",
+        "installed",
+        "route",
+        "retired_pools",
+        "retired_arenas",
+    }
     return {k: v for k, v in stats.items() if k not in skip and v}
 
 
@@ -216,6 +225,29 @@ def test_the_weights_route_takes_from_t1_and_counts_stranded_frees(fake):
     }
     assert _core.hook_stats()["route"] == "activations"
     pool.check_invariants()
+
+
+def test_a_t1_arena_with_live_takes_outlives_the_hooks(fake):
+    """Tensors loaded through the weights route (a model's) keep their T1
+    arena after the hooks let go of it, until the last is freed."""
+    pool = imp_mem.ActivationPool(fake, MIB)
+    arena = imp_mem.Arena(fake, MIB)
+    kept = _core.hook_stats()["retired_arenas"]
+    pool.install(weights_arena=arena)
+    _core.set_hook_route("weights")
+    w = TORCH_MALLOC(1000, 0, None)
+    _core.set_hook_route("activations")
+    ctypes.memmove(w, b"w" * 1000, 1000)
+    assert _core.uninstall_hooks()
+    assert _core.hook_stats()["retired_arenas"] == kept + 1
+    del arena
+    assert fake.stats()["tags"]["weights"]["live"] == MIB
+    assert fake.read(w, 1000) == b"w" * 1000
+    TORCH_FREE(w, 1000, 0, None)
+    stats = _core.hook_stats()
+    assert stats["retired_arenas"] == kept
+    assert (stats["stranded_frees"], stats["retired_frees"]) == (1, 1)
+    assert fake.stats()["tags"]["weights"]["live"] == 0
 
 
 def test_the_weights_route_without_an_arena_refuses(fake):

@@ -117,6 +117,39 @@ def test_one_pool_a_tier_and_the_system_closes_with_nothing_held():
     assert pool not in imt._pools.values()
 
 
+def test_weights_loaded_in_t1_outlive_the_system_that_closed_under_them():
+    """A tensor made in a loading scope lies in T1; closing the Pool and the
+    system while it is alive does not release T1 under it (the hooks keep
+    the arena: the close reports it held, with a warning), and once the
+    tensor goes, so does the arena."""
+    import gc
+    import warnings
+
+    import imp_mem.torch as imt
+
+    kept = imp_mem._core.hook_stats()["retired_arenas"]
+    system = _system()
+    pool = imt.pool(system)
+    used = system.weights_arena.used
+    with pool.loading():
+        w = torch.full((1024, 1024), 3.0, device="cuda")
+    assert system.weights_arena.used >= used + 4 * MIB, "not taken from T1"
+    pool.close()
+    assert imp_mem._core.hook_stats()["retired_arenas"] == kept + 1
+    with pytest.warns(imp_mem.ImpMemWarning, match="weights"):
+        report = system.close()
+    assert "weights" in report["still_held"]
+    assert float(w.sum()) == 3.0 * (1 << 20), "T1 was released under a live tensor"
+    del w
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the loading pool's segment goes back through the hooks
+    assert imp_mem._core.hook_stats()["retired_arenas"] == kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")).sum().item()
+
+
 def test_scope_routes_torch_segments_into_the_tier(system):
     import imp_mem.torch as imt
 

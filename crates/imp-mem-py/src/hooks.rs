@@ -113,6 +113,7 @@ fn hook_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("installed", installed_pool_id().is_some())?;
     d.set_item("route", routing::route().name())?;
     d.set_item("retired_pools", routing::retired_pool_ids().len())?;
+    d.set_item("retired_arenas", routing::retired_arena_count())?;
     Ok(d)
 }
 

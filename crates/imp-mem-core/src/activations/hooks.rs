@@ -18,6 +18,9 @@
 //! load when none is added), so a region's segments go back to it whichever
 //! thread frees them, and the installed pool serves everything else.
 //!
+//! A T1 arena that leaves the hooks while takes of the weights route are
+//! live (the model's tensors) is kept the same way until the last is freed.
+//!
 //! A pool that leaves the hooks (replaced or uninstalled, or a region
 //! removed) while blocks it handed out are still live is *retired*, not
 //! released: torch keeps some blocks for the process's life (its cuBLAS
@@ -71,9 +74,21 @@ struct Installed {
     /// The device's capacity: a request above it is absurd, whatever the
     /// mode.
     device_capacity: u64,
-    weights: Option<SharedArena>,
-    /// Pointers handed out by the weights route, with their sizes.
-    weight_ptrs: Mutex<HashMap<usize, u64>>,
+    weights: Option<Arc<WeightTakes>>,
+}
+
+/// A T1 arena the weights route takes from, and the pointers it handed out
+/// (with their sizes). Kept past an uninstall while any is live: torch's
+/// tensors over them (the model's weights) need the arena's memory.
+struct WeightTakes {
+    arena: SharedArena,
+    ptrs: Mutex<HashMap<usize, u64>>,
+}
+
+impl WeightTakes {
+    fn ptrs(&self) -> std::sync::MutexGuard<'_, HashMap<usize, u64>> {
+        self.ptrs.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 static SLOT: RwLock<Option<Arc<Installed>>> = RwLock::new(None);
@@ -267,25 +282,43 @@ fn forget_cached() {
 /// thread's next call sees the new one.
 pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) {
     let device_capacity = pool.backend().info().capacity;
-    let new = Installed {
-        pool,
-        device,
-        device_capacity,
-        weights,
-        weight_ptrs: Mutex::new(HashMap::new()),
-    };
-    let id = new.pool.id();
-    let old = {
+    let id = pool.id();
+    let (old, weights) = {
         let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
+        // The same arena again keeps its takes' record (installed now, or
+        // retired): their frees are still the arena's.
+        let weights = weights.map(|arena| {
+            let current = slot
+                .as_ref()
+                .and_then(|o| o.weights.clone())
+                .filter(|w| w.arena.id() == arena.id());
+            current
+                .or_else(|| unretire_weights(arena.id()))
+                .unwrap_or_else(|| {
+                    Arc::new(WeightTakes {
+                        arena,
+                        ptrs: Mutex::new(HashMap::new()),
+                    })
+                })
+        });
+        let new = Installed {
+            pool,
+            device,
+            device_capacity,
+            weights: weights.clone(),
+        };
         let old = slot.replace(Arc::new(new));
         GENERATION.fetch_add(1, Ordering::Release);
-        old
+        (old, weights)
     };
     forget_cached();
     // Installed again: its frees go through the slot, not the retired list.
     let back = unretire(id);
-    if let Some(old) = old.as_ref().filter(|o| o.pool.id() != id) {
-        retire(&old.pool, old.device);
+    if let Some(old) = old.as_ref() {
+        if old.pool.id() != id {
+            retire(&old.pool, old.device);
+        }
+        retire_weights(old, weights.as_ref());
     }
     // Released outside the lock: the last handle may release a region.
     drop((old, back));
@@ -306,6 +339,7 @@ pub fn uninstall() -> bool {
     forget_cached();
     if let Some(old) = old.as_ref() {
         retire(&old.pool, old.device);
+        retire_weights(old, None);
     }
     old.is_some()
 }
@@ -424,6 +458,75 @@ fn unretire(pool_id: u64) -> Vec<Arc<RegionEntry>> {
 /// The ids of the retired pools (left the hooks, blocks still live).
 pub fn retired_pool_ids() -> Vec<u64> {
     retired().iter().map(|r| r.pool.id()).collect()
+}
+
+/// T1 arenas that left the hooks while tensors over their takes were live.
+static RETIRED_WEIGHTS: Mutex<Vec<Arc<WeightTakes>>> = Mutex::new(Vec::new());
+/// `RETIRED_WEIGHTS.len()`, read without the lock by every free.
+static RETIRED_WEIGHTS_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+fn retired_weights() -> std::sync::MutexGuard<'static, Vec<Arc<WeightTakes>>> {
+    RETIRED_WEIGHTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Keeps `old`'s weight takes (and so its arena) while any is live, unless
+/// `kept` (the newly installed one's) is the same record.
+fn retire_weights(old: &Installed, kept: Option<&Arc<WeightTakes>>) {
+    let Some(w) = old.weights.as_ref() else {
+        return;
+    };
+    if kept.is_some_and(|k| Arc::ptr_eq(k, w)) || w.ptrs().is_empty() {
+        return;
+    }
+    let mut all = retired_weights();
+    if !all.iter().any(|r| Arc::ptr_eq(r, w)) {
+        all.push(w.clone());
+        RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
+    }
+}
+
+/// Takes the retired record of arena `arena_id` back, if there is one.
+fn unretire_weights(arena_id: u64) -> Option<Arc<WeightTakes>> {
+    if RETIRED_WEIGHTS_COUNT.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    let mut all = retired_weights();
+    let at = all.iter().position(|r| r.arena.id() == arena_id)?;
+    let found = all.swap_remove(at);
+    RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
+    Some(found)
+}
+
+/// How many T1 arenas are kept for live weight takes after leaving the hooks.
+pub fn retired_arena_count() -> usize {
+    retired_weights().len()
+}
+
+/// Counts `ptr`'s free if a retired arena handed it out (stranded: a bump
+/// arena takes nothing back), dropping the arena with its last take; false
+/// if none did.
+fn retired_weights_free(ptr: usize) -> bool {
+    let (bytes, gone) = {
+        let mut all = retired_weights();
+        let Some(at) = all.iter().position(|r| r.ptrs().contains_key(&ptr)) else {
+            return false;
+        };
+        let bytes = all[at].ptrs().remove(&ptr).unwrap_or(0);
+        let gone = if all[at].ptrs().is_empty() {
+            let gone = all.swap_remove(at);
+            RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
+            Some(gone)
+        } else {
+            None
+        };
+        (bytes, gone)
+    };
+    // The arena's last handle may go here, outside the lock.
+    drop(gone);
+    bump(C::retired_frees);
+    bump(C::stranded_frees);
+    add(C::stranded_bytes, bytes);
+    true
 }
 
 /// Frees `ptr` in the retired pool that holds it, dropping the pool with
@@ -591,7 +694,8 @@ fn malloc_on(inst: Option<&Installed>, size: u64, device: i32, stream: u64) -> u
 }
 
 fn weights_take(inst: &Installed, size: u64) -> usize {
-    let taken = inst.weights.as_ref().and_then(|arena| {
+    let taken = inst.weights.as_ref().and_then(|w| {
+        let arena = &w.arena;
         let len = usize::try_from(size).ok()?;
         let ticket = arena.take(len, WEIGHTS_ALIGN).ok()?;
         arena.span(&ticket).ok().map(|s| s.addr())
@@ -600,10 +704,9 @@ fn weights_take(inst: &Installed, size: u64) -> usize {
         bump(C::weights_refused);
         return 0;
     };
-    inst.weight_ptrs
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(addr, size);
+    if let Some(w) = inst.weights.as_ref() {
+        w.ptrs().insert(addr, size);
+    }
     bump(C::weights_takes);
     add(C::weights_bytes, size);
     bump(C::malloc_ok);
@@ -624,6 +727,9 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
     if RETIRED_COUNT.load(Ordering::Relaxed) > 0 && retired_free(ptr, size, device, stream) {
         return;
     }
+    if RETIRED_WEIGHTS_COUNT.load(Ordering::Relaxed) > 0 && retired_weights_free(ptr) {
+        return;
+    }
     with_installed(|inst| free_on(inst, ptr, size, device, stream));
 }
 
@@ -639,11 +745,7 @@ fn free_on(inst: Option<&Installed>, ptr: usize, size: Option<i64>, device: i32,
     match inst.pool.try_free(ptr, stream) {
         Ok(freed) => counted_free(freed.requested, size),
         Err(RefusedFree::Foreign) => {
-            let stranded = inst
-                .weight_ptrs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&ptr);
+            let stranded = inst.weights.as_ref().and_then(|w| w.ptrs().remove(&ptr));
             match stranded {
                 Some(bytes) => {
                     bump(C::stranded_frees);
@@ -815,6 +917,39 @@ mod tests {
             "nothing live: released, not retired"
         );
         assert_eq!(region(&fb3), 0);
+
+        // A T1 arena that leaves the hooks with takes live is kept for them.
+        let fb4 = FakeBackend::new(FakeConfig::default()).unwrap();
+        let pool4 = open(&fb4);
+        let t1 = SharedArena::new(&fb4, Tier::ModelResident, 1 << 20, None).unwrap();
+        let t1_live = |fb: &FakeBackend| fb.stats().tags.get(&Tag::Weights).map_or(0, |t| t.live);
+        install(pool4.clone(), 0, Some(t1.clone()));
+        set_route(Route::Weights);
+        let (w1, w2) = (malloc(4096, 0, 0), malloc(4096, 0, 0));
+        set_route(Route::Activations);
+        // Installed again with the same arena: its takes are still its own.
+        install(pool4.clone(), 0, Some(t1.clone()));
+        let (stranded, retired) = (count("stranded_frees"), count("retired_frees"));
+        free(w1, Some(4096), 0, 0);
+        assert_eq!(count("stranded_frees"), stranded + 1);
+        assert!(uninstall());
+        assert_eq!(retired_arena_count(), 1);
+        drop(t1);
+        assert_eq!(t1_live(&fb4), 1 << 20, "kept for the live take");
+        free(w2, Some(4096), 0, 0);
+        assert_eq!(retired_arena_count(), 0);
+        assert_eq!(t1_live(&fb4), 0, "released with its last take");
+        assert_eq!(
+            (count("stranded_frees"), count("retired_frees")),
+            (stranded + 2, retired + 1)
+        );
+        let unknown = count("free_not_installed");
+        free(w2, Some(4096), 0, 0);
+        assert_eq!(
+            count("free_not_installed"),
+            unknown + 1,
+            "gone: nothing knows it"
+        );
         assert_eq!(count("panics"), 0);
     }
 }
