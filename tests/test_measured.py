@@ -318,6 +318,10 @@ def test_serve_measures_then_the_second_start_recalls(tmp_path):
     third.activations.free(c)
     # Served.close closes the system, which then holds nothing.
     assert third.close()["still_held"] == {}
+    fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+    with torch_mod.serve(backend=fb, chunk=CHUNK) as fifth:
+        assert fifth.activations.allocate(MIB)
+    assert fb.stats()["tags"].get("activations", {"live": 0})["live"] == 0
     # The default margin: a fifth of a per cent where work past the tier
     # falls back (the process mode); in the scope mode, where it is torch's
     # OOM, bytes for more than one of torch's 20 MiB segments.

@@ -253,7 +253,8 @@ class Pool:
     tier.
 
     ``Pool(system)`` (or an ``ActivationPool``); ``with pool.scope(): ...`` routes
-    that code's allocations into it, ``pool.graph(g)`` captures a CUDA graph into
+    that code's allocations into it (``with Pool(system) as pool:`` closes it
+    at the end), ``pool.graph(g)`` captures a CUDA graph into
     it, ``pool.memory_stats()`` reads the tier under torch's key names. With
     ``weights_arena`` (default: the system's T1 arena), ``with pool.loading():``
     routes a loading scope into T1.
@@ -361,6 +362,17 @@ class Pool:
         # The tier's and T1's handles: held, they keep the system's memory.
         self.activations = None
         self.weights_arena = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return not self._open
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def graph(self, cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Any:
         """``torch.cuda.graph(cuda_graph, pool=self.id, ...)``: a capture whose
@@ -587,6 +599,12 @@ class Served:
             self.pool.close()
             self.pool = None
         return self.system.close()
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def report(self) -> dict[str, Any]:
         """``mem_report`` with the device reading, less what other processes

@@ -117,6 +117,19 @@ def test_one_pool_a_tier_and_the_system_closes_with_nothing_held():
     assert pool not in imt._pools.values()
 
 
+def test_a_pool_as_a_context_manager_closes_at_the_end():
+    import imp_mem.torch as imt
+
+    system = _system()
+    with imt.Pool(system) as pool:
+        with pool.scope():
+            x = torch.ones(1 << 20, device="cuda")
+        assert float(x.sum()) == float(1 << 20)
+        del x
+    assert pool.closed and not imp_mem._core.hook_stats()["installed"]
+    assert system.close()["still_held"] == {}
+
+
 def test_weights_loaded_in_t1_outlive_the_system_that_closed_under_them():
     """A tensor made in a loading scope lies in T1; closing the Pool and the
     system while it is alive does not release T1 under it (the hooks keep
