@@ -540,18 +540,8 @@ fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool
     let Some(entry) = entry else {
         return false;
     };
-    if device != entry.device {
-        bump(C::wrong_device);
-        return true;
-    }
-    match entry.pool.try_free(ptr, stream) {
-        Ok(freed) => {
-            bump(C::retired_frees);
-            counted_free(freed.requested, size);
-        }
-        Err(RefusedFree::Foreign) => bump(C::foreign_frees),
-        Err(RefusedFree::NotLive) => bump(C::double_frees),
-        Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
+    if entry_free(&entry, ptr, size, device, stream) {
+        bump(C::retired_frees);
     }
     if entry.pool.stats().live == 0 {
         let gone = unretire(entry.pool.id());
@@ -622,17 +612,32 @@ fn region_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool 
     let Some(entry) = entry else {
         return false;
     };
+    entry_free(&entry, ptr, size, device, stream);
+    true
+}
+
+/// Frees `ptr` in `entry`'s pool, counting the outcome; true if freed.
+fn entry_free(
+    entry: &RegionEntry,
+    ptr: usize,
+    size: Option<i64>,
+    device: i32,
+    stream: u64,
+) -> bool {
     if device != entry.device {
         bump(C::wrong_device);
-        return true;
+        return false;
     }
     match entry.pool.try_free(ptr, stream) {
-        Ok(freed) => counted_free(freed.requested, size),
+        Ok(freed) => {
+            counted_free(freed.requested, size);
+            return true;
+        }
         Err(RefusedFree::Foreign) => bump(C::foreign_frees),
         Err(RefusedFree::NotLive) => bump(C::double_frees),
         Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
     }
-    true
+    false
 }
 
 fn counted_free(requested: u64, size: Option<i64>) {
