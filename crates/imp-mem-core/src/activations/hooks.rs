@@ -18,16 +18,18 @@
 //! load when none is added), so a region's segments go back to it whichever
 //! thread frees them, and the installed pool serves everything else.
 //!
-//! A T1 arena that leaves the hooks while takes of the weights route are
-//! live (the model's tensors) is kept the same way until the last is freed.
-//!
 //! A pool that leaves the hooks (replaced or uninstalled, or a region
 //! removed) while blocks it handed out are still live is *retired*, not
 //! released: torch keeps some blocks for the process's life (its cuBLAS
 //! workspace, made at the first GEMM), and releasing the memory under them
 //! would leave torch reading released memory. A free of a retired pool's
 //! address goes back to it whatever is installed then (counted as
-//! `retired_frees`), and the pool goes with its last live block.
+//! `retired_frees`), and the pool goes with its last live block. The
+//! judgement is made when the hooks' last handle to the pool goes
+//! (`Drop for Installed`, `Drop for RegionEntry`), so a block another
+//! thread's call was still placing at the uninstall counts too. A T1 arena
+//! that leaves the hooks while takes of the weights route are live (the
+//! model's tensors) is kept the same way until the last is freed.
 //!
 //! Nothing here panics or blocks on anything but the locks (the slot's,
 //! the regions', and the pool's). Misuse — a foreign pointer, a double free, size 0, a
@@ -83,6 +85,25 @@ struct Installed {
 struct WeightTakes {
     arena: SharedArena,
     ptrs: Mutex<HashMap<usize, u64>>,
+}
+
+/// The last handle to an installed pool goes (uninstalled or replaced,
+/// and no thread's call still on it): if blocks of it are live, it is
+/// retired, and so is its arena's record while takes of it are live. Here,
+/// not at the uninstall, so that a malloc another thread was finishing on
+/// it then is counted too.
+impl Drop for Installed {
+    fn drop(&mut self) {
+        retire(&self.pool, self.device);
+        if let Some(w) = self.weights.take() {
+            // Shared: the arena is installed again (or already retired).
+            if Arc::strong_count(&w) == 1 && !w.ptrs().is_empty() {
+                let mut all = retired_weights();
+                all.push(w);
+                RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
+            }
+        }
+    }
 }
 
 impl WeightTakes {
@@ -283,7 +304,7 @@ fn forget_cached() {
 pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) {
     let device_capacity = pool.backend().info().capacity;
     let id = pool.id();
-    let (old, weights) = {
+    let old = {
         let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
         // The same arena again keeps its takes' record (installed now, or
         // retired): their frees are still the arena's.
@@ -305,22 +326,17 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
             pool,
             device,
             device_capacity,
-            weights: weights.clone(),
+            weights,
         };
         let old = slot.replace(Arc::new(new));
         GENERATION.fetch_add(1, Ordering::Release);
-        (old, weights)
+        old
     };
     forget_cached();
     // Installed again: its frees go through the slot, not the retired list.
     let back = unretire(id);
-    if let Some(old) = old.as_ref() {
-        if old.pool.id() != id {
-            retire(&old.pool, old.device);
-        }
-        retire_weights(old, weights.as_ref());
-    }
-    // Released outside the lock: the last handle may release a region.
+    // Released outside the lock: the last handle may release a region, or
+    // retire the pool (`Drop for Installed`).
     drop((old, back));
 }
 
@@ -337,10 +353,6 @@ pub fn uninstall() -> bool {
         old
     };
     forget_cached();
-    if let Some(old) = old.as_ref() {
-        retire(&old.pool, old.device);
-        retire_weights(old, None);
-    }
     old.is_some()
 }
 
@@ -368,6 +380,14 @@ struct RegionEntry {
     device: i32,
 }
 
+/// A region's last handle goes (removed, and no call still on it): retired
+/// if blocks of it are live.
+impl Drop for RegionEntry {
+    fn drop(&mut self) {
+        retire(&self.pool, self.device);
+    }
+}
+
 static REGIONS: RwLock<Vec<Arc<RegionEntry>>> = RwLock::new(Vec::new());
 /// `REGIONS.len()`, read without the lock by every free.
 static REGION_COUNT: AtomicUsize = AtomicUsize::new(0);
@@ -385,10 +405,18 @@ fn regions() -> RwLockReadGuard<'static, Vec<Arc<RegionEntry>>> {
 /// pool): mallocs of a thread that selects it ([`set_region`]) go to it,
 /// and frees of its addresses come back to it from any thread.
 pub fn add_region(pool: ActivationPool, device: i32) {
-    let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
-    all.retain(|r| r.pool.id() != pool.id());
-    all.push(Arc::new(RegionEntry { pool, device }));
-    REGION_COUNT.store(all.len(), Ordering::Release);
+    let replaced: Vec<Arc<RegionEntry>> = {
+        let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
+        let (gone, kept) = std::mem::take(&mut *all)
+            .into_iter()
+            .partition(|r| r.pool.id() == pool.id());
+        *all = kept;
+        all.push(Arc::new(RegionEntry { pool, device }));
+        REGION_COUNT.store(all.len(), Ordering::Release);
+        gone
+    };
+    // Dropped outside the lock (`Drop for RegionEntry` reads the regions).
+    drop(replaced);
 }
 
 /// Removes the region of pool `pool_id`; true if there was one. Frees of
@@ -404,20 +432,23 @@ pub fn remove_region(pool_id: u64) -> bool {
         REGION_COUNT.store(all.len(), Ordering::Release);
         gone
     };
-    for r in &removed {
-        retire(&r.pool, r.device);
-    }
-    // Dropped outside the lock: the last handle may release a region.
+    // Dropped outside the lock: the last handle may release the region or
+    // retire it (`Drop for RegionEntry`).
     !removed.is_empty()
 }
 
-/// Pools that left the hooks with live blocks (a [`RegionEntry`] each:
-/// a pool and its device).
-static RETIRED: RwLock<Vec<Arc<RegionEntry>>> = RwLock::new(Vec::new());
+/// A pool that left the hooks with live blocks, and its device.
+struct Retiree {
+    pool: ActivationPool,
+    device: i32,
+}
+
+/// The retired pools.
+static RETIRED: RwLock<Vec<Arc<Retiree>>> = RwLock::new(Vec::new());
 /// `RETIRED.len()`, read without the lock by every free.
 static RETIRED_COUNT: AtomicUsize = AtomicUsize::new(0);
 
-fn retired() -> RwLockReadGuard<'static, Vec<Arc<RegionEntry>>> {
+fn retired() -> RwLockReadGuard<'static, Vec<Arc<Retiree>>> {
     RETIRED.read().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -433,7 +464,7 @@ fn retire(pool: &ActivationPool, device: i32) {
     }
     let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
     if !all.iter().any(|r| r.pool.id() == id) {
-        all.push(Arc::new(RegionEntry {
+        all.push(Arc::new(Retiree {
             pool: pool.clone(),
             device,
         }));
@@ -442,7 +473,7 @@ fn retire(pool: &ActivationPool, device: i32) {
 }
 
 /// Takes pool `pool_id` off the retired list (it serves the hooks again).
-fn unretire(pool_id: u64) -> Vec<Arc<RegionEntry>> {
+fn unretire(pool_id: u64) -> Vec<Arc<Retiree>> {
     if RETIRED_COUNT.load(Ordering::Relaxed) == 0 {
         return Vec::new();
     }
@@ -467,22 +498,6 @@ static RETIRED_WEIGHTS_COUNT: AtomicUsize = AtomicUsize::new(0);
 
 fn retired_weights() -> std::sync::MutexGuard<'static, Vec<Arc<WeightTakes>>> {
     RETIRED_WEIGHTS.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Keeps `old`'s weight takes (and so its arena) while any is live, unless
-/// `kept` (the newly installed one's) is the same record.
-fn retire_weights(old: &Installed, kept: Option<&Arc<WeightTakes>>) {
-    let Some(w) = old.weights.as_ref() else {
-        return;
-    };
-    if kept.is_some_and(|k| Arc::ptr_eq(k, w)) || w.ptrs().is_empty() {
-        return;
-    }
-    let mut all = retired_weights();
-    if !all.iter().any(|r| Arc::ptr_eq(r, w)) {
-        all.push(w.clone());
-        RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
-    }
 }
 
 /// Takes the retired record of arena `arena_id` back, if there is one.
@@ -540,7 +555,7 @@ fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool
     let Some(entry) = entry else {
         return false;
     };
-    if entry_free(&entry, ptr, size, device, stream) {
+    if pool_free(&entry.pool, entry.device, ptr, size, device, stream) {
         bump(C::retired_frees);
     }
     if entry.pool.stats().live == 0 {
@@ -612,23 +627,25 @@ fn region_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool 
     let Some(entry) = entry else {
         return false;
     };
-    entry_free(&entry, ptr, size, device, stream);
+    pool_free(&entry.pool, entry.device, ptr, size, device, stream);
     true
 }
 
-/// Frees `ptr` in `entry`'s pool, counting the outcome; true if freed.
-fn entry_free(
-    entry: &RegionEntry,
+/// Frees `ptr` in `pool` (of device `owner`), counting the outcome; true
+/// if freed.
+fn pool_free(
+    pool: &ActivationPool,
+    owner: i32,
     ptr: usize,
     size: Option<i64>,
     device: i32,
     stream: u64,
 ) -> bool {
-    if device != entry.device {
+    if device != owner {
         bump(C::wrong_device);
         return false;
     }
-    match entry.pool.try_free(ptr, stream) {
+    match pool.try_free(ptr, stream) {
         Ok(freed) => {
             counted_free(freed.requested, size);
             return true;
@@ -921,6 +938,42 @@ mod tests {
             retired_pool_ids().is_empty(),
             "nothing live: released, not retired"
         );
+        assert_eq!(region(&fb3), 0);
+
+        // A block another thread's call was still placing in the pool when
+        // it was uninstalled: the pool is retired when that thread lets go
+        // of it, not judged at the uninstall.
+        let pool5 = open(&fb3);
+        let id5 = pool5.id();
+        install(pool5.clone(), 0, None);
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let (done, called) = std::sync::mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            let p = malloc(4096, 0, 0);
+            free(p, Some(4096), 0, 0);
+            done.send(()).unwrap();
+            wait.recv().unwrap();
+            assert_eq!(malloc(4096, 0, 0), 0, "refused: uninstalled");
+        });
+        called.recv().unwrap();
+        assert!(uninstall());
+        assert!(
+            retired_pool_ids().is_empty(),
+            "nothing live at the uninstall"
+        );
+        // What the worker's call on its copy would have done in between.
+        let late = pool5.allocate(4096, 0).unwrap();
+        drop(pool5);
+        go.send(()).unwrap();
+        worker.join().unwrap();
+        assert_eq!(
+            retired_pool_ids(),
+            vec![id5],
+            "retired with the worker's copy"
+        );
+        assert_eq!(region(&fb3), 1 << 20);
+        free(late, Some(4096), 0, 0);
+        assert!(retired_pool_ids().is_empty());
         assert_eq!(region(&fb3), 0);
 
         // A T1 arena that leaves the hooks with takes live is kept for them.
