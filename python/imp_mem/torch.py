@@ -95,6 +95,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -272,9 +273,9 @@ class Pool:
         # The MemPool CUDA graphs capture into (graph_pool), made on first use.
         self.graph_mempool: Any = None
         self._tier = self.activations.id
-        with _lock:
-            _open[self._tier] = _open.get(self._tier, 0) + 1
         self._open = True
+        with _lock:
+            _open.add(self)
 
     def _check_open(self) -> None:
         if not self._open:
@@ -344,11 +345,8 @@ class Pool:
         if _pools.get(key) is self:
             del _pools[key]
         with _lock:
-            left = _open.get(key, 1) - 1
-            if left:
-                _open[key] = left
-            else:
-                _open.pop(key, None)
+            _open.discard(self)
+            left = any(p._tier == key for p in _open)
         import gc
 
         _clear_cublas_workspaces()
@@ -396,8 +394,9 @@ class Pool:
 
 _pools: dict[int, Pool] = {}
 """The Pool :func:`pool` made for each tier, by the tier's id."""
-_open: dict[int, int] = {}
-"""Open Pools by tier id: the last one closed takes the tier out of the hooks."""
+_open: weakref.WeakSet[Pool] = weakref.WeakSet()
+"""The open Pools: the last one of a tier closed takes the tier out of the
+hooks (one dropped unclosed no longer counts)."""
 
 
 def pool(system: Any, *, device: Any = None) -> Pool:
