@@ -15,6 +15,7 @@ import gc
 import warnings
 
 import pytest
+from _helpers import TINY, make_plan, open_system
 
 import imp_mem
 from imp_mem import _core
@@ -56,26 +57,9 @@ def cpu_torch(monkeypatch):
 
 
 def _system():
-    shape = imp_mem.ModelShape.from_hf_config(
-        {
-            "model_type": "qwen3",
-            "hidden_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "intermediate_size": 512,
-            "vocab_size": 1024,
-            "torch_dtype": "bfloat16",
-        }
-    ).with_weights_bytes(8 * MIB)
-    features = imp_mem.Features(
-        activation_bytes=16 * MIB, scratch_bytes=MIB, engine_persistent_bytes=MIB
-    )
-    plan = imp_mem.plan_memory(
-        imp_mem.PlanInput(shape, imp_mem.Limits(2, 64), features, budget="1GiB")
-    )
-    return imp_mem.MemorySystem(imp_mem.FakeBackend(capacity="1GiB"), plan)
+    """A small system on the fake backend with a 16 MiB activations tier."""
+    features = imp_mem.Features(activation_bytes=16 * MIB)
+    return open_system(make_plan(TINY, features=features))[1]
 
 
 def _closes_clean(system):
