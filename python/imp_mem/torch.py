@@ -239,13 +239,18 @@ def _renew_mempool(holder: Any) -> None:
     tier and lets the old one go: once its tensors are gone, torch's free
     segments in it go back to the tier (``empty_cache`` does not release a
     live private pool's segments)."""
-    old = holder.mempool
     holder.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
-    del old
+    _release_dropped_pools(holder.device)
+
+
+def _release_dropped_pools(device: int) -> None:
+    """Once a MemPool is dropped: its last tensors collected, the device
+    synchronised, and torch's free segments of dropped pools given back
+    (through the hooks, to their tier)."""
     import gc
 
     gc.collect()
-    torch.cuda.synchronize(holder.device)
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
 
 
@@ -347,14 +352,10 @@ class Pool:
         with _lock:
             _open.discard(self)
             left = any(p._tier == key for p in _open)
-        import gc
-
         _clear_cublas_workspaces()
         self.mempool = None
         self.graph_mempool = None
-        gc.collect()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        _release_dropped_pools(self.device)
         if not left:
             _uninstall_hooks(self.activations)
         # The tier's and T1's handles: held, they keep the system's memory.
@@ -1132,11 +1133,7 @@ def release_region(tag: str) -> None:
         found.resume()
     if found.mempool is not None:
         found.mempool = None
-        import gc
-
-        gc.collect()
-        torch.cuda.synchronize(found.device)
-        torch.cuda.empty_cache()
+        _release_dropped_pools(found.device)
     live = found.activations.stats()["live"]
     if live:
         raise InvalidArgument(

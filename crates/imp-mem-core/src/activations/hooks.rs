@@ -407,10 +407,7 @@ fn regions() -> RwLockReadGuard<'static, Vec<Arc<RegionEntry>>> {
 pub fn add_region(pool: ActivationPool, device: i32) {
     let replaced: Vec<Arc<RegionEntry>> = {
         let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
-        let (gone, kept) = std::mem::take(&mut *all)
-            .into_iter()
-            .partition(|r| r.pool.id() == pool.id());
-        *all = kept;
+        let gone = take_where(&mut all, |r| r.pool.id() == pool.id());
         all.push(Arc::new(RegionEntry { pool, device }));
         REGION_COUNT.store(all.len(), Ordering::Release);
         gone
@@ -425,16 +422,21 @@ pub fn add_region(pool: ActivationPool, device: i32) {
 pub fn remove_region(pool_id: u64) -> bool {
     let removed: Vec<Arc<RegionEntry>> = {
         let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
-        let (gone, kept) = std::mem::take(&mut *all)
-            .into_iter()
-            .partition(|r| r.pool.id() == pool_id);
-        *all = kept;
+        let gone = take_where(&mut all, |r| r.pool.id() == pool_id);
         REGION_COUNT.store(all.len(), Ordering::Release);
         gone
     };
     // Dropped outside the lock: the last handle may release the region or
     // retire it (`Drop for RegionEntry`).
     !removed.is_empty()
+}
+
+/// Takes the entries `matches` picks out of `all`, the rest kept in order.
+/// Nothing is dropped here: the caller drops what it took outside its lock.
+fn take_where<T>(all: &mut Vec<T>, matches: impl Fn(&T) -> bool) -> Vec<T> {
+    let (gone, kept) = std::mem::take(all).into_iter().partition(|t| matches(t));
+    *all = kept;
+    gone
 }
 
 /// A pool that left the hooks with live blocks, and its device.
@@ -478,10 +480,7 @@ fn unretire(pool_id: u64) -> Vec<Arc<Retiree>> {
         return Vec::new();
     }
     let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
-    let (gone, kept) = std::mem::take(&mut *all)
-        .into_iter()
-        .partition(|r| r.pool.id() == pool_id);
-    *all = kept;
+    let gone = take_where(&mut all, |r| r.pool.id() == pool_id);
     RETIRED_COUNT.store(all.len(), Ordering::Release);
     gone
 }
@@ -523,17 +522,16 @@ pub fn retired_arena_count() -> usize {
 fn retired_weights_free(ptr: usize) -> bool {
     let (bytes, gone) = {
         let mut all = retired_weights();
-        let Some(at) = all.iter().position(|r| r.ptrs().contains_key(&ptr)) else {
+        // The take's record, and whether it was the arena's last.
+        let found = all.iter().enumerate().find_map(|(at, r)| {
+            let mut ptrs = r.ptrs();
+            ptrs.remove(&ptr).map(|bytes| (at, bytes, ptrs.is_empty()))
+        });
+        let Some((at, bytes, last)) = found else {
             return false;
         };
-        let bytes = all[at].ptrs().remove(&ptr).unwrap_or(0);
-        let gone = if all[at].ptrs().is_empty() {
-            let gone = all.swap_remove(at);
-            RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
-            Some(gone)
-        } else {
-            None
-        };
+        let gone = last.then(|| all.swap_remove(at));
+        RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
         (bytes, gone)
     };
     // The arena's last handle may go here, outside the lock.
