@@ -220,14 +220,25 @@ def main() -> int:
           f"{high_water / MIB:.1f} MiB, frozen at {size / MIB:.1f} MiB")  # fmt: skip
     print(f"RATIOS high-water/live-peak {high_water / live_peak:.4f}, frozen/live-peak "
           f"{size / live_peak:.4f} (goal: frozen <= 1.02)")  # fmt: skip
+    if served.pass_plan is not None:
+        p = served.pass_plan
+        print(f"pass plan: {p['hinted']} of {p['allocations']} allocations laid out, top "
+              f"{p['top'] / MIB:.1f} MiB against the pass's own high-water "
+              f"{p['recorded_high_water'] / MIB:.1f} MiB, installed {p['installed']}")  # fmt: skip
     served_run = run(tier, ops)
-    print(f"first start:  warm-up fallbacks {warm}, served run {served_run}")
+    print(f"first start:  warm-up fallbacks {warm}, served run {served_run}, hints "
+          f"{tier.pass_hints}")  # fmt: skip
     second, tier2, held2 = start()
     assert not second.measuring, "the second start plans the remembered size"
     if first_pass is not None:
+        # The same user code: the compile's pass, the reset, one more pass.
         run(tier2, first_pass, held2)
+        second.reset_high_water()
+        run(tier2, ops)
+        second.begin_serving()
     again = (run(tier2, ops), run(tier2, ops))
-    print(f"second start: run 1 fallbacks {again[0]}, run 2 {again[1]}")
+    print(f"second start: run 1 fallbacks {again[0]}, run 2 {again[1]}, hints "
+          f"{tier2.pass_hints}")  # fmt: skip
     if args.json:
         write_json(
             args.json,

@@ -693,6 +693,26 @@ class ActivationPool:
         chunk: exactly that is committed, the rest decommitted, nothing live
         moves, nothing is committed after. InvalidArgument on a pool that does
         not measure, was frozen, or sleeps."""
+    def record_pass(self) -> None:
+        """Starts recording a pass of repeated work: every allocation and
+        free until ``plan_pass()``. Installed hints are dropped."""
+    @property
+    def recording(self) -> bool:
+        """Whether a pass is being recorded."""
+    def plan_pass(self) -> dict[str, int | bool]:
+        """Ends the recording and lays the pass out offline, every lifetime
+        known; installs the layout as placement hints when it needs less
+        than the recorded high-water (measuring: the high-water becomes the
+        layout's top, so a freeze fixes the pool there) or fits the capacity
+        (fixed). Keys: ``allocations``, ``hinted``, ``ops``, ``live_peak``,
+        ``top``, ``recorded_high_water`` (bytes), ``installed``.
+        InvalidArgument when no pass is being recorded."""
+    @property
+    def pass_hints(self) -> dict[str, int] | None:
+        """The installed hints' counters (``hints``, ``hits``, ``misses``,
+        ``refused``), or None."""
+    def drop_pass_plan(self) -> None:
+        """Drops the hints and any recording: the ordinary search again."""
     def allocate(self, nbytes: ByteCount, stream: int | None = None) -> int:
         """An address of at least ``nbytes`` for work on ``stream`` (a raw
         ``cudaStream_t``; 0 is the legacy default stream)."""

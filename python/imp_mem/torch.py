@@ -501,6 +501,7 @@ class Served:
         cache_path: Any,
         recalled: dict[str, int] | None,
         other_processes: int,
+        plan_passes: bool = True,
     ) -> None:
         self.system = system
         self.device = device
@@ -516,6 +517,10 @@ class Served:
         self.pool: Pool | None = None
         # A float margin: a share of the high-water, known at the freeze.
         self.margin_share: float | None = None
+        self.plan_passes = plan_passes
+        # What begin_serving() laid out of the recorded pass
+        # (ActivationPool.plan_pass), or None.
+        self.pass_plan: dict[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.system, name)
@@ -531,7 +536,15 @@ class Served:
         now, and the freeze decommits the chunks only that needed. Call it
         before the last warm-up pass, outside :meth:`scope` (in the scope
         mode it first trims torch's cache inside the pool, which only takes
-        effect outside it)."""
+        effect outside it).
+
+        In ``mode="process"`` it also starts recording that pass
+        (``ActivationPool.record_pass``): :meth:`begin_serving` lays it out
+        with every lifetime known and, where that needs less than the
+        pass's own high-water, freezes the tier at the layout's top and
+        places the served passes' blocks where the layout put them
+        (:attr:`pass_plan`). So the last warm-up should be one pass of the
+        work the server repeats."""
         if self.device >= 0 and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
         if self.pool is not None:
@@ -539,6 +552,8 @@ class Served:
         act = self.system.activations
         if act is not None:
             act.reset_high_water()
+            if self.mode == "process" and self.plan_passes:
+                act.record_pass()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Served]:
@@ -579,6 +594,10 @@ class Served:
             )
             self.outside_charge = charge
         act = self.system.activations
+        if act is not None and act.recording:
+            # The recorded pass laid out: a measuring tier's high-water
+            # becomes the layout's top where that is lower.
+            self.pass_plan = act.plan_pass()
         if self.margin_share is not None and act is not None and act.measuring:
             act.freeze(int(act.high_water * self.margin_share))
         self.system.begin_serving()
@@ -679,6 +698,7 @@ def serve(
     cache_path: Any = None,
     backend: Any = None,
     other_processes: int | None = None,
+    plan_passes: bool = True,
 ) -> Served:
     """One call for a process: a VMM backend on ``device`` (its handles
     ``chunk`` bytes, so the tier's freeze rounds up to one chunk) and a
@@ -698,7 +718,16 @@ def serve(
     model's identity; with ``shapes`` and the torch / CUDA / driver versions,
     see :mod:`imp_mem.measured`). A later start with the same fingerprint
     plans the tier at the remembered size, committed at open, and does not
-    measure (``served.measuring`` is False)."""
+    measure (``served.measuring`` is False).
+
+    ``plan_passes`` (``mode="process"``): the pass after
+    ``served.reset_high_water()`` is recorded and laid out offline at
+    ``begin_serving()``, and the served passes follow that layout
+    (:meth:`Served.reset_high_water`); False keeps the ordinary placement.
+    A later start must run the same warm-up (the same reset) to plan its
+    remembered size the same way."""
+    if not isinstance(plan_passes, bool):
+        raise TypeError(f"plan_passes: expected a bool, got {type(plan_passes).__name__}")
     _check_mode(mode)
     if margin is None:
         margin = default_margin(mode)
@@ -764,6 +793,7 @@ def serve(
         cache_path=cache_path,
         recalled=recalled,
         other_processes=other_processes,
+        plan_passes=plan_passes,
     )
     if isinstance(margin, float):
         served.margin_share = margin

@@ -205,6 +205,65 @@ impl PyActivationPool {
         self.pool.reset_high_water();
     }
 
+    /// Starts recording a pass of repeated work (a compiled generate(), a
+    /// step): every allocation and free until `plan_pass()`. Hints
+    /// installed before are dropped; a recording running starts again.
+    fn record_pass(&self) {
+        self.pool.record_pass();
+    }
+
+    /// Whether a pass is being recorded.
+    #[getter]
+    fn recording(&self) -> bool {
+        self.pool.recording()
+    }
+
+    /// Ends the recording and lays the pass out offline, every lifetime
+    /// known; installs the layout as placement hints when it needs less
+    /// than the recorded high-water (a measuring pool, whose high-water
+    /// then becomes the layout's top, so a freeze after fixes the pool
+    /// there) or fits the capacity (a fixed pool). The same pass run again
+    /// takes its blocks where the layout put them; other work takes the
+    /// ordinary search. Returns a dict: `allocations`, `hinted`, `ops`,
+    /// `live_peak`, `top`, `recorded_high_water` (bytes), `installed`.
+    /// `InvalidArgument` when no pass is being recorded.
+    fn plan_pass<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let pool = self.pool.clone();
+        let p = py.detach(move || pool.plan_pass()).py()?;
+        let d = PyDict::new(py);
+        d.set_item("allocations", p.allocations)?;
+        d.set_item("hinted", p.hinted)?;
+        d.set_item("ops", p.ops)?;
+        d.set_item("live_peak", p.live_peak)?;
+        d.set_item("top", p.top)?;
+        d.set_item("recorded_high_water", p.recorded_high_water)?;
+        d.set_item("installed", p.installed)?;
+        Ok(d)
+    }
+
+    /// The installed hints' counters (a dict: `hints`, `hits`, `misses`,
+    /// `refused`), or None when no hints are installed.
+    #[getter]
+    fn pass_hints<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.pool
+            .pass_hints()
+            .map(|h| {
+                let d = PyDict::new(py);
+                d.set_item("hints", h.hints)?;
+                d.set_item("hits", h.hits)?;
+                d.set_item("misses", h.misses)?;
+                d.set_item("refused", h.refused)?;
+                Ok(d)
+            })
+            .transpose()
+    }
+
+    /// Drops the installed hints and any recording: placement is the
+    /// ordinary search's again.
+    fn drop_pass_plan(&self) {
+        self.pool.drop_pass_plan();
+    }
+
     /// Bytes committed now.
     #[getter]
     fn committed(&self) -> u64 {

@@ -2,6 +2,8 @@
 //! another lane after an order, reclaim), the fallback acquisition of
 //! production mode, and the refused frees.
 
+use std::sync::atomic::Ordering;
+
 use crate::backend::{DEFAULT_ALIGNMENT, MAX_REQUEST_BYTES};
 use crate::error::{MemError, OomReport};
 use crate::tag::Tag;
@@ -14,8 +16,20 @@ use super::FRESH_STREAM;
 impl ActivationPool {
     /// Allocates `bytes` (rounded up to the alignment) for work on `stream`
     /// and returns its address. See the module documentation for the order
-    /// in which free blocks are tried.
+    /// in which free blocks are tried (after a planned pass's hint,
+    /// `plan.rs`).
     pub fn allocate(&self, bytes: u64, stream: u64) -> Result<usize, MemError> {
+        let addr = self.allocate_unrecorded(bytes, stream)?;
+        if self.inner.recording.load(Ordering::Relaxed) {
+            let units = bytes.div_ceil(self.inner.align);
+            if let Some(rec) = self.core().recording.as_mut() {
+                rec.alloc(addr, units);
+            }
+        }
+        Ok(addr)
+    }
+
+    fn allocate_unrecorded(&self, bytes: u64, stream: u64) -> Result<usize, MemError> {
         let inner = &*self.inner;
         if bytes == 0 || bytes > MAX_REQUEST_BYTES {
             return Err(MemError::invalid(format!(
@@ -42,6 +56,11 @@ impl ActivationPool {
             if core.live.try_reserve(1).is_err() {
                 core.c.ooms += 1;
                 return Err(reserve_err("pointer map"));
+            }
+            if core.plan.is_some() {
+                if let Some(addr) = self.place_hinted(&mut core, units, need, stream, bytes) {
+                    return Ok(addr);
+                }
             }
             let own = Self::find_own(&core, stream, units, need);
             if let Some(idx) = own.filter(|&idx| self.reach(&mut core, idx, need)) {
@@ -160,6 +179,11 @@ impl ActivationPool {
     /// exhausted, as if the block did not fit). Records the extent reached.
     fn reach(&self, core: &mut Core, idx: u32, need: u64) -> bool {
         let end = core.slab[idx as usize].offset + need;
+        self.reach_end(core, end)
+    }
+
+    /// [`Self::reach`] for a block ending at `end`.
+    pub(super) fn reach_end(&self, core: &mut Core, end: u64) -> bool {
         if core.measuring {
             let mut region = self.region();
             if end > region.len() as u64 {
@@ -242,6 +266,16 @@ impl ActivationPool {
 
     /// [`ActivationPool::free`], with the reason for a refusal as a value.
     pub fn try_free(&self, addr: usize, stream: u64) -> Result<Freed, RefusedFree> {
+        let freed = self.free_unrecorded(addr, stream)?;
+        if self.inner.recording.load(Ordering::Relaxed) {
+            if let Some(rec) = self.core().recording.as_mut() {
+                rec.free(addr);
+            }
+        }
+        Ok(freed)
+    }
+
+    fn free_unrecorded(&self, addr: usize, stream: u64) -> Result<Freed, RefusedFree> {
         let inner = &*self.inner;
         let mut core = self.core();
         if stream == FRESH_STREAM {

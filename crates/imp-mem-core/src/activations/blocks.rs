@@ -88,6 +88,10 @@ pub(super) struct Core {
     pub(super) extent_peak: u64,
     /// What the freeze fixed.
     pub(super) frozen: Option<super::config::Frozen>,
+    /// A pass being recorded (`plan.rs`).
+    pub(super) recording: Option<Box<super::plan::Recording>>,
+    /// The hints of a planned pass (`plan.rs`).
+    pub(super) plan: Option<Box<super::plan::PassHints>>,
 }
 
 impl Core {
@@ -252,6 +256,50 @@ impl Core {
         c.live_peak = c.live_peak.max(c.live);
         c.allocs_total += 1;
         c.allocated_bytes_total += size;
+    }
+
+    /// Hands out `need` bytes `lead` bytes into free block `idx` (listed):
+    /// the lead stays a free block of its lane, then [`Core::carve`]. None,
+    /// nothing changed, when no slab entry is left for the split.
+    pub(super) fn carve_at(
+        &mut self,
+        idx: u32,
+        lead: u64,
+        need: u64,
+        stream: u64,
+        requested: u64,
+        shift: u32,
+    ) -> Option<u32> {
+        if lead == 0 {
+            self.take(idx);
+            self.carve(idx, need, stream, requested, shift);
+            return Some(idx);
+        }
+        let rest = self.new_slot()?;
+        self.take(idx);
+        let b = self.slab[idx as usize];
+        self.slab[rest as usize] = Block {
+            offset: b.offset + lead,
+            size: b.size - lead,
+            requested: 0,
+            stream: b.stream,
+            prev_phys: idx,
+            next_phys: b.next_phys,
+            prev_free: NONE,
+            next_free: NONE,
+            lane: b.lane,
+            listed: 0,
+            state: BlockState::Free,
+        };
+        if b.next_phys != NONE {
+            self.slab[b.next_phys as usize].prev_phys = rest;
+        }
+        self.slab[idx as usize].next_phys = rest;
+        self.slab[idx as usize].size = lead;
+        let lane = b.lane;
+        self.lanes[lane as usize].insert(&mut self.slab, idx, shift, lane);
+        self.carve(rest, need, stream, requested, shift);
+        Some(rest)
     }
 
     /// Unlists `idx` for a carve (its lane is kept in the block for the

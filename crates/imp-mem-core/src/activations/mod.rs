@@ -69,6 +69,7 @@
 //! Files: `config.rs` (config, stats, the answers of a free), `pool.rs`
 //! (the handle, open, sleep, counters), `pause.rs` (a sleep that keeps
 //! the live blocks' bytes in pinned host memory), `alloc.rs` (allocate and free),
+//! `plan.rs` (a recorded pass laid out offline and replayed by hints),
 //! `blocks.rs` (the block and lane bookkeeping), `invariants.rs`, `tlsf.rs`
 //! (the index), `stream.rs` (the order contract), `hooks.rs` (the C hooks).
 //!
@@ -82,11 +83,13 @@ mod config;
 pub mod hooks;
 mod invariants;
 mod pause;
+pub mod plan;
 mod pool;
 pub mod stream;
 pub(crate) mod tlsf;
 
 pub use config::{ActivationConfig, ActivationStats, Freed, Frozen, RefusedFree};
+pub use plan::{HintStats, PassItem, PassPlan};
 pub use pool::ActivationPool;
 pub use stream::{FakeStreamOrder, NoStreams, StreamOrder};
 

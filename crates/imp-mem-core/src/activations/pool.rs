@@ -32,6 +32,9 @@ pub(super) struct Inner {
     pub(super) strict: bool,
     pub(super) backend: Backend,
     pub(super) order: Arc<dyn StreamOrder>,
+    /// Whether a pass is being recorded (`plan.rs`): read without the lock
+    /// on every allocation and free, set under it.
+    pub(super) recording: std::sync::atomic::AtomicBool,
     state: Mutex<Core>,
     /// The host copy of a sleep that keeps the live bytes (`pause.rs`).
     pub(super) backup: Mutex<super::pause::Backup>,
@@ -152,6 +155,8 @@ impl ActivationPool {
             measuring: chunk > 0,
             extent_peak: 0,
             frozen: None,
+            recording: None,
+            plan: None,
         };
         core.slab.push(Block {
             offset: 0,
@@ -170,6 +175,7 @@ impl ActivationPool {
                 strict,
                 backend: backend.clone(),
                 order,
+                recording: std::sync::atomic::AtomicBool::new(false),
                 state: Mutex::new(core),
                 backup: Mutex::default(),
                 region: Mutex::new(region),
