@@ -40,7 +40,10 @@ run's trace (``--record-trace`` with ``--compiles default``) has
 ``second_ops``: its first generate() compiles, the blocks that outlive it
 stay, ``reset_high_water()`` runs, and the second is the measured pass;
 session 21's replays to the H200's figures exactly (high-water 5 925.0 MiB
-over a live peak of 5 616.4, frozen at 5 938.0).
+over a live peak of 5 616.4, frozen at 5 938.0). Since session 25 serve()
+records that pass after reset_high_water() and lays it out offline at
+begin_serving(): the same trace (recorded again) freezes at 1.0035 of the
+live peak, every allocation of the served runs placed by its hint.
 
     python benches/bench_measured_replay.py [--batch 32 --prompt 1024 --new 64]
         [--granule 64MiB] [--trace trace.json] [--json out.json]

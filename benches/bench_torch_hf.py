@@ -100,7 +100,18 @@ def build(batch: int, prompt: int, compile_mode: str):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, QWEN3_0_6B["vocab_size"] - 1000, (batch, prompt), generator=gen)
     if compile_mode != "none":
-        model.forward = torch.compile(model.forward, mode=compile_mode)
+        compiled = torch.compile(model.forward, mode=compile_mode)
+        model.forward = compiled
+        if compile_mode == "reduce-overhead":
+            # CUDA graph trees reuse their outputs' memory at the next replay;
+            # a new step each forward tells them the last one's outputs are
+            # done with (transformers 4.57 refused without it: "accessing
+            # tensor output of CUDAGraphs that has been overwritten").
+            def forward(*args, **kwargs):
+                torch.compiler.cudagraph_mark_step_begin()
+                return compiled(*args, **kwargs)
+
+            model.forward = forward
     return model, ids.cuda()
 
 
