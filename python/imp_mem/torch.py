@@ -95,6 +95,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -111,7 +112,7 @@ from imp_mem import _core
 from imp_mem import measured as _measured
 from imp_mem._format import byte_count
 from imp_mem._frameworks import activations_of as _activations_of
-from imp_mem.errors import BackendUnavailable, InvalidArgument, PhaseViolation
+from imp_mem.errors import BackendUnavailable, ImpMemWarning, InvalidArgument, PhaseViolation
 
 __all__ = [
     "MALLOC_SYMBOL",
@@ -597,7 +598,15 @@ class Served:
         if act is not None and act.recording:
             # The recorded pass laid out: a measuring tier's high-water
             # becomes the layout's top where that is lower.
-            self.pass_plan = act.plan_pass()
+            try:
+                self.pass_plan = act.plan_pass()
+            except InvalidArgument as exc:  # a pass too long to record
+                warnings.warn(
+                    f"imp_mem.torch: the warm-up pass was not laid out ({exc}); the tier is "
+                    "frozen at its measured high-water",
+                    ImpMemWarning,
+                    stacklevel=2,
+                )
         if self.margin_share is not None and act is not None and act.measuring:
             act.freeze(int(act.high_water * self.margin_share))
         self.system.begin_serving()

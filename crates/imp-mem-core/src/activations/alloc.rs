@@ -23,7 +23,10 @@ impl ActivationPool {
         if self.inner.recording.load(Ordering::Relaxed) {
             let units = bytes.div_ceil(self.inner.align);
             if let Some(rec) = self.core().recording.as_mut() {
-                rec.alloc(addr, units);
+                if !rec.alloc(addr, units) {
+                    // Spoilt: the free path need not look any more.
+                    self.inner.recording.store(false, Ordering::Relaxed);
+                }
             }
         }
         Ok(addr)

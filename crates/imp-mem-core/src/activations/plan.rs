@@ -77,9 +77,15 @@ pub const NO_OFFSET: u64 = u64::MAX;
 pub const RESYNC: usize = 64;
 /// The most ops a recording holds; past it the recording is spoilt and
 /// `plan_pass` refuses.
-pub const MAX_PASS_OPS: u32 = 1 << 26;
+pub const MAX_PASS_OPS: u32 = 1 << 23;
 /// Ops a time bucket of the layout's index spans.
 const BUCKET: u32 = 256;
+/// Buckets an item must cross to be checked by every query instead.
+const SPANNING_BUCKETS: usize = 16;
+/// Placed items one layout may visit in all (about a second on the host):
+/// past it that order is given up. The H200's compiled generate() (59 503
+/// allocations) visits far fewer.
+pub const LAYOUT_WORK: u64 = 400_000_000;
 /// Physical neighbours a hint walks past its left neighbour.
 const WALK: usize = 8;
 
@@ -96,8 +102,20 @@ pub struct Layout {
 
 /// Lays out `items` (module documentation) around `obstacles` (`(offset,
 /// units)`, alive through the whole pass); `ops`: the pass's length in ops.
-/// Items that outlive the pass are not laid out.
-pub fn plan_layout(items: &[PassItem], obstacles: &[(u64, u64)], ops: u32) -> Layout {
+/// Items that outlive the pass are not laid out. None when every order
+/// would cost more than [`LAYOUT_WORK`] (a pass of many blocks all alive
+/// at once: the layout's search is quadratic in the blocks alive together).
+pub fn plan_layout(items: &[PassItem], obstacles: &[(u64, u64)], ops: u32) -> Option<Layout> {
+    plan_layout_within(items, obstacles, ops, LAYOUT_WORK)
+}
+
+/// [`plan_layout`] with `budget` in place of [`LAYOUT_WORK`].
+pub fn plan_layout_within(
+    items: &[PassItem],
+    obstacles: &[(u64, u64)],
+    ops: u32,
+    budget: u64,
+) -> Option<Layout> {
     let fixed = coalesce(obstacles);
     let len = |i: usize| u64::from(items[i].end.min(ops).saturating_sub(items[i].start));
     let long = |i: usize, share: u64| len(i).saturating_mul(share) > u64::from(ops);
@@ -116,15 +134,11 @@ pub fn plan_layout(items: &[PassItem], obstacles: &[(u64, u64)], ops: u32) -> La
     let tries = [(1, false), (2, false), (20, false), (2, true), (20, true)];
     tries
         .iter()
-        .map(|&(share, above)| {
+        .filter_map(|&(share, above)| {
             let lift = |i: usize| above && long(i, share);
-            greedy(items, &fixed, ops, &by(share), &lift)
+            greedy(items, &fixed, ops, &by(share), &lift, budget)
         })
         .min_by_key(|l| l.top)
-        .unwrap_or(Layout {
-            offsets: Vec::new(),
-            top: 0,
-        })
 }
 
 /// The obstacles sorted and merged where they touch or overlap.
@@ -155,14 +169,19 @@ fn greedy(
     ops: u32,
     order: &[usize],
     lift: &dyn Fn(usize) -> bool,
-) -> Layout {
+    budget: u64,
+) -> Option<Layout> {
     let buckets = (ops / BUCKET) as usize + 1;
     let mut lists: Vec<Vec<u32>> = vec![Vec::new(); buckets];
+    // Items over many buckets are checked by every query instead of being
+    // listed in each bucket they cross.
+    let mut spanning: Vec<u32> = Vec::new();
     let mut offsets = vec![NO_OFFSET; items.len()];
     let mut seen = vec![u32::MAX; items.len()];
     let mut near: Vec<(u64, u64)> = Vec::new();
     let mut top = fixed.last().map_or(0, |f| f.1);
     let above = [(0, top)];
+    let mut work = 0u64;
     for (q, &j) in order.iter().enumerate() {
         let it = items[j];
         if it.end == OUTLIVES || it.units == 0 {
@@ -170,9 +189,11 @@ fn greedy(
         }
         let end = it.end.min(ops).max(it.start + 1);
         let (b0, b1) = ((it.start / BUCKET) as usize, ((end - 1) / BUCKET) as usize);
+        let b1 = b1.min(buckets - 1);
         near.clear();
         near.extend_from_slice(if lift(j) { &above } else { fixed });
-        for list in &lists[b0..=b1.min(buckets - 1)] {
+        for list in lists[b0..=b1].iter().chain(std::iter::once(&spanning)) {
+            work += list.len() as u64;
             for &p in list {
                 let p = p as usize;
                 let other = items[p];
@@ -181,6 +202,9 @@ fn greedy(
                     near.push((offsets[p], offsets[p] + other.units));
                 }
             }
+        }
+        if work > budget {
+            return None;
         }
         near.sort_unstable();
         let mut at = 0u64;
@@ -192,11 +216,15 @@ fn greedy(
         }
         offsets[j] = at;
         top = top.max(at + it.units);
-        for list in &mut lists[b0..=b1.min(buckets - 1)] {
-            list.push(j as u32);
+        if b1 - b0 >= SPANNING_BUCKETS {
+            spanning.push(j as u32);
+        } else {
+            for list in &mut lists[b0..=b1] {
+                list.push(j as u32);
+            }
         }
     }
-    Layout { offsets, top }
+    Some(Layout { offsets, top })
 }
 
 /// The left neighbour of each laid-out item when it is allocated: the start
@@ -303,14 +331,19 @@ pub(super) struct Recording {
 }
 
 impl Recording {
-    pub(super) fn alloc(&mut self, addr: usize, units: u64) {
-        if self.spoilt || self.ops >= MAX_PASS_OPS {
+    /// Records an allocation; false once the recording is spoilt (too
+    /// long, or the host refused memory), its memory then given back.
+    pub(super) fn alloc(&mut self, addr: usize, units: u64) -> bool {
+        let full = self.ops >= MAX_PASS_OPS;
+        if self.spoilt
+            || full
+            || self.items.try_reserve(1).is_err()
+            || self.open.try_reserve(1).is_err()
+        {
             self.spoilt = true;
-            return;
-        }
-        if self.items.try_reserve(1).is_err() || self.open.try_reserve(1).is_err() {
-            self.spoilt = true;
-            return;
+            self.items = Vec::new();
+            self.open = OffsetMap::default();
+            return false;
         }
         self.open.insert(addr as u64, self.items.len() as u32);
         self.items.push(PassItem {
@@ -319,6 +352,7 @@ impl Recording {
             end: OUTLIVES,
         });
         self.ops += 1;
+        true
     }
 
     pub(super) fn free(&mut self, addr: usize) {
@@ -464,7 +498,10 @@ impl ActivationPool {
         obstacles.extend_from_slice(&now_live);
         obstacles.sort_unstable();
         obstacles.dedup();
-        let layout = plan_layout(&rec.items, &obstacles, rec.ops);
+        let layout = plan_layout(&rec.items, &obstacles, rec.ops).unwrap_or(Layout {
+            offsets: vec![NO_OFFSET; rec.items.len()],
+            top: 0,
+        });
         // Left neighbours among the blocks that stay: one freed during the
         // pass is gone when the pass runs again.
         let left = left_neighbours(&rec.items, &now_live, &layout.offsets);
@@ -590,18 +627,30 @@ mod tests {
             item(4, 14, 20),
             item(7, 4, 8),
         ];
-        let by_size = greedy(&items, &[], 21, &[3, 1, 0, 2], &|_| false);
+        let by_size = greedy(&items, &[], 21, &[3, 1, 0, 2], &|_| false, u64::MAX).unwrap();
         assert_eq!(by_size.top, 16);
-        let l = plan_layout(&items, &[], 21);
+        let l = plan_layout(&items, &[], 21).unwrap();
         assert_eq!(live_peak(&items, &[]), 13);
         assert_eq!(l.top, 13);
         assert_eq!(l.offsets[1], 0);
     }
 
     #[test]
+    fn a_layout_past_its_work_budget_is_given_up() {
+        // 2 000 blocks all alive until the end: each query visits every
+        // block placed before it, about two million visits an order.
+        let items: Vec<PassItem> = (0..2000u32)
+            .map(|i| item(1 + u64::from(i % 5), i, 8000 + i))
+            .collect();
+        assert!(plan_layout_within(&items, &[], 12_000, 1_000_000).is_none());
+        let l = plan_layout_within(&items, &[], 12_000, 10_000_000).unwrap();
+        assert_eq!(l.top, live_peak(&items, &[]));
+    }
+
+    #[test]
     fn obstacles_are_kept_clear_and_outliving_items_are_not_laid_out() {
         let items = [item(4, 0, 3), item(4, 1, OUTLIVES), item(2, 2, 4)];
-        let l = plan_layout(&items, &[(0, 3), (3, 1)], 5);
+        let l = plan_layout(&items, &[(0, 3), (3, 1)], 5).unwrap();
         assert_eq!(l.offsets[1], NO_OFFSET);
         assert!(l.offsets[0] >= 4 && l.offsets[2] >= 4);
         assert!(l.offsets[0] + 4 <= l.offsets[2] || l.offsets[2] + 2 <= l.offsets[0]);
