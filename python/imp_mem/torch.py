@@ -733,8 +733,11 @@ def serve(
     ``served.reset_high_water()`` is recorded and laid out offline at
     ``begin_serving()``, and the served passes follow that layout
     (:meth:`Served.reset_high_water`); False keeps the ordinary placement.
-    A later start must run the same warm-up (the same reset) to plan its
-    remembered size the same way."""
+    The layout is for work that repeats the recorded pass (the same shapes):
+    other work is placed by the ordinary search in a tier sized for the
+    layout, and what does not fit falls back (counted, ``fallbacks_total``),
+    so warm up with the pass the server repeats. A later start must run the
+    same warm-up (the same reset) to plan its remembered size the same way."""
     if not isinstance(plan_passes, bool):
         raise TypeError(f"plan_passes: expected a bool, got {type(plan_passes).__name__}")
     _check_mode(mode)
