@@ -229,8 +229,8 @@ def main() -> int:
               f"{p['top'] / MIB:.1f} MiB against the pass's own high-water "
               f"{p['recorded_high_water'] / MIB:.1f} MiB, installed {p['installed']}")  # fmt: skip
     served_run = run(tier, ops)
-    print(f"first start:  warm-up fallbacks {warm}, served run {served_run}, hints "
-          f"{tier.pass_hints}")  # fmt: skip
+    print(f"first start:  warm-up fallbacks {warm}, served run {served_run}")
+    print(f"first start's hints: {tier.pass_hints}")
     second, tier2, held2 = start()
     assert not second.measuring, "the second start plans the remembered size"
     if first_pass is not None:
@@ -240,8 +240,8 @@ def main() -> int:
         run(tier2, ops)
         second.begin_serving()
     again = (run(tier2, ops), run(tier2, ops))
-    print(f"second start: run 1 fallbacks {again[0]}, run 2 {again[1]}, hints "
-          f"{tier2.pass_hints}")  # fmt: skip
+    print(f"second start: run 1 fallbacks {again[0]}, run 2 {again[1]}")
+    print(f"second start's hints: {tier2.pass_hints}")
     if args.json:
         write_json(
             args.json,
