@@ -12,7 +12,9 @@
 use std::sync::Arc;
 
 use imp_mem_core::activations::{ActivationConfig, ActivationPool, NoStreams};
-use imp_mem_core::{FakeBackend, FakeConfig, MemError, PhaseMode};
+use imp_mem_core::{FakeBackend, MemError};
+
+mod common;
 
 const MIB: u64 = 1 << 20;
 
@@ -108,14 +110,7 @@ fn replay(pool: &ActivationPool, ops: &[Op], weights: u64) -> Result<Vec<u64>, M
 }
 
 fn fake() -> FakeBackend {
-    FakeBackend::new(FakeConfig {
-        capacity: 64 << 30,
-        granularity: 2 << 20,
-        backed: false,
-        mode: PhaseMode::Strict,
-        ..FakeConfig::default()
-    })
-    .unwrap()
+    common::fake_gpu_sized()
 }
 
 /// (high-water, live peak) of a measuring pool over the trace, and the

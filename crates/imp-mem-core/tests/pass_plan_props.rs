@@ -14,7 +14,9 @@ use proptest::prelude::*;
 use imp_mem_core::activations::{
     ActivationConfig, ActivationPool, FakeStreamOrder, NoStreams, StreamOrder,
 };
-use imp_mem_core::{FakeBackend, FakeConfig, MemError, PhaseMode};
+use imp_mem_core::{FakeBackend, MemError};
+
+mod common;
 
 const MIB: u64 = 1 << 20;
 
@@ -25,14 +27,7 @@ enum Op {
 }
 
 fn fake() -> FakeBackend {
-    FakeBackend::new(FakeConfig {
-        capacity: 64 << 30,
-        granularity: 2 << 20,
-        backed: false,
-        mode: PhaseMode::Strict,
-        ..FakeConfig::default()
-    })
-    .unwrap()
+    common::fake_gpu_sized()
 }
 
 fn measuring(fb: &FakeBackend, order: Arc<dyn StreamOrder>) -> ActivationPool {
