@@ -81,6 +81,13 @@ def test_serve_lays_out_the_recorded_pass_and_serves_on_its_hints(tmp_path):
         run(act, work)
         assert act.pass_hints == {"hints": n, "hits": n * round_, "misses": 0, "refused": 0}
     assert act.stats()["fallbacks_total"] == 0
+    # The report names the layout and the hints taken.
+    line = first.mem_report()["pass_plan"]
+    assert (line["top"], line["hits"], line["installed"]) == (plan["top"], 2 * n, True)
+    text = first.mem_report_text()
+    assert f"planned pass (activations): {n} allocations laid out to" in text
+    assert plain.mem_report()["pass_plan"] is None
+    assert "planned pass" not in plain.mem_report_text()
 
     second, act2, _ = start()
     assert not second.measuring and second.pass_plan["installed"]

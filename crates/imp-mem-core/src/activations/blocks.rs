@@ -92,6 +92,8 @@ pub(super) struct Core {
     pub(super) recording: Option<Box<super::plan::Recording>>,
     /// The hints of a planned pass (`plan.rs`).
     pub(super) plan: Option<Box<super::plan::PassHints>>,
+    /// What the last plan laid out (`plan.rs`), installed or not.
+    pub(super) last_plan: Option<super::plan::PassPlan>,
 }
 
 impl Core {

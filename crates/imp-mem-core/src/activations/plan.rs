@@ -538,7 +538,7 @@ impl ActivationPool {
                 cursor: 0,
             }));
         }
-        Ok(PassPlan {
+        let plan = PassPlan {
             allocations: rec.items.len() as u64,
             hinted,
             ops: u64::from(rec.ops),
@@ -546,7 +546,14 @@ impl ActivationPool {
             top,
             recorded_high_water,
             installed,
-        })
+        };
+        core.last_plan = Some(plan);
+        Ok(plan)
+    }
+
+    /// What the last [`ActivationPool::plan_pass`] laid out, if one ran.
+    pub fn pass_plan(&self) -> Option<PassPlan> {
+        self.core().last_plan
     }
 
     /// The installed hints' counters, if hints are installed.

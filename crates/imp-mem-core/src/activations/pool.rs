@@ -157,6 +157,7 @@ impl ActivationPool {
             frozen: None,
             recording: None,
             plan: None,
+            last_plan: None,
         };
         core.slab.push(Block {
             offset: 0,

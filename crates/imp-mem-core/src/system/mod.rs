@@ -54,7 +54,7 @@ mod tiers;
 pub use open::{ActivationOrder, CloseReport, OpenError, SystemOptions};
 pub use report::{
     BlockLine, ChargeLine, DeviceLine, DeviceQuery, DeviceReading, MeasuredLine, MemReport,
-    OutsideLine, ReportInput, StayLine, TagLine, TierLine,
+    OutsideLine, PassLine, ReportInput, StayLine, TagLine, TierLine,
 };
 pub use sleep::{SleepHostPin, SleepReport, SleptTier, WakeError, DEFAULT_SLEEP_TIERS};
 pub use swap::{SwapError, SwapReport};

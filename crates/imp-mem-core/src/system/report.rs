@@ -193,6 +193,31 @@ pub struct MeasuredLine {
     pub decommitted: u64,
 }
 
+/// The activation pool's planned pass (`activations/plan.rs`): the layout
+/// it follows and how the allocations since took its hints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PassLine {
+    /// Allocations the recorded pass made.
+    pub allocations: u64,
+    /// The live bytes' peak over the pass.
+    pub live_peak: u64,
+    /// The layout's top (bytes).
+    pub top: u64,
+    /// How high the pass reached placed as it came.
+    pub recorded_high_water: u64,
+    /// Whether the layout is followed (it beat the recorded high-water, or
+    /// fits a fixed tier).
+    pub installed: bool,
+    /// Hints (one a recorded allocation).
+    pub hints: u64,
+    /// Allocations placed where their hint said.
+    pub hits: u64,
+    /// Allocations with no hint of their size near the cursor.
+    pub misses: u64,
+    /// Allocations whose hint could not be taken.
+    pub refused: u64,
+}
+
 /// One snapshot of the whole system (see the module documentation).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MemReport {
@@ -256,6 +281,8 @@ pub struct MemReport {
     pub asleep_stays: Vec<StayLine>,
     /// The measured tiers: what each needed, and what it was fixed at.
     pub measured: Vec<MeasuredLine>,
+    /// The activation pool's planned pass, if one was laid out.
+    pub pass_plan: Option<PassLine>,
 }
 
 impl MemorySystem {
@@ -477,9 +504,25 @@ impl MemorySystem {
             stays(&tiers, &outside, &charges)
         };
         let measured = self.measured();
+        let pass_plan = self.activations().and_then(|p| {
+            let plan = p.pass_plan()?;
+            let h = p.pass_hints().unwrap_or_default();
+            Some(PassLine {
+                allocations: plan.allocations,
+                live_peak: plan.live_peak,
+                top: plan.top,
+                recorded_high_water: plan.recorded_high_water,
+                installed: plan.installed,
+                hints: h.hints,
+                hits: h.hits,
+                misses: h.misses,
+                refused: h.refused,
+            })
+        });
         let info = self.backend.info();
         MemReport {
             measured,
+            pass_plan,
             backend: info.name.clone(),
             device_ordinal: info.device,
             phase: stats.phase.name(),

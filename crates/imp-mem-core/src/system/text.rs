@@ -56,6 +56,32 @@ impl MemReport {
                 mib1(m.decommitted)
             );
         }
+        if let Some(p) = &self.pass_plan {
+            let _ = if p.installed {
+                writeln!(
+                    out,
+                    "planned pass (activations): {} allocations laid out to {} MiB over a live \
+                     peak of {} MiB (placed as they came: {} MiB); hints taken {}, missed {}, \
+                     refused {} ({} a pass)",
+                    p.allocations,
+                    mib1(p.top),
+                    mib1(p.live_peak),
+                    mib1(p.recorded_high_water),
+                    p.hits,
+                    p.misses,
+                    p.refused,
+                    p.hints
+                )
+            } else {
+                writeln!(
+                    out,
+                    "planned pass (activations): not followed: the layout's {} MiB is not under \
+                     the {} MiB the pass reached placed as it came",
+                    mib1(p.top),
+                    mib1(p.recorded_high_water)
+                )
+            };
+        }
         if !self.asleep.is_empty() {
             let _ = writeln!(
                 out,
