@@ -82,9 +82,13 @@ QWEN3_0_6B = {
 }
 
 
-def build(batch: int, prompt: int, compile_mode: str):
+def build(batch: int, prompt: int, compile_mode: str, kv_cache: str = "lazy", new: int = 0):
     """The model (random weights, fixed seed) and the prompts, on the GPU;
-    compiled when ``compile_mode`` is not ``none``."""
+    compiled when ``compile_mode`` is not ``none``. ``kv_cache="early"``
+    (compiled only): one ``StaticCache`` for ``prompt + new`` tokens, its
+    layers made now, outside any graph, and reset before each generate()
+    (``model.bench_cache``); "lazy" leaves it to generate(), which makes a
+    static cache per call, a layer at a time, inside the compiled forward."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -99,6 +103,15 @@ def build(batch: int, prompt: int, compile_mode: str):
         model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, QWEN3_0_6B["vocab_size"] - 1000, (batch, prompt), generator=gen)
+    model.bench_cache = None
+    if compile_mode != "none" and kv_cache == "early":
+        from transformers import StaticCache
+
+        cache = StaticCache(config=config, max_cache_len=prompt + new)
+        cache.early_initialization(
+            batch, config.num_key_value_heads, config.head_dim, torch.bfloat16, torch.device("cuda")
+        )
+        model.bench_cache = cache
     if compile_mode != "none":
         compiled = torch.compile(model.forward, mode=compile_mode)
         model.forward = compiled
@@ -119,6 +132,10 @@ def generate(model, ids, new: int, compile_mode: str = "none"):
     import torch
 
     extra = {"cache_implementation": "static"} if compile_mode != "none" else {}
+    cache = getattr(model, "bench_cache", None)
+    if cache is not None:
+        cache.reset()
+        extra = {"past_key_values": cache}
     with torch.no_grad():
         out = model.generate(
             input_ids=ids,
@@ -189,7 +206,7 @@ def child_default(args) -> dict:
         torch.cuda.memory._record_memory_history(
             enabled="all", context=None, stacks="python", max_entries=4_000_000
         )
-    model, ids = build(args.batch, args.prompt, args.compile)
+    model, ids = build(args.batch, args.prompt, args.compile, args.kv_cache, args.new)
     weights = torch.cuda.memory_allocated()
     marks = None
     if args.record_trace:
@@ -278,15 +295,18 @@ def child_imp(args) -> dict:
 
     fingerprint = {"model": "Qwen3-0.6B/random", "batch": args.batch, "prompt": args.prompt,
                    "new": args.new, "compile": args.compile, "mode": args.mode,
-                   "vmm_chunk_mib": args.vmm_chunk_mib, "margin": args.margin}  # fmt: skip
+                   "vmm_chunk_mib": args.vmm_chunk_mib, "margin": args.margin,
+                   "plan_passes": args.plan_passes, "kv_cache": args.kv_cache}  # fmt: skip
     # Not the user's: the bench's knobs (the backend's handle size, the margin).
     knobs = {"margin": args.margin} if args.margin is not None else {}
+    if args.plan_passes == "off":
+        knobs["plan_passes"] = False
     if args.vmm_chunk_mib:
         knobs["backend"] = imp_mem.VmmBackend(0, chunk_bytes=args.vmm_chunk_mib << 20)
     # --- user code (ten lines at most)
     system = imp_mem.torch.serve(fingerprint=fingerprint, mode=args.mode, **knobs)
     with system.scope():
-        model, ids = build(args.batch, args.prompt, args.compile)
+        model, ids = build(args.batch, args.prompt, args.compile, args.kv_cache, args.new)
         generate(model, ids, args.new, args.compile)  # the warm-up (compiles, if asked)
     if args.compile != "none":  # forget the compiler's own peak, then warm up once more
         system.reset_high_water()
@@ -340,7 +360,9 @@ def run_child(kind: str, args, extra: list[str], cache: str, record: bool = True
     )
     cmd = [sys.executable, __file__, "--child", kind, *extra]
     cmd += ["--batch", str(args.batch), "--prompt", str(args.prompt), "--new", str(args.new)]
-    cmd += ["--reps", str(args.reps)]
+    cmd += ["--reps", str(args.reps), "--kv-cache", getattr(args, "kv_cache", "lazy")]
+    if kind == "imp":
+        cmd += ["--plan-passes", getattr(args, "plan_passes", "on")]
     if kind == "default" and record and args.record_trace:
         # One trace a compile mode: trace.json, trace.default.json, ...
         mode = extra[extra.index("--compile") + 1] if "--compile" in extra else "none"
@@ -417,6 +439,19 @@ def main(argv: list[str] | None = None) -> int:
         "--cpus",
         default=None,
         help="pin every child to these CPUs (e.g. 0-3): the same cores for each side",
+    )
+    ap.add_argument(
+        "--plan-passes",
+        choices=["on", "off"],
+        default="on",
+        help="imp side: lay out the pass after reset_high_water() (serve(plan_passes=))",
+    )
+    ap.add_argument(
+        "--kv-cache",
+        choices=["lazy", "early"],
+        default="lazy",
+        help="compiled: generate()'s static cache made per call inside the graphs (lazy), or "
+        "one made before, outside them, and reset each call (early)",
     )
     ap.add_argument(
         "--record-trace",
