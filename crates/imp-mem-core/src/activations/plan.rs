@@ -117,6 +117,13 @@ pub fn plan_layout_within(
     budget: u64,
 ) -> Option<Layout> {
     let fixed = coalesce(obstacles);
+    // Every item starts inside the pass, whatever `ops` says.
+    let ops = items
+        .iter()
+        .map(|i| i.start.saturating_add(1))
+        .max()
+        .unwrap_or(0)
+        .max(ops);
     let len = |i: usize| u64::from(items[i].end.min(ops).saturating_sub(items[i].start));
     let long = |i: usize, share: u64| len(i).saturating_mul(share) > u64::from(ops);
     let by = |share: u64| {
@@ -199,7 +206,7 @@ fn greedy(
                 let other = items[p];
                 if seen[p] != q as u32 && other.start < end && other.end.min(ops) > it.start {
                     seen[p] = q as u32;
-                    near.push((offsets[p], offsets[p] + other.units));
+                    near.push((offsets[p], offsets[p].saturating_add(other.units)));
                 }
             }
         }
@@ -215,7 +222,7 @@ fn greedy(
             at = at.max(e);
         }
         offsets[j] = at;
-        top = top.max(at + it.units);
+        top = top.max(at.saturating_add(it.units));
         if b1 - b0 >= SPANNING_BUCKETS {
             spanning.push(j as u32);
         } else {
@@ -410,7 +417,10 @@ impl Core {
     /// hint's left neighbour: free, on `stream`'s lane or never used, and
     /// holding the whole range.
     fn hinted_block(&self, hint: &Hint, stream: u64, shift: u32) -> Option<u32> {
-        let (off, end) = (hint.offset << shift, (hint.offset + hint.units) << shift);
+        let (off, end) = (
+            hint.offset << shift,
+            hint.offset.saturating_add(hint.units) << shift,
+        );
         let mut at = if hint.left == NO_OFFSET {
             // The block at the region's start is always slab entry 0: a
             // carve keeps the head's entry, a merge the lower one's.
@@ -652,6 +662,19 @@ mod tests {
         assert!(plan_layout_within(&items, &[], 12_000, 1_000_000).is_none());
         let l = plan_layout_within(&items, &[], 12_000, 10_000_000).unwrap();
         assert_eq!(l.top, live_peak(&items, &[]));
+    }
+
+    #[test]
+    fn items_past_the_stated_length_or_of_absurd_sizes_do_not_panic() {
+        let items = [
+            item(u64::MAX / 2, 7, 9),
+            item(3, 9, OUTLIVES),
+            item(1, 2, 3),
+        ];
+        let l = plan_layout(&items, &[(0, 1000)], 1).unwrap();
+        assert_eq!(l.offsets[1], NO_OFFSET);
+        assert!(l.offsets[0] >= 1000 && l.offsets[2] >= 1000);
+        assert_eq!(l.top, u64::MAX / 2 + 1000);
     }
 
     #[test]
