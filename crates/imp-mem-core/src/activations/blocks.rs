@@ -208,36 +208,15 @@ impl Core {
     /// `stream`, splitting its tail back onto the lane it came from. The
     /// map has room for one more entry.
     pub(super) fn carve(&mut self, idx: u32, need: u64, stream: u64, requested: u64, shift: u32) {
-        let b = self.slab[idx as usize];
-        let rest = b.size - need;
-        if rest > 0 {
-            if let Some(tail) = self.new_slot() {
-                let after = b.next_phys;
-                self.slab[tail as usize] = Block {
-                    offset: b.offset + need,
-                    size: rest,
-                    requested: 0,
-                    stream: b.stream,
-                    prev_phys: idx,
-                    next_phys: after,
-                    prev_free: NONE,
-                    next_free: NONE,
-                    lane: NONE,
-                    listed: 0,
-                    state: BlockState::Free,
-                };
-                if after != NONE {
-                    self.slab[after as usize].prev_phys = tail;
-                }
-                self.slab[idx as usize].next_phys = tail;
-                self.slab[idx as usize].size = need;
-                // The tail's next neighbour cannot be a free block of its
-                // stream (it would have been merged), so it is listed as is.
-                let lane = b.lane;
-                self.lanes[lane as usize].insert(&mut self.slab, tail, shift, lane);
-            }
+        if self.slab[idx as usize].size > need {
             // Without a slot the whole block is handed out: internal
             // fragmentation, not an error.
+            if let Some(tail) = self.split_off(idx, need) {
+                // The tail's next neighbour cannot be a free block of its
+                // stream (it would have been merged), so it is listed as is.
+                let lane = self.slab[tail as usize].lane;
+                self.lanes[lane as usize].insert(&mut self.slab, tail, shift, lane);
+            }
         }
         let size = {
             let blk = &mut self.slab[idx as usize];
@@ -272,17 +251,29 @@ impl Core {
         requested: u64,
         shift: u32,
     ) -> Option<u32> {
-        if lead == 0 {
-            self.take(idx);
-            self.carve(idx, need, stream, requested, shift);
-            return Some(idx);
-        }
-        let rest = self.new_slot()?;
         self.take(idx);
+        let at = if lead == 0 {
+            idx
+        } else {
+            let lane = self.slab[idx as usize].lane;
+            let rest = self.split_off(idx, lead);
+            // The lead (the whole block, without a slot) back on its lane.
+            self.lanes[lane as usize].insert(&mut self.slab, idx, shift, lane);
+            rest?
+        };
+        self.carve(at, need, stream, requested, shift);
+        Some(at)
+    }
+
+    /// Cuts block `idx` at `at` bytes: a new free, unlisted entry (of
+    /// `idx`'s stream and lane) takes the rest, linked after it. None,
+    /// nothing changed, when the slab has no entry to spare.
+    fn split_off(&mut self, idx: u32, at: u64) -> Option<u32> {
+        let rest = self.new_slot()?;
         let b = self.slab[idx as usize];
         self.slab[rest as usize] = Block {
-            offset: b.offset + lead,
-            size: b.size - lead,
+            offset: b.offset + at,
+            size: b.size - at,
             requested: 0,
             stream: b.stream,
             prev_phys: idx,
@@ -297,10 +288,7 @@ impl Core {
             self.slab[b.next_phys as usize].prev_phys = rest;
         }
         self.slab[idx as usize].next_phys = rest;
-        self.slab[idx as usize].size = lead;
-        let lane = b.lane;
-        self.lanes[lane as usize].insert(&mut self.slab, idx, shift, lane);
-        self.carve(rest, need, stream, requested, shift);
+        self.slab[idx as usize].size = at;
         Some(rest)
     }
 

@@ -46,6 +46,7 @@
 //! so each repetition of the pass follows the layout again.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 
 use crate::error::MemError;
 
@@ -466,9 +467,7 @@ impl ActivationPool {
             before,
             spoilt: false,
         }));
-        self.inner
-            .recording
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.inner.recording.store(true, Ordering::Relaxed);
     }
 
     /// Whether a pass is being recorded.
@@ -486,9 +485,7 @@ impl ActivationPool {
         let shift = self.inner.shift;
         let (rec, now_live, recorded_high_water) = {
             let mut core = self.core();
-            self.inner
-                .recording
-                .store(false, std::sync::atomic::Ordering::Relaxed);
+            self.inner.recording.store(false, Ordering::Relaxed);
             let Some(rec) = core.recording.take() else {
                 return Err(MemError::invalid(
                     "plan_pass: no pass is being recorded; call record_pass() before the pass",
@@ -577,9 +574,7 @@ impl ActivationPool {
         let mut core = self.core();
         core.plan = None;
         core.recording = None;
-        self.inner
-            .recording
-            .store(false, std::sync::atomic::Ordering::Relaxed);
+        self.inner.recording.store(false, Ordering::Relaxed);
     }
 
     /// Places an allocation where the hint under the cursor says, if it
