@@ -150,16 +150,51 @@ def generate(model, ids, new: int, compile_mode: str = "none"):
     return out[:, ids.shape[1] :].cpu()
 
 
-def _median_seconds(first: float, args, again) -> float:
-    """The median of `first` and ``--reps - 1`` more timings of `again`
-    (one generate() each): a single run's time moved 511-858 tokens/s
-    between identical children on the H200 (session 16)."""
-    times = [first]
+def _median_seconds(first: tuple[float, float], args, again) -> dict:
+    """The median of `first` (wall and CPU seconds of one generate()) and
+    ``--reps - 1`` more timings of `again`: a single run's time moved
+    511-858 tokens/s between identical children on the H200 (session 16).
+    Every run's wall and CPU seconds are kept (``seconds_runs``,
+    ``cpu_seconds_runs``): HF's generate() is host-bound at these shapes,
+    so a slow run with its CPU time up is the host's, not the GPU's."""
+    walls, cpus = [first[0]], [first[1]]
     for _ in range(args.reps - 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        again()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return {
+        "seconds": statistics.median(walls),
+        "seconds_runs": [round(w, 4) for w in walls],
+        "cpu_seconds_runs": [round(c, 4) for c in cpus],
+    }
+
+
+def _profiled(args, again) -> dict | None:
+    """``--profile``: one more generate() under torch's profiler, summed:
+    the kernels' device time, the host's self time, and the host ops that
+    took the most (a slow child's time found on the GPU or on the host)."""
+    if not args.profile:
+        return None
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         again()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        wall = time.perf_counter() - t0
+    rows = prof.key_averages()
+    device = sum(getattr(r, "self_device_time_total", 0) for r in rows) / 1e3
+    host = sorted(rows, key=lambda r: r.self_cpu_time_total, reverse=True)
+    torch.cuda.synchronize()
+    return {
+        "wall_ms": round(wall * 1e3, 1),
+        "device_self_ms": round(device, 1),
+        "host_self_ms": round(sum(r.self_cpu_time_total for r in rows) / 1e3, 1),
+        "top_host": [
+            (r.key[:60], r.count, round(r.self_cpu_time_total / 1e3, 1)) for r in host[:8]
+        ],
+    }
 
 
 def _kv_needed(batch: int, tokens: int) -> int:
@@ -228,9 +263,9 @@ def child_default(args) -> dict:
             second_mark = len(events)
     torch.cuda.reset_peak_memory_stats()
     s0 = torch.cuda.memory_stats()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     second = generate(model, ids, args.new, args.compile)
-    dt = time.perf_counter() - t0
+    dt = (time.perf_counter() - t0, time.process_time() - c0)
     s1 = torch.cuda.memory_stats()
     if second_mark is not None:
         events = torch.cuda.memory._snapshot()["device_traces"][0]
@@ -240,7 +275,8 @@ def child_default(args) -> dict:
     return {
         "tokens": second.tolist(),
         "first_equals_second": bool(torch.equal(first, second)),
-        "seconds": _median_seconds(dt, args, lambda: generate(model, ids, args.new, args.compile)),
+        **_median_seconds(dt, args, lambda: generate(model, ids, args.new, args.compile)),
+        "profile": _profiled(args, lambda: generate(model, ids, args.new, args.compile)),
         "weights_bytes": weights,
         # HF's own live peak while serving: weights, its KV, the activations.
         "live_peak": torch.cuda.max_memory_allocated(),
@@ -321,16 +357,15 @@ def child_imp(args) -> dict:
     warm_fallbacks = imp_mem.torch.memory_stats(system).get("imp_mem.fallbacks_total", 0)
     free0, _ = imp_mem.cuda_mem_get_info(system.device)
     with system.scope():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tokens = generate(model, ids, args.new, args.compile)
-        dt = time.perf_counter() - t0
+        dt = (time.perf_counter() - t0, time.process_time() - c0)
     free1, _ = imp_mem.cuda_mem_get_info(system.device)
     b1 = system.backend.stats()
-    out = _imp_figures(system, tokens, dt)
+    out = _imp_figures(system, tokens, dt[0])
     with system.scope():
-        out["seconds"] = _median_seconds(
-            dt, args, lambda: generate(model, ids, args.new, args.compile)
-        )
+        out.update(_median_seconds(dt, args, lambda: generate(model, ids, args.new, args.compile)))
+        out["profile"] = _profiled(args, lambda: generate(model, ids, args.new, args.compile))
     total = imp_mem.torch.memory_stats(system).get("imp_mem.fallbacks_total", 0)
     out["fallbacks"], out["fallbacks_warmup"] = total - warm_fallbacks, warm_fallbacks
     out["backend_acquisitions_serving"] = int(b1["acquisitions"]) - int(b0["acquisitions"])
@@ -361,6 +396,8 @@ def run_child(kind: str, args, extra: list[str], cache: str, record: bool = True
     cmd = [sys.executable, __file__, "--child", kind, *extra]
     cmd += ["--batch", str(args.batch), "--prompt", str(args.prompt), "--new", str(args.new)]
     cmd += ["--reps", str(args.reps), "--kv-cache", getattr(args, "kv_cache", "lazy")]
+    if getattr(args, "profile", False):
+        cmd += ["--profile"]
     if kind == "imp":
         cmd += ["--plan-passes", getattr(args, "plan_passes", "on")]
     if kind == "default" and record and args.record_trace:
@@ -406,6 +443,12 @@ def compare(args, default: dict, imp: dict, needed: int) -> dict:
         "measured": imp["measured"],
         "tier_in_use_peak_over_live_peak": imp["tier_in_use_peak"] / default["live_peak"],
         "outside_charge_mib": (imp["outside_charge"] or 0) / MIB,
+        "imp_seconds_runs": imp.get("seconds_runs"),
+        "imp_cpu_seconds_runs": imp.get("cpu_seconds_runs"),
+        "imp_profile": imp.get("profile"),
+        "default_profile": default.get("profile"),
+        "default_seconds_runs": default.get("seconds_runs"),
+        "default_cpu_seconds_runs": default.get("cpu_seconds_runs"),
     }
 
 
@@ -452,6 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         default="lazy",
         help="compiled: generate()'s static cache made per call inside the graphs (lazy), or "
         "one made before, outside them, and reset each call (early)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="each child: one more generate() under torch's profiler (device vs host time)",
     )
     ap.add_argument(
         "--record-trace",
@@ -534,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, imp in runs:
                 row = compare(args, default, imp, needed)
                 row["default_tokens_per_s_runs"] = peer_tps
+                row["default_wall_cpu_runs"] = [
+                    (d.get("seconds_runs"), d.get("cpu_seconds_runs")) for d in defaults
+                ]
                 row["tokens_identical"] = all(d["tokens"] == imp["tokens"] for d in defaults)
                 if name.endswith("/second-start"):
                     row["first_start_measured"] = first["measured_this_start"]
@@ -556,8 +607,11 @@ def main(argv: list[str] | None = None) -> int:
             f"acquisitions while "
             f"serving {r['backend_acquisitions_serving']}, fallbacks {r['fallbacks']}, committed "
             f"+{r['committed_delta_serving']} B; attributed {r['attribution_pct']}%; measured "
-            f"this start {r['measured_this_start']}; pass hints {r['pass_hints']}"
+            f"this start {r['measured_this_start']}; pass hints {r['pass_hints']}; "
+            f"imp wall/cpu s {r['imp_seconds_runs']}/{r['imp_cpu_seconds_runs']}"
         )
+        if r.get("imp_profile"):
+            print(f"PROFILE [{name}] imp {r['imp_profile']}; torch {r['default_profile']}")
     rows = {
         "workload": f"{args.batch} x {args.prompt} + {args.new} greedy, Qwen3-0.6B shape, bf16",
         "variants": variants,
