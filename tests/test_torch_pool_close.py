@@ -117,11 +117,107 @@ def test_a_pool_as_a_context_manager_and_another_tier_left_installed():
         assert not p.closed
     assert p.closed and not _core.hook_stats()["installed"]
     q = imt.Pool(other, device=0)
-    r = imt.Pool(one, device=0)  # the hooks route to one tier: now `one`'s
-    tier = one.activations.id
-    assert imt.installed().id == tier
-    q.close()  # not the installed tier: the hooks stay on `one`
-    assert _core.hook_stats()["installed"] and imt.installed().id == tier
-    r.close()
+    # `other`'s open Pool holds the hooks: `one`'s Pool is a hook region,
+    # which its scopes select (it no longer takes the hooks from q).
+    r = imt.Pool(one, device=0)
+    assert not q._region and r._region
+    assert imt.installed().id == other.activations.id
+    q.close()  # the installed tier: its last Pool takes it out of the hooks
     assert not _core.hook_stats()["installed"] and imt.installed() is None
+    r.close()  # the region goes with its last Pool
+    assert not _core.hook_stats()["installed"]
+    assert _closes_clean(one) and _closes_clean(other)
+
+
+def _hooks():
+    import ctypes
+
+    lib = ctypes.CDLL(_core.hook_library_path())
+    malloc = getattr(lib, _core.TORCH_MALLOC_SYMBOL)
+    malloc.restype = ctypes.c_void_p
+    malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    free = getattr(lib, _core.TORCH_FREE_SYMBOL)
+    free.restype = None
+    free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return malloc, free
+
+
+def _in_use(system) -> int:
+    return int(system.activations.stats()["in_use"])
+
+
+def test_two_tiers_pools_each_scope_reaches_its_own_tier(monkeypatch):
+    """Two engines with ``torch_pool="imp_mem"`` in one process: each Pool's
+    scope (and a capture into its MemPool, and a graph pool over it) puts
+    torch's segments in its own tier, nested either way, and a segment
+    freed anywhere goes back to the tier it came from. Before, the second
+    Pool took the hooks and the first engine's segments landed in the
+    second engine's tier."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    malloc, free = _hooks()
+    one, other = _system(), _system()
+    a, b = imt.Pool(one, device=0), imt.Pool(other, device=0)
+    assert not a._region and b._region
+    held = []
+
+    def take(n):
+        ptr = malloc(n, 0, None)
+        assert ptr, _core.hook_stats()
+        held.append((ptr, n))
+        return ptr
+
+    with b.scope():
+        take(MIB)
+    assert (_in_use(one), _in_use(other)) == (0, MIB)
+    with a.scope():
+        take(2 * MIB)
+        with b.scope():
+            take(3 * MIB)
+        take(MIB)  # back on `one` after the inner scope
+    assert (_in_use(one), _in_use(other)) == (3 * MIB, 4 * MIB)
+    with b.graph(object()):
+        take(MIB)
+    with imt.graph_pool(b):
+        take(MIB)
+    assert (_in_use(one), _in_use(other)) == (3 * MIB, 6 * MIB)
+    # Nested in a region scope of its own, the installed Pool still wins.
+    with b.scope(), a.scope():
+        take(MIB)
+    assert _in_use(one) == 4 * MIB
+    with pytest.raises(imp_mem.InvalidArgument, match="hook region"):
+        with b.loading():
+            pass
+    # Freed outside any scope (torch releases segments at empty_cache):
+    # each goes home by its address.
+    for ptr, n in held:
+        free(ptr, n, 0, None)
+    assert (_in_use(one), _in_use(other)) == (0, 0)
+    assert _core.hook_stats().get("refused_frees", 0) == 0
+    b.close()
+    a.close()
+    assert not _core.hook_stats()["installed"]
+    assert _closes_clean(one) and _closes_clean(other)
+
+
+def test_a_region_pools_segment_outliving_it_still_goes_home(monkeypatch):
+    """A Pool that routes through a hook region, closed while torch still
+    holds a segment of it: the region is retired with the block, the
+    block's free reaches its tier, and the tier then goes."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda *a, **k: contextlib.nullcontext())
+    malloc, free = _hooks()
+    one, other = _system(), _system()
+    a, b = imt.Pool(one, device=0), imt.Pool(other, device=0)
+    with b.scope():
+        ptr = malloc(MIB, 0, None)
+    assert ptr and _in_use(other) == MIB
+    b.close()
+    assert _core.hook_stats()["retired_pools"] == 1
+    free(ptr, MIB, 0, None)
+    assert _core.hook_stats()["retired_pools"] == 0
+    a.close()
     assert _closes_clean(one) and _closes_clean(other)

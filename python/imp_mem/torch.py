@@ -18,7 +18,12 @@ Two ways to route torch, both over the same tier:
   torch's caching allocator still runs on top (its block cache lives inside
   the pool's segments), so a warm allocation costs what it always costs, and
   imp-mem sees only segment traffic. Code outside the scope uses torch's
-  default allocator.
+  default allocator. The entry points cannot tell MemPools apart, so the
+  first open Pool's tier is *installed* in them and a Pool over another
+  tier (a second engine in the process) is a hook *region* that its
+  :meth:`Pool.scope`, :meth:`Pool.graph` and :func:`graph_pool` select for
+  their thread (:meth:`Pool.routed`); a segment freed anywhere goes back to
+  its tier by address.
 * **Process-wide** (:func:`install`): ``change_current_allocator`` makes the
   tier torch's only allocator. It must run before torch's first CUDA
   allocation; every tensor then reaches imp-mem directly (no caching layer).
@@ -190,7 +195,14 @@ def _same_tier(a: Any, b: Any) -> bool:
     return a is not None and b is not None and a.id == b.id
 
 
-def _install_hooks(activations: Any, device: int, weights_arena: Any = None) -> None:
+def _install_hooks(activations: Any, device: int, weights_arena: Any = None) -> bool:
+    """Routes the hooks to ``activations``: installed (the tier every
+    MemPool scope without a tier of its own reaches) where none is, or
+    where the installed one is this tier or one no open Pool holds; else a
+    hook *region* (``_core.add_hook_region``), which a scope of its Pool
+    selects for its thread, so that two Pools over two tiers (two engines
+    with ``torch_pool="imp_mem"`` in one process) each get their own
+    tier's memory. Returns True where installed, False for a region."""
     with _lock:
         current = _installed["activations"]
         if current is not None and not _same_tier(current, activations):
@@ -199,12 +211,16 @@ def _install_hooks(activations: Any, device: int, weights_arena: Any = None) -> 
                     "imp_mem.torch: another activations tier is installed process-wide; "
                     "torch has one allocator per process"
                 )
+            if any(p._tier == current.id and not p._region for p in _open):
+                _core.add_hook_region(activations, device=device)
+                return False
         if weights_arena is not None:
             activations.install(device=device, weights_arena=weights_arena)
         else:
             activations.install(device=device)
         _installed["activations"] = activations
         _installed["device"] = device
+        return True
 
 
 def _uninstall_hooks(activations: Any) -> None:
@@ -273,12 +289,18 @@ class Pool:
         if weights_arena is None and not isinstance(target, _core.ActivationPool):
             weights_arena = getattr(target, "weights_arena", None)
         self.weights_arena = weights_arena
-        _install_hooks(self.activations, self.device, weights_arena)
+        self._tier = self.activations.id
+        # A tier another open Pool's tier already holds the hooks for is a
+        # hook region of its own: its scopes select it for their thread.
+        same = [p for p in _open if p._tier == self._tier]
+        if same and same[0]._region:
+            self._region = True
+        else:
+            self._region = not _install_hooks(self.activations, self.device, weights_arena)
         allocator = pluggable_allocator().allocator()
         self.mempool: Any = torch.cuda.MemPool(allocator)
         # The MemPool CUDA graphs capture into (graph_pool), made on first use.
         self.graph_mempool: Any = None
-        self._tier = self.activations.id
         self._open = True
         with _lock:
             _open.add(self)
@@ -294,10 +316,27 @@ class Pool:
         return self.mempool.id
 
     @contextlib.contextmanager
+    def routed(self) -> Iterator[Pool]:
+        """Points this thread's allocator hooks at the tier for the block,
+        without entering a MemPool (:meth:`scope` and :meth:`graph` do both):
+        a capture into this Pool's MemPool run outside its scope needs it.
+        Nested in a :func:`region` scope, the Pool's tier still wins."""
+        self._check_open()
+        stack = _region_stack()
+        route = self.activations if self._region else None
+        stack.append(route)
+        _core.set_hook_region(route)
+        try:
+            yield self
+        finally:
+            stack.pop()
+            _core.set_hook_region(stack[-1] if stack else None)
+
+    @contextlib.contextmanager
     def scope(self) -> Iterator[Pool]:
         """Routes torch's allocations in the block to the tier."""
         self._check_open()
-        with torch.cuda.use_mem_pool(self.mempool, device=self.device):
+        with self.routed(), torch.cuda.use_mem_pool(self.mempool, device=self.device):
             yield self
 
     @contextlib.contextmanager
@@ -311,6 +350,12 @@ class Pool:
             raise InvalidArgument(
                 "weights_arena: this pool has no T1 arena to load into; pass "
                 "weights_arena= (or build the Pool from a MemorySystem)"
+            )
+        if self._region:
+            raise InvalidArgument(
+                "pool: another tier's Pool holds the allocator hooks, so this one routes "
+                "through a hook region, which has no weights route; load through the first "
+                "Pool's system, or close it before making this one"
             )
         loading_pool = torch.cuda.MemPool(pluggable_allocator().allocator())
         previous = _core.hook_route()
@@ -358,7 +403,11 @@ class Pool:
         self.graph_mempool = None
         _release_dropped_pools(self.device)
         if not left:
-            _uninstall_hooks(self.activations)
+            if self._region:
+                # Blocks still live keep the tier (the core retires it).
+                _core.remove_hook_region(self.activations)
+            else:
+                _uninstall_hooks(self.activations)
         # The tier's and T1's handles: held, they keep the system's memory.
         self.activations = None
         self.weights_arena = None
@@ -374,10 +423,13 @@ class Pool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def graph(self, cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Any:
-        """``torch.cuda.graph(cuda_graph, pool=self.id, ...)``: a capture whose
-        allocations live in the tier. Call it outside :meth:`scope`."""
-        return torch.cuda.graph(cuda_graph, pool=self.id, **kwargs)
+    @contextlib.contextmanager
+    def graph(self, cuda_graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[Pool]:
+        """``with pool.graph(g): ...``: ``torch.cuda.graph(g, pool=self.id,
+        ...)`` with this thread's hooks on the tier, so the capture's
+        allocations live in it. Call it outside :meth:`scope`."""
+        with self.routed(), torch.cuda.graph(cuda_graph, pool=self.id, **kwargs):
+            yield self
 
     def memory_stats(self) -> dict[str, int]:
         """The tier's counters under ``torch.cuda.memory_stats`` key names."""
@@ -685,7 +737,8 @@ def graph_pool(target: Any) -> Iterator[Any]:
 
     torch.cuda.graph_pool_handle = _handle  # type: ignore[assignment]
     try:
-        yield p.graph_mempool
+        with p.routed():
+            yield p.graph_mempool
     finally:
         torch.cuda.graph_pool_handle = original  # type: ignore[assignment]
 

@@ -214,6 +214,52 @@ def test_graph_captured_into_the_pool_replays(system):
         assert torch.allclose(out, (x @ w).relu(), atol=1e-3, rtol=1e-3)
 
 
+def test_two_tiers_pools_keep_their_tensors_and_graphs_apart(system):
+    """Two engines' Pools in one process (two systems): each scope's tensors
+    and each Pool's captured graph lie in their own tier, nested either
+    way, and both tiers give everything back at close."""
+    import imp_mem.torch as imt
+
+    other = _system()
+    a, b = imt.pool(system), imt.pool(other)
+    assert not a._region and b._region
+
+    def inside(p, t):
+        act = p.activations
+        return act.base <= t.data_ptr() < act.base + act.capacity
+
+    with b.scope():
+        xb = torch.full((1 << 20,), 2.0, device="cuda")
+    with a.scope():
+        xa = torch.full((1 << 20,), 3.0, device="cuda")
+        with b.scope():
+            yb = xb * xa
+        ya = xa + 1
+    assert inside(b, xb) and inside(b, yb) and inside(a, xa) and inside(a, ya)
+    w = torch.randn(256, 256, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), b.scope():
+        (w @ w).relu()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with b.graph(graph):
+        out = (w @ w).relu()
+    assert inside(b, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out, (w @ w).relu(), atol=1e-3, rtol=1e-3)
+    assert float(yb[7]) == 6.0 and float(ya[7]) == 4.0
+    del xa, xb, ya, yb, out, graph
+    torch.cuda.synchronize()
+    b.close()
+    a.close()
+    for s in (system, other):
+        assert s.activations.memory_stats()["allocated_bytes.all.current"] == 0
+        s.activations.check_invariants()
+    assert other.close()["still_held"] == {}
+
+
 def test_loading_scope_places_allocations_in_t1_and_counts_stranded_frees(system):
     import imp_mem.torch as imt
 

@@ -89,7 +89,9 @@ class EngineMemory:
                 )
             import imp_mem.torch as imt
 
-            torch_pool = lambda system: imt.pool(system).mempool  # noqa: E731
+            # The Pool itself: its scope points this thread's hooks at the
+            # tier, so two engines' Pools in one process each get their own.
+            torch_pool = lambda system: imt.pool(system)  # noqa: E731
         self.torch_pool = torch_pool
         self._torch_pool_made = False
         self.system: Any = None
@@ -330,6 +332,8 @@ class EngineMemory:
         pool = self.torch_pool
         if pool is None:
             return contextlib.nullcontext()
+        if self.on_gpu and _is_imp_pool(pool):
+            return pool.scope()
         if self.on_gpu and isinstance(pool, torch.cuda.MemPool):
             return torch.cuda.use_mem_pool(pool)
         return pool()
@@ -337,9 +341,20 @@ class EngineMemory:
     def graph_pool(self) -> Any:
         """The memory pool the decode graphs capture into."""
         pool = self.torch_pool
+        if pool is not None and self.on_gpu and _is_imp_pool(pool):
+            return pool.id
         if pool is not None and self.on_gpu and isinstance(pool, torch.cuda.MemPool):
             return pool.id
         return torch.cuda.graph_pool_handle()
+
+    def capture_ctx(self) -> Any:
+        """The context the decode graphs are captured in: an imp-mem Pool's
+        route (the capture's allocations reach its tier, whichever Pool
+        holds the hooks), else nothing."""
+        pool = self.torch_pool
+        if pool is not None and self.on_gpu and _is_imp_pool(pool):
+            return pool.routed()
+        return contextlib.nullcontext()
 
     def empty_torch_cache(self) -> None:
         if self.on_gpu:
@@ -451,6 +466,15 @@ class EngineMemory:
                 p.close()
         self.system = None
         return system.close()
+
+
+def _is_imp_pool(pool: Any) -> bool:
+    """Whether `pool` is an ``imp_mem.torch.Pool`` (without importing the
+    module where the engine never routed torch)."""
+    import sys
+
+    module = sys.modules.get("imp_mem.torch")
+    return module is not None and isinstance(pool, module.Pool)
 
 
 class _Pinner:

@@ -678,7 +678,7 @@ class ModelRunner:
         # On the stream the warm-up ran on (its library handles and
         # workspaces exist already, as torch's graph recipe needs).
         pool, stream = self.memory.graph_pool(), self._stream
-        with torch.inference_mode():
+        with torch.inference_mode(), self.memory.capture_ctx():
             for b in sorted(self.buckets, reverse=True):
                 if self.flashinfer is not None:
                     # The plan the graph bakes in (FlashInfer's CUDA-graph
