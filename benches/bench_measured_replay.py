@@ -55,6 +55,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 import warnings
 
 from bench_json import write_json
@@ -133,6 +134,16 @@ def run(tier, ops, live=None) -> int:
     return tier.stats()["fallbacks_total"] - before
 
 
+def time_passes(tier, ops, n: int) -> list[float]:
+    """Host milliseconds of each of `n` more replays of `ops`."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        run(tier, ops)
+        out.append(round((time.perf_counter() - t0) * 1e3, 2))
+    return out
+
+
 def pass_peak(before, ops, granule=512) -> int:
     """The most bytes live (each block rounded up to `granule`, as the tier
     rounds) while `ops` run, with what `before` left live."""
@@ -169,7 +180,16 @@ def main() -> int:
         help="a recorded trace (JSON: ops, and model_ops, the count of its leading ops that "
         "build the model) in place of the synthetic one",
     )
+    ap.add_argument(
+        "--time-passes",
+        type=int,
+        default=0,
+        help="after each start's begin_serving(), time this many more served passes (host "
+        "ms a pass through the binding: whether a start's placement cost grows pass by pass)",
+    )
     args = ap.parse_args()
+    if args.time_passes < 0:
+        ap.error(f"--time-passes must be at least 0 (got {args.time_passes})")
     first_pass = None
     if args.trace:
         with open(args.trace) as f:
@@ -241,6 +261,11 @@ def main() -> int:
         second.begin_serving()
     again = (run(tier2, ops), run(tier2, ops))
     print(f"second start: run 1 fallbacks {again[0]}, run 2 {again[1]}")
+    timed = {}
+    for name, t in (("first_start", tier), ("second_start", tier2)):
+        if args.time_passes:
+            timed[name] = time_passes(t, ops, args.time_passes)
+            print(f"{name.replace('_', ' ')}: host ms a served pass {timed[name]}")
     print(f"second start's hints: {tier2.pass_hints}")
     if args.json:
         write_json(
@@ -253,6 +278,7 @@ def main() -> int:
                 "high_water_over_live_peak": high_water / live_peak,
                 "frozen_over_live_peak": size / live_peak,
                 "fallbacks": {"warm_up": warm, "served": served_run, "second_start": list(again)},
+                "host_ms_a_pass": timed,
             },
         )
     return 0
