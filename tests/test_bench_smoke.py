@@ -170,11 +170,21 @@ def test_a_compiled_trace_measures_only_the_pass_after_the_reset(tmp_path):
     meta = {"batch": 1, "prompt": 1, "new": 1, "model_ops": 1, "second_ops": 4}
     trace.write_text(json.dumps(dict(meta, ops=ops)))
     out = _run(
-        "bench_measured_replay.py", "--trace", str(trace), "--json", str(figures), timeout=120
+        "bench_measured_replay.py",
+        "--trace",
+        str(trace),
+        "--json",
+        str(figures),
+        "--time-passes",
+        "2",
+        timeout=120,
     )
     got = json.loads(figures.read_text())
     assert got["live_peak"] == 150 * m and got["high_water"] == 170 * m, out
     assert got["fallbacks"] == {"warm_up": 0, "served": 0, "second_start": [0, 0]}
+    timed = got["host_ms_a_pass"]
+    assert sorted(timed) == ["first_start", "second_start"], out
+    assert all(len(v) == 2 and min(v) > 0 for v in timed.values()), timed
 
 
 def test_the_hf_bench_pins_its_children_where_asked(monkeypatch):
