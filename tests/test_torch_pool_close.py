@@ -222,5 +222,17 @@ def test_a_region_pools_segment_outliving_it_still_goes_home(monkeypatch):
     free(ptr, MIB, 0, None)
     assert _core.hook_stats()["retired_pools"] == retired
     assert _in_use(other) == 0
+    # Closed with a live block and opened again: a region again, not
+    # retired, and the old block's free goes home through it (left
+    # retired, the entry never saw that free and held the tier for good).
+    b = imt.Pool(other, device=0)
+    with b.scope():
+        ptr = malloc(MIB, 0, None)
+    b.close()
+    b = imt.Pool(other, device=0)
+    assert b._region and _core.hook_stats()["retired_pools"] == retired
+    free(ptr, MIB, 0, None)
+    assert _in_use(other) == 0
+    b.close()
     a.close()
     assert _closes_clean(one) and _closes_clean(other)

@@ -151,3 +151,28 @@ fn the_hooks_route_a_threads_mallocs_to_its_region_and_frees_back_from_any_threa
     assert!(!hooks::remove_region(pool.id()));
     assert_eq!(hooks::current_region(), None);
 }
+
+#[test]
+fn a_region_removed_with_a_live_block_and_added_again_is_no_longer_retired() {
+    let fb = fake();
+    let pool = region(&fb, true);
+    hooks::add_region(pool.clone(), 0);
+    let previous = hooks::set_region(Some(pool.id())).unwrap();
+    let p = hooks::malloc(4096, 0, 0);
+    assert!(p != 0 && pool.contains(p));
+    hooks::set_region(previous).unwrap();
+    // Removed with the block live: retired, its free still reaches it.
+    assert!(hooks::remove_region(pool.id()));
+    assert!(hooks::retired_pool_ids().contains(&pool.id()));
+    // Added again (a Pool over the same tier reopened): a region, not
+    // retired, and the block's free goes home through the regions.
+    hooks::add_region(pool.clone(), 0);
+    assert!(!hooks::retired_pool_ids().contains(&pool.id()));
+    hooks::free(p, Some(4096), 0, 0);
+    assert_eq!(pool.stats().live, 0);
+    assert!(hooks::remove_region(pool.id()));
+    // Nothing live: removal retires nothing, and only the test's own
+    // handle keeps the pool.
+    assert!(!hooks::retired_pool_ids().contains(&pool.id()));
+    pool.check_invariants().unwrap();
+}

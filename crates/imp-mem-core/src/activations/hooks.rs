@@ -405,15 +405,20 @@ fn regions() -> RwLockReadGuard<'static, Vec<Arc<RegionEntry>>> {
 /// pool): mallocs of a thread that selects it ([`set_region`]) go to it,
 /// and frees of its addresses come back to it from any thread.
 pub fn add_region(pool: ActivationPool, device: i32) {
+    let id = pool.id();
     let replaced: Vec<Arc<RegionEntry>> = {
         let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
-        let gone = take_where(&mut all, |r| r.pool.id() == pool.id());
+        let gone = take_where(&mut all, |r| r.pool.id() == id);
         all.push(Arc::new(RegionEntry { pool, device }));
         REGION_COUNT.store(all.len(), Ordering::Release);
         gone
     };
+    // A region again: its frees go through the regions, not the retired
+    // list (left there, the retired entry never saw its last free and held
+    // the pool for the process's life).
+    let back = unretire(id);
     // Dropped outside the lock (`Drop for RegionEntry` reads the regions).
-    drop(replaced);
+    drop((replaced, back));
 }
 
 /// Removes the region of pool `pool_id`; true if there was one. Frees of
