@@ -224,3 +224,47 @@ def test_the_hf_bench_runs_ours_alone_where_torchs_side_crashes(monkeypatch, tmp
     assert alone["committed"] == 5 and "tokens" not in alone and "report" not in alone
     assert alone["tokens_per_s"] == 8 * 16 / 2.0
     assert "rc=-11" in got["failed"]["reduce-overhead/torch"]
+
+
+def test_the_caching_allocator_model_follows_torchs_rules(monkeypatch):
+    """`model_caching_allocator.py`'s arithmetic against worked cases of
+    torch's rules (its defaults gave the H200's compiled trace's reserved
+    figure to the MiB: 7 520.0 over a live peak of 5 616.4)."""
+    monkeypatch.syspath_prepend(str(BENCHES))
+    import model_caching_allocator as m
+
+    mib = m.MIB
+    # round_size: 512 B minimum and multiples; power-2 divisions above 512 x d.
+    assert m.round_size(1, None) == 512 and m.round_size(513, None) == 1024
+    four = m.parse_divisions("4")
+    assert m.round_size(3_000_000, four) == 3_145_728  # 2 MiB + 2 steps of 512 KiB
+    assert m.round_size(4 * mib, four) == 4 * mib  # a power of two stays
+    assert m.round_size(1500, four) == 1536  # below 512 x 4: plain 512 B rounding
+    # The list form: a key of B MiB governs [B, 2B); the first fills below it.
+    table = m.parse_divisions("[256:1,512:2,1024:4,>:8]")
+    assert table[:9] == [1] * 9 and table[9] == 2 and table[10] == 4 and table[11:] == [8] * 5
+    with pytest.raises(ValueError, match="power of two"):
+        m.parse_divisions("3")
+    # Segments: 2 MiB small, 20 MiB for 1-10 MiB, 2 MiB multiples above.
+    assert [m.segment_size(s) for s in (512, mib, mib + 512, 10 * mib, 11 * mib + 1)] == [
+        2 * mib,
+        2 * mib,
+        20 * mib,
+        10 * mib,
+        12 * mib,
+    ]
+    # A 3 MiB request splits a 20 MiB segment; the 17 MiB rest serves a
+    # 16 MiB request whole (1 MiB left is not over 1 MiB: no split); frees
+    # merge the segment back into one block, reused without a new segment.
+    model = m.CachingModel()
+    a = model.malloc(3 * mib)
+    b = model.malloc(16 * mib)
+    assert (model.segments, model.reserved, b.size) == (1, 20 * mib, 17 * mib)
+    model.free(a)
+    model.free(b)
+    assert model.keys[False] == [(20 * mib, 0)]
+    c = model.malloc(19 * mib)
+    assert model.segments == 1 and c.size == 20 * mib
+    ops = [("a", 1, 3 * mib), ("a", 2, 16 * mib), ("f", 1), ("f", 2), ("a", 3, 19 * mib)]
+    got = m.replay(ops, m.CachingModel())
+    assert got["reserved_peak"] == 20 * mib and got["live_peak"] == 19 * mib
