@@ -125,9 +125,16 @@ class Block:
 class CachingModel:
     """One stream's blocks and segments under torch's rules."""
 
-    def __init__(self, divisions: list[int] | None = None, max_split: int | None = None) -> None:
+    def __init__(
+        self,
+        divisions: list[int] | None = None,
+        max_split: int | None = None,
+        no_split: bool = False,
+    ) -> None:
         self.table = divisions if divisions and any(d > 1 for d in divisions) else None
         self.max_split = max_split if max_split else None
+        # torch.cuda.MemPool(no_split=True): no block of the pool is split.
+        self.no_split = no_split
         # Each pool: sorted keys (size, addr) of its free blocks, and the blocks.
         self.keys: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         self.by_key: dict[tuple[int, int], Block] = {}
@@ -163,6 +170,8 @@ class CachingModel:
         return self.by_key[keys[i]]
 
     def _should_split(self, b: Block, size: int) -> bool:
+        if self.no_split:
+            return False
         left = b.size - size
         if b.small:
             return left >= MIN_BLOCK
@@ -256,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         "has commas (e.g. '0;4;[256:1,512:2,>:8]'); ',' works for plain numbers",
     )
     ap.add_argument("--max-split-mib", default="0", help="max_split_size_mb settings (0: unset)")
+    ap.add_argument(
+        "--no-split", action="store_true", help="the pool made with MemPool(no_split=True)"
+    )
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=64)
@@ -284,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                 table = parse_divisions(text)
             except ValueError as exc:
                 ap.error(f"--divisions: {exc}")
-            got = replay(ops, CachingModel(table, split * MIB if split else None), mark)
-            got.update(divisions=text, max_split_mib=split)
+            model = CachingModel(table, split * MIB if split else None, args.no_split)
+            got = replay(ops, model, mark)
+            got.update(divisions=text, max_split_mib=split, no_split=args.no_split)
             rows.append(got)
             print(
                 f"divisions {text:>24}  max_split {split or '-':>5}  reserved peak "
