@@ -91,7 +91,7 @@ class EngineMemory:
 
             # The Pool itself: its scope points this thread's hooks at the
             # tier, so two engines' Pools in one process each get their own.
-            torch_pool = lambda system: imt.pool(system)  # noqa: E731
+            torch_pool = lambda system: imt.pool(system, device=self.device)  # noqa: E731
         self.torch_pool = torch_pool
         self._torch_pool_made = False
         self.system: Any = None
