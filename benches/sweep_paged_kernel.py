@@ -82,6 +82,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="3,4,5")
     ap.add_argument("--configs", help="SPLITS:TILE:WARPS:STAGES,... instead of the product")
     ap.add_argument("--no-merge", action="store_true", help="time the split pass alone")
+    ap.add_argument(
+        "--loads",
+        default="pointer",
+        help="K/V loads to time, side by side: pointer (the engine's), tma (a page a "
+        "descriptor box; issue 25's probe), or both: pointer,tma",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     batch, ctx, bs = args.batch, args.ctx, args.block_size
@@ -107,8 +113,9 @@ def main(argv=None) -> int:
 
     rows = []
     base = graph_time_us(decode, 10, 20)
-    for splits, tile, warps, stages in configs:
-        kw = dict(splits=splits, tile=tile, num_warps=warps, num_stages=stages)
+    kinds = [k for k in args.loads.split(",") if k]
+    for (splits, tile, warps, stages), loads in itertools.product(configs, kinds):
+        kw = dict(splits=splits, tile=tile, num_warps=warps, num_stages=stages, loads=loads)
         try:
             out = decode(**kw)
             torch.cuda.synchronize()
@@ -126,7 +133,8 @@ def main(argv=None) -> int:
     print(f"batch {batch} ctx {ctx}: {nbytes / 1e6:.1f} MB a call")
     for r in rows[: args.top]:
         print(f"{r['fraction'] * 100:5.1f} %  {r['us']:7.1f} us  splits={r['splits']} "
-              f"tile={r['tile']} warps={r['num_warps']} stages={r['num_stages']}")  # fmt: skip
+              f"tile={r['tile']} warps={r['num_warps']} stages={r['num_stages']} "
+              f"loads={r['loads']}")  # fmt: skip
     print(f"SUMMARY default {base:.1f} us = {nbytes / (base * 1e-6) / peak * 100:.1f} % of the "
           f"peak" + (f"; best {rows[0]['us']:.1f} us" if rows else ""))  # fmt: skip
     write_json(args.json, {"rows": rows, "default_us": base, "bytes": nbytes})

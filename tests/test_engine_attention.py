@@ -118,6 +118,40 @@ def test_every_split_count_matches_the_reference(splits, tile):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("tile", [4, 8])
+def test_tma_loads_match_the_reference(group, window, splits, tile):
+    """``loads="tma"`` (issue 25's probe: a page a descriptor box, whole
+    pages a split, one or two pages an iteration) reads what the pointer
+    kernel reads: a non-leading layer, holes, a window starting inside a
+    page, NaN in every slot no context covers (masked K, zeroed V)."""
+    q, kv, tables, positions = random_case(
+        group * 7 + splits + tile, batch=4, kv_heads=2, group=group, head_dim=16, block_size=4,
+        width=12, blocks=64, holes=True,
+    )  # fmt: skip
+    ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=window)
+    out = _paged_kernel.paged_decode(
+        q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5, splits=splits,
+        tile=tile, loads="tma",
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_tma_loads_refuse_what_they_cannot_read():
+    q, kv, tables, positions = random_case(
+        5, batch=2, kv_heads=2, group=2, head_dim=16, block_size=4, width=4, blocks=16,
+        holes=False,
+    )  # fmt: skip
+    call = dict(window=None, scale=0.25, loads="tma")
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        _paged_kernel.paged_decode(q, kv.transpose(3, 4), 0, tables, positions, **call)
+    with pytest.raises(InvalidArgument, match="loads"):
+        _paged_kernel.paged_decode(q, kv, 0, tables, positions, window=None, scale=0.25, loads="x")
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_a_head_major_pool_reads_the_same_through_its_strides(splits):
     """The kernel takes the pool's strides, not its layout: the same values

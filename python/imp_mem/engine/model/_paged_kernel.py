@@ -226,6 +226,101 @@ def _split_kernel(
 
 
 @triton.jit(do_not_specialize=["splits"])
+def _tma_split_kernel(
+    Q,
+    KV_DESC,
+    TABLES,
+    POS,
+    O_PART,
+    LSE_PART,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outb,
+    stride_outh,
+    layer,
+    n_layers,
+    window,
+    qk_scale,
+    splits,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGES: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """`_split_kernel` with K and V read by the tensor memory accelerator:
+    one descriptor over the pool as rows of ``kv_heads x head_dim`` (a row a
+    (block, layer, K|V, token)), each page of a KV head one ``[BLOCK_SIZE,
+    HEAD_DIM]`` box at row ``((block x n_layers + layer) x 2 + K|V) x
+    BLOCK_SIZE``. A split is whole pages (``PAGES`` an iteration); tokens
+    outside the live range or in a hole are masked, their V zeroed."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(POS + b).to(tl.int32) + 1
+    lo = ctx * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    first = lo // BLOCK_SIZE
+    total = (ctx - 1) // BLOCK_SIZE + 1 - first
+    per = tl.cdiv(tl.cdiv(total, splits), PAGES) * PAGES
+    start = first + split * per
+    end = tl.minimum(start + per, first + total)
+    n_iter = tl.cdiv(tl.maximum(end - start, 0), PAGES)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    c = tl.arange(0, BLOCK_SIZE)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    table = TABLES + b * stride_tb
+    column = kvh * HEAD_DIM
+    for i in range(0, n_iter):
+        for j in tl.static_range(PAGES):
+            page = start + i * PAGES + j
+            inside = page < end
+            block = tl.load(table + page, mask=inside, other=-1)
+            row = ((tl.maximum(block, 0) * n_layers + layer) * 2) * BLOCK_SIZE
+            t = page * BLOCK_SIZE + c
+            valid = inside & (block >= 0) & (t >= lo) & (t < ctx)
+            k = KV_DESC.load([row, column])
+            v = KV_DESC.load([row + BLOCK_SIZE, column])
+            v = tl.where(valid[:, None], v, 0.0)
+            m_i, l_i, acc = fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if ONE_SPLIT:
+        tl.store(
+            OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=gmask[:, None],
+        )
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(
+            O_PART + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
+            out,
+            mask=gmask[:, None],
+        )
+        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(
     O_PART,
     LSE_PART,
@@ -297,6 +392,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     stamps: torch.Tensor | None = None,
+    loads: str = "pointer",
 ) -> torch.Tensor:
     """Paged decode attention; see the module doc. Returns ``[B, heads,
     head_dim]`` in q's dtype. ``splits``: parts each sequence's live key
@@ -304,7 +400,11 @@ def paged_decode(
     ``num_stages``: the launch (`launch_defaults` by default). ``stamps``
     (GPU only, for probes): an int64 ``[programs, 5]`` tensor that each
     program of the split kernel fills with the global timer (ns) at its
-    start, before its loop, after it and at its end, then its SM."""
+    start, before its loop, after it and at its end, then its SM.
+    ``loads="tma"`` (a probe, issue 25): K and V read by the tensor memory
+    accelerator, a page a box (`_tma_split_kernel`); the pool must be
+    contiguous, ``tile`` is then a whole number of pages, and ``stamps``
+    is not taken."""
     batch, heads, head_dim = q.shape
     _, _, _, block_size, kv_heads, kv_dim = kv.shape
     width = block_tables.shape[1]
@@ -346,40 +446,83 @@ def paged_decode(
             f"program (got {stamps.dtype} {tuple(stamps.shape)})"
         )
     has_window = window is not None
-    pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
-    _split_kernel[(batch, kv_heads, splits)](
-        q,
-        pages,
-        block_tables,
-        positions,
-        o_part,
-        lse_part,
-        out,
-        out if stamps is None else stamps,
-        q.stride(0),
-        q.stride(1),
-        pages.stride(0),
-        pages.stride(1),
-        pages.stride(2),
-        pages.stride(3),
-        block_tables.stride(0),
-        *results,
-        window if has_window else 0,
-        scale * LOG2E,
-        splits,
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        TILE=tile,
-        ONE_SPLIT=splits == 1,
-        HAS_WINDOW=has_window,
-        DOT_FP32=_INTERPRETING,
-        EVICT=EVICTION,
-        STAMP=stamps is not None,
-        num_warps=num_warps or d_warps,
-        num_stages=num_stages or d_stages,
-    )
+    if loads not in ("pointer", "tma"):
+        raise InvalidArgument(f'paged_decode: loads must be "pointer" or "tma" (got {loads!r})')
+    if loads == "tma":
+        if not kv.is_contiguous() or stamps is not None:
+            raise InvalidArgument(
+                "paged_decode: loads='tma' reads a contiguous pool (one descriptor over it) "
+                "and takes no stamps; use loads='pointer' here"
+            )
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        rows = kv.shape[0] * kv.shape[1] * 2 * block_size
+        desc = TensorDescriptor.from_tensor(
+            kv.view(rows, kv_heads * head_dim), [block_size, head_dim]
+        )
+        _tma_split_kernel[(batch, kv_heads, splits)](
+            q,
+            desc,
+            block_tables,
+            positions,
+            o_part,
+            lse_part,
+            out,
+            q.stride(0),
+            q.stride(1),
+            block_tables.stride(0),
+            *results,
+            layer,
+            kv.shape[1],
+            window if has_window else 0,
+            scale * LOG2E,
+            splits,
+            GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            PAGES=max(1, tile // block_size),
+            ONE_SPLIT=splits == 1,
+            HAS_WINDOW=has_window,
+            DOT_FP32=_INTERPRETING,
+            num_warps=num_warps or d_warps,
+            num_stages=num_stages or d_stages,
+        )
+    else:
+        pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
+        _split_kernel[(batch, kv_heads, splits)](
+            q,
+            pages,
+            block_tables,
+            positions,
+            o_part,
+            lse_part,
+            out,
+            out if stamps is None else stamps,
+            q.stride(0),
+            q.stride(1),
+            pages.stride(0),
+            pages.stride(1),
+            pages.stride(2),
+            pages.stride(3),
+            block_tables.stride(0),
+            *results,
+            window if has_window else 0,
+            scale * LOG2E,
+            splits,
+            GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            TILE=tile,
+            ONE_SPLIT=splits == 1,
+            HAS_WINDOW=has_window,
+            DOT_FP32=_INTERPRETING,
+            EVICT=EVICTION,
+            STAMP=stamps is not None,
+            num_warps=num_warps or d_warps,
+            num_stages=num_stages or d_stages,
+        )
     if splits > 1:
         _merge_kernel[(batch, heads)](
             o_part,
