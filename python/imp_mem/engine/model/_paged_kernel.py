@@ -300,7 +300,7 @@ def _tma_split_kernel(
             valid = inside & (block >= 0) & (t >= lo) & (t < ctx)
             k = KV_DESC.load([row, column])
             v = KV_DESC.load([row + BLOCK_SIZE, column])
-            v = tl.where(valid[:, None], v, 0.0)
+            v = tl.where(valid[:, None], v, tl.zeros_like(v))
             m_i, l_i, acc = fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
