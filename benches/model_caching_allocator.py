@@ -28,6 +28,11 @@ same segment. Inside a ``MemPool`` scope nothing cached is released to
 retry a failed allocation, so the model never releases: its peak is the
 segments' sum at its highest.
 
+``--expandable`` models ``expandable_segments:True`` instead (one segment
+a pool, grown at its end by 2 MiB / 20 MiB pages when no cached block
+fits), which torch does not offer a pluggable allocator's ``MemPool``
+(pytorch#147851): what the scope mode would reach if it did.
+
 Validated against the H200: the compiled trace's torch reserved (1.339 of
 its live peak, session 25) is what the model must give with the defaults.
 """
@@ -130,11 +135,18 @@ class CachingModel:
         divisions: list[int] | None = None,
         max_split: int | None = None,
         no_split: bool = False,
+        expandable: bool = False,
     ) -> None:
         self.table = divisions if divisions and any(d > 1 for d in divisions) else None
         self.max_split = max_split if max_split else None
         # torch.cuda.MemPool(no_split=True): no block of the pool is split.
         self.no_split = no_split
+        # expandable_segments:True (which a pluggable allocator's MemPool
+        # does not get, pytorch#147851): one segment a pool, grown at its end
+        # by pages (2 MiB small, 20 MiB large) when no cached block fits.
+        self.expandable = expandable
+        self.tail: dict[bool, Block | None] = {True: None, False: None}
+        self.end = {True: 0, False: 1 << 50}
         # Each pool: sorted keys (size, addr) of its free blocks, and the blocks.
         self.keys: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         self.by_key: dict[tuple[int, int], Block] = {}
@@ -184,6 +196,8 @@ class CachingModel:
         b = self._find(size, small)
         if b is not None:
             self._remove(b)
+        elif self.expandable:
+            b = self._grow(size, small)
         else:
             seg = segment_size(size)
             b = Block(self.top, seg, small)
@@ -199,8 +213,32 @@ class CachingModel:
             b.next = rest
             b.size = size
             self._insert(rest)
+            if self.tail[small] is b:
+                self.tail[small] = rest
         self.allocated += b.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
+        return b
+
+    def _grow(self, size: int, small: bool) -> Block:
+        """An expandable segment's end grown by whole pages until a block of
+        `size` fits there (the free block at the end, if any, grown)."""
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        tail = self.tail[small]
+        if tail is not None and tail.free:
+            self._remove(tail)
+            b, need = tail, size - tail.size
+        else:
+            b, need = Block(self.end[small], 0, small), size
+            b.prev = tail
+            if tail is not None:
+                tail.next = b
+            self.tail[small] = b
+        grow = -(-need // page) * page
+        b.size += grow
+        self.end[small] += grow
+        self.reserved += grow
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.segments = int(self.tail[True] is not None) + int(self.tail[False] is not None)
         return b
 
     def free(self, b: Block) -> None:
@@ -219,6 +257,8 @@ class CachingModel:
                     b.next = other.next
                     if other.next is not None:
                         other.next.prev = b
+        if self.expandable and b.next is None:
+            self.tail[b.small] = b  # an expandable segment's end
         self._insert(b)
 
 
@@ -268,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-split", action="store_true", help="the pool made with MemPool(no_split=True)"
     )
+    ap.add_argument(
+        "--expandable",
+        action="store_true",
+        help="expandable_segments:True (not offered to a pluggable allocator's MemPool)",
+    )
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=64)
@@ -296,9 +341,16 @@ def main(argv: list[str] | None = None) -> int:
                 table = parse_divisions(text)
             except ValueError as exc:
                 ap.error(f"--divisions: {exc}")
-            model = CachingModel(table, split * MIB if split else None, args.no_split)
+            model = CachingModel(
+                table, split * MIB if split else None, args.no_split, args.expandable
+            )
             got = replay(ops, model, mark)
-            got.update(divisions=text, max_split_mib=split, no_split=args.no_split)
+            got.update(
+                divisions=text,
+                max_split_mib=split,
+                no_split=args.no_split,
+                expandable=args.expandable,
+            )
             rows.append(got)
             print(
                 f"divisions {text:>24}  max_split {split or '-':>5}  reserved peak "

@@ -268,3 +268,15 @@ def test_the_caching_allocator_model_follows_torchs_rules(monkeypatch):
     ops = [("a", 1, 3 * mib), ("a", 2, 16 * mib), ("f", 1), ("f", 2), ("a", 3, 19 * mib)]
     got = m.replay(ops, m.CachingModel())
     assert got["reserved_peak"] == 20 * mib and got["live_peak"] == 19 * mib
+    # Expandable segments: one segment a pool, grown at its end by 20 MiB
+    # pages (large); everything freed merges into its one free tail.
+    ex = m.CachingModel(expandable=True)
+    a, b = ex.malloc(3 * mib), ex.malloc(16 * mib)
+    assert ex.reserved == 20 * mib and b.size == 17 * mib and b.addr == a.addr + 3 * mib
+    c = ex.malloc(30 * mib)  # the tail is taken: 40 MiB more at the end
+    assert ex.reserved == 60 * mib and c.addr == a.addr + 20 * mib and ex.segments == 1
+    for block in (b, a, c):
+        ex.free(block)
+    assert ex.keys[False] == [(60 * mib, a.addr)] and ex.tail[False].size == 60 * mib
+    ex.malloc(50 * mib)
+    assert ex.reserved == 60 * mib
