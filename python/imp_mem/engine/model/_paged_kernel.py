@@ -110,6 +110,52 @@ def fold_tile(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _start_group(
+    Q, b, kvh, stride_qb, stride_qh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """A program's query rows (the KV head's group, padded to `BLOCK_G`)
+    and its empty online-softmax state."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    return q, heads, gmask, d, m_i, l_i, acc
+
+
+@triton.jit
+def _write_split(
+    acc, m_i, l_i, b, split, heads, gmask, d, O_PART, LSE_PART, OUT, stride_ob, stride_oh,
+    stride_os, stride_lb, stride_lh, stride_outb, stride_outh, ONE_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """A split's end: with one split the output itself; otherwise its
+    normalised partial and its log-sum-exp (-inf when it saw nothing, so
+    the merge needs no range of its own)."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if ONE_SPLIT:
+        tl.store(
+            OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=gmask[:, None],
+        )
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(
+            O_PART + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
+            out,
+            mask=gmask[:, None],
+        )
+        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+
+
 # `splits` is a value, not a constant, and never specialised, so that every
 # batch bucket of an engine (each its own split count) runs one compiled
 # kernel: a cold boot compiled seven before (session 22).
@@ -167,17 +213,10 @@ def _split_kernel(
     start = lo + split * per
     end = tl.minimum(start + per, ctx)
     n_tiles = tl.cdiv(tl.maximum(end - start, 0), TILE)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
     c = tl.arange(0, TILE)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
+    q, heads, gmask, d, m_i, l_i, acc = _start_group(
+        Q, b, kvh, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM
     )
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     head_base = kvh.to(tl.int64) * stride_kvh
     table = TABLES + b * stride_tb
     if STAMP:
@@ -203,24 +242,10 @@ def _split_kernel(
         m_i, l_i, acc = fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
     if STAMP:
         _stamp(STAMPS, program, 2)
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if ONE_SPLIT:
-        tl.store(
-            OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
-            out.to(OUT.dtype.element_ty),
-            mask=gmask[:, None],
-        )
-    else:
-        # Every split writes its log-sum-exp (-inf when it saw nothing), so
-        # the merge needs no range of its own.
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(
-            O_PART + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
-            out,
-            mask=gmask[:, None],
-        )
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+    _write_split(
+        acc, m_i, l_i, b, split, heads, gmask, d, O_PART, LSE_PART, OUT, stride_ob, stride_oh,
+        stride_os, stride_lb, stride_lh, stride_outb, stride_outh, ONE_SPLIT,
+    )  # fmt: skip
     if STAMP:
         _stamp(STAMPS, program, 3)
 
@@ -277,17 +302,10 @@ def _tma_split_kernel(
     start = first + split * per
     end = tl.minimum(start + per, first + total)
     n_iter = tl.cdiv(tl.maximum(end - start, 0), PAGES)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
     c = tl.arange(0, BLOCK_SIZE)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    q = tl.load(
-        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0
+    q, heads, gmask, d, m_i, l_i, acc = _start_group(
+        Q, b, kvh, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM
     )
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     table = TABLES + b * stride_tb
     column = kvh * HEAD_DIM
     for i in range(0, n_iter):
@@ -302,22 +320,10 @@ def _tma_split_kernel(
             v = KV_DESC.load([row + BLOCK_SIZE, column])
             v = tl.where(valid[:, None], v, tl.zeros_like(v))
             m_i, l_i, acc = fold_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale, DOT_FP32)
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if ONE_SPLIT:
-        tl.store(
-            OUT + b * stride_outb + heads[:, None] * stride_outh + d[None, :],
-            out.to(OUT.dtype.element_ty),
-            mask=gmask[:, None],
-        )
-    else:
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(
-            O_PART + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
-            out,
-            mask=gmask[:, None],
-        )
-        tl.store(LSE_PART + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
+    _write_split(
+        acc, m_i, l_i, b, split, heads, gmask, d, O_PART, LSE_PART, OUT, stride_ob, stride_oh,
+        stride_os, stride_lb, stride_lh, stride_outb, stride_outh, ONE_SPLIT,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["splits"])
