@@ -176,7 +176,6 @@ def _profiled(args, again) -> dict | None:
     took the most (a slow child's time found on the GPU or on the host)."""
     if not args.profile:
         return None
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -186,7 +185,6 @@ def _profiled(args, again) -> dict | None:
     rows = prof.key_averages()
     device = sum(getattr(r, "self_device_time_total", 0) for r in rows) / 1e3
     host = sorted(rows, key=lambda r: r.self_cpu_time_total, reverse=True)
-    torch.cuda.synchronize()
     return {
         "wall_ms": round(wall * 1e3, 1),
         "device_self_ms": round(device, 1),
@@ -267,6 +265,7 @@ def child_default(args) -> dict:
     second = generate(model, ids, args.new, args.compile)
     dt = (time.perf_counter() - t0, time.process_time() - c0)
     s1 = torch.cuda.memory_stats()
+    again = lambda: generate(model, ids, args.new, args.compile)  # noqa: E731
     if second_mark is not None:
         events = torch.cuda.memory._snapshot()["device_traces"][0]
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -275,8 +274,8 @@ def child_default(args) -> dict:
     return {
         "tokens": second.tolist(),
         "first_equals_second": bool(torch.equal(first, second)),
-        **_median_seconds(dt, args, lambda: generate(model, ids, args.new, args.compile)),
-        "profile": _profiled(args, lambda: generate(model, ids, args.new, args.compile)),
+        **_median_seconds(dt, args, again),
+        "profile": _profiled(args, again),
         "weights_bytes": weights,
         # HF's own live peak while serving: weights, its KV, the activations.
         "live_peak": torch.cuda.max_memory_allocated(),
@@ -363,9 +362,10 @@ def child_imp(args) -> dict:
     free1, _ = imp_mem.cuda_mem_get_info(system.device)
     b1 = system.backend.stats()
     out = _imp_figures(system, tokens, dt[0])
+    again = lambda: generate(model, ids, args.new, args.compile)  # noqa: E731
     with system.scope():
-        out.update(_median_seconds(dt, args, lambda: generate(model, ids, args.new, args.compile)))
-        out["profile"] = _profiled(args, lambda: generate(model, ids, args.new, args.compile))
+        out.update(_median_seconds(dt, args, again))
+        out["profile"] = _profiled(args, again)
     total = imp_mem.torch.memory_stats(system).get("imp_mem.fallbacks_total", 0)
     out["fallbacks"], out["fallbacks_warmup"] = total - warm_fallbacks, warm_fallbacks
     out["backend_acquisitions_serving"] = int(b1["acquisitions"]) - int(b0["acquisitions"])

@@ -1,4 +1,4 @@
-"""What :mod:`imp_mem.torch` and :mod:`imp_mem.cupy` share (no torch, no CuPy)."""
+"""What :mod:`imp_mem.torch`, :mod:`imp_mem.cupy` and the engine share (no torch, no CuPy)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,14 @@ def activations_of(target: Any) -> Any:
             "measures it), or pass an ActivationPool"
         )
     return pool
+
+
+def source_held(report: dict[str, Any]) -> int:
+    """The bytes a backend's source holds past its ledger, as `report` (a
+    ``mem_report()``) charges them on lines of their own: a VMM backend's
+    handle cache and chunk rounding (the ``vmm_*`` charges). Device memory
+    measured across a warm-up grows by these too, and they are not the
+    warm-up's."""
+    return sum(
+        int(c["bytes"]) for c in report.get("charges", ()) if str(c["key"]).startswith("vmm_")
+    )

@@ -117,6 +117,7 @@ from imp_mem import _core
 from imp_mem import measured as _measured
 from imp_mem._format import byte_count
 from imp_mem._frameworks import activations_of as _activations_of
+from imp_mem._frameworks import source_held
 from imp_mem.errors import BackendUnavailable, ImpMemWarning, InvalidArgument, PhaseViolation
 
 __all__ = [
@@ -543,11 +544,7 @@ def _held_by_backend(system: Any) -> int:
     regions went back to the handle cache had those bytes charged twice,
     as torch's runtime and as the cache (H200, session 25: attribution
     100.06 % on a second start)."""
-    held = int(system.backend.stats()["committed"])
-    report = system.mem_report()
-    return held + sum(
-        int(c["bytes"]) for c in report.get("charges", ()) if str(c["key"]).startswith("vmm_")
-    )
+    return int(system.backend.stats()["committed"]) + source_held(system.mem_report())
 
 
 class Served:

@@ -341,9 +341,7 @@ class EngineMemory:
     def graph_pool(self) -> Any:
         """The memory pool the decode graphs capture into."""
         pool = self.torch_pool
-        if pool is not None and self.on_gpu and _is_imp_pool(pool):
-            return pool.id
-        if pool is not None and self.on_gpu and isinstance(pool, torch.cuda.MemPool):
+        if self.on_gpu and (_is_imp_pool(pool) or isinstance(pool, torch.cuda.MemPool)):
             return pool.id
         return torch.cuda.graph_pool_handle()
 

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import imp_mem
+from imp_mem._frameworks import source_held
 
 # The cache's layout version: a change to what is measured bumps it.
 VERSION = 1
@@ -197,9 +198,7 @@ class Meter:
             report = self.system.mem_report()
             # What the source holds past its ledger (a VMM backend's handle
             # cache and chunk rounding): the report charges it by name.
-            held += sum(
-                int(c["bytes"]) for c in report["charges"] if str(c["key"]).startswith("vmm_")
-            )
+            held += source_held(report)
             if not self.torch_outside:
                 # Routed into the activations tier, torch's segments are the
                 # tier's blocks (committed at open, counted in `held`), not

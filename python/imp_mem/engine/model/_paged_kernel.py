@@ -454,6 +454,19 @@ def paged_decode(
     has_window = window is not None
     if loads not in ("pointer", "tma"):
         raise InvalidArgument(f'paged_decode: loads must be "pointer" or "tma" (got {loads!r})')
+    # What both split kernels take: the group's shape, the split count's
+    # form, the launch.
+    launch = dict(
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        ONE_SPLIT=splits == 1,
+        HAS_WINDOW=has_window,
+        DOT_FP32=_INTERPRETING,
+        num_warps=num_warps or d_warps,
+        num_stages=num_stages or d_stages,
+    )
     if loads == "tma":
         if not kv.is_contiguous() or stamps is not None:
             raise InvalidArgument(
@@ -483,16 +496,8 @@ def paged_decode(
             window if has_window else 0,
             scale * LOG2E,
             splits,
-            GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
             PAGES=max(1, tile // block_size),
-            ONE_SPLIT=splits == 1,
-            HAS_WINDOW=has_window,
-            DOT_FP32=_INTERPRETING,
-            num_warps=num_warps or d_warps,
-            num_stages=num_stages or d_stages,
+            **launch,
         )
     else:
         pages = kv[:, layer]  # [num_blocks, 2, block_size, kv_heads, head_dim], a view
@@ -516,18 +521,10 @@ def paged_decode(
             window if has_window else 0,
             scale * LOG2E,
             splits,
-            GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
             TILE=tile,
-            ONE_SPLIT=splits == 1,
-            HAS_WINDOW=has_window,
-            DOT_FP32=_INTERPRETING,
             EVICT=EVICTION,
             STAMP=stamps is not None,
-            num_warps=num_warps or d_warps,
-            num_stages=num_stages or d_stages,
+            **launch,
         )
     if splits > 1:
         _merge_kernel[(batch, heads)](
