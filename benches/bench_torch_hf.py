@@ -368,6 +368,11 @@ def child_imp(args) -> dict:
         out["profile"] = _profiled(args, again)
     total = imp_mem.torch.memory_stats(system).get("imp_mem.fallbacks_total", 0)
     out["fallbacks"], out["fallbacks_warmup"] = total - warm_fallbacks, warm_fallbacks
+    # The pool's and the hooks' counters at the end (cross-stream reuses,
+    # reclaims, refusals): what a start's allocations cost besides the search.
+    stats = imp_mem.torch.memory_stats(system)
+    out["pool_counters"] = {k[8:]: v for k, v in stats.items() if k.startswith("imp_mem.")}
+    out["hook_stats"] = imp_mem.torch.hook_stats()
     out["backend_acquisitions_serving"] = int(b1["acquisitions"]) - int(b0["acquisitions"])
     out["committed_delta_serving"] = int(b1["committed"]) - int(b0["committed"])
     out["device_free_delta_serving"] = free0 - free1
