@@ -783,7 +783,9 @@ def hook_stats() -> dict[str, Any]:
     ``stranded_frees`` / ``stranded_bytes`` (freed T1 takes, not reusable).
     ``panics``: caught panics (always a bug). ``retired_frees``: frees that
     reached a pool which had left the hooks with live blocks;
-    ``retired_pools``: how many such pools are still kept; ``retired_arenas``:
+    ``retired_pools``: how many such pools are still kept (for their live
+    blocks, or while another thread's copy of the hooks still holds one);
+    ``retired_arenas``:
     T1 arenas kept past their uninstall for live weights-route takes."""
 
 def reset_hook_stats() -> None: ...

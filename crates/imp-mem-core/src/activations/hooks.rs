@@ -24,10 +24,16 @@
 //! workspace, made at the first GEMM), and releasing the memory under them
 //! would leave torch reading released memory. A free of a retired pool's
 //! address goes back to it whatever is installed then (counted as
-//! `retired_frees`), and the pool goes with its last live block. The
-//! judgement is made when the hooks' last handle to the pool goes
-//! (`Drop for Installed`, `Drop for RegionEntry`), so a block another
-//! thread's call was still placing at the uninstall counts too. A T1 arena
+//! `retired_frees`), and the pool goes with its last live block. A pool
+//! is put on the retired list *as it leaves*, before the slot or the
+//! regions let go of it, whatever it holds then ([`depart`]): another
+//! thread's copy of the slot may still place a block in it, and a free of
+//! its block must never meet a gap where nothing knows it (found as a
+//! foreign pointer, the block would stay live and the pool held for the
+//! process's life). It leaves the list once the hooks' last handle to it
+//! has gone (`Drop for Installed`, `Drop for RegionEntry`: a block another
+//! thread's call was still placing then counts too) and no block of it is
+//! live. A T1 arena
 //! that leaves the hooks while takes of the weights route are live (the
 //! model's tensors) is kept the same way until the last is freed.
 //!
@@ -88,13 +94,13 @@ struct WeightTakes {
 }
 
 /// The last handle to an installed pool goes (uninstalled or replaced,
-/// and no thread's call still on it): if blocks of it are live, it is
-/// retired, and so is its arena's record while takes of it are live. Here,
-/// not at the uninstall, so that a malloc another thread was finishing on
-/// it then is counted too.
+/// and no thread's copy or call still on it): the pool stays retired while
+/// blocks of it are live, and so does its arena's record while takes of it
+/// are. Judged here, not at the uninstall, so that a malloc another
+/// thread was finishing on it then is counted too.
 impl Drop for Installed {
     fn drop(&mut self) {
-        retire(&self.pool, self.device);
+        departed(&self.pool, self.device);
         if let Some(w) = self.weights.take() {
             // Shared: the arena is installed again (or already retired).
             if Arc::strong_count(&w) == 1 && !w.ptrs().is_empty() {
@@ -328,6 +334,9 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
             device_capacity,
             weights,
         };
+        if let Some(o) = slot.as_ref().filter(|o| o.pool.id() != id) {
+            depart(&o.pool, o.device);
+        }
         let old = slot.replace(Arc::new(new));
         GENERATION.fetch_add(1, Ordering::Release);
         old
@@ -348,6 +357,9 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
 pub fn uninstall() -> bool {
     let old = {
         let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(o) = slot.as_ref() {
+            depart(&o.pool, o.device);
+        }
         let old = slot.take();
         GENERATION.fetch_add(1, Ordering::Release);
         old
@@ -380,11 +392,11 @@ struct RegionEntry {
     device: i32,
 }
 
-/// A region's last handle goes (removed, and no call still on it): retired
-/// if blocks of it are live.
+/// A region's last handle goes (removed, and no call still on it): kept
+/// on the retired list while blocks of it are live.
 impl Drop for RegionEntry {
     fn drop(&mut self) {
-        retire(&self.pool, self.device);
+        departed(&self.pool, self.device);
     }
 }
 
@@ -427,6 +439,9 @@ pub fn add_region(pool: ActivationPool, device: i32) {
 pub fn remove_region(pool_id: u64) -> bool {
     let removed: Vec<Arc<RegionEntry>> = {
         let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = all.iter().find(|r| r.pool.id() == pool_id) {
+            depart(&r.pool, r.device);
+        }
         let gone = take_where(&mut all, |r| r.pool.id() == pool_id);
         REGION_COUNT.store(all.len(), Ordering::Release);
         gone
@@ -444,10 +459,14 @@ fn take_where<T>(all: &mut Vec<T>, matches: impl Fn(&T) -> bool) -> Vec<T> {
     gone
 }
 
-/// A pool that left the hooks with live blocks, and its device.
+/// A pool that left the hooks (or is leaving them), and its device.
 struct Retiree {
     pool: ActivationPool,
     device: i32,
+    /// The hooks' handles to it that have left the slot or the regions and
+    /// are not dropped yet (a thread's copy of the slot may hold one): while
+    /// any is, a block may still be placed in the pool, so it stays listed.
+    departing: AtomicUsize,
 }
 
 /// The retired pools.
@@ -459,24 +478,65 @@ fn retired() -> RwLockReadGuard<'static, Vec<Arc<Retiree>>> {
     RETIRED.read().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Keeps `pool` for the frees of its live blocks, if it has any and is not
-/// still serving the hooks (installed, or a region).
-fn retire(pool: &ActivationPool, device: i32) {
-    if pool.stats().live == 0 {
-        return;
-    }
-    let id = pool.id();
-    if installed_pool_id() == Some(id) || regions().iter().any(|r| r.pool.id() == id) {
-        return;
-    }
+/// Lists `pool` as leaving the hooks, before the slot or the regions let
+/// go of it (called under their write lock): from here a free of its
+/// address finds it on the retired list, whatever any thread's copy of the
+/// slot says.
+fn depart(pool: &ActivationPool, device: i32) {
     let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
-    if !all.iter().any(|r| r.pool.id() == id) {
-        all.push(Arc::new(Retiree {
-            pool: pool.clone(),
-            device,
-        }));
-        RETIRED_COUNT.store(all.len(), Ordering::Release);
+    match all.iter().find(|r| r.pool.id() == pool.id()) {
+        Some(r) => {
+            r.departing.fetch_add(1, Ordering::AcqRel);
+        }
+        None => {
+            all.push(Arc::new(Retiree {
+                pool: pool.clone(),
+                device,
+                departing: AtomicUsize::new(1),
+            }));
+            RETIRED_COUNT.store(all.len(), Ordering::Release);
+        }
     }
+}
+
+/// A handle of the hooks to `pool` is gone (the last copy of an installed
+/// one, or a removed region's): the pool stays on the retired list while
+/// blocks of it are live, unless it serves the hooks again.
+fn departed(pool: &ActivationPool, device: i32) {
+    let id = pool.id();
+    let serving = installed_pool_id() == Some(id) || regions().iter().any(|r| r.pool.id() == id);
+    let gone = {
+        let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
+        // Read under the list's lock: a free that empties the pool decides
+        // under it too, so one of the two sees the other's change.
+        let live = pool.stats().live;
+        let gone = match all.iter().position(|r| r.pool.id() == id) {
+            Some(i) => {
+                let r = &all[i];
+                let left = r.departing.load(Ordering::Acquire).saturating_sub(1);
+                r.departing.store(left, Ordering::Release);
+                if left == 0 && (live == 0 || serving) {
+                    Some(all.remove(i))
+                } else {
+                    None
+                }
+            }
+            None => {
+                if live > 0 && !serving {
+                    all.push(Arc::new(Retiree {
+                        pool: pool.clone(),
+                        device,
+                        departing: AtomicUsize::new(0),
+                    }));
+                }
+                None
+            }
+        };
+        RETIRED_COUNT.store(all.len(), Ordering::Release);
+        gone
+    };
+    // The entry's handle goes outside the lock.
+    drop(gone);
 }
 
 /// Takes pool `pool_id` off the retired list (it serves the hooks again).
@@ -562,7 +622,17 @@ fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool
         bump(C::retired_frees);
     }
     if entry.pool.stats().live == 0 {
-        let gone = unretire(entry.pool.id());
+        let id = entry.pool.id();
+        let gone = {
+            let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
+            let gone = take_where(&mut all, |r| {
+                r.pool.id() == id
+                    && r.departing.load(Ordering::Acquire) == 0
+                    && r.pool.stats().live == 0
+            });
+            RETIRED_COUNT.store(all.len(), Ordering::Release);
+            gone
+        };
         // The last handles go outside the lock, after the entry's own.
         drop(entry);
         drop(gone);
@@ -960,9 +1030,10 @@ mod tests {
         });
         called.recv().unwrap();
         assert!(uninstall());
-        assert!(
-            retired_pool_ids().is_empty(),
-            "nothing live at the uninstall"
+        assert_eq!(
+            retired_pool_ids(),
+            vec![id5],
+            "listed while the worker's copy may still place a block"
         );
         // What the worker's call on its copy would have done in between.
         let late = pool5.allocate(4096, 0).unwrap();

@@ -1,0 +1,117 @@
+//! The allocator hooks while a pool is leaving them: a free of its block
+//! reaches it whichever thread still holds a copy of the hooks' handle to
+//! it, and the pool goes once both its last block and the last copy are
+//! gone.
+//!
+//! Its own test binary: the hooks' slot, regions and retired list are
+//! process-wide.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
+
+use std::sync::mpsc::channel;
+use std::sync::{Arc, Mutex};
+
+use imp_mem_core::activations::hooks;
+use imp_mem_core::tag::Tag;
+use imp_mem_core::{ActivationConfig, ActivationPool, FakeBackend, FakeConfig, NoStreams};
+
+/// One test at a time: they share the hooks.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn count(name: &str) -> u64 {
+    hooks::stats()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map_or(u64::MAX, |(_, v)| v)
+}
+
+fn open(fb: &FakeBackend) -> ActivationPool {
+    ActivationPool::new(fb, &ActivationConfig::new(1 << 20), Arc::new(NoStreams)).unwrap()
+}
+
+fn activations_live(fb: &FakeBackend) -> u64 {
+    fb.stats().tags.get(&Tag::Activations).map_or(0, |t| t.live)
+}
+
+/// A worker thread that makes one hook call (so it holds a copy of what is
+/// installed), then waits; at `release` it calls once more (letting go of
+/// its copy) and ends.
+fn worker_holding_a_copy() -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let (go, wait) = channel::<()>();
+    let (done, called) = channel::<()>();
+    let worker = std::thread::spawn(move || {
+        let p = hooks::malloc(4096, 0, 0);
+        assert_ne!(p, 0);
+        hooks::free(p, Some(4096), 0, 0);
+        done.send(()).unwrap();
+        wait.recv().unwrap();
+        let q = hooks::malloc(64, 0, 0);
+        hooks::free(q, Some(64), 0, 0);
+    });
+    called.recv().unwrap();
+    (go, worker)
+}
+
+#[test]
+fn a_replaced_pools_block_freed_while_another_thread_holds_it_goes_home() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (a, b) = (open(&fb), open(&fb));
+    let a_id = a.id();
+    hooks::install(a, 0, None);
+    let (release, worker) = worker_holding_a_copy();
+    let kept = hooks::malloc(4096, 0, 0);
+    assert_ne!(kept, 0);
+    hooks::install(b, 0, None);
+    let (foreign, retired) = (count("foreign_frees"), count("retired_frees"));
+    // The worker still holds a copy of a's handle; the free must reach a.
+    hooks::free(kept, Some(4096), 0, 0);
+    assert_eq!(
+        count("foreign_frees"),
+        foreign,
+        "a's block taken for foreign"
+    );
+    assert_eq!(count("retired_frees"), retired + 1);
+    assert_eq!(
+        activations_live(&fb),
+        2 << 20,
+        "a is held by the worker's copy"
+    );
+    release.send(()).unwrap();
+    worker.join().unwrap();
+    assert!(
+        !hooks::retired_pool_ids().contains(&a_id),
+        "nothing of a is live: it is not kept"
+    );
+    assert_eq!(activations_live(&fb), 1 << 20, "a released with the copy");
+    assert!(hooks::uninstall());
+    assert_eq!(activations_live(&fb), 0);
+}
+
+#[test]
+fn an_uninstalled_pool_keeps_a_block_freed_after_the_last_copy_goes() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let a = open(&fb);
+    let a_id = a.id();
+    hooks::install(a, 0, None);
+    let (release, worker) = worker_holding_a_copy();
+    let (early, late) = (hooks::malloc(4096, 0, 0), hooks::malloc(4096, 0, 0));
+    assert!(hooks::uninstall());
+    let unknown = count("free_not_installed");
+    hooks::free(early, Some(4096), 0, 0);
+    assert_eq!(
+        count("free_not_installed"),
+        unknown,
+        "a's block taken for nobody's"
+    );
+    release.send(()).unwrap();
+    worker.join().unwrap();
+    // The copy is gone with a block still live: kept for that block.
+    assert_eq!(hooks::retired_pool_ids(), vec![a_id]);
+    assert_eq!(activations_live(&fb), 1 << 20);
+    hooks::free(late, Some(4096), 0, 0);
+    assert!(hooks::retired_pool_ids().is_empty());
+    assert_eq!(activations_live(&fb), 0);
+    assert_eq!(count("free_not_installed"), unknown);
+}
