@@ -115,3 +115,41 @@ fn an_uninstalled_pool_keeps_a_block_freed_after_the_last_copy_goes() {
     assert_eq!(activations_live(&fb), 0);
     assert_eq!(count("free_not_installed"), unknown);
 }
+
+#[test]
+fn a_t1_take_freed_while_another_thread_holds_the_old_install_is_still_the_arenas() {
+    use imp_mem_core::activations::hooks::Route;
+    use imp_mem_core::{SharedArena, Tier};
+
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (a, b) = (open(&fb), open(&fb));
+    let t1 = SharedArena::new(&fb, Tier::ModelResident, 1 << 20, None).unwrap();
+    let t1_live = |fb: &FakeBackend| fb.stats().tags.get(&Tag::Weights).map_or(0, |t| t.live);
+    hooks::install(a, 0, Some(t1.clone()));
+    let (release, worker) = worker_holding_a_copy();
+    hooks::set_route(Route::Weights);
+    let (w1, w2) = (hooks::malloc(4096, 0, 0), hooks::malloc(4096, 0, 0));
+    hooks::set_route(Route::Activations);
+    assert!(w1 != 0 && w2 != 0);
+    // Replaced by a pool without an arena while the worker holds the old
+    // install: the take's free is still the arena's (stranded), not foreign.
+    hooks::install(b, 0, None);
+    drop(t1);
+    let (foreign, stranded) = (count("foreign_frees"), count("stranded_frees"));
+    hooks::free(w1, Some(4096), 0, 0);
+    assert_eq!(
+        count("foreign_frees"),
+        foreign,
+        "a T1 take taken for foreign"
+    );
+    assert_eq!(count("stranded_frees"), stranded + 1);
+    release.send(()).unwrap();
+    worker.join().unwrap();
+    assert_eq!(hooks::retired_arena_count(), 1, "kept for w2");
+    assert_eq!(t1_live(&fb), 1 << 20);
+    hooks::free(w2, Some(4096), 0, 0);
+    assert_eq!(hooks::retired_arena_count(), 0);
+    assert_eq!(t1_live(&fb), 0, "released with its last take");
+    assert!(hooks::uninstall());
+}

@@ -102,12 +102,32 @@ impl Drop for Installed {
     fn drop(&mut self) {
         departed(&self.pool, self.device);
         if let Some(w) = self.weights.take() {
-            // Shared: the arena is installed again (or already retired).
-            if Arc::strong_count(&w) == 1 && !w.ptrs().is_empty() {
+            let gone = {
                 let mut all = retired_weights();
-                all.push(w);
+                let gone = match all.iter().position(|r| Arc::ptr_eq(r, &w)) {
+                    Some(at) => {
+                        // Listed as it left: this handle goes under the
+                        // list's lock (never the last: the list holds one),
+                        // so the free of its last take, deciding under it
+                        // too, sees the count this leaves.
+                        drop(w);
+                        let r = &all[at];
+                        (Arc::strong_count(r) == 1 && r.ptrs().is_empty())
+                            .then(|| all.swap_remove(at))
+                    }
+                    // Shared: the arena is installed again. Alone with
+                    // takes live: kept for them.
+                    None if Arc::strong_count(&w) == 1 && !w.ptrs().is_empty() => {
+                        all.push(w);
+                        None
+                    }
+                    None => Some(w),
+                };
                 RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
-            }
+                gone
+            };
+            // The arena's last handle may go here, outside the lock.
+            drop(gone);
         }
     }
 }
@@ -334,8 +354,16 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
             device_capacity,
             weights,
         };
-        if let Some(o) = slot.as_ref().filter(|o| o.pool.id() != id) {
-            depart(&o.pool, o.device);
+        if let Some(o) = slot.as_ref() {
+            if o.pool.id() != id {
+                depart(&o.pool, o.device);
+            }
+            if let Some(ow) = o.weights.as_ref() {
+                let kept = new.weights.as_ref().is_some_and(|w| Arc::ptr_eq(w, ow));
+                if !kept {
+                    depart_weights(ow);
+                }
+            }
         }
         let old = slot.replace(Arc::new(new));
         GENERATION.fetch_add(1, Ordering::Release);
@@ -359,6 +387,9 @@ pub fn uninstall() -> bool {
         let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
         if let Some(o) = slot.as_ref() {
             depart(&o.pool, o.device);
+            if let Some(ow) = o.weights.as_ref() {
+                depart_weights(ow);
+            }
         }
         let old = slot.take();
         GENERATION.fetch_add(1, Ordering::Release);
@@ -539,6 +570,18 @@ fn departed(pool: &ActivationPool, device: i32) {
     drop(gone);
 }
 
+/// Lists T1 arena `w` as leaving the hooks, before the slot lets go of it
+/// (called under its write lock): a free of one of its takes finds it
+/// here whatever any thread's copy of the slot says. It leaves the list
+/// once no install holds it and no take of it is live.
+fn depart_weights(w: &Arc<WeightTakes>) {
+    let mut all = retired_weights();
+    if !all.iter().any(|r| Arc::ptr_eq(r, w)) {
+        all.push(w.clone());
+        RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
+    }
+}
+
 /// Takes pool `pool_id` off the retired list (it serves the hooks again).
 fn unretire(pool_id: u64) -> Vec<Arc<Retiree>> {
     if RETIRED_COUNT.load(Ordering::Relaxed) == 0 {
@@ -595,7 +638,9 @@ fn retired_weights_free(ptr: usize) -> bool {
         let Some((at, bytes, last)) = found else {
             return false;
         };
-        let gone = last.then(|| all.swap_remove(at));
+        // Kept while an install still holds it (another thread's copy of
+        // the slot): its handle goes under this lock (`Drop for Installed`).
+        let gone = (last && Arc::strong_count(&all[at]) == 1).then(|| all.swap_remove(at));
         RETIRED_WEIGHTS_COUNT.store(all.len(), Ordering::Release);
         (bytes, gone)
     };
