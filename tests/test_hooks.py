@@ -227,6 +227,36 @@ def test_the_weights_route_takes_from_t1_and_counts_stranded_frees(fake):
     pool.check_invariants()
 
 
+def test_the_weights_route_is_the_calling_threads(fake):
+    """A loading thread's route leaves another thread's mallocs (a forward
+    running meanwhile) in the activations, as torch's MemPool scopes are per
+    thread too."""
+    import threading
+
+    pool = imp_mem.ActivationPool(fake, MIB)
+    arena = imp_mem.Arena(fake, MIB)
+    pool.install(weights_arena=arena)
+    _core.set_hook_route("weights")
+    seen = {}
+
+    def forward():
+        seen["route"] = _core.hook_route()
+        seen["block"] = TORCH_MALLOC(1000, 0, None)
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    worker.join()
+    w = TORCH_MALLOC(1000, 0, None)
+    assert _core.hook_route() == "weights"
+    _core.set_hook_route("activations")
+    assert seen["route"] == "activations"
+    assert pool.size_of(seen["block"]) == 1000, "the other thread's block went to T1"
+    assert pool.size_of(w) is None and arena.used >= 1000
+    TORCH_FREE(seen["block"], 1000, 0, None)
+    TORCH_FREE(w, 1000, 0, None)
+    assert pool.stats()["live"] == 0
+
+
 def test_a_t1_arena_with_live_takes_outlives_the_hooks(fake):
     """Tensors loaded through the weights route (a model's) keep their T1
     arena after the hooks let go of it, until the last is freed."""

@@ -768,7 +768,7 @@ CUPY_FREE_SYMBOL: str
 """``imp_mem_cupy_free``: ``void (void* param, void* ptr, int device)``; param: the stream."""
 
 def hook_stats() -> dict[str, Any]:
-    """The C hooks' counters, plus ``installed`` and ``route``. Calls:
+    """The C hooks' counters, plus ``installed`` and ``route`` (the calling thread's). Calls:
     ``mallocs``, ``malloc_ok``, ``frees``, ``free_ok``. Refused, by kind:
     ``not_installed`` / ``free_not_installed`` (no pool), ``zero_size`` (torch
     asks for 0 bytes for an empty tensor; null is returned), ``negative_size``,
@@ -797,10 +797,14 @@ def uninstall_hooks() -> bool:
     frees of its blocks still reach it, and it goes with the last."""
 
 def set_hook_route(route: Literal["activations", "weights"]) -> None:
-    """Where the hooks' mallocs go: the installed pool, or (while loading) the
-    installed T1 arena, whose frees are counted as stranded."""
+    """Where the calling thread's hook mallocs go: the installed pool, or
+    (while loading) the installed T1 arena, whose frees are counted as
+    stranded. Per thread, as torch's MemPool scopes are: another thread's
+    forward during a load stays in the activations."""
 
-def hook_route() -> str: ...
+def hook_route() -> str:
+    """The calling thread's route (``set_hook_route``)."""
+
 def add_hook_region(pool: ActivationPool, device: int | None = None) -> None:
     """Add ``pool`` as a region of the hooks: mallocs of a thread that selects
     it (``set_hook_region``) go to it, frees of its addresses come back to it

@@ -153,3 +153,39 @@ fn a_t1_take_freed_while_another_thread_holds_the_old_install_is_still_the_arena
     assert_eq!(t1_live(&fb), 0, "released with its last take");
     assert!(hooks::uninstall());
 }
+
+#[test]
+fn the_weights_route_is_the_loading_threads_alone() {
+    use imp_mem_core::activations::hooks::Route;
+    use imp_mem_core::{SharedArena, Tier};
+
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let a = open(&fb);
+    let t1 = SharedArena::new(&fb, Tier::ModelResident, 1 << 20, None).unwrap();
+    hooks::install(a.clone(), 0, Some(t1.clone()));
+    hooks::set_route(Route::Weights);
+    // Another thread's forward while this one loads: its blocks are
+    // activations, never takes of the bump arena.
+    let other = std::thread::spawn(|| {
+        let p = hooks::malloc(4096, 0, 0);
+        (p, hooks::route())
+    })
+    .join()
+    .unwrap();
+    let w = hooks::malloc(4096, 0, 0);
+    hooks::set_route(Route::Activations);
+    assert_eq!(other.1, Route::Activations);
+    assert!(
+        other.0 != 0 && a.contains(other.0),
+        "another thread's block went to T1"
+    );
+    assert!(
+        w != 0 && !a.contains(w),
+        "the loading thread's take is T1's"
+    );
+    hooks::free(other.0, Some(4096), 0, 0);
+    assert_eq!(a.stats().live, 0);
+    hooks::free(w, Some(4096), 0, 0);
+    assert!(hooks::uninstall());
+}

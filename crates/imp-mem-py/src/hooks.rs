@@ -134,8 +134,9 @@ fn uninstall_hooks(py: Python<'_>) -> bool {
     py.detach(routing::uninstall)
 }
 
-/// Where the hooks' mallocs go: "activations" (the installed pool) or
-/// "weights" (the installed T1 arena, while loading).
+/// Where the calling thread's hook mallocs go: "activations" (the installed
+/// pool) or "weights" (the installed T1 arena, while loading). Per thread,
+/// as torch's MemPool scopes are.
 #[pyfunction]
 fn set_hook_route(route: &str) -> PyResult<()> {
     let value = match route {
@@ -187,7 +188,7 @@ fn set_hook_region(pool: Option<PyRef<'_, PyActivationPool>>) -> PyResult<()> {
     Ok(())
 }
 
-/// The route now.
+/// The calling thread's route.
 #[pyfunction]
 fn hook_route() -> &'static str {
     routing::route().name()

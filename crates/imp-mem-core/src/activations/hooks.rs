@@ -8,7 +8,7 @@
 //! the generation it read; a call compares generations (one load) and uses
 //! its copy, re-reading the slot only when it changed. A call therefore
 //! always runs on a whole pool it holds a reference to, and the last
-//! reference — the slot's or a thread's copy — releases it. While the route is [`Route::Weights`], mallocs are takes from the
+//! reference — the slot's or a thread's copy — releases it. While a thread's route is [`Route::Weights`] (set per thread, as torch's MemPool scopes are), its mallocs are takes from the
 //! installed T1 arena instead; a free of such a pointer cannot give bytes
 //! back to a bump arena and is counted as stranded.
 //!
@@ -47,7 +47,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use super::{ActivationPool, RefusedFree};
@@ -153,7 +153,12 @@ thread_local! {
         RefCell::new(Cached { generation: 0, installed: None })
     };
 }
-static ROUTE: AtomicU8 = AtomicU8::new(0);
+thread_local! {
+    /// This thread's route (torch's MemPool scopes are per thread too: a
+    /// loading thread's route must not take another thread's forward into
+    /// the bump arena).
+    static ROUTE: Cell<u8> = const { Cell::new(0) };
+}
 
 macro_rules! counters {
     ($( $name:ident, )*) => {
@@ -404,14 +409,15 @@ pub fn installed_pool_id() -> Option<u64> {
     slot().as_ref().map(|i| i.pool.id())
 }
 
-/// Sets the route.
+/// Sets the calling thread's route.
 pub fn set_route(route: Route) {
-    ROUTE.store(route as u8, Ordering::Relaxed);
+    let _ = ROUTE.try_with(|r| r.set(route as u8));
 }
 
-/// The route now.
+/// The calling thread's route (the activations while its locals are being
+/// torn down).
 pub fn route() -> Route {
-    if ROUTE.load(Ordering::Relaxed) == Route::Weights as u8 {
+    if ROUTE.try_with(Cell::get) == Ok(Route::Weights as u8) {
         Route::Weights
     } else {
         Route::Activations
