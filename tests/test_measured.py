@@ -347,6 +347,26 @@ def test_serve_arguments_are_checked():
         torch_mod.serve(backend=fb, budget=0)
     with pytest.raises(InvalidArgument, match="chunk"):
         torch_mod.serve(backend=fb, chunk="nope")
+    with pytest.raises(InvalidArgument, match=r"^budget: .* more than the device offers"):
+        torch_mod.serve(backend=fb, budget=512 * MIB)
+    with pytest.raises(InvalidArgument, match=r"^device: "):
+        torch_mod.serve(backend=fb, device=-1)
+    with pytest.raises(TypeError, match=r"^device: "):
+        torch_mod.serve(backend=fb, device=True)
+    with pytest.raises(InvalidArgument, match=r"^fingerprint: "):
+        torch_mod.serve(backend=fb, fingerprint="")
+    with pytest.raises(InvalidArgument, match=r"^fingerprint: expected JSON-like"):
+        torch_mod.serve(backend=fb, fingerprint={"model": object()})
+    with pytest.raises(InvalidArgument, match=r"^shapes: expected JSON-like"):
+        torch_mod.serve(backend=fb, fingerprint="m", shapes={"batch": object()})
+    with pytest.raises(TypeError, match=r"^cache_path: "):
+        torch_mod.serve(backend=fb, cache_path=5)
+    with pytest.raises(InvalidArgument, match=r"^other_processes: "):
+        torch_mod.serve(backend=fb, other_processes=-1)
+    with pytest.raises(TypeError, match=r"^other_processes: "):
+        torch_mod.serve(backend=fb, other_processes="1GiB")
+    # Nothing was opened by a refused call: the whole budget is still there.
+    torch_mod.serve(backend=fb, budget=256 * MIB).close()
 
 
 def test_reset_high_water_forgets_a_compile_peak_and_the_freeze_gives_it_back():

@@ -89,6 +89,12 @@ def environment(device: int = 0, gpu_name: str | None = None) -> dict[str, Any]:
     return env
 
 
+def check_plain(value: Any, what: str) -> None:
+    """Raises InvalidArgument naming ``what`` unless ``value`` is JSON-like
+    data (what a fingerprint may hold)."""
+    _plain(value, what)
+
+
 def _plain(value: Any, what: str) -> Any:
     """``value`` as JSON data (str keys, lists for tuples), or InvalidArgument."""
     try:

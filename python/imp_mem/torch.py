@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import warnings
 import weakref
@@ -115,7 +116,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
 
 from imp_mem import _core
 from imp_mem import measured as _measured
-from imp_mem._format import byte_count
+from imp_mem._format import byte_count, human_bytes
 from imp_mem._frameworks import activations_of as _activations_of
 from imp_mem._frameworks import source_held
 from imp_mem.errors import BackendUnavailable, ImpMemWarning, InvalidArgument, PhaseViolation
@@ -181,7 +182,11 @@ def _current_device() -> int:
 def _device_index(device: Any) -> int:
     if device is None:
         return _current_device()
+    if isinstance(device, bool):
+        raise TypeError(f"device: expected a CUDA device index or torch.device, got {device!r}")
     if isinstance(device, int):
+        if device < 0:
+            raise InvalidArgument(f"device: expected a CUDA device index (0 or more), got {device}")
         return device
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -805,6 +810,28 @@ def serve(
     same warm-up (the same reset) to plan its remembered size the same way."""
     if not isinstance(plan_passes, bool):
         raise TypeError(f"plan_passes: expected a bool, got {type(plan_passes).__name__}")
+    if cache_path is not None and not isinstance(cache_path, (str, os.PathLike)):
+        raise TypeError(
+            f"cache_path: expected a path (str or os.PathLike), got {type(cache_path).__name__}"
+        )
+    if other_processes is not None:
+        if isinstance(other_processes, bool) or not isinstance(other_processes, int):
+            raise TypeError(
+                f"other_processes: expected bytes as an int, got {type(other_processes).__name__}"
+            )
+        if other_processes < 0:
+            raise InvalidArgument(
+                f"other_processes: expected the bytes other processes hold (0 or more), got "
+                f"{other_processes}"
+            )
+    if fingerprint is not None:
+        if fingerprint == "":
+            raise InvalidArgument(
+                "fingerprint: expected the model's identity (its name, or its config dict); "
+                "pass None to measure every start"
+            )
+        _measured.check_plain(fingerprint, "fingerprint")
+        _measured.check_plain(shapes, "shapes")
     _check_mode(mode)
     if margin is None:
         margin = default_margin(mode)
@@ -843,6 +870,12 @@ def serve(
     else:
         context, capacity = 0, int(backend.stats()["capacity"])
     plan_budget = capacity if budget is None else byte_count(budget, "budget")
+    if plan_budget > capacity:
+        raise InvalidArgument(
+            f"budget: {human_bytes(plan_budget)} is more than the device offers "
+            f"({human_bytes(capacity)}, after the {human_bytes(other_processes)} other "
+            "processes hold); give at most that, or None for all of it"
+        )
     tier = _tier_bytes(plan_budget, context)
     if tier <= 0:
         raise InvalidArgument(
