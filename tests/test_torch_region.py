@@ -104,3 +104,31 @@ def test_pool_pause_arguments_are_checked(fb):
         pool.pause()
     pool.resume()
     pool.resume()
+
+
+def test_the_torch_helpers_refuse_bad_input_naming_the_argument(fb):
+    import torch
+
+    arena = imp_mem.Arena(fb, MIB)
+    with pytest.raises(TypeError, match=r"^shape: "):
+        torch_mod.arena_tensor(arena, (2.5,), torch.float32)
+    with pytest.raises(TypeError, match=r"^shape: "):
+        torch_mod.arena_tensor(arena, 3, torch.float32)
+    with pytest.raises(TypeError, match=r"^dtype: "):
+        torch_mod.arena_tensor(arena, (2,), "float32")
+    assert arena.used == 0, "a refused call took nothing"
+    # Integers of any kind are dimensions (torch.Size, numpy's).
+    assert torch_mod.arena_tensor(arena, torch.Size([2, 3]), torch.float32).shape == (2, 3)
+    with pytest.raises(TypeError, match=r"^target: expected a MemorySystem"):
+        torch_mod.memory_stats(5)
+    with pytest.raises(TypeError, match=r"^target: expected a MemorySystem"):
+        torch_mod.Pool(5)
+    with pytest.raises(TypeError, match=r"^module: "):
+        torch_mod.to_arena(5, arena)
+    with pytest.raises(TypeError, match=r"^step: "):
+        torch_mod.measure_step_high_water(5)
+    with pytest.raises(InvalidArgument, match=r"^warmup: "):
+        torch_mod.measure_step_high_water(lambda: None, warmup=-1)
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailable, match="no CUDA device"):
+            torch_mod.measure_step_high_water(lambda: None)

@@ -12,6 +12,11 @@ def activations_of(target: Any) -> Any:
     """The ActivationPool of a MemorySystem, or ``target`` itself if it is one."""
     if isinstance(target, _core.ActivationPool):
         return target
+    if not hasattr(target, "activations"):
+        raise TypeError(
+            "target: expected a MemorySystem (or anything with an activations tier) or an "
+            f"ActivationPool, got {type(target).__name__}"
+        )
     pool = getattr(target, "activations", None)
     if pool is None:
         raise InvalidArgument(

@@ -99,6 +99,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import threading
 import warnings
@@ -987,6 +988,8 @@ def to_arena(module: torch.nn.Module, arena: Any) -> int:
     becomes a tensor viewing the arena (a StableSpan), filled from the current
     data; tied tensors stay tied (one copy). Returns the bytes taken. Run it
     while LOADING."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
     moved: dict[int, torch.Tensor] = {}
     taken = 0
     for sub in module.modules():
@@ -1015,7 +1018,12 @@ def arena_tensor(
     """A tensor of ``shape`` and ``dtype`` viewing a fresh take of ``arena`` (a
     StableSpan: its address never moves, so CUDA graphs may capture it). The
     tensor is on the arena's device (the CPU for a fake backend)."""
-    dims = tuple(int(d) for d in shape)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+    try:
+        dims = tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"shape: expected a tuple of ints, got {shape!r}") from None
     numel = 1
     for d in dims:
         numel *= d
@@ -1029,6 +1037,19 @@ def measure_step_high_water(step: Callable[[], Any], *, warmup: int = 1, device:
     """The peak bytes torch allocates during ``step()`` (after ``warmup`` calls),
     measured on torch's default allocator: the number to plan the activations
     tier with (``Features(activation_bytes=...)``, seed A3.3)."""
+    if not callable(step):
+        raise TypeError(f"step: expected a callable, got {type(step).__name__}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise TypeError(f"warmup: expected an int, got {type(warmup).__name__}")
+    if warmup < 0:
+        raise InvalidArgument(
+            f"warmup: expected 0 or more calls before the measured one, got {warmup}"
+        )
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(
+            "measure_step_high_water: torch sees no CUDA device; it measures torch's own "
+            "allocator on the GPU"
+        )
     dev = _device_index(device)
     for _ in range(warmup):
         step()
