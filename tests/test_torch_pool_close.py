@@ -236,3 +236,51 @@ def test_a_region_pools_segment_outliving_it_still_goes_home(monkeypatch):
     b.close()
     a.close()
     assert _closes_clean(one) and _closes_clean(other)
+
+
+def _loose_system():
+    """A system whose activations tier falls back when full (install()'s
+    kind: a strict one is refused process-wide)."""
+    features = imp_mem.Features(activation_bytes=16 * MIB)
+    return open_system(make_plan(TINY, features=features), activation_strict=False)[1]
+
+
+def _refusing_swap(*args, **kwargs):
+    raise RuntimeError("Can't swap an already initialized allocator")
+
+
+def test_an_install_torch_refuses_leaves_the_hooks_as_they_were(monkeypatch):
+    """install() after torch's first CUDA allocation: PhaseViolation, and
+    the hooks neither keep the new tier (its memory held for nothing) nor
+    lose the tier installed before."""
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", _refusing_swap)
+    before = _system()
+    imt._install_hooks(before.activations, 0)
+    system = _loose_system()
+    with pytest.raises(imp_mem.PhaseViolation, match="before torch's first CUDA allocation"):
+        imt.install(system)
+    assert not imt._installed["process_wide"]
+    assert imt.installed().id == before.activations.id
+    assert _core.hook_stats()["installed"]
+    _core.uninstall_hooks()
+    imt._installed.update(activations=None, device=None)
+    with pytest.raises(imp_mem.PhaseViolation):
+        imt.install(system)
+    assert imt.installed() is None and not _core.hook_stats()["installed"]
+    assert _closes_clean(system), "the refused install left the tier held"
+    assert _closes_clean(before)
+
+
+def test_install_refuses_while_another_tiers_pool_holds_the_hooks():
+    """Process-wide, torch's allocations would go to the open Pool's tier."""
+    first = _system()
+    pool = imt.Pool(first)
+    second = _loose_system()
+    with pytest.raises(imp_mem.PhaseViolation, match="close that Pool first"):
+        imt.install(second)
+    assert not imt._installed["process_wide"]
+    assert imt.installed().id == first.activations.id
+    # No region of the refused tier is left behind in the hooks.
+    assert _core.remove_hook_region(second.activations) is False
+    pool.close()
+    assert _closes_clean(second) and _closes_clean(first)

@@ -505,15 +505,32 @@ def install(system: Any, *, device: Any = None) -> None:
             "imp_mem.torch.install: a tier is already torch's process-wide allocator; "
             "torch has one allocator per process"
         )
-    _install_hooks(activations, dev)
+    was, was_device = _installed["activations"], _installed["device"]
+    if not _install_hooks(activations, dev):
+        # Another tier's open Pool holds the hooks: process-wide, torch's
+        # allocations would go to that tier.
+        _core.remove_hook_region(activations)
+        raise PhaseViolation(
+            "imp_mem.torch.install: an open Pool over another tier holds the allocator "
+            "hooks, and torch has one allocator per process; close that Pool first (and "
+            "install before torch's first CUDA allocation)"
+        )
     try:
         torch.cuda.memory.change_current_allocator(pluggable_allocator())
-    except RuntimeError as exc:
-        raise PhaseViolation(
-            "imp_mem.torch.install must run before torch's first CUDA allocation "
-            "(torch's allocator is already initialised; call install() right after "
-            f"opening the MemorySystem, before any tensor is created on the GPU): {exc}"
-        ) from exc
+    except BaseException as exc:
+        # Left installed, the hooks would hold the tier (and its memory) for
+        # a process whose torch never calls them; what was there comes back.
+        if not _same_tier(was, activations):
+            _uninstall_hooks(activations)
+            if was is not None:
+                _install_hooks(was, was_device)
+        if isinstance(exc, RuntimeError):
+            raise PhaseViolation(
+                "imp_mem.torch.install must run before torch's first CUDA allocation "
+                "(torch's allocator is already initialised; call install() right after "
+                f"opening the MemorySystem, before any tensor is created on the GPU): {exc}"
+            ) from exc
+        raise
     _installed["process_wide"] = True
 
 
@@ -908,11 +925,16 @@ def serve(
     )
     if isinstance(margin, float):
         served.margin_share = margin
-    if mode == "process":
-        if is_device:
-            install(system, device=dev)
-    else:
-        served.pool = Pool(system, device=dev)
+    try:
+        if mode == "process":
+            if is_device:
+                install(system, device=dev)
+        else:
+            served.pool = Pool(system, device=dev)
+    except BaseException:
+        # Nothing of it reached the caller: its memory goes back now.
+        system.close()
+        raise
     return served
 
 
