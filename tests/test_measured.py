@@ -452,3 +452,47 @@ def test_the_outside_charge_leaves_out_what_the_backends_source_holds():
     # torch's own charge is never part of what the backend holds.
     assert torch_mod._held_by_backend(Source(10 * MIB, 4 * MIB, MIB)) == 15 * MIB
     assert torch_mod._held_by_backend(Source(10 * MIB, 0, 0)) == 10 * MIB
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from imp_mem import _jsonfile, measured
+path, kind, n, me = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+for i in range(n):
+    if kind == "count":
+        _jsonfile.update(path, lambda d: {"n": (d or {}).get("n", 0) + 1})
+    else:
+        fp = measured.fingerprint({"writer": me, "i": i}, env={})
+        measured.remember(fp, {"high_water": i, "margin": 0, "size": i + 1}, path=path)
+"""
+
+
+def _writers(path, kind: str, processes: int, each: int) -> None:
+    import subprocess
+    import sys
+
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(path), kind, str(each), str(me)])
+        for me in range(processes)
+    ]
+    assert [p.wait(timeout=120) for p in procs] == [0] * processes
+
+
+def test_processes_writing_the_cache_at_once_lose_nothing(tmp_path):
+    """Read, changed and written under the file's lock: six processes
+    counting in one file reach the sum, and four remembering at once keep
+    every figure (unlocked, a writer's read-modify-write drops the others'
+    entries written between its read and its rename)."""
+    from imp_mem import _jsonfile
+
+    counter = tmp_path / "count.json"
+    _writers(counter, "count", 6, 40)
+    assert _jsonfile.read(counter) == {"n": 240}
+    cache = tmp_path / "measured.json"
+    _writers(cache, "remember", 4, 12)
+    for me in range(4):
+        for i in range(12):
+            fp = measured.fingerprint({"writer": str(me), "i": i}, env={})
+            assert measured.recall(fp, path=cache) == {"high_water": i, "margin": 0, "size": i + 1}
+    assert not list(tmp_path.glob(".measured-*")), "a temporary file left behind"

@@ -30,10 +30,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from imp_mem import _jsonfile
 from imp_mem.errors import InvalidArgument
 
 __all__ = [
@@ -132,10 +132,11 @@ def fingerprint_key(fp: dict[str, Any]) -> str:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {"version": CACHE_VERSION, "entries": {}}
+    return _checked(_jsonfile.read(path))
+
+
+def _checked(data: Any) -> dict[str, Any]:
+    """`data` if it is a cache of this version, else an empty one."""
     if (
         not isinstance(data, dict)
         or data.get("version") != CACHE_VERSION
@@ -190,20 +191,18 @@ def remember(
     if not isinstance(tier, str) or not tier:
         raise InvalidArgument(f"tier: expected a non-empty str, got {tier!r}")
     target = Path(path) if path else default_cache_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    data = _read(target)
     key = fingerprint_key(fp)
-    entry = data["entries"].get(key)
-    if not isinstance(entry, dict) or not isinstance(entry.get("tiers"), dict):
-        entry = {"fingerprint": _plain(fp, "fingerprint"), "tiers": {}}
-    entry["tiers"][tier] = figures
-    data["entries"][key] = entry
-    fd, tmp = tempfile.mkstemp(prefix=".measured-", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, sort_keys=True, indent=1)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    plain = _plain(fp, "fingerprint")
+
+    def change(raw: Any) -> dict[str, Any]:
+        data = _checked(raw)
+        entry = data["entries"].get(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("tiers"), dict):
+            entry = {"fingerprint": plain, "tiers": {}}
+        entry["tiers"][tier] = figures
+        data["entries"][key] = entry
+        return data
+
+    # Under the file's lock: two processes remembering at once keep both.
+    _jsonfile.update(target, change, prefix=".measured-")
     return target

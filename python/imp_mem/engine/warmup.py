@@ -52,12 +52,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import imp_mem
+from imp_mem import _jsonfile
 from imp_mem._frameworks import source_held
 
 # The cache's layout version: a change to what is measured bumps it.
@@ -142,21 +142,17 @@ def lookup(fp: dict[str, Any], path: Path | None = None) -> dict[str, int] | Non
 
 
 def store(fp: dict[str, Any], measured: dict[str, int], path: Path | None = None) -> None:
-    """Remembers `measured` under `fp` (written to a temporary file, then
-    renamed over the cache: a concurrent reader sees the old or the new)."""
-    path = path or cache_path()
-    try:
-        entries = json.loads(path.read_text())
-        if not isinstance(entries, dict):
-            entries = {}
-    except (OSError, ValueError):
-        entries = {}
-    entries[_key(fp)] = {"torch": int(measured["torch"]), "modules": int(measured["modules"])}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".warmup-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    """Remembers `measured` under `fp`, under the cache's lock (two engines
+    booting at once keep both figures), written to a temporary file and
+    renamed over the cache (a reader sees the old or the new)."""
+    figures = {"torch": int(measured["torch"]), "modules": int(measured["modules"])}
+
+    def change(entries: Any) -> dict[str, Any]:
+        entries = entries if isinstance(entries, dict) else {}
+        entries[_key(fp)] = figures
+        return entries
+
+    _jsonfile.update(path or cache_path(), change, prefix=".warmup-")
 
 
 def total(measured: dict[str, int] | None) -> int:
