@@ -462,6 +462,10 @@ path, kind, n, me = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4
 for i in range(n):
     if kind == "count":
         _jsonfile.update(path, lambda d: {"n": (d or {}).get("n", 0) + 1})
+    elif kind == "reserve":
+        from imp_mem import reserve
+        fp = {"gpu_name": f"gpu-{me}-{i}", "driver_version": "1", "cuda_version": "1"}
+        reserve.store({"context_bytes": i, "library_reserve_bytes": i}, path, fp=fp)
     else:
         fp = measured.fingerprint({"writer": me, "i": i}, env={})
         measured.remember(fp, {"high_water": i, "margin": 0, "size": i + 1}, path=path)
@@ -496,3 +500,7 @@ def test_processes_writing_the_cache_at_once_lose_nothing(tmp_path):
             fp = measured.fingerprint({"writer": str(me), "i": i}, env={})
             assert measured.recall(fp, path=cache) == {"high_water": i, "margin": 0, "size": i + 1}
     assert not list(tmp_path.glob(".measured-*")), "a temporary file left behind"
+    # The library reserve's cache (written by the core) takes the same lock.
+    reserve_cache = tmp_path / "reserve.json"
+    _writers(reserve_cache, "reserve", 4, 12)
+    assert len(json.loads(reserve_cache.read_text())["entries"]) == 48

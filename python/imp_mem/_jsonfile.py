@@ -16,7 +16,7 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     """Holds the exclusive lock of `path` (where the platform has flock)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -43,7 +43,7 @@ def read(path: Path) -> Any:
 def update(path: Path, change: Callable[[Any], Any], *, prefix: str = ".cache-") -> Any:
     """Reads `path` (None if missing or unreadable), passes it to `change`,
     and writes what that returns, all under the file's lock. Returns it."""
-    with _locked(path):
+    with locked(path):
         data = change(read(path))
         fd, tmp = tempfile.mkstemp(prefix=prefix, dir=path.parent)
         try:

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from imp_mem import _core
+from imp_mem import _core, _jsonfile
 
 __all__ = [
     "default_cache_path",
@@ -202,11 +202,13 @@ def lookup(path: Path | str | None = None, fp: dict[str, Any] | None = None):
 
 
 def store(measured: dict[str, int], path: Path | str | None = None, fp=None) -> None:
-    """Remembers ``measured`` for this machine (atomic write + rename)."""
+    """Remembers ``measured`` for this machine (atomic write + rename), the
+    cache read and written back under its file lock: processes storing at
+    once keep each other's entries."""
     path = Path(path) if path else default_cache_path()
-    _core.reserve_cache_store(
-        str(path), fp or fingerprint(), measured, samples=int(measured.get("samples", 1))
-    )
+    fp = fp or fingerprint()
+    with _jsonfile.locked(path):
+        _core.reserve_cache_store(str(path), fp, measured, samples=int(measured.get("samples", 1)))
 
 
 def load_or_measure(path: Path | str | None = None, samples: int = 5) -> dict[str, Any]:
