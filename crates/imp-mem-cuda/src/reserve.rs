@@ -33,7 +33,10 @@
 //! Everything here is pure (no driver) and tested on the CPU.
 //!
 //! Thread safety: plain values. Concurrent `store`s of the same file are
-//! atomic each (last rename wins); a load never sees a partial file.
+//! atomic each (last rename wins); a load never sees a partial file. A
+//! load, insert and store is not: `imp_mem.reserve.store` holds the file's
+//! `flock` around the three, so processes storing at once keep each
+//! other's entries.
 
 use std::collections::BTreeMap;
 use std::io::Write;
