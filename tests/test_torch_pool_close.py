@@ -284,3 +284,43 @@ def test_install_refuses_while_another_tiers_pool_holds_the_hooks():
     assert _core.remove_hook_region(second.activations) is False
     pool.close()
     assert _closes_clean(second) and _closes_clean(first)
+
+
+def test_graph_pool_blocks_on_two_threads_each_answer_for_their_own(monkeypatch):
+    """torch.cuda.graph_pool_handle() inside graph_pool() is that thread's
+    innermost block's pool, whatever another thread enters or leaves
+    meanwhile, and torch's own once every block has ended."""
+    import threading
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "torch's own")
+    monkeypatch.setattr(imt, "_torch_graph_pool_handle", None, raising=False)
+    a, b = imt.Pool(_system()), imt.Pool(_system())
+    entered, a_left = threading.Barrier(2), threading.Event()
+    seen = {}
+
+    def run(pool, name):
+        with imt.graph_pool(pool) as mempool:
+            seen[name, "id"] = mempool.id
+            entered.wait()
+            if name == "b":
+                a_left.wait()  # a's block has ended; b's has not
+            seen[name, "inside"] = torch.cuda.graph_pool_handle()
+        if name == "a":
+            a_left.set()
+
+    threads = [threading.Thread(target=run, args=(p, n)) for p, n in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["a", "inside"] == seen["a", "id"]
+    assert seen["b", "inside"] == seen["b", "id"] != seen["a", "id"]
+    assert torch.cuda.graph_pool_handle() == "torch's own"
+    # Nested on one thread: the innermost block's pool, then the outer's.
+    with imt.graph_pool(a) as outer:
+        with imt.graph_pool(b) as inner:
+            assert torch.cuda.graph_pool_handle() == inner.id
+        assert torch.cuda.graph_pool_handle() == outer.id
+    assert torch.cuda.graph_pool_handle() == "torch's own"
+    a.close()
+    b.close()

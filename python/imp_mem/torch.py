@@ -735,6 +735,39 @@ class Served:
         return f"imp_mem.torch.Served(device={self.device}, mode={self.mode!r}, {state})"
 
 
+_graph_handles = threading.local()
+_torch_graph_pool_handle: Callable[[], Any] | None = None
+
+
+def _graph_handle_stack() -> list[Any]:
+    stack = getattr(_graph_handles, "stack", None)
+    if stack is None:
+        stack = _graph_handles.stack = []
+    return stack
+
+
+def _graph_pool_handle() -> Any:
+    """``torch.cuda.graph_pool_handle`` while imp-mem routes it: the pool of
+    this thread's innermost :func:`graph_pool` block, else torch's own."""
+    stack = _graph_handle_stack()
+    if stack:
+        return stack[-1]
+    assert _torch_graph_pool_handle is not None
+    return _torch_graph_pool_handle()
+
+
+def _route_graph_pool_handles() -> None:
+    """Puts :func:`_graph_pool_handle` in torch's place, once: each thread's
+    blocks then answer for that thread alone (swapping torch's function in
+    and out per block let one thread's exit restore another's pool for
+    everyone)."""
+    global _torch_graph_pool_handle
+    with _lock:
+        if torch.cuda.graph_pool_handle is not _graph_pool_handle:
+            _torch_graph_pool_handle = torch.cuda.graph_pool_handle
+            torch.cuda.graph_pool_handle = _graph_pool_handle  # type: ignore[assignment]
+
+
 @contextlib.contextmanager
 def graph_pool(target: Any) -> Iterator[Any]:
     """While the block runs, ``torch.cuda.graph_pool_handle()`` (the pool
@@ -749,18 +782,14 @@ def graph_pool(target: Any) -> Iterator[Any]:
     p._check_open()
     if p.graph_mempool is None:
         p.graph_mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
-    handle = p.graph_mempool.id
-    original = torch.cuda.graph_pool_handle
-
-    def _handle() -> Any:
-        return handle
-
-    torch.cuda.graph_pool_handle = _handle  # type: ignore[assignment]
+    _route_graph_pool_handles()
+    stack = _graph_handle_stack()
+    stack.append(p.graph_mempool.id)
     try:
         with p.routed():
             yield p.graph_mempool
     finally:
-        torch.cuda.graph_pool_handle = original  # type: ignore[assignment]
+        stack.pop()
 
 
 def _check_mode(mode: Any) -> None:
