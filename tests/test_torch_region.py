@@ -132,3 +132,35 @@ def test_the_torch_helpers_refuse_bad_input_naming_the_argument(fb):
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailable, match="no CUDA device"):
             torch_mod.measure_step_high_water(lambda: None)
+
+
+def test_two_threads_opening_one_tag_at_once_get_one_region(fb, monkeypatch):
+    """Found or made under one lock: the loser of the race takes the
+    winner's region (else a second tier stayed a hook region for nothing)."""
+    import threading
+    import time
+
+    made = []
+    original = torch_mod.Region.__init__
+
+    def slow_init(self, *args, **kwargs):
+        made.append(self)
+        time.sleep(0.05)  # widen the window between the lookup and the store
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_mod.Region, "__init__", slow_init)
+    start = threading.Barrier(2)
+    got = []
+
+    def open_it():
+        start.wait()
+        torch_mod.region(fb, "shared", capacity=MIB)
+        got.append(torch_mod.regions()["shared"])
+
+    threads = [threading.Thread(target=open_it) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1
+    assert got[0] is got[1] is made[0]

@@ -157,6 +157,9 @@ MALLOC_SYMBOL = "imp_mem_torch_malloc"
 FREE_SYMBOL = "imp_mem_torch_free"
 
 _lock = threading.Lock()
+# Held while a Pool or a region is found or made (``pool()``, ``region()``)
+# or a region released; re-entrant, and taken before ``_lock``, never inside.
+_made_lock = threading.RLock()
 _installed: dict[str, Any] = {"activations": None, "device": None, "process_wide": False}
 
 
@@ -465,10 +468,12 @@ def pool(system: Any, *, device: Any = None) -> Pool:
     at the first call; closed with :meth:`Pool.close`, after which the next
     call makes a new one)."""
     activations = _activations_of(system)
-    found = _pools.get(activations.id)
-    if found is None:
-        found = Pool(system, device=device)
-        _pools[activations.id] = found
+    # Found or made under one lock: two threads asking at once get one Pool.
+    with _made_lock:
+        found = _pools.get(activations.id)
+        if found is None:
+            found = Pool(system, device=device)
+            _pools[activations.id] = found
     return found
 
 
@@ -1279,6 +1284,16 @@ def region(
     tag = _check_tag(tag)
     if not isinstance(cpu_backup, bool):
         raise InvalidArgument(f"cpu_backup: expected True or False, got {cpu_backup!r}")
+    # Found or made under one lock: two threads opening a tag at once get
+    # one region (the other's tier would stay a hook region for nothing).
+    with _made_lock:
+        found = _find_or_make_region(target, tag, capacity, cpu_backup, device, measure_chunk)
+    return found.scope()
+
+
+def _find_or_make_region(
+    target: Any, tag: str, capacity: Any, cpu_backup: bool, device: Any, measure_chunk: Any
+) -> Region:
     found = _regions.get(tag)
     if found is None:
         if capacity is None:
@@ -1312,7 +1327,7 @@ def region(
                 f"cpu_backup: region {tag!r} was made with cpu_backup={found.cpu_backup}; it "
                 "is fixed at first use"
             )
-    return found.scope()
+    return found
 
 
 def regions() -> dict[str, Region]:
@@ -1340,7 +1355,11 @@ def release_region(tag: str) -> None:
     """Drops region ``tag``: its MemPool (torch gives the free segments back),
     its pinned buffer and its tier. Refused while tensors made in it are
     alive (their memory would go with it)."""
-    found = _region_of(tag)
+    with _made_lock:
+        _release_region(_region_of(tag), tag)
+
+
+def _release_region(found: Region, tag: str) -> None:
     if found.activations.asleep is not None:
         found.resume()
     if found.mempool is not None:
