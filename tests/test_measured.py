@@ -366,7 +366,13 @@ def test_serve_arguments_are_checked():
     with pytest.raises(TypeError, match=r"^other_processes: "):
         torch_mod.serve(backend=fb, other_processes="1GiB")
     # Nothing was opened by a refused call: the whole budget is still there.
-    torch_mod.serve(backend=fb, budget=256 * MIB).close()
+    served = torch_mod.serve(backend=fb, budget=256 * MIB)
+    served.begin_serving()
+    # Serving, a reset would start recording every allocation of the work.
+    with pytest.raises(imp_mem.PhaseViolation, match="reset_high_water"):
+        served.reset_high_water()
+    assert not served.activations.recording
+    served.close()
 
 
 def test_reset_high_water_forgets_a_compile_peak_and_the_freeze_gives_it_back():

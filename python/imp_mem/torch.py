@@ -638,6 +638,11 @@ class Served:
         places the served passes' blocks where the layout put them
         (:attr:`pass_plan`). So the last warm-up should be one pass of the
         work the server repeats."""
+        if self.system.phase == _core.Phase.SERVING:
+            raise PhaseViolation(
+                "reset_high_water: the tier was frozen at begin_serving(); it is for the "
+                "warm-up (after a compile, before the last warm-up pass)"
+            )
         if self.device >= 0 and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
         if self.pool is not None:
