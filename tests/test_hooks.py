@@ -33,10 +33,12 @@ def _lib():
     cm.restype, cm.argtypes = c_void_p, [c_void_p, c_size_t, c_int]
     cf = getattr(lib, _core.CUPY_FREE_SYMBOL)
     cf.restype, cf.argtypes = None, [c_void_p, c_void_p, c_int]
-    return tm, tf, cm, cf
+    crm = getattr(lib, _core.CUPY_REGION_MALLOC_SYMBOL)
+    crm.restype, crm.argtypes = c_void_p, [c_void_p, c_size_t, c_int]
+    return tm, tf, cm, cf, crm
 
 
-TORCH_MALLOC, TORCH_FREE, CUPY_MALLOC, CUPY_FREE = _lib()
+TORCH_MALLOC, TORCH_FREE, CUPY_MALLOC, CUPY_FREE, CUPY_REGION_MALLOC = _lib()
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +106,29 @@ def test_good_calls_give_memory_that_reads_back(fake):
     assert misuse(stats) == {}
     assert pool.stats()["live"] == 0
     pool.check_invariants()
+
+
+def test_cupys_region_malloc_keeps_to_its_tier_whatever_is_installed(fake):
+    """imp_mem.cupy names its tier in each call (a hook region), so torch's
+    installed tier and CuPy's stay apart, in either order."""
+    torch_tier = imp_mem.ActivationPool(fake, MIB)
+    cupy_tier = imp_mem.ActivationPool(fake, MIB)
+    torch_tier.install(device=0)
+    _core.add_hook_region(cupy_tier, device=0)
+    try:
+        c = CUPY_REGION_MALLOC(cupy_tier.id, 3000, 0)
+        t = TORCH_MALLOC(1000, 0, None)
+        assert cupy_tier.size_of(c) == 3000 and torch_tier.size_of(t) == 1000
+        assert CUPY_REGION_MALLOC(cupy_tier.id, 0, 0) is None
+        assert CUPY_REGION_MALLOC(123456789, 64, 0) is None  # no such region
+        assert CUPY_REGION_MALLOC(cupy_tier.id, 64, 1) is None  # its device is 0
+        CUPY_FREE(None, c, 0)
+        TORCH_FREE(t, 1000, 0, None)
+        assert cupy_tier.stats()["live"] == 0 and torch_tier.stats()["live"] == 0
+        stats = _core.hook_stats()
+        assert misuse(stats) == {"zero_size": 1, "not_installed": 1, "wrong_device": 1}
+    finally:
+        _core.remove_hook_region(cupy_tier)
 
 
 def test_every_misuse_is_counted_exactly(fake):

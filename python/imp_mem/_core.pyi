@@ -766,6 +766,10 @@ CUPY_MALLOC_SYMBOL: str
 """``imp_mem_cupy_malloc``: ``void* (void* param, size_t size, int device)``; param: the stream."""
 CUPY_FREE_SYMBOL: str
 """``imp_mem_cupy_free``: ``void (void* param, void* ptr, int device)``; param: the stream."""
+CUPY_REGION_MALLOC_SYMBOL: str
+"""``imp_mem_cupy_region_malloc``: ``void* (void* param, size_t size, int device)``; param:
+the id of a pool added as a hook region (``add_hook_region``), which serves the block
+whatever is installed."""
 
 def hook_stats() -> dict[str, Any]:
     """The C hooks' counters, plus ``installed`` and ``route`` (the calling thread's). Calls:

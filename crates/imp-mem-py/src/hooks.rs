@@ -10,6 +10,11 @@
 //!   interface carries no stream, so `param` is taken as the stream handle
 //!   (0, the legacy default stream, unless the caller builds one allocator
 //!   per stream).
+//! * `void* imp_mem_cupy_region_malloc(void* param, size_t size, int device)`:
+//!   `param` is the id of a pool added as a hook region, which the block
+//!   comes from whatever is installed (`imp_mem.cupy` uses it, so that CuPy
+//!   and torch in one process each keep to their own tier); its free is
+//!   `imp_mem_cupy_free`, which finds the region by address.
 //!
 //! They route to one process-wide installed pool through
 //! `imp_mem_core::activations::hooks` (a generation check per call against
@@ -38,6 +43,8 @@ pub const TORCH_FREE: &str = "imp_mem_torch_free";
 pub const CUPY_MALLOC: &str = "imp_mem_cupy_malloc";
 /// See [`TORCH_MALLOC`].
 pub const CUPY_FREE: &str = "imp_mem_cupy_free";
+/// See [`TORCH_MALLOC`].
+pub const CUPY_REGION_MALLOC: &str = "imp_mem_cupy_region_malloc";
 
 /// Runs `f`, counting a panic and returning `on_panic` instead.
 #[inline]
@@ -91,6 +98,20 @@ pub extern "C" fn imp_mem_cupy_malloc(
 ) -> *mut c_void {
     let addr = guarded(0, || {
         routing::malloc(size as u64, device, param as usize as u64)
+    });
+    addr as *mut c_void
+}
+
+/// CuPy `CFunctionAllocator` malloc in a hook region: `param` is the
+/// region's pool id (legacy default stream).
+#[no_mangle]
+pub extern "C" fn imp_mem_cupy_region_malloc(
+    param: *mut c_void,
+    size: usize,
+    device: c_int,
+) -> *mut c_void {
+    let addr = guarded(0, || {
+        routing::malloc_in(param as usize as u64, size as u64, device, 0)
     });
     addr as *mut c_void
 }
@@ -210,6 +231,10 @@ fn hook_addresses(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item(TORCH_FREE, imp_mem_torch_free as *const () as usize)?;
     d.set_item(CUPY_MALLOC, imp_mem_cupy_malloc as *const () as usize)?;
     d.set_item(CUPY_FREE, imp_mem_cupy_free as *const () as usize)?;
+    d.set_item(
+        CUPY_REGION_MALLOC,
+        imp_mem_cupy_region_malloc as *const () as usize,
+    )?;
     Ok(d)
 }
 
@@ -219,6 +244,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TORCH_FREE_SYMBOL", TORCH_FREE)?;
     m.add("CUPY_MALLOC_SYMBOL", CUPY_MALLOC)?;
     m.add("CUPY_FREE_SYMBOL", CUPY_FREE)?;
+    m.add("CUPY_REGION_MALLOC_SYMBOL", CUPY_REGION_MALLOC)?;
     m.add_function(wrap_pyfunction!(hook_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_hook_stats, m)?)?;
     m.add_function(wrap_pyfunction!(uninstall_hooks, m)?)?;

@@ -715,6 +715,18 @@ pub fn current_region() -> Option<u64> {
     }
 }
 
+/// malloc in the region of pool `pool_id`, whatever the calling thread
+/// selected (CuPy's allocator, which names its tier in the call); 0 is
+/// null.
+pub fn malloc_in(pool_id: u64, size: u64, device: i32, stream: u64) -> usize {
+    bump(C::mallocs);
+    if size == 0 {
+        bump(C::zero_size);
+        return 0;
+    }
+    region_malloc(pool_id, size, device, stream)
+}
+
 fn region_malloc(pool_id: u64, size: u64, device: i32, stream: u64) -> usize {
     let entry = regions().iter().find(|r| r.pool.id() == pool_id).cloned();
     let Some(entry) = entry else {
