@@ -12,10 +12,10 @@ segments, its cuBLAS workspace) is ``tests/gpu/test_torch_gpu.py``.
 from __future__ import annotations
 
 import gc
-import warnings
 
 import pytest
 from _helpers import TINY, make_plan, open_system
+from _torch_standins import closes_clean, in_use, small_system, stand_in, tear_down, torch_hooks
 
 import imp_mem
 from imp_mem import _core
@@ -26,46 +26,14 @@ imt = pytest.importorskip("imp_mem.torch")
 MIB = 1 << 20
 
 
-class _MemPool:
-    """Stands in for ``torch.cuda.MemPool``: an id and nothing else."""
-
-    made = 0
-
-    def __init__(self, allocator=None):
-        _MemPool.made += 1
-        self.id = (0, _MemPool.made)
-
-
-class _Allocator:
-    def allocator(self):
-        return None
-
-
 @pytest.fixture(autouse=True)
 def cpu_torch(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "MemPool", _MemPool)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(imt, "pluggable_allocator", lambda: _Allocator())
-    monkeypatch.setattr(imt, "_clear_cublas_workspaces", lambda: None)
-    _core.uninstall_hooks()
+    stand_in(monkeypatch)
     yield
-    for p in list(imt._pools.values()):
-        p.close()
-    _core.uninstall_hooks()
-    imt._installed.update(activations=None, device=None)
+    tear_down()
 
 
-def _system():
-    """A small system on the fake backend with a 16 MiB activations tier."""
-    features = imp_mem.Features(activation_bytes=16 * MIB)
-    return open_system(make_plan(TINY, features=features))[1]
-
-
-def _closes_clean(system):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", imp_mem.ImpMemWarning)
-        return system.close()["still_held"] == {}
+_system, _closes_clean, _in_use = small_system, closes_clean, in_use
 
 
 def test_pool_finds_one_pool_a_tier_and_its_close_lets_the_system_go():
@@ -129,21 +97,7 @@ def test_a_pool_as_a_context_manager_and_another_tier_left_installed():
     assert _closes_clean(one) and _closes_clean(other)
 
 
-def _hooks():
-    import ctypes
-
-    lib = ctypes.CDLL(_core.hook_library_path())
-    malloc = getattr(lib, _core.TORCH_MALLOC_SYMBOL)
-    malloc.restype = ctypes.c_void_p
-    malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    free = getattr(lib, _core.TORCH_FREE_SYMBOL)
-    free.restype = None
-    free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    return malloc, free
-
-
-def _in_use(system) -> int:
-    return int(system.activations.stats()["in_use"])
+_hooks = torch_hooks
 
 
 def test_two_tiers_pools_each_scope_reaches_its_own_tier(monkeypatch):
