@@ -189,3 +189,32 @@ fn the_weights_route_is_the_loading_threads_alone() {
     hooks::free(w, Some(4096), 0, 0);
     assert!(hooks::uninstall());
 }
+
+#[test]
+fn a_regions_fallback_block_goes_home_by_its_address() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let installed = open(&fb);
+    // A tier that falls back to the backend when full (a serve()-made or
+    // engine tier is one), routed to as a region.
+    let mut config = ActivationConfig::new(1 << 20);
+    config.strict = Some(false);
+    let region = ActivationPool::new(&fb, &config, Arc::new(NoStreams)).unwrap();
+    hooks::install(installed.clone(), 0, None);
+    hooks::add_region(region.clone(), 0);
+    let previous = hooks::set_region(Some(region.id())).unwrap();
+    let big = hooks::malloc(2 << 20, 0, 0);
+    hooks::set_region(previous).unwrap();
+    assert!(big != 0 && !region.contains(big), "served past the region");
+    assert_eq!(region.stats().live, 1);
+    let foreign = count("foreign_frees");
+    hooks::free(big, Some(2 << 20), 0, 0);
+    assert_eq!(
+        count("foreign_frees"),
+        foreign,
+        "the fallback block taken for foreign"
+    );
+    assert_eq!(region.stats().live, 0);
+    assert!(hooks::remove_region(region.id()));
+    assert!(hooks::uninstall());
+}

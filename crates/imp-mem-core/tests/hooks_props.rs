@@ -50,7 +50,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => pool.clone().prop_map(Op::AddRegion),
         1 => pool.clone().prop_map(Op::RemoveRegion),
         2 => proptest::option::of(pool.clone()).prop_map(Op::Select),
-        6 => (1u64..8192).prop_map(Op::Malloc),
+        6 => (1u64..24_576).prop_map(Op::Malloc),
         3 => any::<usize>().prop_map(Op::Free),
         2 => any::<usize>().prop_map(Op::FreeOnWorker),
         2 => Just(Op::WorkerCalls),
@@ -119,6 +119,9 @@ struct Model {
     worker_copy: Option<usize>,
     /// Live blocks: (address, pool).
     live: Vec<(usize, usize)>,
+    /// The live blocks served past their pool's region (the last pool falls
+    /// back when full): address and the bytes of their own backend region.
+    fallbacks: Vec<(usize, u64)>,
 }
 
 impl Model {
@@ -144,9 +147,11 @@ fn activations_live(fb: &FakeBackend) -> u64 {
 fn run(ops: &[Op]) -> Result<(), TestCaseError> {
     let fb = FakeBackend::new(FakeConfig::default()).unwrap();
     let mut m = Model::default();
-    for _ in 0..POOLS {
+    for i in 0..POOLS {
         let mut config = ActivationConfig::new(POOL_BYTES);
-        config.strict = Some(true);
+        // The last pool falls back to the backend when full, as a serve()
+        // or engine tier does: its blocks past the region go home by address.
+        config.strict = Some(i + 1 < POOLS);
         let pool = ActivationPool::new(&fb, &config, Arc::new(NoStreams)).unwrap();
         m.spans.push((pool.base(), pool.capacity()));
         m.ids.push(pool.id());
@@ -230,11 +235,21 @@ fn steps(
                     None => m.slot,
                 };
                 let ooms = count("ooms");
+                let held = activations_live(fb);
                 let addr = hooks::malloc(bytes, 0, 0);
                 match target {
                     None => prop_assert_eq!(addr, 0, "nothing to route {} B to", bytes),
                     Some(_) if addr == 0 => {
                         prop_assert_eq!(count("ooms"), ooms + 1, "refused without an OOM")
+                    }
+                    Some(t) if m.owner(addr).is_none() => {
+                        // Past its region: only the pool that falls back.
+                        prop_assert!(t + 1 == POOLS, "pool {} is strict: nothing past it", t);
+                        if let Some(pool) = &m.held[t] {
+                            prop_assert_eq!(pool.requested_size(addr), Some(bytes));
+                        }
+                        m.fallbacks.push((addr, activations_live(fb) - held));
+                        m.live.push((addr, t));
                     }
                     Some(t) => {
                         prop_assert_eq!(m.owner(addr), Some(t), "landed outside pool {}", t);
@@ -247,6 +262,7 @@ fn steps(
                     continue;
                 }
                 let (addr, p) = m.live.swap_remove(k % m.live.len());
+                m.fallbacks.retain(|&(a, _)| a != addr);
                 if matches!(op, Op::Free(_)) {
                     hooks::free(addr, None, 0, 0);
                 } else {
@@ -275,9 +291,10 @@ fn steps(
             }
         }
         let reachable = (0..POOLS).filter(|&i| m.reachable(i)).count() as u64;
+        let past: u64 = m.fallbacks.iter().map(|&(_, n)| n).sum();
         prop_assert_eq!(
             activations_live(fb),
-            reachable * POOL_BYTES,
+            reachable * POOL_BYTES + past,
             "memory held after {:?}: reachable pools {}",
             op,
             reachable

@@ -246,6 +246,9 @@ impl ActivationPool {
                 stream,
             },
         );
+        inner
+            .fallbacks
+            .store(core.fallback.len(), Ordering::Release);
         let c = &mut core.c;
         c.fallbacks_total += 1;
         c.fallback_bytes_total += need;
@@ -318,6 +321,9 @@ impl ActivationPool {
             core.c.refused_frees += 1;
             return Err(RefusedFree::Foreign);
         };
+        inner
+            .fallbacks
+            .store(core.fallback.len(), Ordering::Release);
         let size = fb.region.len() as u64;
         let c = &mut core.c;
         c.fallback_bytes -= size;

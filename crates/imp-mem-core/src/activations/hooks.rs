@@ -664,7 +664,9 @@ fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool
     // A fallback block lies outside the region: its address is a key.
     let entry = retired()
         .iter()
-        .find(|r| r.pool.contains(ptr) || r.pool.requested_size(ptr).is_some())
+        .find(|r| {
+            r.pool.contains(ptr) || (r.pool.has_fallbacks() && r.pool.requested_size(ptr).is_some())
+        })
         .cloned();
     let Some(entry) = entry else {
         return false;
@@ -757,9 +759,20 @@ fn allocated(result: Result<usize, MemError>) -> usize {
     }
 }
 
-/// Frees `ptr` in the region that holds it; false if none does.
+/// Frees `ptr` in the region that holds it (inside its range, or one of
+/// its fallback blocks outside it); false if none does.
 fn region_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool {
-    let entry = regions().iter().find(|r| r.pool.contains(ptr)).cloned();
+    let entry = {
+        let all = regions();
+        let owns = |r: &&Arc<RegionEntry>| r.pool.contains(ptr);
+        // A fallback block lies outside the region: its address is a key.
+        let falls_back =
+            |r: &&Arc<RegionEntry>| r.pool.has_fallbacks() && r.pool.requested_size(ptr).is_some();
+        all.iter()
+            .find(owns)
+            .or_else(|| all.iter().find(falls_back))
+            .cloned()
+    };
     let Some(entry) = entry else {
         return false;
     };

@@ -110,6 +110,16 @@ impl ActivationPool {
         if core.c.parked_blocks != parked {
             return bad("parked counter disagrees".into());
         }
+        let told = self
+            .inner
+            .fallbacks
+            .load(std::sync::atomic::Ordering::Acquire);
+        if told != core.fallback.len() {
+            return bad(format!(
+                "fallback count {told} != {} fallback blocks",
+                core.fallback.len()
+            ));
+        }
         let fb: u64 = core.fallback.values().map(|f| f.region.len() as u64).sum();
         if fb != core.c.fallback_bytes {
             return bad(format!(

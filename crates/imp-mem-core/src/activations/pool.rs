@@ -35,6 +35,10 @@ pub(super) struct Inner {
     /// Whether a pass is being recorded (`plan.rs`): read without the lock
     /// on every allocation and free, set under it.
     pub(super) recording: std::sync::atomic::AtomicBool,
+    /// Live fallback blocks (outside the region), stored under the state
+    /// lock: a free of an address outside every region asks only the pools
+    /// that have some.
+    pub(super) fallbacks: std::sync::atomic::AtomicUsize,
     state: Mutex<Core>,
     /// The host copy of a sleep that keeps the live bytes (`pause.rs`).
     pub(super) backup: Mutex<super::pause::Backup>,
@@ -177,6 +181,7 @@ impl ActivationPool {
                 backend: backend.clone(),
                 order,
                 recording: std::sync::atomic::AtomicBool::new(false),
+                fallbacks: std::sync::atomic::AtomicUsize::new(0),
                 state: Mutex::new(core),
                 backup: Mutex::default(),
                 region: Mutex::new(region),
@@ -392,6 +397,13 @@ impl ActivationPool {
         core.measuring = false;
         core.frozen = Some(frozen);
         Ok(frozen)
+    }
+
+    /// Whether blocks of this pool live outside its region (production-mode
+    /// fallbacks): where none does, an address outside the region is not
+    /// this pool's, known without the lock.
+    pub fn has_fallbacks(&self) -> bool {
+        self.inner.fallbacks.load(Ordering::Acquire) > 0
     }
 
     /// Whether `addr` lies inside the region.
