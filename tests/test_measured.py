@@ -510,3 +510,37 @@ def test_processes_writing_the_cache_at_once_lose_nothing(tmp_path):
     reserve_cache = tmp_path / "reserve.json"
     _writers(reserve_cache, "reserve", 4, 12)
     assert len(json.loads(reserve_cache.read_text())["entries"]) == 48
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning_not_a_failed_start(tmp_path, monkeypatch):
+    """The caches only save the next start a measurement: a read-only or
+    broken cache folder (a container's home) warns and serves on."""
+    from imp_mem import reserve
+    from imp_mem.engine import warmup
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    fb = imp_mem.FakeBackend(capacity=256 * MIB, granularity=GRANULE)
+    served = torch_mod.serve(
+        backend=fb, chunk=CHUNK, fingerprint="m", cache_path=blocked / "measured.json"
+    )
+    ptr = served.activations.allocate(CHUNK)
+    with pytest.warns(imp_mem.ImpMemWarning, match="not remembered"):
+        served.begin_serving()
+    assert served.remembered is None and served.system.phase == imp_mem.Phase.SERVING
+    served.activations.free(ptr)
+    served.close()
+    with pytest.warns(imp_mem.ImpMemWarning, match="not remembered"):
+        warmup.store({"model": "m"}, {"torch": 1, "modules": 2}, path=blocked / "warmup.json")
+    monkeypatch.setattr(
+        reserve, "measure", lambda samples: {"context_bytes": 1, "library_reserve_bytes": 2}
+    )
+    monkeypatch.setattr(
+        reserve,
+        "fingerprint",
+        lambda: {"gpu_name": "x", "driver_version": "1", "cuda_version": "1"},
+    )
+    with pytest.warns(imp_mem.ImpMemWarning, match="not remembered"):
+        with pytest.warns(imp_mem.ImpMemWarning, match="could not be read"):
+            got = reserve.load_or_measure(blocked / "reserve.json")
+    assert got["cached"] is False and got["library_reserve_bytes"] == 2

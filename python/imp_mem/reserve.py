@@ -36,10 +36,12 @@ import os
 import statistics
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from imp_mem import _core, _jsonfile
+from imp_mem.errors import ImpMemWarning, InvalidArgument
 
 __all__ = [
     "default_cache_path",
@@ -215,11 +217,29 @@ def load_or_measure(path: Path | str | None = None, samples: int = 5) -> dict[st
     """The cached charges for this fingerprint, measuring (and storing) them
     first on a miss."""
     fp = fingerprint()
-    hit = lookup(path, fp)
+    try:
+        hit = lookup(path, fp)
+    except InvalidArgument as exc:
+        # Unreadable or broken: measured again (and stored over it).
+        warnings.warn(
+            f"the library reserve's cache could not be read ({exc}); measuring it again",
+            ImpMemWarning,
+            stacklevel=2,
+        )
+        hit = None
     if hit is not None:
         return dict(hit, cached=True)
     measured = measure(samples)
-    store(measured, path, fp)
+    try:
+        store(measured, path, fp)
+    except (OSError, InvalidArgument) as exc:
+        # The cache only saves the next start a measurement.
+        warnings.warn(
+            f"the library reserve was measured but not remembered ({exc}); the next start "
+            "measures again. Set IMP_MEM_CACHE_DIR to a writable folder",
+            ImpMemWarning,
+            stacklevel=2,
+        )
     return dict(measured, cached=False, key=_core.reserve_fingerprint_key(fp))
 
 

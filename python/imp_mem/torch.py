@@ -709,9 +709,20 @@ class Served:
         self.system.begin_serving()
         if self.recalled is None and self.fingerprint is not None:
             for line in self.system.measured():
-                if line["state"] == "frozen":
+                if line["state"] != "frozen":
+                    continue
+                try:
                     self.remembered = _measured.remember(
                         self.fingerprint, line, line["tier"], self.cache_path
+                    )
+                except OSError as exc:
+                    # The cache only saves the next start a measurement.
+                    warnings.warn(
+                        f"imp_mem.torch: the measured figure was not remembered ({exc}); the "
+                        "next start measures again. Set IMP_MEM_CACHE_DIR (or cache_path=) to a "
+                        "writable folder",
+                        ImpMemWarning,
+                        stacklevel=2,
                     )
 
     def close(self) -> dict[str, Any]:

@@ -53,6 +53,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +153,17 @@ def store(fp: dict[str, Any], measured: dict[str, int], path: Path | None = None
         entries[_key(fp)] = figures
         return entries
 
-    _jsonfile.update(path or cache_path(), change, prefix=".warmup-")
+    target = path or cache_path()
+    try:
+        _jsonfile.update(target, change, prefix=".warmup-")
+    except OSError as exc:
+        # The cache only saves the next boot a measurement.
+        warnings.warn(
+            f"the warm-up's figures were not remembered at {target} ({exc}); the next boot "
+            "measures again. Set IMP_MEM_WARMUP_CACHE (or IMP_MEM_CACHE_DIR) to a writable path",
+            imp_mem.ImpMemWarning,
+            stacklevel=2,
+        )
 
 
 def total(measured: dict[str, int] | None) -> int:
