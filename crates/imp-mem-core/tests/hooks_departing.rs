@@ -218,3 +218,72 @@ fn a_regions_fallback_block_goes_home_by_its_address() {
     assert!(hooks::remove_region(region.id()));
     assert!(hooks::uninstall());
 }
+
+#[test]
+fn threads_allocating_while_pools_are_swapped_lose_no_free_and_no_pool() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let pools: Vec<ActivationPool> = (0..3).map(|_| open(&fb)).collect();
+    let misrouted = || {
+        (
+            count("foreign_frees"),
+            count("double_frees"),
+            count("free_not_installed"),
+        )
+    };
+    let before = misrouted();
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let p = hooks::malloc(512 * (1 + (i + w) % 8), 0, 0);
+                    if p != 0 {
+                        held.push(p);
+                    }
+                    // Frees lag the mallocs, so blocks outlive the pool
+                    // they came from.
+                    if held.len() > 6 {
+                        hooks::free(held.remove(0), None, 0, 0);
+                    }
+                }
+                for p in held {
+                    hooks::free(p, None, 0, 0);
+                }
+            })
+        })
+        .collect();
+    for round in 0..3000u64 {
+        match round % 7 {
+            0 | 3 => {
+                hooks::uninstall();
+            }
+            _ => hooks::install(pools[(round % 3) as usize].clone(), 0, None),
+        }
+        if round % 11 == 0 {
+            std::thread::yield_now();
+        }
+    }
+    hooks::uninstall();
+    drop(pools);
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert_eq!(misrouted(), before, "a free missed its pool");
+    assert!(
+        hooks::retired_pool_ids().is_empty(),
+        "a pool kept after its last block"
+    );
+    assert_eq!(
+        activations_live(&fb),
+        0,
+        "a pool outlived every handle and block"
+    );
+}

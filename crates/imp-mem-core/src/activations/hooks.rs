@@ -30,10 +30,15 @@
 //! thread's copy of the slot may still place a block in it, and a free of
 //! its block must never meet a gap where nothing knows it (found as a
 //! foreign pointer, the block would stay live and the pool held for the
-//! process's life). It leaves the list once the hooks' last handle to it
+//! process's life). It leaves the list once every departed handle to it
 //! has gone (`Drop for Installed`, `Drop for RegionEntry`: a block another
-//! thread's call was still placing then counts too) and no block of it is
-//! live. A T1 arena
+//! thread's call was still placing then counts too; tracked by handle
+//! serial, so an old copy going cannot stand for a newer departure) and no
+//! block of it is live. A free looks at the retired list first, then the
+//! regions, then the slot, and looks again while installs move the slot
+//! under it (a pool can go from the slot to the list, or back, between
+//! two of those looks): a miss is counted only when the slot held still
+//! across a whole look. A T1 arena
 //! that leaves the hooks while takes of the weights route are live (the
 //! model's tensors) is kept the same way until the last is freed.
 //!
@@ -79,6 +84,8 @@ impl Route {
 struct Installed {
     pool: ActivationPool,
     device: i32,
+    /// This handle's serial (`depart`, `departed`).
+    serial: u64,
     /// The device's capacity: a request above it is absurd, whatever the
     /// mode.
     device_capacity: u64,
@@ -100,7 +107,7 @@ struct WeightTakes {
 /// thread was finishing on it then is counted too.
 impl Drop for Installed {
     fn drop(&mut self) {
-        departed(&self.pool, self.device);
+        departed(&self.pool, self.device, self.serial);
         if let Some(w) = self.weights.take() {
             let gone = {
                 let mut all = retired_weights();
@@ -356,13 +363,14 @@ pub fn install(pool: ActivationPool, device: i32, weights: Option<SharedArena>) 
         let new = Installed {
             pool,
             device,
+            serial: next_serial(),
             device_capacity,
             weights,
         };
         if let Some(o) = slot.as_ref() {
-            if o.pool.id() != id {
-                depart(&o.pool, o.device);
-            }
+            // The same pool installed again departs too: another thread's
+            // call still running on the old handle may place a block.
+            depart(&o.pool, o.device, o.serial);
             if let Some(ow) = o.weights.as_ref() {
                 let kept = new.weights.as_ref().is_some_and(|w| Arc::ptr_eq(w, ow));
                 if !kept {
@@ -391,7 +399,7 @@ pub fn uninstall() -> bool {
     let old = {
         let mut slot = SLOT.write().unwrap_or_else(|p| p.into_inner());
         if let Some(o) = slot.as_ref() {
-            depart(&o.pool, o.device);
+            depart(&o.pool, o.device, o.serial);
             if let Some(ow) = o.weights.as_ref() {
                 depart_weights(ow);
             }
@@ -427,13 +435,14 @@ pub fn route() -> Route {
 struct RegionEntry {
     pool: ActivationPool,
     device: i32,
+    serial: u64,
 }
 
 /// A region's last handle goes (removed, and no call still on it): kept
 /// on the retired list while blocks of it are live.
 impl Drop for RegionEntry {
     fn drop(&mut self) {
-        departed(&self.pool, self.device);
+        departed(&self.pool, self.device, self.serial);
     }
 }
 
@@ -458,7 +467,11 @@ pub fn add_region(pool: ActivationPool, device: i32) {
     let replaced: Vec<Arc<RegionEntry>> = {
         let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
         let gone = take_where(&mut all, |r| r.pool.id() == id);
-        all.push(Arc::new(RegionEntry { pool, device }));
+        all.push(Arc::new(RegionEntry {
+            pool,
+            device,
+            serial: next_serial(),
+        }));
         REGION_COUNT.store(all.len(), Ordering::Release);
         gone
     };
@@ -477,7 +490,7 @@ pub fn remove_region(pool_id: u64) -> bool {
     let removed: Vec<Arc<RegionEntry>> = {
         let mut all = REGIONS.write().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = all.iter().find(|r| r.pool.id() == pool_id) {
-            depart(&r.pool, r.device);
+            depart(&r.pool, r.device, r.serial);
         }
         let gone = take_where(&mut all, |r| r.pool.id() == pool_id);
         REGION_COUNT.store(all.len(), Ordering::Release);
@@ -500,10 +513,26 @@ fn take_where<T>(all: &mut Vec<T>, matches: impl Fn(&T) -> bool) -> Vec<T> {
 struct Retiree {
     pool: ActivationPool,
     device: i32,
-    /// The hooks' handles to it that have left the slot or the regions and
-    /// are not dropped yet (a thread's copy of the slot may hold one): while
-    /// any is, a block may still be placed in the pool, so it stays listed.
-    departing: AtomicUsize,
+    /// The serials of the hooks' handles to it that have left the slot or
+    /// the regions and are not dropped yet (a thread's copy of the slot may
+    /// hold one): while any is, a block may still be placed in the pool, so
+    /// it stays listed. By serial, not a count: a copy of an older handle
+    /// (the pool installed, replaced and installed again) going must not
+    /// take a newer departure's place.
+    departing: Mutex<Vec<u64>>,
+}
+
+impl Retiree {
+    fn departing(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+        self.departing.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Serials of the hooks' handles (`Installed`, `RegionEntry`).
+static SERIALS: AtomicU64 = AtomicU64::new(1);
+
+fn next_serial() -> u64 {
+    SERIALS.fetch_add(1, Ordering::Relaxed)
 }
 
 /// The retired pools.
@@ -515,31 +544,29 @@ fn retired() -> RwLockReadGuard<'static, Vec<Arc<Retiree>>> {
     RETIRED.read().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Lists `pool` as leaving the hooks, before the slot or the regions let
-/// go of it (called under their write lock): from here a free of its
-/// address finds it on the retired list, whatever any thread's copy of the
-/// slot says.
-fn depart(pool: &ActivationPool, device: i32) {
+/// Lists `pool` as leaving the hooks through handle `serial`, before the
+/// slot or the regions let go of it (called under their write lock): from
+/// here a free of its address finds it on the retired list, whatever any
+/// thread's copy of the slot says.
+fn depart(pool: &ActivationPool, device: i32, serial: u64) {
     let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
     match all.iter().find(|r| r.pool.id() == pool.id()) {
-        Some(r) => {
-            r.departing.fetch_add(1, Ordering::AcqRel);
-        }
+        Some(r) => r.departing().push(serial),
         None => {
             all.push(Arc::new(Retiree {
                 pool: pool.clone(),
                 device,
-                departing: AtomicUsize::new(1),
+                departing: Mutex::new(vec![serial]),
             }));
             RETIRED_COUNT.store(all.len(), Ordering::Release);
         }
     }
 }
 
-/// A handle of the hooks to `pool` is gone (the last copy of an installed
-/// one, or a removed region's): the pool stays on the retired list while
-/// blocks of it are live, unless it serves the hooks again.
-fn departed(pool: &ActivationPool, device: i32) {
+/// The hooks' handle `serial` to `pool` is gone (the last copy of an
+/// installed one, or a removed region's): the pool stays on the retired
+/// list while another departed handle is left or blocks of it are live.
+fn departed(pool: &ActivationPool, device: i32, serial: u64) {
     let id = pool.id();
     let serving = installed_pool_id() == Some(id) || regions().iter().any(|r| r.pool.id() == id);
     let gone = {
@@ -549,21 +576,25 @@ fn departed(pool: &ActivationPool, device: i32) {
         let live = pool.stats().live;
         let gone = match all.iter().position(|r| r.pool.id() == id) {
             Some(i) => {
-                let r = &all[i];
-                let left = r.departing.load(Ordering::Acquire).saturating_sub(1);
-                r.departing.store(left, Ordering::Release);
-                if left == 0 && (live == 0 || serving) {
-                    Some(all.remove(i))
-                } else {
-                    None
-                }
+                let left = {
+                    let mut departing = all[i].departing();
+                    departing.retain(|&s| s != serial);
+                    departing.len()
+                };
+                // Not "or serving": that was read before this lock, and the
+                // pool may have left the slot again since (listed under a
+                // handle that has gone meanwhile). A pool that serves and is
+                // still listed sees its frees here first (`left_pool_free`
+                // looks at this list before the regions and the slot) and
+                // leaves the list with its last block.
+                (left == 0 && live == 0).then(|| all.remove(i))
             }
             None => {
                 if live > 0 && !serving {
                     all.push(Arc::new(Retiree {
                         pool: pool.clone(),
                         device,
-                        departing: AtomicUsize::new(0),
+                        departing: Mutex::new(Vec::new()),
                     }));
                 }
                 None
@@ -588,13 +619,18 @@ fn depart_weights(w: &Arc<WeightTakes>) {
     }
 }
 
-/// Takes pool `pool_id` off the retired list (it serves the hooks again).
+/// Takes pool `pool_id` off the retired list (it serves the hooks again),
+/// unless a departed handle of it is still held somewhere: that entry goes
+/// when the last such handle does (`departed`, which then sees the pool
+/// serving).
 fn unretire(pool_id: u64) -> Vec<Arc<Retiree>> {
     if RETIRED_COUNT.load(Ordering::Relaxed) == 0 {
         return Vec::new();
     }
     let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
-    let gone = take_where(&mut all, |r| r.pool.id() == pool_id);
+    let gone = take_where(&mut all, |r| {
+        r.pool.id() == pool_id && r.departing().is_empty()
+    });
     RETIRED_COUNT.store(all.len(), Ordering::Release);
     gone
 }
@@ -679,9 +715,7 @@ fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool
         let gone = {
             let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
             let gone = take_where(&mut all, |r| {
-                r.pool.id() == id
-                    && r.departing.load(Ordering::Acquire) == 0
-                    && r.pool.stats().live == 0
+                r.pool.id() == id && r.departing().is_empty() && r.pool.stats().live == 0
             });
             RETIRED_COUNT.store(all.len(), Ordering::Release);
             gone
@@ -892,26 +926,63 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
         bump(C::null_frees);
         return;
     }
-    if REGION_COUNT.load(Ordering::Relaxed) > 0 && region_free(ptr, size, device, stream) {
-        return;
+    // The block's pool may move while we look: from the slot to the
+    // retired list (listed before the slot changes, `depart`: a second look
+    // at the lists finds it), or back into the slot (taken off the list as
+    // it is installed again: another look at the slot finds it). A miss is
+    // counted only when the slot held still across a whole look.
+    let mut missed = C::foreign_frees;
+    for _ in 0..FREE_LOOKS {
+        let generation = GENERATION.load(Ordering::Acquire);
+        if left_pool_free(ptr, size, device, stream) {
+            return;
+        }
+        match with_installed(|inst| free_on(inst, ptr, size, device, stream)) {
+            None => return,
+            Some(miss) => missed = miss,
+        }
+        if left_pool_free(ptr, size, device, stream) {
+            return;
+        }
+        if GENERATION.load(Ordering::Acquire) == generation {
+            break;
+        }
     }
-    if RETIRED_COUNT.load(Ordering::Relaxed) > 0 && retired_free(ptr, size, device, stream) {
-        return;
-    }
-    if RETIRED_WEIGHTS_COUNT.load(Ordering::Relaxed) > 0 && retired_weights_free(ptr) {
-        return;
-    }
-    with_installed(|inst| free_on(inst, ptr, size, device, stream));
+    bump(missed);
 }
 
-fn free_on(inst: Option<&Installed>, ptr: usize, size: Option<i64>, device: i32, stream: u64) {
+/// How many times a free looks for its pool while installs keep moving the
+/// slot (each look is a few loads and, when something is listed, a short
+/// scan).
+const FREE_LOOKS: usize = 8;
+
+/// Frees `ptr` in a region or a pool or arena that left the hooks; false
+/// if none of them holds it.
+fn left_pool_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool {
+    // The retired list first: a pool listed there that also serves (a
+    // region again) must see its frees there, or the entry would never see
+    // its last block and hold the pool for good.
+    (RETIRED_COUNT.load(Ordering::Acquire) > 0 && retired_free(ptr, size, device, stream))
+        || (REGION_COUNT.load(Ordering::Acquire) > 0 && region_free(ptr, size, device, stream))
+        || (RETIRED_WEIGHTS_COUNT.load(Ordering::Acquire) > 0 && retired_weights_free(ptr))
+}
+
+/// Frees `ptr` in the installed pool (or records a T1 take's free);
+/// `Some(counter)` when neither holds it, the miss to count if nothing
+/// else does.
+fn free_on(
+    inst: Option<&Installed>,
+    ptr: usize,
+    size: Option<i64>,
+    device: i32,
+    stream: u64,
+) -> Option<C> {
     let Some(inst) = inst else {
-        bump(C::free_not_installed);
-        return;
+        return Some(C::free_not_installed);
     };
     if device != inst.device {
         bump(C::wrong_device);
-        return;
+        return None;
     }
     match inst.pool.try_free(ptr, stream) {
         Ok(freed) => counted_free(freed.requested, size),
@@ -922,12 +993,13 @@ fn free_on(inst: Option<&Installed>, ptr: usize, size: Option<i64>, device: i32,
                     bump(C::stranded_frees);
                     add(C::stranded_bytes, bytes);
                 }
-                None => bump(C::foreign_frees),
+                None => return Some(C::foreign_frees),
             }
         }
         Err(RefusedFree::NotLive) => bump(C::double_frees),
         Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
     }
+    None
 }
 
 #[cfg(test)]
