@@ -620,9 +620,9 @@ fn depart_weights(w: &Arc<WeightTakes>) {
 }
 
 /// Takes pool `pool_id` off the retired list (it serves the hooks again),
-/// unless a departed handle of it is still held somewhere: that entry goes
-/// when the last such handle does (`departed`, which then sees the pool
-/// serving).
+/// unless a departed handle of it is still held somewhere: that entry stays
+/// until such handles are gone and its last block is freed through it (the
+/// list is looked at before the slot and the regions, so it sees them).
 fn unretire(pool_id: u64) -> Vec<Arc<Retiree>> {
     if RETIRED_COUNT.load(Ordering::Relaxed) == 0 {
         return Vec::new();
