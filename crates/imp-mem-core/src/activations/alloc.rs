@@ -315,6 +315,7 @@ impl ActivationPool {
                 requested: b.requested,
                 alloc_stream: b.stream,
                 fallback: false,
+                live_after: c.live,
             });
         }
         let Some(fb) = core.fallback.remove(&(addr as u64)) else {
@@ -331,12 +332,14 @@ impl ActivationPool {
         c.live -= 1;
         c.frees_total += 1;
         c.freed_bytes_total += size;
+        let live_after = c.live;
         drop(core);
         let freed = Freed {
             size,
             requested: fb.requested,
             alloc_stream: fb.stream,
             fallback: true,
+            live_after,
         };
         // The release unmaps at once (a VMM backend's does not wait for the
         // device as cuMemFree does): first wait for the work queued on the

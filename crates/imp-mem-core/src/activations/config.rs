@@ -142,6 +142,8 @@ pub struct Freed {
     pub alloc_stream: u64,
     /// Whether it was a fallback region (now released to the backend).
     pub fallback: bool,
+    /// The pool's live blocks after this free (read under the same lock).
+    pub live_after: u64,
 }
 
 /// Why a free was refused. Nothing changed.

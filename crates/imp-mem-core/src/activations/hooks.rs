@@ -707,10 +707,12 @@ fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool
     let Some(entry) = entry else {
         return false;
     };
-    if pool_free(&entry.pool, entry.device, ptr, size, device, stream) {
+    let live_after = pool_free(&entry.pool, entry.device, ptr, size, device, stream);
+    if live_after.is_some() {
         bump(C::retired_frees);
     }
-    if entry.pool.stats().live == 0 {
+    // Its last block: the entry may go (judged again under the list's lock).
+    if live_after == Some(0) {
         let id = entry.pool.id();
         let gone = {
             let mut all = RETIRED.write().unwrap_or_else(|p| p.into_inner());
@@ -814,8 +816,8 @@ fn region_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool 
     true
 }
 
-/// Frees `ptr` in `pool` (of device `owner`), counting the outcome; true
-/// if freed.
+/// Frees `ptr` in `pool` (of device `owner`), counting the outcome; the
+/// pool's live blocks after the free, or None if nothing was freed.
 fn pool_free(
     pool: &ActivationPool,
     owner: i32,
@@ -823,21 +825,21 @@ fn pool_free(
     size: Option<i64>,
     device: i32,
     stream: u64,
-) -> bool {
+) -> Option<u64> {
     if device != owner {
         bump(C::wrong_device);
-        return false;
+        return None;
     }
     match pool.try_free(ptr, stream) {
         Ok(freed) => {
             counted_free(freed.requested, size);
-            return true;
+            return Some(freed.live_after);
         }
         Err(RefusedFree::Foreign) => bump(C::foreign_frees),
         Err(RefusedFree::NotLive) => bump(C::double_frees),
         Err(RefusedFree::ReservedStream) => bump(C::bad_stream_frees),
     }
-    false
+    None
 }
 
 fn counted_free(requested: u64, size: Option<i64>) {
