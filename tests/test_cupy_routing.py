@@ -22,17 +22,28 @@ MIB = 1 << 20
 def _stand_in_cupy() -> types.ModuleType:
     lib = ctypes.CDLL(_core.hook_library_path())
 
+    class Memory:
+        """CuPy's MemoryPointer, enough of it: frees through the allocator's
+        free function with the allocator's param, as CuPy does."""
+
+        def __init__(self, ptr, free, param):
+            self.ptr, self._free, self._param = ptr, free, param
+
+        def free(self):
+            self._free(self._param, self.ptr, 0)
+
     class CFunctionAllocator:
         def __init__(self, param, malloc_func, free_func, owner):
-            proto = ctypes.CFUNCTYPE(
+            malloc = ctypes.CFUNCTYPE(
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
             )
+            free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
             self.param, self.owner = param, owner
-            self._malloc = proto(malloc_func)
-            self.free_func = free_func
+            self._malloc, self._free = malloc(malloc_func), free(free_func)
 
         def malloc(self, size):
-            return self._malloc(self.param, size, 0)
+            ptr = self._malloc(self.param, size, 0)
+            return Memory(ptr, self._free, self.param) if ptr else None
 
     state = {"allocator": None}
 
@@ -71,11 +82,6 @@ def imc(monkeypatch):
         delattr(imp_mem, "cupy")
 
 
-def _cupy_free():
-    address = _core.hook_addresses()[_core.CUPY_FREE_SYMBOL]
-    return ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(address)
-
-
 def test_cupy_keeps_to_its_tier_beside_an_installed_one(imc):
     fake = imp_mem.FakeBackend(capacity=64 * MIB)
     torch_tier = imp_mem.ActivationPool(fake, MIB)
@@ -87,14 +93,19 @@ def test_cupy_keeps_to_its_tier_beside_an_installed_one(imc):
         with imc.use_pool(cupy_tier) as inner:  # nested: one region, two users
             blocks.append(inner(512))
         blocks.append(malloc(512))  # the inner block's end left the region
-        assert all(cupy_tier.size_of(p) for p in blocks), "a CuPy block left its tier"
+        assert all(cupy_tier.size_of(m.ptr) for m in blocks), "a CuPy block left its tier"
+        # Freed and taken again on the stream it was taken on: no order
+        # between streams (CuPy passes the allocator's param, the pool id,
+        # to the free too; taken as a stream, the block went to another lane).
+        blocks.pop().free()
+        blocks.append(malloc(512))
+        assert cupy_tier.stats()["cross_stream_reuses"] == 0
     assert torch_tier.installed and torch_tier.stats()["live"] == 0
     # The last block's end took the region out; its live blocks keep the
     # tier (retired) and their frees still reach it.
     assert _core.hook_stats()["retired_pools"] == retired + 1
-    free = _cupy_free()
-    for p in blocks:
-        free(None, p, 0)
+    for m in blocks:
+        m.free()
     stats = _core.hook_stats()
     assert cupy_tier.stats()["live"] == 0
     assert stats["foreign_frees"] == foreign and stats["retired_pools"] == retired
@@ -106,8 +117,8 @@ def test_an_allocator_made_outside_a_scope_holds_its_region(imc):
     malloc = imc.allocator(tier)
     with imc.use_pool(tier):
         pass
-    p = malloc(1000)  # still a region: the allocator's user is left
-    assert tier.size_of(p) == 1000
-    _cupy_free()(None, p, 0)
+    m = malloc(1000)  # still a region: the allocator's user is left
+    assert tier.size_of(m.ptr) == 1000
+    m.free()
     assert not tier.installed, "CuPy never takes the hooks' installed slot"
     imc._done_with_region(tier)

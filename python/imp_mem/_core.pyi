@@ -770,6 +770,10 @@ CUPY_REGION_MALLOC_SYMBOL: str
 """``imp_mem_cupy_region_malloc``: ``void* (void* param, size_t size, int device)``; param:
 the id of a pool added as a hook region (``add_hook_region``), which serves the block
 whatever is installed."""
+CUPY_REGION_FREE_SYMBOL: str
+"""``imp_mem_cupy_region_free``: ``void (void* param, void* ptr, int device)``; the free of
+``imp_mem_cupy_region_malloc``'s blocks (param: the pool id, as CuPy passes the same param
+to both; the legacy default stream, as at the malloc)."""
 
 def hook_stats() -> dict[str, Any]:
     """The C hooks' counters, plus ``installed`` and ``route`` (the calling thread's). Calls:

@@ -3,7 +3,7 @@
 The same activations tier (T4a) that :mod:`imp_mem.torch` routes torch to,
 reached by CuPy through ``cupy.cuda.memory.CFunctionAllocator`` over C entry
 points exported from imp-mem's own extension module
-(``imp_mem_cupy_region_malloc`` / ``imp_mem_cupy_free``): no Python runs on an
+(``imp_mem_cupy_region_malloc`` / ``imp_mem_cupy_region_free``): no Python runs on an
 allocation. The tier is a *region* of the allocator hooks, named in each
 call, so CuPy keeps to its tier whatever torch's side has installed (the
 hooks' one installed pool is torch's: CuPy taking it sent torch's
@@ -44,6 +44,7 @@ from imp_mem.errors import InvalidArgument
 __all__ = [
     "FREE_SYMBOL",
     "MALLOC_SYMBOL",
+    "REGION_FREE_SYMBOL",
     "REGION_MALLOC_SYMBOL",
     "allocator",
     "install",
@@ -53,6 +54,7 @@ __all__ = [
 MALLOC_SYMBOL = "imp_mem_cupy_malloc"
 FREE_SYMBOL = "imp_mem_cupy_free"
 REGION_MALLOC_SYMBOL = "imp_mem_cupy_region_malloc"
+REGION_FREE_SYMBOL = "imp_mem_cupy_region_free"
 
 # Users of each tier's hook region: allocators made outside a scope hold it
 # for the process; a use_pool block, for the block.
@@ -102,7 +104,7 @@ def _done_with_region(activations: Any) -> None:
 
 def _malloc(activations: Any, cached: bool) -> Any:
     alloc = cupy.cuda.memory.CFunctionAllocator(
-        activations.id, _symbol(REGION_MALLOC_SYMBOL), _symbol(FREE_SYMBOL), activations
+        activations.id, _symbol(REGION_MALLOC_SYMBOL), _symbol(REGION_FREE_SYMBOL), activations
     )
     if cached:
         return cupy.cuda.MemoryPool(alloc.malloc).malloc

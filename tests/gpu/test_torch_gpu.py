@@ -368,6 +368,44 @@ def test_cupy_allocates_through_the_tier(system):
     acts.check_invariants()
 
 
+def test_cupy_and_a_torch_pool_over_other_tiers_keep_apart(system):
+    """CuPy names its tier in each call (a hook region): a torch Pool's tier
+    holding the hooks' slot keeps torch's tensors, CuPy's arrays stay in
+    CuPy's tier, and neither takes the other's (session 27; before, CuPy
+    took the slot and torch's next tensors went to CuPy's tier)."""
+    cupy = pytest.importorskip("cupy")
+    import imp_mem.cupy as imc
+    import imp_mem.torch as imt
+
+    other = _system()
+    pool = imt.pool(system)
+
+    def inside(target, ptr):
+        act = target.activations
+        return act.base <= ptr < act.base + act.capacity
+
+    with pool.scope():
+        before = torch.ones(1 << 20, device="cuda")
+    with imc.use_pool(other):
+        arr = cupy.arange(1 << 20, dtype=cupy.float32)
+        with pool.scope():
+            during = torch.ones(1 << 20, device="cuda")
+    with pool.scope():
+        after = torch.ones(1 << 20, device="cuda")
+    assert inside(other, arr.data.ptr)
+    for t in (before, during, after):
+        assert inside(system, t.data_ptr()), "a torch tensor left its Pool's tier"
+    assert float(arr[7]) == 7.0 and float(during.sum()) == float(1 << 20)
+    # The block outlives the use_pool: its free still reaches CuPy's tier.
+    del arr
+    cupy.get_default_memory_pool().free_all_blocks()
+    torch.cuda.synchronize()
+    assert other.activations.memory_stats()["allocated_bytes.all.current"] == 0
+    del before, during, after
+    pool.close()
+    assert other.close()["still_held"] == {}
+
+
 def test_hf_generate_on_imp_mem_allocates_nothing_while_serving(tmp_path):
     keep = os.environ.get("IMP_MEM_GPU_OUT")
     out = Path(keep) / "bench_torch_hf.json" if keep else tmp_path / "hf.json"

@@ -10,11 +10,14 @@
 //!   interface carries no stream, so `param` is taken as the stream handle
 //!   (0, the legacy default stream, unless the caller builds one allocator
 //!   per stream).
-//! * `void* imp_mem_cupy_region_malloc(void* param, size_t size, int device)`:
+//! * `void* imp_mem_cupy_region_malloc(void* param, size_t size, int device)`
+//!   and `void imp_mem_cupy_region_free(void* param, void* ptr, int device)`:
 //!   `param` is the id of a pool added as a hook region, which the block
-//!   comes from whatever is installed (`imp_mem.cupy` uses it, so that CuPy
-//!   and torch in one process each keep to their own tier); its free is
-//!   `imp_mem_cupy_free`, which finds the region by address.
+//!   comes from whatever is installed (`imp_mem.cupy` uses them, so that
+//!   CuPy and torch in one process each keep to their own tier); both work
+//!   on the legacy default stream (CuPy passes the same `param` to both, so
+//!   it cannot be the stream here), and the free finds the region by
+//!   address.
 //!
 //! They route to one process-wide installed pool through
 //! `imp_mem_core::activations::hooks` (a generation check per call against
@@ -45,6 +48,8 @@ pub const CUPY_MALLOC: &str = "imp_mem_cupy_malloc";
 pub const CUPY_FREE: &str = "imp_mem_cupy_free";
 /// See [`TORCH_MALLOC`].
 pub const CUPY_REGION_MALLOC: &str = "imp_mem_cupy_region_malloc";
+/// See [`TORCH_MALLOC`].
+pub const CUPY_REGION_FREE: &str = "imp_mem_cupy_region_free";
 
 /// Runs `f`, counting a panic and returning `on_panic` instead.
 #[inline]
@@ -114,6 +119,14 @@ pub extern "C" fn imp_mem_cupy_region_malloc(
         routing::malloc_in(param as usize as u64, size as u64, device, 0)
     });
     addr as *mut c_void
+}
+
+/// CuPy `CFunctionAllocator` free for `imp_mem_cupy_region_malloc`'s
+/// blocks: `param` is the region's pool id, the stream the legacy default
+/// one, as at the malloc.
+#[no_mangle]
+pub extern "C" fn imp_mem_cupy_region_free(_param: *mut c_void, ptr: *mut c_void, device: c_int) {
+    guarded((), || routing::free(ptr as usize, None, device, 0));
 }
 
 /// CuPy `CFunctionAllocator` free; `param` is the stream.
@@ -235,6 +248,10 @@ fn hook_addresses(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         CUPY_REGION_MALLOC,
         imp_mem_cupy_region_malloc as *const () as usize,
     )?;
+    d.set_item(
+        CUPY_REGION_FREE,
+        imp_mem_cupy_region_free as *const () as usize,
+    )?;
     Ok(d)
 }
 
@@ -245,6 +262,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CUPY_MALLOC_SYMBOL", CUPY_MALLOC)?;
     m.add("CUPY_FREE_SYMBOL", CUPY_FREE)?;
     m.add("CUPY_REGION_MALLOC_SYMBOL", CUPY_REGION_MALLOC)?;
+    m.add("CUPY_REGION_FREE_SYMBOL", CUPY_REGION_FREE)?;
     m.add_function(wrap_pyfunction!(hook_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_hook_stats, m)?)?;
     m.add_function(wrap_pyfunction!(uninstall_hooks, m)?)?;
