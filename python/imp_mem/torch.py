@@ -351,8 +351,11 @@ class Pool:
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[Pool]:
-        """Routes torch's allocations in the block to T1 (the weights arena), in a
-        MemPool of its own that is dropped when the block ends, so loading
+        """Routes torch's allocations in the block (on this thread: the hooks'
+        weights route is per thread, as torch's MemPool scopes are, so another
+        thread's forward meanwhile stays in the activations) to T1 (the
+        weights arena), in a MemPool of its own that is dropped when the block
+        ends, so loading
         segments never serve activations. Segments freed after that (loading
         temporaries) cannot give their bytes back to a bump arena: the hooks
         count them as stranded (``hook_stats()["stranded_bytes"]``)."""
