@@ -266,12 +266,15 @@ fn steps(
                 if matches!(op, Op::Free(_)) {
                     hooks::free(addr, None, 0, 0);
                 } else {
+                    // A free found on the retired list or by its region
+                    // never reads the slot; only one reaching the installed
+                    // pool refreshes the worker's copy. Whether a pool is
+                    // listed is the hooks' own bookkeeping (a pool that left
+                    // a region stays listed while blocks of it are live, even
+                    // while it is installed), so it is read, not modelled.
+                    let listed = hooks::retired_pool_ids().contains(&m.ids[p]);
                     call_worker(Ask::Free(addr));
-                    // A free found by its region or on the retired list
-                    // (any pool neither installed nor a region, its block
-                    // being live) never reads the slot; only one reaching
-                    // the installed pool refreshes the worker's copy.
-                    if m.slot == Some(p) && !m.regions.contains(&p) {
+                    if !listed && !m.regions.contains(&p) {
                         m.worker_copy = m.slot;
                     }
                 }
