@@ -332,15 +332,8 @@ class Pool:
         a capture into this Pool's MemPool run outside its scope needs it.
         Nested in a :func:`region` scope, the Pool's tier still wins."""
         self._check_open()
-        stack = _region_stack()
-        route = self.activations if self._region else None
-        stack.append(route)
-        _core.set_hook_region(route)
-        try:
+        with _hook_region(self.activations if self._region else None):
             yield self
-        finally:
-            stack.pop()
-            _core.set_hook_region(stack[-1] if stack else None)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[Pool]:
@@ -1213,15 +1206,11 @@ class Region:
                     "device here"
                 )
             self.mempool = torch.cuda.MemPool(pluggable_allocator().allocator())
-        stack = _region_stack()
-        stack.append(self.activations)
-        _core.set_hook_region(self.activations)
-        try:
-            with torch.cuda.use_mem_pool(self.mempool, device=self.device):
-                yield self
-        finally:
-            stack.pop()
-            _core.set_hook_region(stack[-1] if stack else None)
+        with (
+            _hook_region(self.activations),
+            torch.cuda.use_mem_pool(self.mempool, device=self.device),
+        ):
+            yield self
 
     def freeze(self, margin: Any = 0) -> dict[str, int]:
         """A measured region (``measure_chunk=``): fixes it at its high-water
@@ -1259,6 +1248,21 @@ def _region_stack() -> list[Any]:
     if stack is None:
         stack = _thread_regions.stack = []
     return stack
+
+
+@contextlib.contextmanager
+def _hook_region(route: Any) -> Iterator[None]:
+    """This thread's hook mallocs go to ``route`` (an ActivationPool added as
+    a hook region; None: the installed pool) for the block, nested blocks
+    restoring the one outside them."""
+    stack = _region_stack()
+    stack.append(route)
+    _core.set_hook_region(route)
+    try:
+        yield
+    finally:
+        stack.pop()
+        _core.set_hook_region(stack[-1] if stack else None)
 
 
 def _check_tag(tag: Any) -> str:

@@ -129,11 +129,8 @@ def _key(fp: dict[str, Any]) -> str:
 def lookup(fp: dict[str, Any], path: Path | None = None) -> dict[str, int] | None:
     """The remembered figures for `fp` (``{"torch", "modules"}`` bytes), or
     None. A missing or unreadable cache is a miss."""
-    try:
-        entries = json.loads((path or cache_path()).read_text())
-        got = entries.get(_key(fp))
-    except (OSError, ValueError, AttributeError):
-        return None
+    entries = _jsonfile.read(path or cache_path())
+    got = entries.get(_key(fp)) if isinstance(entries, dict) else None
     if not isinstance(got, dict):
         return None
     try:
