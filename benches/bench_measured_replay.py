@@ -135,12 +135,14 @@ def run(tier, ops, live=None) -> int:
 
 
 def time_passes(tier, ops, n: int) -> list[float]:
-    """Host milliseconds of each of `n` more replays of `ops`."""
+    """Host milliseconds of each of `n` more replays of `ops`, to the
+    nanosecond: a small trace's pass takes microseconds, which a coarser
+    rounding would write as 0."""
     out = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         run(tier, ops)
-        out.append(round((time.perf_counter() - t0) * 1e3, 2))
+        out.append((time.perf_counter_ns() - t0) / 1e6)
     return out
 
 
