@@ -156,3 +156,53 @@ def test_captured_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         check(out, paged_decode_attention_reference(q2, kv, 1, tables2, positions2, window=256))
+
+
+@pytest.mark.parametrize("batch,max_ctx", [(1, 2048), (32, 1024), (128, 600)])
+@pytest.mark.parametrize("window", [None, 256])
+@pytest.mark.parametrize("splits,tile", [(1, 16), (1, 32), (2, 32), (3, 64)])
+def test_tma_loads_match_the_reference(batch, max_ctx, window, splits, tile):
+    """``loads="tma"`` (issue 25's probe: each page of a KV head one
+    descriptor box, one to four pages an iteration) on the H200's tensor
+    memory accelerator: holes, padding rows, a window, NaN outside every
+    context (masked K, zeroed V), both layers of the pool."""
+    from imp_mem.engine.model import _paged_kernel
+
+    q, kv, tables, positions = make_case(batch, max_ctx, holes=True, seed=batch + splits + tile)
+    for layer in (0, 1):
+        ref = paged_decode_attention_reference(q, kv, layer, tables, positions, window=window)
+        out = _paged_kernel.paged_decode(
+            q, kv, layer, tables, positions, window=window, scale=HEAD_DIM**-0.5,
+            splits=splits, tile=tile, loads="tma",
+        )  # fmt: skip
+        check(out, ref)
+
+
+def test_tma_loads_captured_in_a_cuda_graph():
+    """The host-side descriptor is a launch argument: a captured TMA call
+    replays over new positions, tables and pages written in place."""
+    from imp_mem.engine.model import _paged_kernel
+
+    q, kv, tables, positions = make_case(32, 512, holes=True, seed=19)
+    static_q, static_t, static_p = q.clone(), tables.clone(), positions.clone()
+
+    def call():
+        return _paged_kernel.paged_decode(
+            static_q, kv, 1, static_t, static_p, window=256, scale=HEAD_DIM**-0.5,
+            loads="tma",
+        )  # fmt: skip
+
+    call()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (20, 21):
+        q2, kv2, tables2, positions2 = make_case(32, 512, holes=True, seed=seed)
+        kv.copy_(kv2)
+        static_q.copy_(q2)
+        static_t.copy_(tables2)
+        static_p.copy_(positions2)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, paged_decode_attention_reference(q2, kv, 1, tables2, positions2, window=256))
