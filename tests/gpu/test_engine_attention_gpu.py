@@ -139,15 +139,11 @@ def test_pool_beyond_int32_elements():
     torch.cuda.empty_cache()
 
 
-def test_captured_in_a_cuda_graph():
-    q, kv, tables, positions = make_case(32, 512, holes=True, seed=9)
-    static_q, static_t, static_p = q.clone(), tables.clone(), positions.clone()
-    paged_decode_attention(static_q, kv, 1, static_t, static_p, window=256)  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_decode_attention(static_q, kv, 1, static_t, static_p, window=256)
-    for seed in (10, 11):
+def replay_over_new_cases(graph, out, kv, static_q, static_t, static_p, seeds):
+    """Writes each seed's case into the captured call's inputs in place
+    (pages, queries, tables, positions; 32 sequences of up to 512 tokens,
+    holes, layer 1, a 256-token window), replays, and checks the output."""
+    for seed in seeds:
         q2, kv2, tables2, positions2 = make_case(32, 512, holes=True, seed=seed)
         kv.copy_(kv2)
         static_q.copy_(q2)
@@ -156,6 +152,17 @@ def test_captured_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         check(out, paged_decode_attention_reference(q2, kv, 1, tables2, positions2, window=256))
+
+
+def test_captured_in_a_cuda_graph():
+    q, kv, tables, positions = make_case(32, 512, holes=True, seed=9)
+    static_q, static_t, static_p = q.clone(), tables.clone(), positions.clone()
+    paged_decode_attention(static_q, kv, 1, static_t, static_p, window=256)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(static_q, kv, 1, static_t, static_p, window=256)
+    replay_over_new_cases(graph, out, kv, static_q, static_t, static_p, (10, 11))
 
 
 @pytest.mark.parametrize("batch,max_ctx", [(1, 2048), (32, 1024), (128, 600)])
@@ -197,12 +204,4 @@ def test_tma_loads_captured_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call()
-    for seed in (20, 21):
-        q2, kv2, tables2, positions2 = make_case(32, 512, holes=True, seed=seed)
-        kv.copy_(kv2)
-        static_q.copy_(q2)
-        static_t.copy_(tables2)
-        static_p.copy_(positions2)
-        graph.replay()
-        torch.cuda.synchronize()
-        check(out, paged_decode_attention_reference(q2, kv, 1, tables2, positions2, window=256))
+    replay_over_new_cases(graph, out, kv, static_q, static_t, static_p, (20, 21))
