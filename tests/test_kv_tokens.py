@@ -145,7 +145,10 @@ class TestLists:
     def test_the_first_bad_id_is_named_with_numpys_message(self):
         for ids in ([1, 2, -3, -4], [5, 2**32, 7], [1, 2**63 - 1], [0, -(2**63)], [2**31 - 1, -1]):
             bad = next(v for v in ids if not 0 <= v <= U32_MAX)
-            refusal = (imp_mem.InvalidArgument, f"token id {bad} is outside 0..=4294967295")
+            refusal = (
+                imp_mem.InvalidArgument,
+                f"tokens: token id {bad} is outside 0..=4294967295 (ids are unsigned 32-bit)",
+            )
             assert outcome(kv().admit, 1, ids) == refusal
             assert outcome(kv().admit, 1, np.array(ids, np.int64)) == refusal
 
@@ -182,7 +185,7 @@ class TestLists:
     def test_an_earlier_bad_id_is_named_before_a_later_non_integer(self):
         assert outcome(lambda: kv().admit(1, [1, -5, 2.5])) == (
             imp_mem.InvalidArgument,
-            "token id -5 is outside 0..=4294967295",
+            "tokens: token id -5 is outside 0..=4294967295 (ids are unsigned 32-bit)",
         )
         assert outcome(lambda: kv().admit(1, [1, 2.5, -5]))[1].endswith("item 1 is a float")
 
@@ -225,7 +228,9 @@ class TestLists:
         for name, bad in refused.items():
             err = outcome(kv().admit, 1, bad)
             assert err[0] is imp_mem.InvalidArgument, name
-            assert err[1].startswith("token id ") and err[1].endswith(" is outside 0..=4294967295")
+            assert err[1].startswith("tokens: token id ") and err[1].endswith(
+                " is outside 0..=4294967295 (ids are unsigned 32-bit)"
+            )
 
     def test_index_errors_other_than_type_errors_pass_through(self):
         class Broken:
@@ -276,7 +281,7 @@ class TestLists:
         for tokens in ([1, 2, big], (big,)):
             assert outcome(kv().admit, 1, tokens) == (
                 imp_mem.InvalidArgument,
-                f"token id {named} is outside 0..=4294967295",
+                f"tokens: token id {named} is outside 0..=4294967295 (ids are unsigned 32-bit)",
             )
 
     def test_huge_lists_read_or_name_their_bad_id(self):
@@ -287,7 +292,7 @@ class TestLists:
         tokens[-1] = -1
         assert outcome(lambda: m.hash_blocks(tokens)) == (
             imp_mem.InvalidArgument,
-            "token id -1 is outside 0..=4294967295",
+            "tokens: token id -1 is outside 0..=4294967295 (ids are unsigned 32-bit)",
         )
         tokens[-1] = 0.5
         assert outcome(lambda: m.hash_blocks(tuple(tokens)))[1].endswith("item 999999 is a float")
@@ -485,7 +490,10 @@ class TestEveryPath:
     )
     def test_ids_outside_u32_are_refused_and_the_first_is_named(self, bad, named):
         message = refusal(lambda: kv().admit(1, bad))
-        assert message == f"token id {named} is outside 0..=4294967295"
+        assert (
+            message
+            == f"tokens: token id {named} is outside 0..=4294967295 (ids are unsigned 32-bit)"
+        )
         assert refusal(lambda: kv().hash_blocks(memoryview(bad))) == message
         assert refusal(lambda: kv().admit(1, [int(v) for v in bad])) == message
 
@@ -517,7 +525,9 @@ class TestEveryPath:
             data = np.array([1, 2, -5, 3], dtype=dtype).tobytes()
             bad = np.frombuffer(b"\0" + data, dtype=dtype, offset=1)
             message = refusal(lambda: kv().admit(1, bad))
-            assert message == "token id -5 is outside 0..=4294967295"
+            assert (
+                message == "tokens: token id -5 is outside 0..=4294967295 (ids are unsigned 32-bit)"
+            )
 
     def test_every_call_releases_its_export(self):
         """A held export would keep a reference to the exporter and stop a
@@ -653,7 +663,7 @@ def test_a_negative_int32_anywhere_is_refused_and_changes_nothing(
     m.free(1)
     before = m.stats()
     expected = refusal(lambda: m.admit(2, [int(v) for v in ids]))
-    assert expected == f"token id {bad} is outside 0..=4294967295"
+    assert expected == f"tokens: token id {bad} is outside 0..=4294967295 (ids are unsigned 32-bit)"
     tokens = ids if kind == "numpy" else array.array("i", ids.tobytes())
     for name in ALL_PATHS:
         with use_token_path(name):

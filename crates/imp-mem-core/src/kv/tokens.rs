@@ -15,7 +15,7 @@
 //!   the range check to one test at the end.
 //!
 //! Both name the first bad id with the same message
-//! (`token id V is outside 0..=4294967295`), so a list and an array of the
+//! (`tokens: token id V is outside 0..=4294967295 (ids are unsigned 32-bit)`), so a list and an array of the
 //! same ids are refused alike; an item that is not an integer at all is
 //! named by its position and type. Pure functions, no shared state.
 
@@ -23,7 +23,9 @@ use crate::MemError;
 
 /// The message for an id outside `0..=u32::MAX` (`v` as Python prints it).
 pub fn out_of_range(v: impl std::fmt::Display) -> MemError {
-    MemError::invalid(format!("token id {v} is outside 0..=4294967295"))
+    MemError::invalid(format!(
+        "tokens: token id {v} is outside 0..=4294967295 (ids are unsigned 32-bit)"
+    ))
 }
 
 /// Refuses 4-byte signed ids read as `u32` (an `int32` array read in
@@ -278,7 +280,11 @@ mod tests {
                 if layout.signed && v >> (top - 1) == 1 {
                     v -= 1i128 << top;
                 }
-                u32::try_from(v).map_err(|_| format!("token id {v} is outside 0..=4294967295"))
+                u32::try_from(v).map_err(|_| {
+                    format!(
+                        "tokens: token id {v} is outside 0..=4294967295 (ids are unsigned 32-bit)"
+                    )
+                })
             })
             .collect()
     }
@@ -389,14 +395,14 @@ mod tests {
             let expected = match kind {
                 0 => format!("tokens must be integers; item {at} is a bool"),
                 1 => format!("tokens must be integers; item {at} is a float"),
-                2 => "token id 18446744073709551616 is outside 0..=4294967295".to_string(),
-                _ => "token id -1 is outside 0..=4294967295".to_string(),
+                2 => "tokens: token id 18446744073709551616 is outside 0..=4294967295 (ids are unsigned 32-bit)".to_string(),
+                _ => "tokens: token id -1 is outside 0..=4294967295 (ids are unsigned 32-bit)".to_string(),
             };
             if earlier_bad && at > 0 {
                 items[0] = TokenItem::Int(1 << 33);
                 prop_assert_eq!(
                     read_items(&items),
-                    Err("token id 8589934592 is outside 0..=4294967295".to_string())
+                    Err("tokens: token id 8589934592 is outside 0..=4294967295 (ids are unsigned 32-bit)".to_string())
                 );
             } else {
                 prop_assert_eq!(read_items(&items), Err(expected));
@@ -458,7 +464,10 @@ mod tests {
         let words = [5, i32::MAX as u32, (-7i32) as u32, (-9i32) as u32];
         assert_eq!(
             check_int32(&words).map_err(|e| e.to_string()),
-            Err("token id -7 is outside 0..=4294967295".to_string())
+            Err(
+                "tokens: token id -7 is outside 0..=4294967295 (ids are unsigned 32-bit)"
+                    .to_string()
+            )
         );
         assert_eq!(check_int32(&words[..2]), Ok(()));
     }
