@@ -175,6 +175,13 @@ def test_refusals_name_what_to_change_and_change_nothing(checkpoints, expected):
             e.sleep(tags="weights")
         with pytest.raises(InvalidArgument, match="the weights sleep"):
             e.update_weights(good)
+        # Their device memory is given back: reading them is refused, not a
+        # fault (on the GPU a CUDA "invalid argument" in the caller's read).
+        with pytest.raises(InvalidArgument, match=r"engine.weights: .*wake\('weights'\)"):
+            _ = e.weights
+        e.wake("weights")
+        assert e.weights[name].data_ptr() != 0  # readable again, the KV cache still asleep
+        assert e.asleep == {"kv_cache": 1}
         e.wake()
         req = e.submit(PROMPTS[1], NEW)
         e.sleep(drain="abort")

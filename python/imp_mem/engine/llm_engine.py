@@ -534,6 +534,15 @@ class Engine:
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
+        """The served weights by name (views of T1). Refused while the
+        weights sleep: their device memory is given back then, and a read
+        would fault (on the GPU a CUDA "invalid argument"); a trainer keeps
+        its own copy of the policy and sends it with `update_weights`."""
+        if "weights" in self._asleep:
+            raise InvalidArgument(
+                "engine.weights: the weights sleep (their device memory is given back); call "
+                "engine.wake('weights') before reading them"
+            )
         return self.runner.weights
 
     @property
