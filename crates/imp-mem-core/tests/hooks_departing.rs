@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
 
 use std::sync::mpsc::channel;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use imp_mem_core::activations::hooks;
 use imp_mem_core::tag::Tag;
@@ -17,6 +17,13 @@ use imp_mem_core::{ActivationConfig, ActivationPool, FakeBackend, FakeConfig, No
 
 /// One test at a time: they share the hooks.
 static SERIAL: Mutex<()> = Mutex::new(());
+
+/// The test's turn at the hooks (held until it ends) and a fresh fake
+/// backend.
+fn serial_on_a_fake() -> (MutexGuard<'static, ()>, FakeBackend) {
+    let turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    (turn, FakeBackend::new(FakeConfig::default()).unwrap())
+}
 
 fn count(name: &str) -> u64 {
     hooks::stats()
@@ -54,8 +61,7 @@ fn worker_holding_a_copy() -> (std::sync::mpsc::Sender<()>, std::thread::JoinHan
 
 #[test]
 fn a_replaced_pools_block_freed_while_another_thread_holds_it_goes_home() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (_serial, fb) = serial_on_a_fake();
     let (a, b) = (open(&fb), open(&fb));
     let a_id = a.id();
     hooks::install(a, 0, None);
@@ -90,8 +96,7 @@ fn a_replaced_pools_block_freed_while_another_thread_holds_it_goes_home() {
 
 #[test]
 fn an_uninstalled_pool_keeps_a_block_freed_after_the_last_copy_goes() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (_serial, fb) = serial_on_a_fake();
     let a = open(&fb);
     let a_id = a.id();
     hooks::install(a, 0, None);
@@ -121,8 +126,7 @@ fn a_t1_take_freed_while_another_thread_holds_the_old_install_is_still_the_arena
     use imp_mem_core::activations::hooks::Route;
     use imp_mem_core::{SharedArena, Tier};
 
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (_serial, fb) = serial_on_a_fake();
     let (a, b) = (open(&fb), open(&fb));
     let t1 = SharedArena::new(&fb, Tier::ModelResident, 1 << 20, None).unwrap();
     let t1_live = |fb: &FakeBackend| fb.stats().tags.get(&Tag::Weights).map_or(0, |t| t.live);
@@ -159,8 +163,7 @@ fn the_weights_route_is_the_loading_threads_alone() {
     use imp_mem_core::activations::hooks::Route;
     use imp_mem_core::{SharedArena, Tier};
 
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (_serial, fb) = serial_on_a_fake();
     let a = open(&fb);
     let t1 = SharedArena::new(&fb, Tier::ModelResident, 1 << 20, None).unwrap();
     hooks::install(a.clone(), 0, Some(t1.clone()));
@@ -192,8 +195,7 @@ fn the_weights_route_is_the_loading_threads_alone() {
 
 #[test]
 fn a_regions_fallback_block_goes_home_by_its_address() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (_serial, fb) = serial_on_a_fake();
     let installed = open(&fb);
     // A tier that falls back to the backend when full (a serve()-made or
     // engine tier is one), routed to as a region.
@@ -223,8 +225,7 @@ fn a_regions_fallback_block_goes_home_by_its_address() {
 fn threads_allocating_while_pools_are_swapped_lose_no_free_and_no_pool() {
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let fb = FakeBackend::new(FakeConfig::default()).unwrap();
+    let (_serial, fb) = serial_on_a_fake();
     let pools: Vec<ActivationPool> = (0..3).map(|_| open(&fb)).collect();
     let misrouted = || {
         (
