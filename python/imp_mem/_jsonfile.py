@@ -10,9 +10,12 @@ import contextlib
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from imp_mem.errors import ImpMemWarning
 
 
 @contextlib.contextmanager
@@ -54,3 +57,16 @@ def update(path: Path, change: Callable[[Any], Any], *, prefix: str = ".cache-")
             Path(tmp).unlink(missing_ok=True)
             raise
     return data
+
+
+def warn_not_remembered(what: str, exc: BaseException, setting: str) -> None:
+    """Warns (`ImpMemWarning`, at the caller's caller) that `what` was
+    measured but its cache could not be written: the cache only saves the
+    next start a measurement, so the work goes on. `setting` names what
+    points the cache at a writable path."""
+    warnings.warn(
+        f"{what} was not remembered ({exc}); the next start measures again. Set {setting} to a "
+        "writable path",
+        ImpMemWarning,
+        stacklevel=3,
+    )

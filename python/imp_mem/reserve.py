@@ -233,13 +233,7 @@ def load_or_measure(path: Path | str | None = None, samples: int = 5) -> dict[st
     try:
         store(measured, path, fp)
     except (OSError, InvalidArgument) as exc:
-        # The cache only saves the next start a measurement.
-        warnings.warn(
-            f"the library reserve was measured but not remembered ({exc}); the next start "
-            "measures again. Set IMP_MEM_CACHE_DIR to a writable folder",
-            ImpMemWarning,
-            stacklevel=2,
-        )
+        _jsonfile.warn_not_remembered("the measured library reserve", exc, "IMP_MEM_CACHE_DIR")
     return dict(measured, cached=False, key=_core.reserve_fingerprint_key(fp))
 
 

@@ -115,7 +115,7 @@ except ImportError as exc:  # pragma: no cover - exercised where torch is absent
         "(or `pip install torch`)"
     ) from exc
 
-from imp_mem import _core
+from imp_mem import _core, _jsonfile
 from imp_mem import measured as _measured
 from imp_mem._format import byte_count, human_bytes
 from imp_mem._frameworks import activations_of as _activations_of
@@ -712,13 +712,10 @@ class Served:
                         self.fingerprint, line, line["tier"], self.cache_path
                     )
                 except OSError as exc:
-                    # The cache only saves the next start a measurement.
-                    warnings.warn(
-                        f"imp_mem.torch: the measured figure was not remembered ({exc}); the "
-                        "next start measures again. Set IMP_MEM_CACHE_DIR (or cache_path=) to a "
-                        "writable folder",
-                        ImpMemWarning,
-                        stacklevel=2,
+                    _jsonfile.warn_not_remembered(
+                        "imp_mem.torch: the measured figure",
+                        exc,
+                        "IMP_MEM_CACHE_DIR (or cache_path=)",
                     )
 
     def close(self) -> dict[str, Any]:

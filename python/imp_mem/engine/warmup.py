@@ -53,7 +53,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -154,12 +153,10 @@ def store(fp: dict[str, Any], measured: dict[str, int], path: Path | None = None
     try:
         _jsonfile.update(target, change, prefix=".warmup-")
     except OSError as exc:
-        # The cache only saves the next boot a measurement.
-        warnings.warn(
-            f"the warm-up's figures were not remembered at {target} ({exc}); the next boot "
-            "measures again. Set IMP_MEM_WARMUP_CACHE (or IMP_MEM_CACHE_DIR) to a writable path",
-            imp_mem.ImpMemWarning,
-            stacklevel=2,
+        _jsonfile.warn_not_remembered(
+            f"the warm-up's figures (at {target})",
+            exc,
+            "IMP_MEM_WARMUP_CACHE (or IMP_MEM_CACHE_DIR)",
         )
 
 
