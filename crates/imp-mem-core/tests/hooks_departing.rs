@@ -32,6 +32,19 @@ fn count(name: &str) -> u64 {
         .map_or(u64::MAX, |(_, v)| v)
 }
 
+/// Frees the 4 KiB block at `ptr` through the hooks and checks that the
+/// free was counted under `counter`, not as foreign.
+fn free_counted_as(ptr: usize, counter: &str) {
+    let (foreign, before) = (count("foreign_frees"), count(counter));
+    hooks::free(ptr, Some(4096), 0, 0);
+    assert_eq!(count("foreign_frees"), foreign, "a free taken for foreign");
+    assert_eq!(
+        count(counter),
+        before + 1,
+        "a free not counted in {counter}"
+    );
+}
+
 fn open(fb: &FakeBackend) -> ActivationPool {
     ActivationPool::new(fb, &ActivationConfig::new(1 << 20), Arc::new(NoStreams)).unwrap()
 }
@@ -69,15 +82,8 @@ fn a_replaced_pools_block_freed_while_another_thread_holds_it_goes_home() {
     let kept = hooks::malloc(4096, 0, 0);
     assert_ne!(kept, 0);
     hooks::install(b, 0, None);
-    let (foreign, retired) = (count("foreign_frees"), count("retired_frees"));
     // The worker still holds a copy of a's handle; the free must reach a.
-    hooks::free(kept, Some(4096), 0, 0);
-    assert_eq!(
-        count("foreign_frees"),
-        foreign,
-        "a's block taken for foreign"
-    );
-    assert_eq!(count("retired_frees"), retired + 1);
+    free_counted_as(kept, "retired_frees");
     assert_eq!(
         activations_live(&fb),
         2 << 20,
@@ -140,14 +146,7 @@ fn a_t1_take_freed_while_another_thread_holds_the_old_install_is_still_the_arena
     // install: the take's free is still the arena's (stranded), not foreign.
     hooks::install(b, 0, None);
     drop(t1);
-    let (foreign, stranded) = (count("foreign_frees"), count("stranded_frees"));
-    hooks::free(w1, Some(4096), 0, 0);
-    assert_eq!(
-        count("foreign_frees"),
-        foreign,
-        "a T1 take taken for foreign"
-    );
-    assert_eq!(count("stranded_frees"), stranded + 1);
+    free_counted_as(w1, "stranded_frees");
     release.send(()).unwrap();
     worker.join().unwrap();
     assert_eq!(hooks::retired_arena_count(), 1, "kept for w2");
