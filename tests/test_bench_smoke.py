@@ -1,6 +1,6 @@
 """The GPU benchmarks' CPU modes, run whole.
 
-A benchmark that only ever runs on the H200 can rot between GPU sessions:
+A benchmark that only ever runs on the H200 can rot between its GPU runs:
 an argument renamed in the library, a row format changed. These run each
 benchmark that has a CPU mode end to end on fake backends and check that it
 printed every row it promises, so device time is never spent on a script
