@@ -16,7 +16,7 @@ weights, and prints per scale:
   carries the embedding straight through), and the number of distinct argmax
   tokens (a model stuck on a few tokens).
 
-Runs on the CPU (a few minutes) or a GPU: ``python benches/measure_checkpoint_scale.py
+Runs on the CPU (a few minutes) or a GPU: ``python tools/measure_checkpoint_scale.py
 [--device cuda] [--prompts 4] [--length 48] [--scales 0.02,0.05,...]``.
 """
 

@@ -2,8 +2,8 @@
 
 At batch 64 x 1 k the engine's kernel streams at the plain read's rate but
 loses ~7 us a call that longer calls do not (83 % of the HBM peak; shapes
-with twice the bytes reach 87-88 %). Session 22 tried to shorten the ramp
-inside the kernel; session 23 hid the launch behind the kernel before
+with twice the bytes reach 87-88 %). A variant of 2026-12-03 tried to shorten the
+ramp inside the kernel; on 2026-12-04 a run hid the launch behind the kernel before
 (programmatic dependent launch): neither helped. This probe looks instead:
 each program of the engine's kernel stamps the global timer at its start,
 before its loop, after it and at its end, with its SM (``paged_decode``'s
@@ -15,13 +15,18 @@ before its loop, after it and at its end, with its SM (``paged_decode``'s
   than 90 % / 50 % of the programs were still in their loop;
 * programs per SM, and the end of the busiest SMs against the others'.
 
-    python benches/probe_paged_timeline.py [--batch 64] [--ctx 1024]
+    python tools/probe_paged_timeline.py [--batch 64] [--ctx 1024]
         [--splits N] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+# The benchmarks this tool borrows from live in benches/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
 import torch
 from bench_json import write_json

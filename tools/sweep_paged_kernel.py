@@ -3,7 +3,7 @@
 fractions of the HBM peak, beside the default: the data behind
 `_paged_kernel`'s defaults (`choose_splits`, `launch_defaults`).
 
-Usage: ``python benches/sweep_paged_kernel.py [--batch 64] [--ctx 1024]
+Usage: ``python tools/sweep_paged_kernel.py [--batch 64] [--ctx 1024]
 [--splits 1,2] [--tiles 16,32] [--warps 1,2,4] [--stages 3,4,5]`` or
 ``--configs SPLITS:TILE:WARPS:STAGES,...`` for a list. ``--no-merge`` times
 the split pass alone (its output is then wrong: not checked).
@@ -14,6 +14,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import sys
+from pathlib import Path
+
+# The benchmarks this tool borrows from live in benches/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
 from bench_json import write_json
 from bench_paged_attention import graph_time_us

@@ -1,6 +1,6 @@
 """A/B of KV churn between builds of ``imp_mem._core``, in one process.
 
-    python benches/ab_kv.py base=/tmp/base/imp_mem/_core.abi3.so \\
+    python tools/ab_kv.py base=/tmp/base/imp_mem/_core.abi3.so \\
         new=/tmp/new/imp_mem/_core.abi3.so [--slices 8] [--size 600] \\
         [--tokens int32|int64|list|array] [--admission admit|scheduler] \\
         [--clock wall|cpu]
@@ -44,7 +44,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The benchmarks this tool borrows from live in benches/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
 import bench_kv
 

@@ -8,13 +8,18 @@ default, no block oversize), and prints the tier's
 committed bytes ÷ HF's live peak, the fallbacks and whether the tokens
 matched.
 
-    python benches/sweep_scope_split.py [--values 21,64,256,1000000] [--quick]
+    python tools/sweep_scope_split.py [--values 21,64,256,1000000] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
+
+# The benchmarks this tool borrows from live in benches/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
 import bench_torch_hf as hf
 

@@ -13,14 +13,19 @@ then one token a step, the cache growing by ``torch.cat``. The model's
 build (in bf16, as ``bench_torch_hf`` builds it) comes first in the trace,
 as the H200's warm-up measures it.
 
-    python benches/record_hf_trace.py [--batch 32 --prompt 1024 --new 64] --out trace.json
+    python tools/record_hf_trace.py [--batch 32 --prompt 1024 --new 64] --out trace.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import weakref
+from pathlib import Path
+
+# The benchmarks this tool borrows from live in benches/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
 import torch
 from bench_torch_hf import QWEN3_0_6B

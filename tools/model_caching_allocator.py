@@ -34,7 +34,7 @@ fits), which torch does not offer a pluggable allocator's ``MemPool``
 (pytorch#147851): what the scope mode would reach if it did.
 
 Validated against the H200: the compiled trace's torch reserved (1.339 of
-its live peak, session 25) is what the model must give with the defaults.
+its live peak, 2026-12-04) is what the model must give with the defaults.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import argparse
 import bisect
 import json
 import sys
+from pathlib import Path
 
 MIB = 1 << 20
 MIN_BLOCK = 512
@@ -325,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         mark = recorded.get("second_ops") or 0
         name = f"{args.trace} ({len(ops)} ops, measured from op {mark})"
     else:
-        sys.path.insert(0, __file__.rsplit("/", 1)[0])
+        # bench_measured_replay lives in benches/.
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
         from bench_measured_replay import trace
 
         ops, mark = trace(args.batch, args.prompt, args.new), 0

@@ -11,7 +11,7 @@ turns on torch's release of "oversize" cached blocks before its full
 release). Printed per case: whether the 100 MiB tensor was made, the
 tier's live bytes before and after, torch's reserved bytes.
 
-    python benches/probe_mempool_release.py
+    python tools/probe_mempool_release.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ request's time to first token against its arrival, the static third and the
 shared GPU side by side, the model's burst window shaded. The H200 has no
 matplotlib: run the bench there with ``--json``, draw here.
 
-    python benches/plot_shared_gpu.py shared.json shared.png
+    python tools/plot_shared_gpu.py shared.json shared.png
 """
 
 from __future__ import annotations

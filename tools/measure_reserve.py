@@ -3,7 +3,7 @@ them with their fingerprint, remember them, and self-check against what was
 remembered (seed "LibraryReserve calibration"; procedure in
 ``imp_mem/reserve.py``).
 
-Usage: ``python benches/measure_reserve.py [--samples 5] [--cache PATH]``.
+Usage: ``python tools/measure_reserve.py [--samples 5] [--cache PATH]``.
 Prints one line per charge and a JSON line (``RESERVE {...}``) that
 ``scripts/gpu-check.sh`` picks up.
 """
