@@ -60,6 +60,8 @@ from pathlib import Path
 from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The A/B loader is a tool (tools/ab_kv.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from ab_kv import load_builds, paired
 from bench_json import write_json

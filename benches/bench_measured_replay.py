@@ -25,22 +25,22 @@ of 5601.9 MiB (1.019; 5879.8 over 5616.4 under torch.compile), frozen at
 ``--granule`` is the backend's commit unit (``serve()``'s own VMM backend
 now maps handles of its 2 MiB chunk; 64 MiB, the source's default, is what
 the H200 froze with). ``--trace`` replays a trace recorded by
-``record_hf_trace.py`` (the model's build, then generate()'s every storage,
+``tools/record_hf_trace.py`` (the model's build, then generate()'s every storage,
 from transformers itself on the meta device) in place of the synthetic one,
 which leaves out the norms' fp32 upcasts and the rotary temporaries. The
 meta-device recording of the fp32-then-bf16 build replayed at 1.016
-against the H200's 1.019; of the bf16 build (the bench's since session
-17) at 1.075 against the H200's 1.016 at margin 0 (session 18): the meta
+against the H200's 1.019; of the bf16 build (the bench's since 2026-12-03)
+at 1.075 against the H200's 1.016 at margin 0 (issue 28, that day): the meta
 device's sequence no longer models the GPU's. ``bench_torch_hf.py
 --record-trace`` writes the real one, from torch's own memory history on
-the GPU, in the same format: session 19's replays to the H200's own
+the GPU, in the same format: the next run's (2026-12-03) replays to the H200's own
 figures (high-water 5 690.1 MiB over a live peak of 5 601.9, 1.0158; frozen
 at 5 748 MiB with the 1 % margin of the time, as on the H200). A compiled
 run's trace (``--record-trace`` with ``--compiles default``) has
 ``second_ops``: its first generate() compiles, the blocks that outlive it
 stay, ``reset_high_water()`` runs, and the second is the measured pass;
-session 21's replays to the H200's figures exactly (high-water 5 925.0 MiB
-over a live peak of 5 616.4, frozen at 5 938.0). Since session 25 serve()
+a later run's of that day replays to the H200's figures exactly (high-water 5 925.0 MiB
+over a live peak of 5 616.4, frozen at 5 938.0). Since 2026-12-04 serve()
 records that pass after reset_high_water() and lays it out offline at
 begin_serving(): the same trace (recorded again) freezes at 1.0035 of the
 live peak, every allocation of the served runs placed by its hint.

@@ -37,7 +37,7 @@ KV the batch needs, goal <= 1.2); for the second start whether it measured.
 from torch's own memory history: every block its caching allocator handed
 out and took back while the model was built and its first ``generate()``
 ran (compiled: its second too, as ``PATH``'s stem + ``.MODE``), in
-``record_hf_trace.py``'s format, for ``bench_measured_replay.py --trace``
+``tools/record_hf_trace.py``'s format, for ``bench_measured_replay.py --trace``
 to replay the real sequence through the tier on the CPU.
 
     python benches/bench_torch_hf.py [--quick] [--compile none,default,reduce-overhead]
@@ -98,7 +98,7 @@ def build(batch: int, prompt: int, compile_mode: str, kv_cache: str = "lazy", ne
     # Built in bfloat16, as from_pretrained(dtype=torch.bfloat16) loads a
     # checkpoint: an fp32 build cast after left the cast's frees as holes
     # among the weights (64 MiB of the tier's 1.9 % over the live peak,
-    # measured on the H200 in session 16), which no user load makes.
+    # measured on the H200 on 2026-12-03), which no user load makes.
     with torch.device("cuda"):
         model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(1)
@@ -153,7 +153,7 @@ def generate(model, ids, new: int, compile_mode: str = "none"):
 def _median_seconds(first: tuple[float, float], args, again) -> dict:
     """The median of `first` (wall and CPU seconds of one generate()) and
     ``--reps - 1`` more timings of `again`: a single run's time moved
-    511-858 tokens/s between identical children on the H200 (session 16).
+    511-858 tokens/s between identical children on the H200 (2026-12-03, issue 28).
     Every run's wall and CPU seconds are kept (``seconds_runs``,
     ``cpu_seconds_runs``): HF's generate() is host-bound at these shapes,
     so a slow run with its CPU time up is the host's, not the GPU's."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 7, GPU run 3: the engine's model swap, the TP engine as a group of one on NCCL,
+# 2026-12-01 (issues 18, 19), GPU run 3: the engine's model swap, the TP engine as a group of one on NCCL,
 # sleep/wake with the overlapped wake, bench_sleep.
 set -u
 export PYTHONPATH=/tmp/site NCCL_NVLS_ENABLE=0 IMP_MEM_GPU_OUT=$OUT IMP_MEM_HYPOTHESIS=dev

@@ -125,7 +125,7 @@ done
 
 echo
 echo "==> library reserve and context cost"
-"$PYTHON" benches/measure_reserve.py --samples "${RESERVE_SAMPLES:-5}" 2>&1 | tee "$OUT/reserve.txt"
+"$PYTHON" tools/measure_reserve.py --samples "${RESERVE_SAMPLES:-5}" 2>&1 | tee "$OUT/reserve.txt"
 reserve_rc=${PIPESTATUS[0]}
 
 fi

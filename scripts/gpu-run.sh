@@ -12,6 +12,7 @@
 #
 #   pt NAME SECONDS PYTEST-ARGS...   pytest -m gpu from tests/
 #   bx NAME SECONDS SCRIPT ARGS...   a benchmark from benches/
+#   tl NAME SECONDS SCRIPT ARGS...   a probe or sweep from tools/
 #
 # Carry ["wheelhouse", ".whl"]; build the wheel here first (maturin build
 # --release -o wheelhouse). scripts/gpu-check.sh is the whole check; this is
@@ -45,6 +46,13 @@ bx() {
     local name=$1 secs=$2
     shift 2
     (cd benches && timeout -k 5 "$secs" python3 "$@") >"$OUT/$name.txt" 2>&1
+    echo "== $name rc=$? ($(el) s)"
+    tail -"${TAILN:-30}" "$OUT/$name.txt"
+}
+tl() {
+    local name=$1 secs=$2
+    shift 2
+    (cd tools && timeout -k 5 "$secs" python3 "$@") >"$OUT/$name.txt" 2>&1
     echo "== $name rc=$? ($(el) s)"
     tail -"${TAILN:-30}" "$OUT/$name.txt"
 }

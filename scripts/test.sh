@@ -2,8 +2,9 @@
 # The whole test suite: what CI (.ci/run) and the README run.
 #
 # Builds the wheel into a fresh virtual environment, then: cargo fmt --check,
-# cargo clippy -D warnings, the Rust tests, ruff, and pytest. Needs Rust,
-# Python 3.11+ and PyPI; installs everything else itself.
+# cargo clippy -D warnings, the Rust tests, ruff, the history check
+# (scripts/check_history.py), and pytest. Needs Rust, Python 3.11+ and PyPI;
+# installs everything else itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +50,9 @@ rm -rf target/wheels-test
 step "ruff"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+
+step "history told by date and issue (scripts/check_history.py)"
+"$VENV/bin/python" scripts/check_history.py
 
 step "stubtest (the stubs are true)"
 # The allowlist names only pyo3's __new__ constructors, its generated

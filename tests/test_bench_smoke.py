@@ -1,11 +1,13 @@
 """The GPU benchmarks' CPU modes, run whole.
 
-A benchmark that only ever runs on the H200 can rot between GPU sessions:
+A benchmark that only ever runs on the H200 can rot between its GPU runs:
 an argument renamed in the library, a row format changed. These run each
 benchmark that has a CPU mode end to end on fake backends and check that it
 printed every row it promises, so device time is never spent on a script
 that breaks before its first measurement. The figures themselves mean
-nothing on a CPU and are not asserted.
+nothing on a CPU and are not asserted. The tools in ``tools/`` that a bench's
+output feeds (the shared GPU's plot, the HF trace recorder, the caching
+allocator's model) run here too, beside the bench they serve.
 """
 
 import importlib.util
@@ -19,17 +21,18 @@ from pathlib import Path
 import pytest
 
 BENCHES = Path(__file__).resolve().parent.parent / "benches"
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
-def _run(script: str, *args: str, timeout: float) -> str:
+def _run(script: str, *args: str, timeout: float, folder: Path = BENCHES) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     done = subprocess.run(
-        [sys.executable, str(BENCHES / script), *args],
+        [sys.executable, str(folder / script), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env,
-        cwd=BENCHES,
+        cwd=folder,
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, f"{script} exited {done.returncode}:\n{out[-4000:]}"
@@ -92,7 +95,7 @@ def test_shared_gpu_bench_smoke_runs_every_phase(tmp_path):
         assert r["ttft_p99"] <= max(t for _, t in r["ttft_at"]) + 1e-3, r
     if importlib.util.find_spec("matplotlib") is not None:
         png = tmp_path / "shared.png"
-        drawn = _run("plot_shared_gpu.py", str(rows_path), str(png), timeout=120)
+        drawn = _run("plot_shared_gpu.py", str(rows_path), str(png), timeout=120, folder=TOOLS)
         assert "3 panels" in drawn and png.stat().st_size > 10_000, drawn
 
 
@@ -146,6 +149,7 @@ def test_a_recorded_hf_trace_replays_through_the_tier(tmp_path):
         "record_hf_trace.py",
         *("--batch", "1", "--prompt", "16", "--new", "2", "--out", str(trace)),
         timeout=300,
+        folder=TOOLS,
     )
     out = _run(
         "bench_measured_replay.py", "--trace", str(trace), "--json", str(figures), timeout=120
@@ -230,7 +234,7 @@ def test_the_caching_allocator_model_follows_torchs_rules(monkeypatch):
     """`model_caching_allocator.py`'s arithmetic against worked cases of
     torch's rules (its defaults gave the H200's compiled trace's reserved
     figure to the MiB: 7 520.0 over a live peak of 5 616.4)."""
-    monkeypatch.syspath_prepend(str(BENCHES))
+    monkeypatch.syspath_prepend(str(TOOLS))
     import model_caching_allocator as m
 
     mib = m.MIB

@@ -156,7 +156,7 @@ def test_tma_loads_refuse_what_they_cannot_read():
 def test_a_head_major_pool_reads_the_same_through_its_strides(splits):
     """The kernel takes the pool's strides, not its layout: the same values
     with each block's heads one after another in memory (FlashInfer's HND,
-    as `benches/sweep_paged_kernel.paged_case(layout="hnd")` lays them out
+    as `tools/sweep_paged_kernel.paged_case(layout="hnd")` lays them out
     to time it), seen through a transposed view, give the same output."""
     q, kv, tables, positions = random_case(
         7 + splits, batch=3, kv_heads=2, group=2, head_dim=16, block_size=4, width=10,

@@ -192,7 +192,7 @@ def test_peak_memory_within_the_checked_in_thresholds(family):
     torch.cuda.reset_peak_memory_stats()
     # What torch still holds from an earlier test in this process (0 when
     # the file runs alone, as the thresholds were taken; a run of several
-    # GPU files in one pytest, session 21, read 768 MiB more in all four).
+    # GPU files in one pytest, on 2026-12-03, read 768 MiB more in all four).
     held = int(torch.cuda.memory_reserved())
     with Engine(configs()[family], load_format="dummy", seed=7, backend=backend, **limits) as e:
         workload(e, 32, seed=6)

@@ -106,7 +106,7 @@ def test_a_shared_engine_s_floor_is_what_it_holds_at_rest(checkpoint, tmp_path):
     # 64 MiB chunk; once the tiers are open the floor is lowered to what
     # the tenant holds, and the warm-up's bytes past the plan's line raise
     # both alike. Before, the floors sat ~1 GiB above the commitments on
-    # the H200 and starved the tenant that burst (session 19).
+    # the H200 and starved the tenant that burst (2026-12-03, issue 27).
     shared = SharedGPU(
         cap="6GiB", device_budget="24GiB", key=f"gpu-test-floor-{os.getpid()}", dir=str(tmp_path)
     )

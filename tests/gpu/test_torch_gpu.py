@@ -371,7 +371,7 @@ def test_cupy_allocates_through_the_tier(system):
 def test_cupy_and_a_torch_pool_over_other_tiers_keep_apart(system):
     """CuPy names its tier in each call (a hook region): a torch Pool's tier
     holding the hooks' slot keeps torch's tensors, CuPy's arrays stay in
-    CuPy's tier, and neither takes the other's (session 27; before, CuPy
+    CuPy's tier, and neither takes the other's (2026-12-05, issue 28; before, CuPy
     took the slot and torch's next tensors went to CuPy's tier)."""
     cupy = pytest.importorskip("cupy")
     import imp_mem.cupy as imc

@@ -90,7 +90,7 @@ def test_hf_generate_on_the_one_call_path(tmp_path, compile_mode):
         # live peak (measured in the same workload on torch's allocator).
         assert r["reserved_over_live_peak"] >= 0.9, (name, r)
         # Nothing charged twice: a second start's warm-up fallbacks back in
-        # the VMM handle cache once read 100.06 % (session 25).
+        # the VMM handle cache once read 100.06 % (2026-12-04, issue 28).
         pct = r["attribution_pct"]
         assert pct is None or pct <= 100.0 + 1e-9, (name, pct)
         if name.startswith("process/"):

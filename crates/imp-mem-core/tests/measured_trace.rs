@@ -210,7 +210,7 @@ fn a_pool_of_the_measured_size_replays_an_hf_generate_in_place() {
     assert_eq!(replay(&fixed, &ops, weights).unwrap(), first);
 }
 
-/// A recorded trace (`benches/record_hf_trace.py --out F`) replayed on a
+/// A recorded trace (`tools/record_hf_trace.py --out F`) replayed on a
 /// measuring pool: `IMP_MEM_TRACE=F cargo test --release --test
 /// measured_trace -- --ignored --nocapture` prints its high-water over its
 /// live peak, for trying placements without a wheel.

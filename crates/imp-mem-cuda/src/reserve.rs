@@ -11,7 +11,7 @@
 //! driver version, CUDA version, library versions as the caller names them)
 //! and charged by the planner as named line items.
 //!
-//! Procedure (driven from Python; `benches/measure_reserve.py`):
+//! Procedure (driven from Python; `tools/measure_reserve.py`):
 //!
 //! 1. A parent process with its own context reads the device's free memory,
 //!    starts a child, and reads it again once the child has created its
@@ -367,7 +367,7 @@ impl SelfCheck {
         if self.diverged {
             format!(
                 "the measured charges diverge by more than {:.0} % on {}: {body}; re-measure \
-                 (benches/measure_reserve.py) and store the result",
+                 (tools/measure_reserve.py) and store the result",
                 self.tolerance * 100.0,
                 fingerprint.key()
             )

@@ -8,7 +8,7 @@
 //! of 67.9 MiB made a layer at a time inside the prefill's 64-192 MiB
 //! temporaries), they end up with holes between them that no later request
 //! fits, and the pool's high-water lies 5.5 % over the live bytes' peak
-//! (H200, session 20). The same pass laid out with every lifetime known
+//! (H200, 2026-12-03, issue 28). The same pass laid out with every lifetime known
 //! needs 0.1 % (`benches/bench_measured_replay.py` on the H200's trace).
 //!
 //! **Recording** ([`ActivationPool::record_pass`]). From the call on, every
