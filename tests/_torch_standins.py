@@ -42,8 +42,10 @@ def stand_in(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "MemPool", MemPoolStandIn)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(imt, "pluggable_allocator", lambda: _Allocator())
-    monkeypatch.setattr(imt, "_clear_cublas_workspaces", lambda: None)
+    # Set on the module that defines them: every module of the package reads
+    # them through it.
+    monkeypatch.setattr(imt._hooks, "pluggable_allocator", lambda: _Allocator())
+    monkeypatch.setattr(imt._hooks, "_clear_cublas_workspaces", lambda: None)
     monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda *a, **k: contextlib.nullcontext())
     _core.uninstall_hooks()
 

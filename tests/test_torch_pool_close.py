@@ -247,7 +247,7 @@ def test_graph_pool_blocks_on_two_threads_each_answer_for_their_own(monkeypatch)
     import threading
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "torch's own")
-    monkeypatch.setattr(imt, "_torch_graph_pool_handle", None, raising=False)
+    monkeypatch.setattr(imt._graphs, "_torch_graph_pool_handle", None)
     a, b = imt.Pool(_system()), imt.Pool(_system())
     entered, a_left = threading.Barrier(2), threading.Event()
     seen = {}
