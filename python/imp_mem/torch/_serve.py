@@ -43,7 +43,7 @@ can need a segment or two past the warm-up's arrangement, and a segment past
 the tier is torch's OutOfMemoryError, not a fallback. A share of a small
 tier is less than a segment. HF's quick generate() (8 x 256 + 16) served
 at this margin on the H200 once ``begin_serving`` kept the warm-up's pool
-(1.069 of HF's live peak, session 20); its earlier failures, at 0.2 % and
+(1.069 of HF's live peak, 2026-12-03, issue 28); its earlier failures, at 0.2 % and
 at this margin, came from the fresh pool ``begin_serving`` used to swap
 in."""
 
@@ -54,7 +54,7 @@ def _held_by_backend(system: Any) -> int:
     rounding, which the report charges on lines of their own). The growth
     of this across the warm-up is not torch's: a warm-up whose fallback
     regions went back to the handle cache had those bytes charged twice,
-    as torch's runtime and as the cache (H200, session 25: attribution
+    as torch's runtime and as the cache (H200, 2026-12-04, issue 28: attribution
     100.06 % on a second start)."""
     return int(system.backend.stats()["committed"]) + source_held(system.mem_report())
 
@@ -158,12 +158,12 @@ class Served:
         segments are the served work's (a fresh pool, as :meth:`Pool.trim`
         makes, could not use the free parts of the segments still holding
         the weights, and ran out of a tier measured with them: H200,
-        session 20). torch's cache in it is in the tier's high-water: torch
+        2026-12-03, issue 28). torch's cache in it is in the tier's high-water: torch
         2.11 gives a live ``MemPool``'s cached segments back to a refusing
         allocator only when they are at least ``max_split_size_mb`` (unset,
-        none are; ``benches/probe_mempool_release.py``), and setting it
+        none are; ``tools/probe_mempool_release.py``), and setting it
         took the H200's scope run from 1.310 to 1.608 (256 MiB) and 2.667
-        (64 MiB) of HF's live peak (``benches/sweep_scope_split.py``), as
+        (64 MiB) of HF's live peak (``tools/sweep_scope_split.py``), as
         oversize blocks are never split for smaller requests."""
         if self.device >= 0 and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
