@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"impl": impl, "error": tail[0][:160]})
         else:
             results.append(json.loads(found[-1][len("RESULT ") :]))
+        # Each child's figures as soon as it ends (a run cut short keeps them).
+        print("RESULT " + json.dumps(results[-1]), flush=True)
     print(table(results))
     return 0
 

@@ -3,8 +3,8 @@ machine over real imp-mem regions on the fake backend, torch's CUDA side
 stood in for (``_torch_standins``). What a "tensor" of a region is here: a
 block the region's tier hands out (what a torch segment would be), viewed
 as a CPU tensor so that ``get_cpu_backup`` can take it. The GPU half
-(torch_memory_saver's own suite, both hook modes) runs on the device:
-``docs/gpu-runs/2026-12-07-issue51-tms-dropin.log``."""
+(torch_memory_saver's own suite, both hook modes, and the benchmark) is
+``tools/gpu_tms_suite.sh``, one device call."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import types
 
 import pytest
 from _torch_standins import MemPoolStandIn, _Allocator
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import imp_mem
 from imp_mem import InvalidArgument, OutOfMemory
@@ -372,3 +374,80 @@ def test_a_pool_taken_out_and_dropped_releases_its_region_and_host_buffer(fb):
     assert imp_mem.pinned_stats()["live_bytes"] < live_before, "the host buffer went with it"
     with pytest.raises(InvalidArgument, match="not allocated"):
         s.get_cpu_backup(x)
+
+
+TAGS = ("a", "b", "c")
+OPS = st.one_of(
+    st.tuples(st.just("alloc"), st.sampled_from(TAGS), st.booleans(), st.integers(1, 9000)),
+    st.tuples(st.just("pause"), st.sampled_from((*TAGS, None, "never"))),
+    st.tuples(st.just("resume"), st.sampled_from((*TAGS, None, "never"))),
+    st.tuples(st.just("retain"), st.booleans()),
+)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(ops=st.lists(OPS, max_size=14))
+def test_any_sequence_is_all_or_nothing_and_keeps_the_backed_up_bytes(fb, ops):
+    try:
+        _run_sequence(fb, ops)
+    finally:
+        _drop_regions()
+
+
+def _drop_regions() -> None:
+    for name in [n for n in imt.regions() if n.startswith(_impl.REGION_PREFIX)]:
+        found = imt.regions()[name]
+        if found.activations.asleep is not None:
+            found.resume()
+        for ptr in getattr(found, "_test_live", []):
+            found.activations.free(ptr)
+        found._test_live = []
+        imt.release_region(name)
+
+
+def _run_sequence(fb, ops) -> None:
+    s = saver()
+    s._ensure_initialized()
+    paused: set[str] = set()  # the model: tags paused now
+    kept: list[tuple[torch.Tensor, bytes]] = []  # backed-up tensors and their bytes
+    tags_made: set[str] = set()
+    for op in ops:
+        if op[0] == "alloc":
+            _, tag, backup, n = op
+            if tag in paused:
+                with pytest.raises(InvalidArgument, match="paused"):
+                    alloc(s, fb, tag, b"\x01" * n, enable_cpu_backup=backup)
+                continue
+            data = bytes((i * 7 + n) % 251 for i in range(n))
+            x = alloc(s, fb, tag, data, enable_cpu_backup=backup)
+            tags_made.add(tag)
+            if backup:
+                kept.append((x, data))
+        elif op[0] in ("pause", "resume"):
+            name, tag = op
+            chosen = {t for t in tags_made if tag is None or t == tag}
+            wrong = chosen & paused if name == "pause" else chosen - paused
+            if wrong:
+                with pytest.raises(InvalidArgument):
+                    getattr(s, name)(tag)
+            else:
+                getattr(s, name)(tag)
+                paused = paused | chosen if name == "pause" else paused - chosen
+        else:
+            s.retain_cpu_backup = op[1]
+        report = s.mem_report()["tags"]
+        assert {t for t, r in report.items() if r["paused"]} == paused, "state is the model's"
+        for x, data in kept:
+            if not any(k.tag in paused for k, r in s._impl._regions.items() if _owns(r, x)):
+                assert fb.read(x.data_ptr(), len(data)) == data, "an awake backed-up tensor"
+            else:
+                assert bytes(s.get_cpu_backup(x).numpy()) == data, "a paused one's backup"
+
+
+def _owns(found, x) -> bool:
+    act = found.activations
+    return act.base <= x.data_ptr() < act.base + act.capacity

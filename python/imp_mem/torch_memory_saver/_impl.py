@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -474,8 +475,6 @@ class _PoolRef:
         self._key = key
 
     def __del__(self) -> None:
-        import sys
-
         if sys.is_finalizing() or self._key.pool_key in self._impl._mem_pools:
             return
         try:
