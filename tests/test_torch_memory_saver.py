@@ -297,7 +297,25 @@ class FakePreload(types.ModuleType):
     @contextlib.contextmanager
     def routing(self):
         self.routed.append(imt._region_stack()[-1])
-        yield
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    # The interposer's per-thread routing depth, as _preload's private
+    # depth calls reach it.
+    depth = 0
+
+    def _depth(self) -> int:
+        return self.depth
+
+    def _interposer(self):
+        return self
+
+    def _depth_call(self, lib, name: str) -> int:
+        self.depth += 1 if name.endswith("enter") else -1
+        return self.depth
 
     def subprocess_env(self, env=None):
         env = dict(os.environ if env is None else env)
@@ -332,11 +350,14 @@ def test_preload_mode_with_tms_init_enable_catches_allocations_from_the_start(fb
     monkeypatch.setattr(imp_mem, "_preload", fake, raising=False)
     monkeypatch.setenv("TMS_INIT_ENABLE", "1")
     monkeypatch.setenv("TMS_INIT_ENABLE_CPU_BACKUP", "1")
-    s = saver("preload")
-    s._ensure_initialized()
+    s = saver("preload")  # setting the mode starts the routing, as the original's first malloc
     assert _impl.Key("default", "pinned", 0) in s._impl._regions
-    assert len(fake.routed) == 1
+    assert len(fake.routed) == 1 and fake.depth == 1
+    with s.disable():
+        assert fake.depth == 0, "cudaMalloc goes to the driver inside disable()"
+    assert fake.depth == 1
     s._impl._init_route.close()
+    assert fake.depth == 0
 
 
 def test_configure_subprocess_prepends_the_interposer_and_restores(fb, monkeypatch):

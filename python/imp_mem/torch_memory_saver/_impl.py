@@ -266,12 +266,7 @@ class SaverImpl:
                 if self._hook_mode == "preload":
                     from imp_mem import _preload
 
-                    suspended = getattr(_preload, "suspended", None)
-                    if suspended is None:
-                        raise BackendUnavailable(
-                            "disable() in preload mode needs imp_mem._preload.suspended(), which "
-                            "this install lacks"
-                        )
+                    suspended = getattr(_preload, "suspended", None) or _routing_suspended
                     stack.enter_context(suspended())
                 # A fresh pool of torch's own allocator, dropped at the end
                 # (the memory used inside goes back to the driver then).
@@ -448,6 +443,24 @@ class SaverImpl:
                 t["paused"] = t["paused"] or act.asleep is not None
             backends = {d: b.stats() for d, b in self._backends.items()}
         return {"hook_mode": self._hook_mode, "tags": tags, "backends": backends}
+
+
+@contextlib.contextmanager
+def _routing_suspended() -> Iterator[None]:
+    """This thread's ``cudaMalloc`` goes to the driver again for the block:
+    the interposer's routing depth taken to 0 and put back after (through
+    ``imp_mem._preload``'s depth calls, until it offers a ``suspended()``)."""
+    from imp_mem import _preload
+
+    depth = _preload._depth()
+    lib = _preload._interposer()
+    for _ in range(depth):
+        _preload._depth_call(lib, "imp_mem_preload_exit")
+    try:
+        yield
+    finally:
+        for _ in range(depth):
+            _preload._depth_call(lib, "imp_mem_preload_enter")
 
 
 def _cached_text(chosen: list[tuple[Key, Any]]) -> str:

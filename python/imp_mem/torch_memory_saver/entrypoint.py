@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from imp_mem.errors import InvalidArgument
-from imp_mem.torch_memory_saver.binary_wrapper import CPU_BACKUP_BACKENDS
+from imp_mem.torch_memory_saver.binary_wrapper import CPU_BACKUP_BACKENDS, env_flag
 from imp_mem.torch_memory_saver.hooks.base import HOOK_MODES, HookMode
 from imp_mem.torch_memory_saver.utils import is_xpu
 
@@ -133,6 +133,10 @@ class TorchMemorySaver:
                 )
             return
         self._impl_ctor_kwargs["hook_mode"] = hook_mode
+        if hook_mode == "preload" and env_flag("TMS_INIT_ENABLE"):
+            # The original catches allocations from the process's first one
+            # on; here the routing starts once the mode is known.
+            self._ensure_initialized()
 
     @property
     def memory_margin_bytes(self) -> int:
