@@ -743,6 +743,14 @@ class ActivationPool:
     def host_bytes(self) -> int: ...
     def release_host_copy(self) -> int:
         """Free the pinned buffer kept after a resume; the bytes freed."""
+    def pin_host_copy(self, nbytes: ByteCount | None = None) -> int:
+        """Pin the buffer the next ``pause(cpu_backup=True)`` copies into, ahead
+        of it (default: the live blocks' bytes now); the size kept, 0 while
+        paused. Releases the GIL while pinning."""
+    def host_copy_address(self, ptr: int, nbytes: int) -> int | None:
+        """The host address of the copy of ``nbytes`` device bytes at ``ptr``
+        (inside one live block): while paused with a CPU backup, or after the
+        resume while the buffer is kept; None otherwise."""
     @property
     def id(self) -> int: ...
     @property

@@ -176,3 +176,81 @@ fn a_region_removed_with_a_live_block_and_added_again_is_no_longer_retired() {
     assert!(!hooks::retired_pool_ids().contains(&pool.id()));
     pool.check_invariants().unwrap();
 }
+
+/// torch_memory_saver's `get_cpu_backup` and its first pause at the line
+/// rate (issue 51): the buffer pinned ahead is the one the sleep copies
+/// into, and each live block's bytes are found in the copy while asleep and
+/// in the kept buffer after the wake, until it is re-pinned or freed.
+#[test]
+fn the_host_copy_is_pinned_ahead_and_each_blocks_bytes_are_found_in_it() {
+    let fb = fake();
+    let host = PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 30)));
+    let pool = region(&fb, true);
+    let a = pool.allocate(5000, 0).unwrap();
+    let gap = pool.allocate(3000, 0).unwrap();
+    let b = pool.allocate(9000, 0).unwrap();
+    pool.free(gap, 0).unwrap();
+    let (da, db) = (pattern(3, 5000), pattern(9, 9000));
+    fb.write(a, &da).unwrap();
+    fb.write(b, &db).unwrap();
+    let live = pool.stats().allocated;
+    assert_eq!(pool.host_copy_of(a - pool.base(), 16), None, "no copy yet");
+    assert_eq!(pool.pin_host_copy(live as usize, &host).unwrap(), live);
+    assert_eq!(
+        pool.pin_host_copy(10, &host).unwrap(),
+        live,
+        "a large enough spare stays"
+    );
+    let ahead = host.stats();
+    pool.sleep_keeping(&host).unwrap();
+    assert_eq!(
+        host.stats().buffers,
+        ahead.buffers,
+        "the sleep pinned nothing"
+    );
+    assert_eq!(
+        pool.pin_host_copy(live as usize, &host).unwrap(),
+        0,
+        "asleep: untouched"
+    );
+    let read = |addr: usize, len: usize| {
+        // SAFETY: the fake host's buffer is plain memory of at least the
+        // copied bytes, alive while the pool keeps it (not freed below
+        // before these reads).
+        unsafe { std::slice::from_raw_parts(addr as *const u8, len).to_vec() }
+    };
+    let at_a = pool.host_copy_of(a - pool.base(), 5000).unwrap();
+    let at_b = pool.host_copy_of(b - pool.base() + 100, 200).unwrap();
+    assert_eq!(read(at_a, 5000), da);
+    assert_eq!(read(at_b, 200), db[100..300].to_vec());
+    assert_eq!(
+        pool.host_copy_of(gap - pool.base(), 16),
+        None,
+        "a free block is not copied"
+    );
+    assert_eq!(
+        pool.host_copy_of(a - pool.base(), 1 << 20),
+        None,
+        "past the block"
+    );
+    pool.wake().unwrap();
+    assert_eq!(
+        pool.host_copy_of(a - pool.base(), 5000),
+        Some(at_a),
+        "kept after the wake"
+    );
+    assert_eq!(read(at_a, 5000), da);
+    assert_eq!(
+        pool.pin_host_copy(live as usize * 2, &host).unwrap(),
+        live * 2
+    );
+    assert_eq!(
+        pool.host_copy_of(a - pool.base(), 5000),
+        None,
+        "re-pinned: nothing kept"
+    );
+    assert_eq!(pool.release_host_copy(), live * 2);
+    assert_eq!(host.stats().live_bytes, 0);
+    pool.free(a, 0).unwrap();
+    pool.free(b, 0).unwrap();
+}

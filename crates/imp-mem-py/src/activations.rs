@@ -425,6 +425,38 @@ impl PyActivationPool {
         self.pool.release_host_copy()
     }
 
+    /// Pins the buffer the next `pause(cpu_backup=True)` copies into, ahead
+    /// of it: at least `nbytes` (default: the bytes of the live blocks
+    /// now), so that the first pause runs at the line rate too. The GIL is
+    /// released while the driver pins (a thread of its own may call it).
+    /// Returns the size of the buffer now kept (0 while paused).
+    #[pyo3(signature = (nbytes = None))]
+    fn pin_host_copy(&self, py: Python<'_>, nbytes: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+        let bytes = match nbytes {
+            Some(n) => convert::index(n, "nbytes")?,
+            None => self.pool.stats().allocated,
+        };
+        let bytes = usize::try_from(bytes).map_err(|_| {
+            invalid(format!(
+                "nbytes: {bytes} does not fit this host's address space"
+            ))
+        })?;
+        let pool = self.pool.clone();
+        let host = crate::tiers::pinned_host_for(&self.backend.get().inner);
+        py.detach(move || pool.pin_host_copy(bytes, &host)).py()
+    }
+
+    /// The host address of the copy of the `nbytes` device bytes at `ptr`
+    /// (inside one live block): while paused with a CPU backup, or after
+    /// the resume while the buffer is kept (until the next pause or
+    /// `release_host_copy()`); None otherwise.
+    fn host_copy_address(&self, ptr: u64, nbytes: u64) -> Option<u64> {
+        let base = self.pool.base() as u64;
+        let offset = usize::try_from(ptr.checked_sub(base)?).ok()?;
+        let len = usize::try_from(nbytes).ok()?;
+        self.pool.host_copy_of(offset, len).map(|a| a as u64)
+    }
+
     /// The pool's process-unique id.
     #[getter]
     fn id(&self) -> u64 {

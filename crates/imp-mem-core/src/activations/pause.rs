@@ -10,6 +10,11 @@
 //! the same base and copies the blocks back. Free blocks are not copied. The
 //! buffer is kept after the wake, so the next sleep copies at once instead
 //! of pinning again; [`ActivationPool::release_host_copy`] frees it.
+//! [`ActivationPool::pin_host_copy`] pins that buffer ahead of the first
+//! sleep (so that one copies at the line rate too), and
+//! [`ActivationPool::host_copy_of`] finds a live block's bytes in the copy
+//! (while asleep, or in the kept buffer after a wake until the next sleep):
+//! torch_memory_saver's `get_cpu_backup` (issue 51).
 //!
 //! Locks: the pool's state, then its region, then the backup (the order of
 //! every other path that takes more than one).
@@ -33,6 +38,10 @@ pub(super) struct Backup {
     ranges: Vec<(usize, usize)>,
     copy: Option<PinnedBuffer>,
     spare: Option<PinnedBuffer>,
+    /// The ranges `spare` still holds after a wake (the copy of the last
+    /// sleep, laid out as `ranges` was); empty once it is pinned afresh,
+    /// reused or freed.
+    kept: Vec<(usize, usize)>,
 }
 
 impl Backup {
@@ -47,10 +56,28 @@ impl Backup {
             region.copy_from_host(offset, &copy.as_slice()[at..at + len])?;
             at += len;
         }
-        self.ranges.clear();
+        self.kept = std::mem::take(&mut self.ranges);
         self.spare = self.copy.take();
         Ok(())
     }
+}
+
+/// Where `[offset, offset + len)` lies in `buffer`, whose bytes are
+/// `ranges` back to back; None unless one range holds all of it.
+fn find_in(
+    ranges: &[(usize, usize)],
+    buffer: &PinnedBuffer,
+    offset: usize,
+    len: usize,
+) -> Option<usize> {
+    let mut at = 0;
+    for &(start, n) in ranges {
+        if offset >= start && offset.checked_add(len)? <= start + n {
+            return Some(buffer.addr() + at + (offset - start));
+        }
+        at += n;
+    }
+    None
 }
 
 /// Live blocks as ranges of the region, neighbours merged, in address order.
@@ -108,6 +135,8 @@ impl ActivationPool {
         }
         let total: usize = ranges.iter().map(|r| r.1).sum();
         let mut backup = self.backup();
+        // The kept buffer is about to be overwritten (or dropped).
+        backup.kept.clear();
         let mut buffer = match backup.spare.take() {
             Some(b) if b.len() >= total => Some(b),
             old => {
@@ -152,6 +181,48 @@ impl ActivationPool {
     /// Frees the pinned buffer kept after a wake (a sleeping pool's copy is
     /// not freed); returns the bytes freed.
     pub fn release_host_copy(&self) -> u64 {
-        self.backup().spare.take().map_or(0, |b| b.len() as u64)
+        let mut backup = self.backup();
+        backup.kept.clear();
+        backup.spare.take().map_or(0, |b| b.len() as u64)
+    }
+
+    /// Pins the buffer the next sleep copies into ahead of it: at least
+    /// `bytes` from `host`, kept as the spare (a smaller spare is freed
+    /// first; a large enough one is kept as it is). A sleeping pool's copy
+    /// is not touched (returns 0). Returns the spare's size. Only the
+    /// backup's lock is held while pinning, so a concurrent sleep waits for
+    /// this buffer rather than pinning a second one.
+    pub fn pin_host_copy(&self, bytes: usize, host: &PinnedHost) -> Result<u64, MemError> {
+        let mut backup = self.backup();
+        if backup.copy.is_some() {
+            return Ok(0);
+        }
+        if let Some(spare) = backup.spare.as_ref() {
+            if spare.len() >= bytes {
+                return Ok(spare.len() as u64);
+            }
+        }
+        backup.kept.clear();
+        backup.spare = None;
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let buffer = host.allocate(bytes)?;
+        let len = buffer.len() as u64;
+        backup.spare = Some(buffer);
+        Ok(len)
+    }
+
+    /// The host address holding the `len` bytes at `offset` of the region
+    /// in the copy: while asleep after [`ActivationPool::sleep_keeping`],
+    /// or after the wake in the kept buffer (until it is reused, re-pinned
+    /// or freed). None where no copied range holds all of them.
+    pub fn host_copy_of(&self, offset: usize, len: usize) -> Option<usize> {
+        let backup = self.backup();
+        if let Some(copy) = backup.copy.as_ref() {
+            return find_in(&backup.ranges, copy, offset, len);
+        }
+        let spare = backup.spare.as_ref()?;
+        find_in(&backup.kept, spare, offset, len)
     }
 }
