@@ -741,10 +741,6 @@ class ActivationPool:
     def asleep(self) -> int | None: ...
     @property
     def host_bytes(self) -> int: ...
-    def pin_host(self, nbytes: ByteCount | None = None) -> int:
-        """Pin the next ``pause(cpu_backup=True)``'s host buffer now (at least
-        ``nbytes``, or the live blocks' bytes now), so the first pause copies at
-        the line rate; the bytes the buffer holds."""
     def release_host_copy(self) -> int:
         """Free the pinned buffer kept after a resume; the bytes freed."""
     def pin_host_copy(self, nbytes: ByteCount | None = None) -> int:

@@ -249,7 +249,7 @@ class CuMemAllocator:
 
         def pin() -> None:
             try:
-                act.pin_host()
+                act.pin_host_copy()
             except Exception as e:
                 warnings.warn(
                     f"imp_mem.vllm: pinning the weights' sleep buffer ahead failed ({e}); the "

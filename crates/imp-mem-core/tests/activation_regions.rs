@@ -122,45 +122,6 @@ fn a_refused_sleep_or_wake_changes_nothing_and_a_retry_works() {
 }
 
 #[test]
-fn a_buffer_pinned_ahead_is_the_one_the_first_sleep_copies_into() {
-    let fb = fake();
-    let host = PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 30)));
-    let pool = region(&fb, true);
-    let addr = pool.allocate(200_000, 0).unwrap();
-    let data = pattern(3, 200_000);
-    fb.write(addr, &data).unwrap();
-    let live = pool.stats().allocated;
-    // Sized by the live blocks when no size is given, then kept when large
-    // enough: a smaller ask pins nothing new.
-    assert_eq!(pool.pin_host(None, &host).unwrap(), live);
-    assert_eq!(pool.pin_host(Some(4096), &host).unwrap(), live);
-    assert_eq!(host.stats().buffers, 1);
-    // A larger ask replaces it (one buffer held, never two).
-    assert_eq!(pool.pin_host(Some(2 * live), &host).unwrap(), 2 * live);
-    assert_eq!(host.stats().buffers, 1);
-    assert_eq!(pool.host_bytes(), 2 * live);
-    // The sleep copies into that buffer: nothing more is pinned.
-    assert_eq!(pool.sleep_keeping(&host).unwrap(), live);
-    assert_eq!((host.stats().buffers, pool.host_bytes()), (1, 2 * live));
-    assert!(pool.pin_host(None, &host).is_err(), "refused while asleep");
-    pool.wake().unwrap();
-    assert_eq!(fb.read(addr, data.len()).unwrap(), data);
-    // A host that cannot pin leaves the pool as it was.
-    let small = PinnedHost::new(Arc::new(FakePinnedHost::new(1024)));
-    assert!(matches!(
-        pool.pin_host(Some(4 * live), &small),
-        Err(MemError::OutOfMemory(_))
-    ));
-    assert_eq!(
-        pool.release_host_copy(),
-        0,
-        "the kept buffer went with the failed replace"
-    );
-    pool.free(addr, 0).unwrap();
-    pool.check_invariants().unwrap();
-}
-
-#[test]
 fn the_hooks_route_a_threads_mallocs_to_its_region_and_frees_back_from_any_thread() {
     let fb = fake();
     let pool = region(&fb, true);

@@ -420,19 +420,6 @@ impl PyActivationPool {
         self.pool.host_bytes()
     }
 
-    /// Pins the host buffer of the next `pause(cpu_backup=True)` now (on
-    /// this thread, the GIL released), so that the first pause copies at the
-    /// line rate instead of pinning first: at least `nbytes`, or the live
-    /// blocks' bytes now when left out. Refused while paused. Returns the
-    /// bytes the buffer holds.
-    #[pyo3(signature = (nbytes = None))]
-    fn pin_host(&self, py: Python<'_>, nbytes: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-        let nbytes = convert::opt_bytes(nbytes, "nbytes")?;
-        let pool = self.pool.clone();
-        let host = crate::tiers::pinned_host_for(&self.backend.get().inner);
-        py.detach(move || pool.pin_host(nbytes, &host)).py()
-    }
-
     /// Frees the pinned buffer kept after a resume; returns the bytes freed.
     fn release_host_copy(&self) -> u64 {
         self.pool.release_host_copy()

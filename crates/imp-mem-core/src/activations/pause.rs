@@ -170,41 +170,6 @@ impl ActivationPool {
         Ok(total as u64)
     }
 
-    /// Pins the host buffer of the next [`ActivationPool::sleep_keeping`]
-    /// now, so that the first pause copies at the line rate instead of
-    /// pinning first (pinning, not copying, is a first pause's cost: seconds
-    /// for 16 GiB). The buffer holds at least `bytes`, or the live blocks'
-    /// bytes now when `bytes` is `None`; a kept buffer already that large is
-    /// kept. Refused while the pool sleeps. Returns the bytes the buffer
-    /// holds.
-    pub fn pin_host(&self, bytes: Option<u64>, host: &PinnedHost) -> Result<u64, MemError> {
-        let core = self.core();
-        if core.asleep.is_some() {
-            return Err(MemError::invalid(
-                "pin_host: the activation pool sleeps; pin its buffer while it is awake",
-            ));
-        }
-        let want = match bytes {
-            Some(b) => usize::try_from(b).map_err(|_| {
-                MemError::invalid(format!(
-                    "pin_host: {b} bytes do not fit this machine's memory"
-                ))
-            })?,
-            None => live_ranges(&core).iter().map(|r| r.1).sum(),
-        };
-        drop(core);
-        let mut backup = self.backup();
-        let held = backup.spare.as_ref().map_or(0, PinnedBuffer::len);
-        if held >= want || want == 0 {
-            return Ok(held as u64);
-        }
-        backup.spare = None;
-        let buffer = host.allocate(want)?;
-        let len = buffer.len() as u64;
-        backup.spare = Some(buffer);
-        Ok(len)
-    }
-
     /// Pinned host bytes the pool holds for sleeping: the copy of a sleeping
     /// pool and the buffer kept for the next sleep.
     pub fn host_bytes(&self) -> u64 {
