@@ -63,7 +63,11 @@ def test_torch_under_the_interposer_lands_in_the_region_and_survives_pause():
     assert out["bytes_kept"] is True and out["same_addresses"] is True
     assert out["gemm_after_resume_ok"] is True
     assert out["outside_intact"] is True
-    assert out["region_live_after_empty_cache"] == 0
+    # torch's frees outside routing reach home: w, a, b, c at least (a
+    # cuBLAS workspace torch keeps for the process stays live), and every
+    # segment the hooks handed out is either freed or still live.
+    assert out["hook_free_ok"] >= 4
+    assert out["region_live_after_empty_cache"] == out["hook_malloc_ok"] - out["hook_free_ok"]
     assert out["hook_misuse"] == {}
 
 
