@@ -1,11 +1,14 @@
 """imp-mem's LD_PRELOAD interposer (``imp_mem._preload``, issue 51) on the CPU.
 
 A child process is started with the interposer in ``LD_PRELOAD`` and a
-stand-in ``libcudart`` (a small C library built here with the system ``cc``,
-loaded globally: ``cudaMalloc`` / ``cudaFree`` are malloc / free that count,
-``cudaGetDevice`` says 0, ``cudaDeviceSynchronize`` counts): without a
-routing scope its calls reach the stand-in; inside one, imp-mem's hooks and
-a region of the fake backend, whose pause and resume keep the bytes; a
+stand-in ``libcudart`` (a small C library built here with the system ``cc``:
+``cudaMalloc`` / ``cudaFree`` are malloc / free that count, ``cudaGetDevice``
+says 0, ``cudaDeviceSynchronize`` counts), loaded globally as torch loads
+its CUDA libraries, and a stand-in "framework" library linked against it and
+loaded ``RTLD_LOCAL`` as Python loads torch's extension, whose calls bind to
+``cudaMalloc`` / ``cudaFree`` through the dynamic linker: without a routing
+scope they reach the stand-in runtime; inside one, imp-mem's hooks and a
+region of the fake backend, whose pause and resume keep the bytes; a
 region's block freed from another thread outside any scope goes home.
 Without the preload the same process reaches only the stand-in and
 ``routing()`` refuses. The GPU side, torch's caching allocator through the
@@ -39,18 +42,26 @@ int standin_frees(void) { return frees; }
 int standin_syncs(void) { return syncs; }
 """
 
+FRAMEWORK_C = r"""
+#include <stddef.h>
+int cudaMalloc(void **p, size_t n);
+int cudaFree(void *p);
+int framework_malloc(void **p, size_t n) { return cudaMalloc(p, n); }
+int framework_free(void *p) { return cudaFree(p); }
+"""
+
 CHILD = textwrap.dedent(
     """
     import ctypes, json, sys, threading
     from ctypes import POINTER, byref, c_int, c_size_t, c_void_p
 
     standin = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+    framework = ctypes.CDLL(sys.argv[2])
     import imp_mem
     from imp_mem import BackendUnavailable, _core, _preload
 
     out = {"loaded": _preload.loaded()}
-    scope = ctypes.CDLL(None)
-    cuda_malloc, cuda_free = scope.cudaMalloc, scope.cudaFree
+    cuda_malloc, cuda_free = framework.framework_malloc, framework.framework_free
     cuda_malloc.argtypes, cuda_malloc.restype = [POINTER(c_void_p), c_size_t], c_int
     cuda_free.argtypes, cuda_free.restype = [c_void_p], c_int
 
@@ -106,16 +117,21 @@ CHILD = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def standin(tmp_path_factory) -> str:
+def standin(tmp_path_factory) -> tuple[str, str]:
+    """The stand-in runtime and the framework library linked against it."""
     cc = shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler (cc) to build the stand-in libcudart")
     where = tmp_path_factory.mktemp("standin")
-    source = where / "standin.c"
-    source.write_text(STANDIN_C)
-    lib = where / "libcudart_standin.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
-    return str(lib)
+    (where / "standin.c").write_text(STANDIN_C)
+    (where / "framework.c").write_text(FRAMEWORK_C)
+    lib, fw = where / "libcudart_standin.so", where / "libframework.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(where / "standin.c")], check=True)
+    link = [f"-L{where}", "-lcudart_standin", f"-Wl,-rpath,{where}"]
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(fw), str(where / "framework.c"), *link], check=True
+    )
+    return str(lib), str(fw)
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +151,11 @@ def _child_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _run_child(tmp_path: Path, standin: str, env: dict[str, str]) -> dict:
+def _run_child(tmp_path: Path, standin: tuple[str, str], env: dict[str, str]) -> dict:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     done = subprocess.run(
-        [sys.executable, str(script), standin],
+        [sys.executable, str(script), *standin],
         env=_child_env(env),
         capture_output=True,
         text=True,
