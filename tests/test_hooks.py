@@ -406,3 +406,41 @@ def test_hooks_race_install_and_uninstall_without_harm():
     for pool in pools:
         pool.check_invariants()
         assert pool.stats()["live"] == 0
+
+
+def test_free_owned_takes_the_hooks_blocks_from_any_thread_and_leaves_the_rest(fake):
+    """``imp_mem_hooks_free_owned``, the LD_PRELOAD interposer's free: 1 for a
+    block the hooks handed out (a region's, freed on a thread outside it), 0
+    and nothing counted for any other pointer."""
+    import threading
+
+    lib = ctypes.CDLL(_core.hook_library_path())
+    free_owned = getattr(lib, _core.FREE_OWNED_SYMBOL)
+    free_owned.restype, free_owned.argtypes = c_int, [c_void_p, c_void_p]
+    assert _core.FREE_OWNED_SYMBOL == "imp_mem_hooks_free_owned"
+    assert (
+        _core.hook_addresses()[_core.FREE_OWNED_SYMBOL] == ctypes.cast(free_owned, c_void_p).value
+    )
+    region = imp_mem.ActivationPool(fake, MIB)
+    _core.add_hook_region(region, device=0)
+    try:
+        _core.set_hook_region(region)
+        p = TORCH_MALLOC(3000, 0, None)
+        _core.set_hook_region(None)
+        assert region.size_of(p) == 3000
+        _core.reset_hook_stats()
+        foreign = ctypes.create_string_buffer(64)
+        assert free_owned(ctypes.addressof(foreign), None) == 0
+        assert free_owned(None, None) == 0
+        assert misuse(_core.hook_stats()) == {}, "a foreign pointer is not misuse here"
+        taken: list[int] = []
+        t = threading.Thread(target=lambda: taken.append(free_owned(p, None)))
+        t.start()
+        t.join()
+        assert taken == [1]
+        assert region.stats()["live"] == 0
+        assert free_owned(p, None) == 1, "still the hooks' pointer"
+        assert misuse(_core.hook_stats()) == {"double_frees": 1}
+    finally:
+        _core.set_hook_region(None)
+        _core.remove_hook_region(region)

@@ -782,6 +782,11 @@ CUPY_REGION_FREE_SYMBOL: str
 """``imp_mem_cupy_region_free``: ``void (void* param, void* ptr, int device)``; the free of
 ``imp_mem_cupy_region_malloc``'s blocks (param: the pool id, as CuPy passes the same param
 to both; the legacy default stream, as at the malloc)."""
+FREE_OWNED_SYMBOL: str
+"""``imp_mem_hooks_free_owned``: ``int (void* ptr, cudaStream_t stream)``; the free of the
+LD_PRELOAD interposer (``imp_mem._preload``): 1 if the hooks handed ``ptr`` out (freed at
+home, from any thread, at its own device), 0 if not (nothing counted: the interposer gives
+it to the real ``cudaFree``), -1 if a panic was caught."""
 
 def hook_stats() -> dict[str, Any]:
     """The C hooks' counters, plus ``installed`` and ``route`` (the calling thread's). Calls:

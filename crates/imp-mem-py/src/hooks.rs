@@ -18,6 +18,11 @@
 //!   on the legacy default stream (CuPy passes the same `param` to both, so
 //!   it cannot be the stream here), and the free finds the region by
 //!   address.
+//! * `int imp_mem_hooks_free_owned(void* ptr, cudaStream_t stream)`: the
+//!   free of the LD_PRELOAD interposer (`crates/imp-mem-preload`), which
+//!   sees every `cudaFree` of the process: 1 if the hooks handed `ptr` out
+//!   (freed at home, any thread, any device), 0 if not (the interposer
+//!   gives it to the real `cudaFree`), -1 if a panic was caught.
 //!
 //! They route to one process-wide installed pool through
 //! `imp_mem_core::activations::hooks` (a generation check per call against
@@ -50,6 +55,8 @@ pub const CUPY_FREE: &str = "imp_mem_cupy_free";
 pub const CUPY_REGION_MALLOC: &str = "imp_mem_cupy_region_malloc";
 /// See [`TORCH_MALLOC`].
 pub const CUPY_REGION_FREE: &str = "imp_mem_cupy_region_free";
+/// See [`TORCH_MALLOC`].
+pub const FREE_OWNED: &str = "imp_mem_hooks_free_owned";
 
 /// Runs `f`, counting a panic and returning `on_panic` instead.
 #[inline]
@@ -135,6 +142,15 @@ pub extern "C" fn imp_mem_cupy_free(param: *mut c_void, ptr: *mut c_void, device
     guarded((), || {
         routing::free(ptr as usize, None, device, param as usize as u64)
     });
+}
+
+/// The LD_PRELOAD interposer's free: 1 taken (the hooks' block), 0 not
+/// the hooks' (nothing counted), -1 a panic (counted).
+#[no_mangle]
+pub extern "C" fn imp_mem_hooks_free_owned(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    guarded(-1, || {
+        c_int::from(routing::free_owned(ptr as usize, stream as usize as u64))
+    })
 }
 
 /// The hooks' counters.
@@ -252,6 +268,7 @@ fn hook_addresses(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         CUPY_REGION_FREE,
         imp_mem_cupy_region_free as *const () as usize,
     )?;
+    d.set_item(FREE_OWNED, imp_mem_hooks_free_owned as *const () as usize)?;
     Ok(d)
 }
 
@@ -263,6 +280,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CUPY_FREE_SYMBOL", CUPY_FREE)?;
     m.add("CUPY_REGION_MALLOC_SYMBOL", CUPY_REGION_MALLOC)?;
     m.add("CUPY_REGION_FREE_SYMBOL", CUPY_REGION_FREE)?;
+    m.add("FREE_OWNED_SYMBOL", FREE_OWNED)?;
     m.add_function(wrap_pyfunction!(hook_stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_hook_stats, m)?)?;
     m.add_function(wrap_pyfunction!(uninstall_hooks, m)?)?;

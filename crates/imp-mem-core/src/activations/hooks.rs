@@ -696,7 +696,7 @@ fn retired_weights_free(ptr: usize) -> bool {
 
 /// Frees `ptr` in the retired pool that holds it, dropping the pool with
 /// its last live block; false if none holds it.
-fn retired_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool {
+fn retired_free(ptr: usize, size: Option<i64>, device: Option<i32>, stream: u64) -> bool {
     // A fallback block lies outside the region: its address is a key.
     let entry = retired()
         .iter()
@@ -797,7 +797,7 @@ fn allocated(result: Result<usize, MemError>) -> usize {
 
 /// Frees `ptr` in the region that holds it (inside its range, or one of
 /// its fallback blocks outside it); false if none does.
-fn region_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool {
+fn region_free(ptr: usize, size: Option<i64>, device: Option<i32>, stream: u64) -> bool {
     let entry = {
         let all = regions();
         let owns = |r: &&Arc<RegionEntry>| r.pool.contains(ptr);
@@ -817,16 +817,17 @@ fn region_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool 
 }
 
 /// Frees `ptr` in `pool` (of device `owner`), counting the outcome; the
-/// pool's live blocks after the free, or None if nothing was freed.
+/// pool's live blocks after the free, or None if nothing was freed. A
+/// `device` of None is the owner's (a caller that knows none: `free_owned`).
 fn pool_free(
     pool: &ActivationPool,
     owner: i32,
     ptr: usize,
     size: Option<i64>,
-    device: i32,
+    device: Option<i32>,
     stream: u64,
 ) -> Option<u64> {
-    if device != owner {
+    if device.is_some_and(|d| d != owner) {
         bump(C::wrong_device);
         return None;
     }
@@ -928,6 +929,34 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
         bump(C::null_frees);
         return;
     }
+    if let Err(missed) = free_found(ptr, size, Some(device), stream) {
+        bump(missed);
+    }
+}
+
+/// Frees `ptr` if the hooks handed it out — from any pool they know: the
+/// installed one, a region, a retired pool, a T1 take — at its own device,
+/// from any thread, and returns true; a double free of such a block is
+/// refused and counted as [`free`] counts it, and true too (the block is
+/// the hooks', no other allocator's). False, and nothing counted, for a
+/// pointer the hooks never handed out (null included): the caller gives it
+/// to whoever did. For a caller that sees every free of the process and
+/// knows neither the size nor the device (the LD_PRELOAD interposer's
+/// `cudaFree`, `crates/imp-mem-preload`).
+pub fn free_owned(ptr: usize, stream: u64) -> bool {
+    if ptr == 0 {
+        return false;
+    }
+    let found = free_found(ptr, None, None, stream).is_ok();
+    if found {
+        bump(C::frees);
+    }
+    found
+}
+
+/// Looks for the pool that holds `ptr` and frees it there (counting the
+/// outcome); `Err(counter)` when none holds it, the miss to count.
+fn free_found(ptr: usize, size: Option<i64>, device: Option<i32>, stream: u64) -> Result<(), C> {
     // The block's pool may move while we look: from the slot to the
     // retired list (listed before the slot changes, `depart`: a second look
     // at the lists finds it), or back into the slot (taken off the list as
@@ -937,20 +966,20 @@ pub fn free(ptr: usize, size: Option<i64>, device: i32, stream: u64) {
     for _ in 0..FREE_LOOKS {
         let generation = GENERATION.load(Ordering::Acquire);
         if left_pool_free(ptr, size, device, stream) {
-            return;
+            return Ok(());
         }
         match with_installed(|inst| free_on(inst, ptr, size, device, stream)) {
-            None => return,
+            None => return Ok(()),
             Some(miss) => missed = miss,
         }
         if left_pool_free(ptr, size, device, stream) {
-            return;
+            return Ok(());
         }
         if GENERATION.load(Ordering::Acquire) == generation {
             break;
         }
     }
-    bump(missed);
+    Err(missed)
 }
 
 /// How many times a free looks for its pool while installs keep moving the
@@ -960,7 +989,7 @@ const FREE_LOOKS: usize = 8;
 
 /// Frees `ptr` in a region or a pool or arena that left the hooks; false
 /// if none of them holds it.
-fn left_pool_free(ptr: usize, size: Option<i64>, device: i32, stream: u64) -> bool {
+fn left_pool_free(ptr: usize, size: Option<i64>, device: Option<i32>, stream: u64) -> bool {
     // The retired list first: a pool listed there that also serves (a
     // region again) must see its frees there, or the entry would never see
     // its last block and hold the pool for good.
@@ -976,13 +1005,13 @@ fn free_on(
     inst: Option<&Installed>,
     ptr: usize,
     size: Option<i64>,
-    device: i32,
+    device: Option<i32>,
     stream: u64,
 ) -> Option<C> {
     let Some(inst) = inst else {
         return Some(C::free_not_installed);
     };
-    if device != inst.device {
+    if device.is_some_and(|d| d != inst.device) {
         bump(C::wrong_device);
         return None;
     }
