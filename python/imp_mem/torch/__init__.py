@@ -137,6 +137,8 @@ from imp_mem.torch._hooks import _hook_region as _hook_region
 from imp_mem.torch._hooks import _install_hooks as _install_hooks
 from imp_mem.torch._hooks import _installed as _installed
 from imp_mem.torch._hooks import _made_lock as _made_lock
+from imp_mem.torch._hooks import _region_stack as _region_stack
+from imp_mem.torch._hooks import _release_dropped_pools as _release_dropped_pools
 from imp_mem.torch._measure import measure_outside_charge, measure_step_high_water
 from imp_mem.torch._pools import Pool, install, pool, use_pool
 from imp_mem.torch._pools import _pools as _pools
@@ -144,6 +146,7 @@ from imp_mem.torch._region import Region, pause, region, regions, release_region
 from imp_mem.torch._region import _find_or_make_region as _find_or_make_region
 from imp_mem.torch._region import _region_of as _region_of
 from imp_mem.torch._region import _regions as _regions
+from imp_mem.torch._region import _release_region as _release_region
 from imp_mem.torch._serve import (
     DEFAULT_CHUNK,
     DEFAULT_MARGIN,
