@@ -24,6 +24,7 @@ mod failure;
 mod hf_defaults;
 mod input;
 mod plan;
+#[path = "hf_config.rs"]
 mod shape;
 
 #[cfg(test)]
