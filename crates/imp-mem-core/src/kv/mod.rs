@@ -69,7 +69,6 @@ pub mod events;
 pub mod hash;
 pub mod host_tier;
 mod manager;
-#[path = "persist/load.rs"]
 pub mod persist;
 mod prefix;
 pub mod tokens;
