@@ -68,6 +68,7 @@ impl TrailerOver {
 }
 
 pub(crate) const FORMAT: &str = "imp-mem prefix cache";
+
 /// The file's JSON header: what a file must match to load (every field but
 /// `entries` and `checksum`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
