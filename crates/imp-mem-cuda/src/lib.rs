@@ -31,7 +31,6 @@ pub mod host_tier;
 pub mod pinned;
 pub mod reserve;
 pub mod stream_order;
-#[path = "vmm/regions.rs"]
 pub mod vmm;
 
 pub use device::{cuda_backend, CudaSource};
