@@ -117,6 +117,52 @@ impl std::fmt::Display for KvCapacityReport {
     }
 }
 
+/// Who holds a device's memory, when a new tenant's floor does not fit
+/// beside theirs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerRefusal {
+    /// The device key.
+    pub key: String,
+    /// The budget.
+    pub budget: u64,
+    /// The tenant refused.
+    pub name: String,
+    /// Its floor.
+    pub floor: u64,
+    /// Every tenant admitted: (name, pid, floor, committed).
+    pub tenants: Vec<(String, u32, u64, u64)>,
+}
+
+impl std::fmt::Display for LedgerRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let floors: u64 = self.tenants.iter().map(|t| t.2).sum();
+        write!(
+            f,
+            "device ledger {}: tenant '{}' needs a floor of {}, but the floors of the {} tenant(s) \
+             already admitted take {} of the {} budget ({} left):",
+            self.key,
+            self.name,
+            human_bytes(self.floor),
+            self.tenants.len(),
+            human_bytes(floors),
+            human_bytes(self.budget),
+            human_bytes(self.budget.saturating_sub(floors)),
+        )?;
+        for (name, pid, floor, committed) in &self.tenants {
+            write!(
+                f,
+                "\n  {name} (pid {pid}): floor {}, committed {}",
+                human_bytes(*floor),
+                human_bytes(*committed)
+            )?;
+        }
+        write!(
+            f,
+            "\nplan this model smaller (max_seq_len, kv_dtype, max_batch), or stop a tenant"
+        )
+    }
+}
+
 /// Every failure of the core.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MemError {
@@ -151,7 +197,7 @@ pub enum MemError {
     /// A tenant's floor does not fit on its device beside the floors of
     /// the tenants already there (the device ledger's admission).
     #[error("{0}")]
-    LedgerFull(Box<crate::ledger::LedgerRefusal>),
+    LedgerFull(Box<LedgerRefusal>),
     /// The driver reported an error.
     #[error("driver error: {0}")]
     Driver(String),

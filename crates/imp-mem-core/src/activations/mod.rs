@@ -71,7 +71,7 @@
 //! the live blocks' bytes in pinned host memory), `alloc.rs` (allocate and free),
 //! `plan.rs` (a recorded pass laid out offline and replayed by hints),
 //! `blocks.rs` (the block and lane bookkeeping), `invariants.rs`, `tlsf.rs`
-//! (the index), `stream.rs` (the order contract), `hooks.rs` (the C hooks).
+//! (the index), `stream.rs` (the order contract), `hooks/` (the C hooks).
 //!
 //! [`Region`]: crate::backend::Region
 //! [`MemError::OutOfMemory`]: crate::error::MemError::OutOfMemory

@@ -165,51 +165,10 @@ impl LedgerSnapshot {
     }
 }
 
-/// Who holds a device's memory, when a new tenant's floor does not fit
-/// beside theirs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LedgerRefusal {
-    /// The device key.
-    pub key: String,
-    /// The budget.
-    pub budget: u64,
-    /// The tenant refused.
-    pub name: String,
-    /// Its floor.
-    pub floor: u64,
-    /// Every tenant admitted: (name, pid, floor, committed).
-    pub tenants: Vec<(String, u32, u64, u64)>,
-}
-
-impl std::fmt::Display for LedgerRefusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let floors: u64 = self.tenants.iter().map(|t| t.2).sum();
-        write!(
-            f,
-            "device ledger {}: tenant '{}' needs a floor of {}, but the floors of the {} tenant(s) \
-             already admitted take {} of the {} budget ({} left):",
-            self.key,
-            self.name,
-            human_bytes(self.floor),
-            self.tenants.len(),
-            human_bytes(floors),
-            human_bytes(self.budget),
-            human_bytes(self.budget.saturating_sub(floors)),
-        )?;
-        for (name, pid, floor, committed) in &self.tenants {
-            write!(
-                f,
-                "\n  {name} (pid {pid}): floor {}, committed {}",
-                human_bytes(*floor),
-                human_bytes(*committed)
-            )?;
-        }
-        write!(
-            f,
-            "\nplan this model smaller (max_seq_len, kv_dtype, max_batch), or stop a tenant"
-        )
-    }
-}
+/// The refusal's data lives beside the error that carries it
+/// ([`MemError::LedgerFull`]), so that the error type does not depend on
+/// the ledger.
+pub use crate::error::LedgerRefusal;
 
 struct Table {
     file: File,

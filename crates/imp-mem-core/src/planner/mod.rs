@@ -21,9 +21,11 @@
 
 mod dtype;
 mod failure;
+mod hf_config;
 mod hf_defaults;
 mod input;
 mod plan;
+mod safetensors;
 mod shape;
 
 #[cfg(test)]
@@ -41,10 +43,11 @@ pub use plan::{
     plan_memory, HostKvPlan, KvPlan, MemoryPlan, PoolPlan, DEFAULT_MAX_BATCH_TOKENS,
     GEMM_WORKSPACE_BYTES,
 };
-pub use shape::{
+pub use safetensors::{
     safetensors_bytes_in_dir, safetensors_file_bytes, weights_bytes_from_safetensors_header,
-    weights_bytes_from_safetensors_index, Attention, KvBytesPerToken, ModelShape, Moe, WeightSpec,
+    weights_bytes_from_safetensors_index,
 };
+pub use shape::{Attention, KvBytesPerToken, ModelShape, Moe, WeightSpec};
 
 /// A planner value as pretty JSON, fields in declaration order; `what` names
 /// it in the (unexpected) error.

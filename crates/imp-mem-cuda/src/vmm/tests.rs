@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use imp_mem_core::{Backend, MemError, MemorySource, PhaseMode, Tag};
+use imp_mem_core::{Backend, MemError, MemorySource, PhaseMode, SourceError, Tag};
 use proptest::prelude::*;
 
 use super::sim::{Op, SimDriver};
