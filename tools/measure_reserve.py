@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import imp_mem
-from imp_mem import _core, reserve
+from imp_mem import reserve
 
 MIB = 1 << 20
 
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         reserve.store(measured, path, fp)
         check = {"diverged": False, "message": "first measurement on this fingerprint; stored"}
     else:
-        check = _core.reserve_self_check(previous, measured, 0.10, fp)
-    key = _core.reserve_fingerprint_key(fp)
+        check = reserve.compare(previous, measured, 0.10, fp)
+    key = reserve.fingerprint_key(fp)
     print(f"fingerprint     {key}")
     print(f"context         {measured['context_bytes'] / MIB:.1f} MiB")
     print(f"library reserve {measured['library_reserve_bytes'] / MIB:.1f} MiB")

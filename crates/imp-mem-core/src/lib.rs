@@ -38,6 +38,7 @@ pub mod kv;
 pub mod ledger;
 pub mod phase;
 pub mod pinned;
+pub mod pinned_hosts;
 pub mod planner;
 pub mod scratch;
 pub mod source;
@@ -67,6 +68,7 @@ pub use block_pool::{
 pub use error::KvCapacityReport;
 pub use kv::{Admission, BlockHash, ExtraKeys, KVCacheManager, KvConfig, KvStats};
 pub use pinned::{FakePinnedHost, HostRegistration, PinnedBuffer, PinnedHost, PinnedStats};
+pub use pinned_hosts::{fake_pinned_host, pinned_host_for, process_pinned_stats};
 pub use scratch::{Mark, ScratchSpan, ScratchStack, ScratchStats, SharedMark, SharedScratchStack};
 pub use source::Placement;
 pub use source::{

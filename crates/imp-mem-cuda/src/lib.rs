@@ -20,8 +20,6 @@
 //!   [`Fence`] implements their [`FenceLike`].
 //! * [`pinned`] — pinned host buffers and host registration.
 //! * [`host_tier`] — [`CudaTierIo`]: the KV host tier's async copies.
-//! * [`reserve`] — the measured context cost and library reserve, cached by
-//!   fingerprint, with the 10 % self-check (pure, CPU-tested).
 #![deny(missing_docs)]
 
 pub mod device;
@@ -29,7 +27,6 @@ pub mod driver;
 pub mod fence;
 pub mod host_tier;
 pub mod pinned;
-pub mod reserve;
 pub mod stream_order;
 pub mod vmm;
 
@@ -42,7 +39,6 @@ pub use imp_mem_core::decommit::{
 };
 pub use imp_mem_core::MemError;
 pub use pinned::{pinned_backend, CudaPinnedHost, PinnedHostSource};
-pub use reserve::{Fingerprint, ReserveCache, ReserveMeasurement, SelfCheck};
 pub use stream_order::CudaStreamOrder;
 pub use vmm::{vmm_backend, VmmBackend, VmmConfig, VmmCore, VmmSource};
 

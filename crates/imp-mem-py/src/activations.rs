@@ -299,40 +299,8 @@ impl PyActivationPool {
     /// pool tracks (every key is an `all` pool: the pool has no small/large
     /// split). A fallback region counts as a segment and as reserved bytes.
     fn memory_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.pool.stats();
         let d = PyDict::new(py);
-        let segments = 1 + s.fallback_live;
-        // A measured pool holds what it committed, not its reservation.
-        let reserved = if s.measuring {
-            self.pool.committed()
-        } else {
-            s.capacity
-        };
-        let items: [(&str, u64); 22] = [
-            ("allocated_bytes.all.current", s.in_use),
-            ("allocated_bytes.all.peak", s.in_use_peak),
-            ("allocated_bytes.all.allocated", s.allocated_bytes_total),
-            ("allocated_bytes.all.freed", s.freed_bytes_total),
-            ("requested_bytes.all.current", s.requested),
-            ("active_bytes.all.current", s.in_use),
-            ("active_bytes.all.peak", s.in_use_peak),
-            ("reserved_bytes.all.current", reserved + s.fallback_bytes),
-            ("reserved_bytes.all.peak", s.reserved_peak),
-            ("allocation.all.current", s.live),
-            ("allocation.all.peak", s.live_peak),
-            ("allocation.all.allocated", s.allocs_total),
-            ("allocation.all.freed", s.frees_total),
-            ("active.all.current", s.live),
-            ("active.all.peak", s.live_peak),
-            ("segment.all.current", segments),
-            ("inactive_split.all.current", s.free_blocks),
-            ("inactive_split_bytes.all.current", s.free_bytes),
-            ("num_ooms", s.ooms),
-            ("num_alloc_retries", s.reclaims),
-            ("num_device_alloc", 1 + s.fallbacks_total),
-            ("num_device_free", s.fallbacks_total - s.fallback_live),
-        ];
-        for (key, value) in items {
+        for (key, value) in self.pool.torch_memory_stats() {
             d.set_item(key, value)?;
         }
         Ok(d)

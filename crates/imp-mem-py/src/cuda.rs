@@ -1,5 +1,5 @@
 //! Python face of the CUDA backends: `DeviceBackend`, `CudaBackend`,
-//! `VmmBackend`, `Fence`, and the measured-reserve cache functions.
+//! `VmmBackend`, `Fence`, and the driver queries (version, devices, free memory).
 //!
 //! Both backends subclass `DeviceBackend`, which subclasses `Backend`, so they
 //! share every method of `FakeBackend` (acquire, stats, phases, budget). On a
@@ -10,11 +10,9 @@
 //! `VmmBackend` adds its handle cache and counters. Blocking driver waits
 //! release the GIL.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use imp_mem_core::{Backend, PhaseMode, Region};
-use imp_mem_cuda::reserve::{self, Fingerprint, ReserveCache, ReserveMeasurement};
 use imp_mem_cuda::{CudaSource, DeviceContext, Fence, VmmConfig, VmmCore, VmmSource};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -337,173 +335,6 @@ fn cuda_mem_get_info(device: i32) -> PyResult<(u64, u64)> {
     imp_mem_cuda::mem_get_info(device).py()
 }
 
-fn parse_fingerprint(value: &Bound<'_, PyAny>) -> PyResult<Fingerprint> {
-    let get = |key: &str| -> PyResult<String> {
-        value
-            .get_item(key)
-            .and_then(|v| v.str().map(|s| s.to_string()))
-            .map_err(|_| {
-                invalid(format!(
-                    "the fingerprint needs '{key}' (gpu_name, driver_version, cuda_version)"
-                ))
-            })
-    };
-    let libraries = match value.get_item("libraries") {
-        Ok(libs) if !libs.is_none() => libs
-            .extract::<std::collections::BTreeMap<String, String>>()
-            .map_err(|_| {
-                invalid("the fingerprint's 'libraries' must map names to version strings")
-            })?,
-        _ => Default::default(),
-    };
-    Ok(Fingerprint {
-        gpu_name: get("gpu_name")?,
-        driver_version: get("driver_version")?,
-        cuda_version: get("cuda_version")?,
-        libraries,
-    })
-}
-
-fn measurement<'py>(py: Python<'py>, m: &ReserveMeasurement) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("context_bytes", m.context_bytes)?;
-    d.set_item("library_reserve_bytes", m.library_reserve_bytes)?;
-    Ok(d)
-}
-
-fn measurement_arg(value: &Bound<'_, PyAny>, what: &str) -> PyResult<ReserveMeasurement> {
-    let field = |key: &str| -> PyResult<u64> {
-        let v = value.get_item(key).map_err(|_| {
-            invalid(format!(
-                "{what} needs '{key}' (context_bytes, library_reserve_bytes)"
-            ))
-        })?;
-        convert::bytes(&v, key)
-    };
-    Ok(ReserveMeasurement {
-        context_bytes: field("context_bytes")?,
-        library_reserve_bytes: field("library_reserve_bytes")?,
-    })
-}
-
-/// The cache key of a fingerprint dict (`gpu_name`, `driver_version`,
-/// `cuda_version`, optional `libraries`).
-#[pyfunction]
-fn reserve_fingerprint_key(fingerprint: &Bound<'_, PyAny>) -> PyResult<String> {
-    Ok(parse_fingerprint(fingerprint)?.key())
-}
-
-/// The remembered charges for `fingerprint` in the cache file at `path`:
-/// a dict with `context_bytes`, `library_reserve_bytes`, `measured_unix_s`,
-/// `samples`, or None.
-#[pyfunction]
-fn reserve_cache_lookup<'py>(
-    py: Python<'py>,
-    path: PathBuf,
-    fingerprint: &Bound<'_, PyAny>,
-) -> PyResult<Option<Bound<'py, PyDict>>> {
-    let fp = parse_fingerprint(fingerprint)?;
-    let cache = ReserveCache::load(&path).py()?;
-    let Some(entry) = cache.get(&fp) else {
-        return Ok(None);
-    };
-    let d = measurement(py, &entry.measurement)?;
-    d.set_item("measured_unix_s", entry.measured_unix_s)?;
-    d.set_item("samples", entry.samples)?;
-    d.set_item("key", fp.key())?;
-    Ok(Some(d))
-}
-
-/// Remembers a measurement for `fingerprint` in the cache file at `path`
-/// (read, update, atomic write + rename).
-#[pyfunction]
-#[pyo3(signature = (path, fingerprint, measured, samples = 1))]
-fn reserve_cache_store(
-    path: PathBuf,
-    fingerprint: &Bound<'_, PyAny>,
-    measured: &Bound<'_, PyAny>,
-    samples: u32,
-) -> PyResult<()> {
-    let fp = parse_fingerprint(fingerprint)?;
-    let m = measurement_arg(measured, "measured")?;
-    let mut cache = ReserveCache::load(&path).py()?;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    cache.insert(fp, m, now, samples);
-    cache.store(&path).py()
-}
-
-/// The charges implied by one measurement's readings (a dict with
-/// `free_before_context`, `free_after_context`, `used_before_library`,
-/// `allocator_before_library`, `used_after_library`,
-/// `allocator_after_library`).
-#[pyfunction]
-fn reserve_from_readings<'py>(
-    py: Python<'py>,
-    readings: &Bound<'_, PyAny>,
-) -> PyResult<Bound<'py, PyDict>> {
-    let field = |key: &str| -> PyResult<u64> {
-        let v = readings
-            .get_item(key)
-            .map_err(|_| invalid(format!("readings need '{key}'")))?;
-        convert::bytes(&v, key)
-    };
-    let r = reserve::Readings {
-        free_before_context: field("free_before_context")?,
-        free_after_context: field("free_after_context")?,
-        used_before_library: field("used_before_library")?,
-        allocator_before_library: field("allocator_before_library")?,
-        used_after_library: field("used_after_library")?,
-        allocator_after_library: field("allocator_after_library")?,
-    };
-    measurement(py, &reserve::measurement_from(&r))
-}
-
-/// Compares `observed` against `expected` (dicts with `context_bytes` and
-/// `library_reserve_bytes`): a dict with both divergences, `diverged` (over
-/// `tolerance`, 10 % by default) and a one-line `message`.
-#[pyfunction]
-#[pyo3(
-    signature = (expected, observed, tolerance = reserve::DEFAULT_TOLERANCE, fingerprint = None),
-    text_signature = "(expected, observed, tolerance=0.1, fingerprint=None)"
-)]
-fn reserve_self_check<'py>(
-    py: Python<'py>,
-    expected: &Bound<'_, PyAny>,
-    observed: &Bound<'_, PyAny>,
-    tolerance: f64,
-    fingerprint: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Bound<'py, PyDict>> {
-    if !(tolerance.is_finite() && tolerance >= 0.0) {
-        return Err(invalid(format!(
-            "tolerance must be a non-negative fraction such as 0.1, got {tolerance}"
-        )));
-    }
-    let check = reserve::self_check(
-        measurement_arg(expected, "expected")?,
-        measurement_arg(observed, "observed")?,
-        tolerance,
-    );
-    let fp = match fingerprint {
-        Some(f) if !f.is_none() => parse_fingerprint(f)?,
-        _ => Fingerprint {
-            gpu_name: "?".into(),
-            driver_version: "?".into(),
-            cuda_version: "?".into(),
-            libraries: Default::default(),
-        },
-    };
-    let d = PyDict::new(py);
-    d.set_item("context_divergence", check.context_divergence)?;
-    d.set_item("library_divergence", check.library_divergence)?;
-    d.set_item("tolerance", check.tolerance)?;
-    d.set_item("diverged", check.diverged)?;
-    d.set_item("message", check.message(&fp))?;
-    Ok(d)
-}
-
 /// Registers this file's classes and functions.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDeviceBackend>()?;
@@ -513,10 +344,5 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_driver_version, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_device_count, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_mem_get_info, m)?)?;
-    m.add_function(wrap_pyfunction!(reserve_fingerprint_key, m)?)?;
-    m.add_function(wrap_pyfunction!(reserve_cache_lookup, m)?)?;
-    m.add_function(wrap_pyfunction!(reserve_cache_store, m)?)?;
-    m.add_function(wrap_pyfunction!(reserve_from_readings, m)?)?;
-    m.add_function(wrap_pyfunction!(reserve_self_check, m)?)?;
     Ok(())
 }

@@ -13,7 +13,7 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 
 use imp_mem_core::kv::{
     host_tier_io, Admission, BlockHash, ExtraKeys, IdSource, KVCacheManager, KvConfig, KvEvent,
-    KvStats, TierIo, DEFAULT_HASH_SEED,
+    KvStats, TierIo,
 };
 use imp_mem_core::{Backend, MemError};
 use pyo3::intern;
@@ -271,14 +271,15 @@ impl PyKVCacheManager {
         .unwrap_or_default();
         cfg.swa_window = size(swa_window, "swa_window")?;
         cfg.swa_block_bytes = size(swa_block_bytes, "swa_block_bytes")?;
-        cfg.enable_prefix_caching = convert::opt(
+        // What is not given keeps KvConfig::new's default.
+        let prefix = convert::opt(
             enable_prefix_caching,
             "enable_prefix_caching",
             convert::flag,
-        )?
-        .unwrap_or(true);
-        cfg.hash_seed =
-            convert::opt(hash_seed, "hash_seed", convert::u64_arg)?.unwrap_or(DEFAULT_HASH_SEED);
+        )?;
+        cfg.enable_prefix_caching = prefix.unwrap_or(cfg.enable_prefix_caching);
+        let seed = convert::opt(hash_seed, "hash_seed", convert::u64_arg)?;
+        cfg.hash_seed = seed.unwrap_or(cfg.hash_seed);
         if let Some(b) = convert::opt(pin_budget, "pin_budget", convert::u32_arg)? {
             cfg.pin_budget = b;
         }
@@ -286,7 +287,8 @@ impl PyKVCacheManager {
         cfg.model_fingerprint = text(model_fingerprint, "model_fingerprint")?;
         cfg.dtype = text(dtype, "dtype")?;
         cfg.layout = text(layout, "layout")?;
-        cfg.kv_events = convert::opt(kv_events, "kv_events", convert::flag)?.unwrap_or(false);
+        let events = convert::opt(kv_events, "kv_events", convert::flag)?;
+        cfg.kv_events = events.unwrap_or(cfg.kv_events);
         let host_blocks = convert::opt(host_blocks, "host_blocks", |v, what| {
             convert::int_in(v, what, 0, (u32::MAX - 1).into()).map(|n| n as u32)
         })?

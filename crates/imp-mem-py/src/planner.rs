@@ -639,6 +639,21 @@ impl PyMemoryPlan {
             inner: core::MemoryPlan::from_json(&text).py()?,
         })
     }
+    /// A plan of the activations tier alone: `activations` bytes (rounded
+    /// up to a MiB) and the CUDA `context`, within `budget`; no model, no
+    /// KV pool, no scratch.
+    #[staticmethod]
+    fn activations_only(budget: u64, context: u64, activations: u64) -> PyResult<Self> {
+        Ok(Self {
+            inner: core::MemoryPlan::activations_only(budget, context, activations).py()?,
+        })
+    }
+    /// The largest activations tier (whole MiB) that fits in `budget`
+    /// beside a CUDA context of `context` bytes; 0 when none does.
+    #[staticmethod]
+    fn activations_room(budget: u64, context: u64) -> u64 {
+        core::MemoryPlan::activations_room(budget, context)
+    }
     /// The charges as a text table in MiB.
     fn table(&self) -> String {
         self.inner.table()
@@ -758,6 +773,15 @@ fn plan_memory(plan_input: &PyPlanInput) -> PyResult<PyMemoryPlan> {
     Ok(PyMemoryPlan { inner: plan })
 }
 
+/// transformers' defaults of `model_type` (the fields a `config.json` may
+/// leave out, key to value), as the planner reads them; empty for a type
+/// the table does not cover.
+#[pyfunction]
+fn transformers_defaults(py: Python<'_>, model_type: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    let model_type = convert::text(model_type, "model_type")?;
+    to_py_object(py, &core::transformers_defaults(&model_type))
+}
+
 /// Parses a size such as `"80GiB"`, `"80 GB"` or `"81920MiB"` into bytes;
 /// raises `InvalidArgument` naming `field` if it does not parse.
 #[pyfunction]
@@ -777,6 +801,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyMemoryPlan>()?;
     m.add_function(wrap_pyfunction!(plan_memory, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(transformers_defaults, m)?)?;
     m.add("H200_CONTEXT_BYTES", H200_CONTEXT_BYTES)?;
     m.add("H200_LIBRARY_RESERVE_BYTES", H200_LIBRARY_RESERVE_BYTES)?;
     Ok(())

@@ -4,8 +4,9 @@
 The engine serves the families of `SUPPORTED_MODEL_TYPES` (one model file
 each, `imp_mem.engine.model`); any other ``model_type`` is refused with a
 message naming them. `ModelConfig.from_hf_config` reads the common fields
-as the family's transformers config class reads them (its class defaults,
-`_FAMILY_DEFAULTS`, fill what the file omits) and the family's own values
+as the family's transformers config class reads them (its class defaults
+fill what the file omits: the core's table, which the planner reads too,
+through `imp_mem._core.transformers_defaults`) and the family's own values
 (RoPE scaling, MoE and MLA geometry, Gemma's scalars) into
 `ModelConfig.extra` (`_family_fields`). For ``qwen3`` it reads a config the
 way transformers 5.17's ``Qwen3Config`` reads it (``use_sliding_window:
@@ -34,29 +35,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from imp_mem import _core
 from imp_mem.errors import InvalidArgument
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-
-# transformers 5.17 Qwen3Config class defaults, for fields a config.json may omit.
-_QWEN3_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 22016,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,
-    "attention_bias": False,
-    "use_sliding_window": False,
-    "sliding_window": 4096,
-    "max_window_layers": 28,
-}
 
 # The families the engine serves, each a file of `imp_mem.engine.model`.
 SUPPORTED_MODEL_TYPES = (
@@ -67,80 +50,6 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "gemma3",
 )
-
-# transformers 5.24 SiglipVisionConfig class defaults (Gemma-3's tower), and
-# Gemma3Config's own (``image_token_index`` is also read as ``image_token_id``).
-_SIGLIP_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_channels": 3,
-    "image_size": 224,
-    "patch_size": 16,
-    "hidden_act": "gelu_pytorch_tanh",
-    "layer_norm_eps": 1e-6,
-    "vision_use_head": True,
-}
-_GEMMA3_DEFAULTS: dict[str, Any] = {"mm_tokens_per_image": 256, "image_token_index": 262_144}
-
-# Each family's transformers class defaults where they differ from Qwen3's
-# (a field a config.json omits is read from here, as transformers reads it).
-_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {
-        "vocab_size": 32000,
-        "intermediate_size": 11008,
-        "max_position_embeddings": 2048,
-        "head_dim": None,
-        "mlp_bias": False,
-    },
-    "qwen3_moe": {
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "num_hidden_layers": 24,
-        "num_key_value_heads": 4,
-        "decoder_sparse_step": 1,
-        "moe_intermediate_size": 768,
-        "num_experts_per_tok": 8,
-        "num_experts": 128,
-        "norm_topk_prob": False,
-    },
-    "deepseek_v2": {
-        "vocab_size": 102400,
-        "intermediate_size": 11008,
-        "max_position_embeddings": 2048,
-        "first_k_dense_replace": 0,
-        "kv_lora_rank": 512,
-        "q_lora_rank": 1536,
-        "n_routed_experts": 64,
-        "n_shared_experts": 2,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "routed_scaling_factor": 1.0,
-        "topk_method": "greedy",
-        "norm_topk_prob": False,
-        "moe_intermediate_size": 1407,
-        "moe_layer_freq": 1,
-    },
-    "gemma3_text": {
-        "vocab_size": 262208,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": True,
-        "rope_theta": 1_000_000.0,
-        "rope_local_base_freq": 10_000.0,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "sliding_window_pattern": 6,
-    },
-}
 
 
 def qwen3_0_6b_config() -> dict[str, Any]:
@@ -264,7 +173,7 @@ class ModelConfig:
                 f"config: model_type {model_type!r} is not served by the reference engine; "
                 f"it serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        defaults = {**_QWEN3_DEFAULTS, **_FAMILY_DEFAULTS.get(model_type, {})}
+        defaults = _core.transformers_defaults(model_type)
 
         def get(key: str) -> Any:
             value = config.get(key)
@@ -282,8 +191,9 @@ class ModelConfig:
         hidden = positive("hidden_size", get("hidden_size"))
         kv = config.get("num_key_value_heads")
         if kv is None:
+            # Where transformers' default is None (Llama, DeepSeek), the
+            # table has none: the KV heads are the query heads.
             kv = defaults.get("num_key_value_heads", num_heads)
-            kv = num_heads if model_type in ("llama", "deepseek_v2") else kv
         num_kv_heads = positive("num_key_value_heads", kv)
         if model_type == "deepseek_v2":
             # MLA: every query head has its own up-projected K/V.
@@ -514,10 +424,12 @@ def _gemma3_vision(cls: Any, config: dict[str, Any]) -> ModelConfig:
             "config: gemma3 with tie_word_embeddings false is not supported; Gemma-3 ties its "
             "output head to the embedding"
         )
+    tower_defaults = _core.transformers_defaults("siglip_vision_model")
+    own_defaults = _core.transformers_defaults("gemma3")
 
     def get(key: str) -> Any:
         value = vis.get(key)
-        return _SIGLIP_DEFAULTS[key] if value is None else value
+        return tower_defaults.get(key) if value is None else value
 
     vision: dict[str, Any] = {
         key: positive(f"vision_config.{key}", get(key))
@@ -549,10 +461,10 @@ def _gemma3_vision(cls: Any, config: dict[str, Any]) -> ModelConfig:
         )
     mm = positive(
         "mm_tokens_per_image",
-        config.get("mm_tokens_per_image") or _GEMMA3_DEFAULTS["mm_tokens_per_image"],
+        config.get("mm_tokens_per_image") or own_defaults["mm_tokens_per_image"],
     )
     token = config.get("image_token_index", config.get("image_token_id"))
-    token = _GEMMA3_DEFAULTS["image_token_index"] if token is None else token
+    token = own_defaults["image_token_index"] if token is None else token
     if isinstance(token, bool) or not isinstance(token, int) or token < 0:
         raise InvalidArgument(f"config: image_token_index must be a token id, got {token!r}")
     side, patch = vision["image_size"], vision["patch_size"]

@@ -413,36 +413,13 @@ def serve(
 
 
 def _tier_bytes(budget: int, context: int) -> int:
-    """The most whole MiB the tier can have beside `context` in `budget`:
-    the planner counts the budget in whole MiB down and the context in
-    whole MiB up (a device's free bytes are rarely whole MiB; flooring
-    their difference alone overshot by one MiB on the H200)."""
-    mib = 1 << 20
-    return (budget // mib - -(-context // mib)) * mib
+    """The most whole MiB the tier can have beside `context` in `budget`,
+    as the planner rounds them (the core's ``MemoryPlan.activations_room``)."""
+    return _core.MemoryPlan.activations_room(budget, context)
 
 
 def _placeholder_plan(tier: int, budget: int, context: int) -> Any:
     """A plan of one tier: the activations (``tier`` bytes), no weights, no
-    KV pool, no scratch; the context charged as measured."""
-    from imp_mem import Features, Limits, ModelShape, PlanInput, plan_memory
-
-    shape = ModelShape.from_hf_config(_PLACEHOLDER_CONFIG).with_weights_bytes(0)
-    features = Features(activation_bytes=tier, scratch_bytes=0, engine_persistent_bytes=0)
-    limits = Limits(1, 16, kv_policy="none")
-    return plan_memory(
-        PlanInput(shape, limits, features, budget=budget, context=context, library_reserve=0)
-    )
-
-
-# The planner needs a model shape; serve() routes a model it does not know
-# (its weights are torch tensors in the tier), so the plan's model is empty.
-_PLACEHOLDER_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 1,
-    "num_key_value_heads": 1,
-    "vocab_size": 16,
-    "torch_dtype": "bfloat16",
-}
+    KV pool, no scratch; the context charged as measured (the core's
+    ``MemoryPlan.activations_only``)."""
+    return _core.MemoryPlan.activations_only(budget, context, tier)

@@ -87,6 +87,7 @@ pub mod plan;
 mod pool;
 pub mod stream;
 pub(crate) mod tlsf;
+mod torch_stats;
 
 pub use config::{ActivationConfig, ActivationStats, Freed, Frozen, RefusedFree};
 pub use plan::{HintStats, PassItem, PassPlan};

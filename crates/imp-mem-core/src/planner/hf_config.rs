@@ -33,16 +33,7 @@ impl ModelShape {
             .flatten()
             .find_map(|m| m.get("model_type").and_then(Value::as_str))
             .unwrap_or_default();
-        let defaults: Map<String, Value> = super::hf_defaults::defaults(model_type)
-            .iter()
-            .map(|(key, value)| {
-                let value = match *value {
-                    super::hf_defaults::D::Int(n) => Value::from(n),
-                    super::hf_defaults::D::Bool(b) => Value::from(b),
-                };
-                ((*key).to_string(), value)
-            })
-            .collect();
+        let defaults = super::hf_defaults::transformers_defaults(model_type);
         parse(&Cfg {
             primary,
             fallback,

@@ -19,6 +19,7 @@
 //! Every figure is per rank: GQA KV heads are divided between ranks, MLA's
 //! latent is replicated, weights and linear-layer state are divided.
 
+mod activations_only;
 mod dtype;
 mod failure;
 mod hf_config;
@@ -35,6 +36,7 @@ use crate::error::MemError;
 
 pub use dtype::{Dtype, WeightFormat};
 pub use failure::{Charge, FailureKind, Lever, PlanError, PlanFailure};
+pub use hf_defaults::transformers_defaults;
 pub use input::{
     parse_size, Features, KvPolicy, Limits, PlanInput, DEFAULT_BLOCK_SIZE, H200_CONTEXT_BYTES,
     H200_LIBRARY_RESERVE_BYTES, MAX_BYTES,

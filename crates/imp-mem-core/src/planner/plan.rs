@@ -165,11 +165,11 @@ fn is_zero(value: &u64) -> bool {
     *value == 0
 }
 
-fn mib(bytes: u64) -> u64 {
+pub(super) fn mib(bytes: u64) -> u64 {
     bytes.div_ceil(MIB).saturating_mul(MIB)
 }
 
-fn floor_mib(bytes: u64) -> u64 {
+pub(super) fn floor_mib(bytes: u64) -> u64 {
     bytes / MIB * MIB
 }
 

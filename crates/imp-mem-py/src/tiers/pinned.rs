@@ -1,9 +1,10 @@
-//! `PinnedBuffer` (T5b), the pinned host memory that goes with a backend,
-//! and `pinned_stats`.
+//! `PinnedBuffer` (T5b) and `pinned_stats`; which pinned host goes with a
+//! backend, and the process's count, are the core's (`pinned_hosts`).
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
-use imp_mem_core::{FakePinnedHost, PinnedBuffer, PinnedHost};
+pub(crate) use imp_mem_core::pinned_host_for;
+use imp_mem_core::{fake_pinned_host, PinnedBuffer};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -11,37 +12,6 @@ use super::span::{stable, Owner, PyStableSpan};
 use super::{lock, size};
 use crate::backend::PyBackend;
 use crate::errors::{invalid, IntoPyResult, StaleSpan};
-
-/// The pinned host memory the fake backend (and a machine without CUDA)
-/// uses: ordinary host memory, exported as kDLCPU.
-fn fake_pinned_host() -> &'static PinnedHost {
-    static HOST: OnceLock<PinnedHost> = OnceLock::new();
-    HOST.get_or_init(|| PinnedHost::new(Arc::new(FakePinnedHost::new(1 << 40))))
-}
-
-/// The devices' pinned hosts, one per device, made on first use.
-fn device_hosts() -> &'static Mutex<Vec<(i32, PinnedHost)>> {
-    static HOSTS: OnceLock<Mutex<Vec<(i32, PinnedHost)>>> = OnceLock::new();
-    HOSTS.get_or_init(|| Mutex::new(Vec::new()))
-}
-
-/// The pinned host memory that goes with `backend`: its source's
-/// (`MemorySource::pinned_host`, the driver's on a device), one
-/// `PinnedHost` per device so that `pinned_stats` counts them together;
-/// ordinary host memory for a source with none (the fake).
-pub(crate) fn pinned_host_for(backend: &imp_mem_core::Backend) -> PinnedHost {
-    let Some(ops) = backend.pinned_host() else {
-        return fake_pinned_host().clone();
-    };
-    let device = backend.info().device;
-    let mut hosts = lock(device_hosts());
-    if let Some((_, host)) = hosts.iter().find(|(d, _)| *d == device) {
-        return host.clone();
-    }
-    let host = PinnedHost::new(ops);
-    hosts.push((device, host.clone()));
-    host
-}
 
 /// Pinned host memory (T5b): move-only, freed exactly once. With
 /// `or_empty=True` a failure gives an empty buffer (`empty` is True) instead
@@ -65,7 +35,7 @@ impl PyPinnedBuffer {
     ) -> PyResult<Self> {
         let len = size(nbytes, "nbytes")?;
         let host = match &backend {
-            None => fake_pinned_host().clone(),
+            None => fake_pinned_host(),
             Some(b) => pinned_host_for(&b.inner),
         };
         let buf = if or_empty {
@@ -156,21 +126,7 @@ impl PyPinnedBuffer {
 /// peak is the sum of each one's peak.
 #[pyfunction]
 pub(super) fn pinned_stats<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-    let mut s = fake_pinned_host().stats();
-    // Copied out first: nothing else is done under the lock.
-    let hosts: Vec<PinnedHost> = lock(device_hosts())
-        .iter()
-        .map(|(_, h)| h.clone())
-        .collect();
-    for h in hosts {
-        let t = h.stats();
-        s.live_bytes += t.live_bytes;
-        s.buffers += t.buffers;
-        s.registered_bytes += t.registered_bytes;
-        s.registrations += t.registrations;
-        s.failures += t.failures;
-        s.peak_bytes += t.peak_bytes;
-    }
+    let s = imp_mem_core::process_pinned_stats();
     let d = PyDict::new(py);
     d.set_item("live_bytes", s.live_bytes)?;
     d.set_item("buffers", s.buffers)?;
