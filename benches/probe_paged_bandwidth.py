@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     import triton
     import triton.language as tl
 
-    from imp_mem.engine.model import _paged_kernel as pk
+    from imp_mem.engine.kernels import paged as pk
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)

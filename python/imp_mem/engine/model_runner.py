@@ -158,7 +158,7 @@ def t2_groups(
 ) -> dict[str, dict[str, tuple]]:
     """The static buffers in T2, by region: name -> (shape, dtype).
     `flashinfer`: FlashInfer's page table in the step's inputs and its
-    workspaces in a region of their own, ``fi_work`` (`_flashinfer`).
+    workspaces in a region of their own, ``fi_work`` (`kernels.flashinfer_decode`).
     `prefill_batch_tokens` (0: no batched prefill): the prefill inputs hold
     a batch of that many tokens over `batch_rows` chunks, with their
     tables, ``cu_seqlens``, starts, and which chunks' greedy tokens go to
@@ -190,10 +190,10 @@ def t2_groups(
         out["logits"] = ((B, config.vocab_size), torch.float32)
     groups = {"decode_in": decode_in, "prefill_in": prefill_in, "out": out}
     if flashinfer:
-        from imp_mem.engine.model import _flashinfer
+        from imp_mem.engine.kernels import flashinfer_decode
 
-        decode_in.update(_flashinfer.input_specs(B, W))
-        groups["fi_work"] = _flashinfer.workspace_specs()
+        decode_in.update(flashinfer_decode.input_specs(B, W))
+        groups["fi_work"] = flashinfer_decode.workspace_specs()
     return groups
 
 
@@ -309,9 +309,9 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.flashinfer: Any = None
         if attention_backend == "flashinfer":
-            from imp_mem.engine.model import _flashinfer
+            from imp_mem.engine.kernels import flashinfer_decode
 
-            _flashinfer.require(memory.device)  # before the plan: a GPU's
+            flashinfer_decode.require(memory.device)  # before the plan: a GPU's
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
@@ -368,9 +368,9 @@ class ModelRunner:
         c = self.config
         system = self.memory.system
         if attention_backend == "flashinfer":
-            from imp_mem.engine.model import _flashinfer
+            from imp_mem.engine.kernels import flashinfer_decode
 
-            _flashinfer.require(self.device)
+            flashinfer_decode.require(self.device)
         self.weights = weights
         self.model = build_model(
             c,
@@ -564,9 +564,9 @@ class ModelRunner:
         memory.charge_torch()
 
     def _flashinfer_wrappers(self) -> None:
-        """FlashInfer's decode wrappers, one a bucket, over T2 (`_flashinfer`),
+        """FlashInfer's decode wrappers, one a bucket, over T2 (`kernels.flashinfer_decode`),
         given to the model."""
-        from imp_mem.engine.model import _flashinfer
+        from imp_mem.engine.kernels import flashinfer_decode
 
         c = self.config
         if self.kv_views.full.stride(0) >= 1 << 32:
@@ -575,8 +575,8 @@ class ModelRunner:
                 f"attention_backend='flashinfer': a KV block of {self.kv_views.full.stride(0)} "
                 "elements is beyond FlashInfer's 32-bit page stride; use attention_backend='triton'"
             )
-        self.flashinfer = _flashinfer.DecodeWrappers(
-            _flashinfer.require(self.device),
+        self.flashinfer = flashinfer_decode.DecodeWrappers(
+            flashinfer_decode.require(self.device),
             self.t2,
             self.staging["decode_in"].t,
             buckets=self.buckets,

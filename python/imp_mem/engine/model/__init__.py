@@ -1,8 +1,8 @@
 """The models the engine serves, one file per family over shared layers.
 
 * `layers`: what every family uses (`KvViews`, RMSNorm, RoPE);
-* `attention`, `_paged_kernel`: attention over the KV pages (torch and
-  Triton), shared by every family;
+* `attention`: attention over the KV pages, shared by every family (torch,
+  and the Triton kernels of `imp_mem.engine.kernels`, which hold no model);
 * `qwen3`: the Qwen3 architecture (`PagedModel`);
 * `decoder`: the frame the other families share (`DecoderModel`, `Step`);
   `rope`: RoPE's scaled frequencies; `moe`: routing and the experts;
@@ -26,6 +26,19 @@ from imp_mem.engine.config import ModelConfig
 from imp_mem.engine.model.layers import KvViews, rms_norm, rope_tables, rotate_half
 from imp_mem.engine.model.qwen3 import PagedModel
 from imp_mem.engine.model.qwen3 import weight_names as qwen3_weight_names
+
+
+def __getattr__(name: str) -> Any:
+    # `imp_mem.engine.model._flashinfer` was moved to
+    # `imp_mem.engine.kernels.flashinfer_decode` (issue 53); the serving
+    # loop still imports it by the old name until its own restructuring
+    # lands. Resolved on use, as a submodule was, so that importing the
+    # models does not import FlashInfer's binding.
+    if name == "_flashinfer":
+        from imp_mem.engine.kernels import flashinfer_decode
+
+        return flashinfer_decode
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def model_class(config: ModelConfig) -> Any:
