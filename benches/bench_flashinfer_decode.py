@@ -10,7 +10,7 @@ paged cache with a larger page stride. FlashInfer takes the strides of the
 tensor it is given (``paged_kv_t`` is built from them), so both read the
 same bytes in place, nothing copied; ``--layers 1`` is FlashInfer's own
 contiguous layout. FlashInfer runs as the engine runs it
-(`_flashinfer.DecodeWrappers` over buffers laid out as T2's): the block
+(`flashinfer_decode.DecodeWrappers` over buffers laid out as T2's): the block
 tables become its CSR page table on the host (`page_table`), then its
 ``plan``.
 
@@ -40,7 +40,7 @@ import time
 import torch
 from bench_paged_attention import graph_time_us, paged_pool  # the same timer and pool
 
-from imp_mem.engine.model import _flashinfer
+from imp_mem.engine.kernels import flashinfer_decode
 from imp_mem.engine.model.attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -55,23 +55,23 @@ def setup(batch: int, context: int, layers: int, seed: int = 0):
 
 
 class FlashInferDecode:
-    """The engine's FlashInfer decode (`_flashinfer.DecodeWrappers`) for one
+    """The engine's FlashInfer decode (`flashinfer_decode.DecodeWrappers`) for one
     bucket, over buffers laid out as T2's (device) and the staging's
     (pinned host)."""
 
     def __init__(self, batch: int, width: int, tensor_cores: bool) -> None:
-        specs = _flashinfer.input_specs(batch, width)
+        specs = flashinfer_decode.input_specs(batch, width)
         self.t2 = {
             name: torch.zeros(shape, dtype=dtype, device="cuda")
-            for name, (shape, dtype) in {**specs, **_flashinfer.workspace_specs()}.items()
+            for name, (shape, dtype) in {**specs, **flashinfer_decode.workspace_specs()}.items()
         }
         self.staging = {
             name: torch.zeros(shape, dtype=dtype).pin_memory()
             for name, (shape, dtype) in specs.items()
         }
         self.batch = batch
-        self.wrappers = _flashinfer.DecodeWrappers(
-            _flashinfer.require(),
+        self.wrappers = flashinfer_decode.DecodeWrappers(
+            flashinfer_decode.require(),
             self.t2,
             self.staging,
             buckets=[batch],

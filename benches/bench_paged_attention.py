@@ -13,7 +13,7 @@ the ratio ours ÷ SDPA. SPEC (H200): roofline 31 µs, SDPA 36.6 µs at batch
 ``python benches/bench_paged_attention.py [--batch 32,128] [--context 1024]
 [--window 256] [--sweep]``; ``--sweep`` times kernel configurations (split
 size, tile, warps, stages) and prints the best ones, to choose
-``_paged_kernel``'s defaults on a new GPU.
+``kernels.paged``'s defaults on a new GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import itertools
 
 import torch
 
-from imp_mem.engine.model import _paged_kernel
+from imp_mem.engine.kernels import paged as paged_kernel
 from imp_mem.engine.model.attention import contiguous_decode_sdpa, paged_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
@@ -146,7 +146,7 @@ def sweep(q, kv, tables, positions, args, roofline) -> None:
     ):
 
         def fn(splits=splits, tile=tile, warps=warps, stages=stages):
-            return _paged_kernel.paged_decode(
+            return paged_kernel.paged_decode(
                 q,
                 kv,
                 0,
@@ -165,10 +165,10 @@ def sweep(q, kv, tables, positions, args, roofline) -> None:
         except Exception as err:  # a configuration that does not compile or fit
             print(f"  splits={splits} tile={tile} warps={warps} stages={stages}: {err}")
     results.sort()
-    sms = _paged_kernel._sm_count(q.device.index or 0)
+    sms = paged_kernel._sm_count(q.device.index or 0)
     kv_heads = kv.shape[4]
-    default = _paged_kernel.choose_splits(q.shape[0], kv_heads, tables.shape[1], BLOCK, sms)
-    tile, warps, stages = _paged_kernel.launch_defaults(q.shape[0] * kv_heads * default, sms)
+    default = paged_kernel.choose_splits(q.shape[0], kv_heads, tables.shape[1], BLOCK, sms)
+    tile, warps, stages = paged_kernel.launch_defaults(q.shape[0] * kv_heads * default, sms)
     print(f"  defaults: splits={default} tile={tile} warps={warps} stages={stages}")
     for t, splits, tile, warps, stages in results[:8]:
         print(

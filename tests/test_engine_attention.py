@@ -22,15 +22,12 @@ if torch.cuda.is_available():
     # The interpreter would also take over the GPU tests' kernels in this
     # process; there the GPU test compares the compiled kernel instead.
     pytest.skip("a CUDA device is present: tests/gpu covers the kernel", allow_module_level=True)
-if (
-    "imp_mem.engine.model._paged_kernel" in sys.modules
-    and os.environ.get("TRITON_INTERPRET") != "1"
-):
+if "imp_mem.engine.kernels.paged" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the kernel was already compiled without the interpreter", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")
 
-from imp_mem.engine.model import _paged_kernel  # noqa: E402
+from imp_mem.engine.kernels import paged as paged_kernel  # noqa: E402
 from imp_mem.engine.model.attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -111,7 +108,7 @@ def test_every_split_count_matches_the_reference(splits, tile):
         width=24, blocks=96, holes=True,
     )  # fmt: skip
     ref = paged_decode_attention_reference(q, kv, 0, tables, positions, window=None)
-    out = _paged_kernel.paged_decode(
+    out = paged_kernel.paged_decode(
         q, kv, 0, tables, positions, window=None, scale=q.shape[-1] ** -0.5, splits=splits,
         tile=tile,
     )  # fmt: skip
@@ -132,7 +129,7 @@ def test_tma_loads_match_the_reference(group, window, splits, tile):
         width=12, blocks=64, holes=True,
     )  # fmt: skip
     ref = paged_decode_attention_reference(q, kv, 1, tables, positions, window=window)
-    out = _paged_kernel.paged_decode(
+    out = paged_kernel.paged_decode(
         q, kv, 1, tables, positions, window=window, scale=q.shape[-1] ** -0.5, splits=splits,
         tile=tile, loads="tma",
     )  # fmt: skip
@@ -147,9 +144,9 @@ def test_tma_loads_refuse_what_they_cannot_read():
     )  # fmt: skip
     call = dict(window=None, scale=0.25, loads="tma")
     with pytest.raises(InvalidArgument, match="contiguous"):
-        _paged_kernel.paged_decode(q, kv.transpose(3, 4), 0, tables, positions, **call)
+        paged_kernel.paged_decode(q, kv.transpose(3, 4), 0, tables, positions, **call)
     with pytest.raises(InvalidArgument, match="loads"):
-        _paged_kernel.paged_decode(q, kv, 0, tables, positions, window=None, scale=0.25, loads="x")
+        paged_kernel.paged_decode(q, kv, 0, tables, positions, window=None, scale=0.25, loads="x")
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -165,10 +162,10 @@ def test_a_head_major_pool_reads_the_same_through_its_strides(splits):
     hnd = kv.transpose(3, 4).contiguous().transpose(3, 4)
     assert hnd.shape == kv.shape and hnd.stride(3) == kv.shape[-1]
     scale = q.shape[-1] ** -0.5
-    nhd_out = _paged_kernel.paged_decode(
+    nhd_out = paged_kernel.paged_decode(
         q, kv, 2, tables, positions, window=None, scale=scale, splits=splits
     )
-    hnd_out = _paged_kernel.paged_decode(
+    hnd_out = paged_kernel.paged_decode(
         q, hnd, 2, tables, positions, window=None, scale=scale, splits=splits
     )
     torch.testing.assert_close(hnd_out, nhd_out, atol=0, rtol=0)
@@ -184,7 +181,7 @@ def test_a_sequence_of_holes_reads_zero():
     )
     tables[1] = -1
     for splits in (1, 3):
-        out = _paged_kernel.paged_decode(
+        out = paged_kernel.paged_decode(
             q, kv, 0, tables, positions, window=None, scale=0.25, splits=splits
         )
         assert torch.isfinite(out).all()
@@ -222,21 +219,21 @@ def test_the_default_splits_follow_the_grid():
     H200 (132 SMs) with one split, batch 32 needs two, one sequence many,
     never more than MAX_SPLITS nor splits under MIN_SPLIT_TOKENS of the
     table's width."""
-    choose = _paged_kernel.choose_splits
+    choose = paged_kernel.choose_splits
     assert choose(64, 8, 65, 16, 132) == 1
     assert choose(32, 8, 65, 16, 132) == 2
-    assert choose(1, 8, 4096, 16, 132) == _paged_kernel.MAX_SPLITS
+    assert choose(1, 8, 4096, 16, 132) == paged_kernel.MAX_SPLITS
     assert choose(1, 8, 8, 16, 132) == 2  # 128 tokens: two of 64
     assert choose(1, 8, 1, 16, 132) == 1
     for batch in range(1, 300, 7):
         for width in (1, 3, 65, 257):
             splits = choose(batch, 8, width, 16, 132)
-            assert 1 <= splits <= _paged_kernel.MAX_SPLITS
-            assert splits == 1 or width * 16 // splits >= _paged_kernel.MIN_SPLIT_TOKENS
-            assert splits == 1 or batch * 8 * (splits - 1) < _paged_kernel.PROGRAMS_PER_SM * 132
-    few, many = _paged_kernel.FEW_PROGRAMS, _paged_kernel.MANY_PROGRAMS
-    assert _paged_kernel.launch_defaults(512, 132) == few
-    assert _paged_kernel.launch_defaults(1024, 132) == many
+            assert 1 <= splits <= paged_kernel.MAX_SPLITS
+            assert splits == 1 or width * 16 // splits >= paged_kernel.MIN_SPLIT_TOKENS
+            assert splits == 1 or batch * 8 * (splits - 1) < paged_kernel.PROGRAMS_PER_SM * 132
+    few, many = paged_kernel.FEW_PROGRAMS, paged_kernel.MANY_PROGRAMS
+    assert paged_kernel.launch_defaults(512, 132) == few
+    assert paged_kernel.launch_defaults(1024, 132) == many
 
 
 def test_bad_splits_and_tiles_are_refused():
@@ -245,11 +242,11 @@ def test_bad_splits_and_tiles_are_refused():
     )
     for name, bad in (("splits", 0), ("splits", -2), ("tile", 0)):
         with pytest.raises(InvalidArgument, match=f"{name} must be at least 1"):
-            _paged_kernel.paged_decode(
+            paged_kernel.paged_decode(
                 q, kv, 1, tables, positions, window=None, scale=0.25, **{name: bad}
             )
     with pytest.raises(InvalidArgument, match="splits must be at most"):
-        _paged_kernel.paged_decode(
+        paged_kernel.paged_decode(
             q, kv, 1, tables, positions, window=None, scale=0.25,
-            splits=_paged_kernel.MAX_SPLITS + 1,
+            splits=paged_kernel.MAX_SPLITS + 1,
         )  # fmt: skip

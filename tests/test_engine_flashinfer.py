@@ -1,5 +1,5 @@
 """``attention_backend="flashinfer"`` on the CPU: FlashInfer's CSR page table
-built from the engine's block tables (`_flashinfer.page_table`, property
+built from the engine's block tables (`flashinfer_decode.page_table`, property
 tested), its buffers and workspaces planned in T2 to the byte, and the
 typed refusals at Engine construction (FlashInfer missing, a family it
 does not serve, a CPU model). The kernel itself runs in
@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from imp_mem import FakeBackend, InvalidArgument  # noqa: E402
 from imp_mem.engine import Engine  # noqa: E402
 from imp_mem.engine.config import ModelConfig, swa_config  # noqa: E402
-from imp_mem.engine.model import _flashinfer  # noqa: E402
+from imp_mem.engine.kernels import flashinfer_decode  # noqa: E402
 from imp_mem.engine.model_runner import _layout, t2_bytes, t2_groups  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def test_page_table_lists_each_rows_context_pages_in_order(case):
     indptr = np.full(n + 1, -7, dtype=np.int32)
     indices = np.full(n * width + 3, -7, dtype=np.int32)
     last = np.full(n, -7, dtype=np.int32)
-    total = _flashinfer.page_table(positions, tables, block, indptr, indices, last)
+    total = flashinfer_decode.page_table(positions, tables, block, indptr, indices, last)
     assert indptr[0] == 0 and indptr[n] == total
     assert (indices[total:] == -7).all(), "wrote past the pages"
     for b in range(n):
@@ -101,7 +101,7 @@ def test_a_hole_inside_a_context_is_refused(case, data):
     tables[b, j] = -1
     n, width = tables.shape
     with pytest.raises(InvalidArgument, match=f"row {b}'s table has no block"):
-        _flashinfer.page_table(
+        flashinfer_decode.page_table(
             positions,
             tables,
             block,
@@ -115,7 +115,7 @@ def test_a_position_past_the_table_is_refused():
     tables = np.zeros((2, 3), np.int32)
     for pos in (-1, 12):
         with pytest.raises(InvalidArgument, match=r"positions must be in \[0, 12\)"):
-            _flashinfer.page_table(
+            flashinfer_decode.page_table(
                 np.array([0, pos]),
                 tables,
                 4,
@@ -140,8 +140,8 @@ def test_t2_plans_the_page_table_and_the_workspaces_to_the_byte(max_batch, max_s
     width = -(-max_seq_len // block)
     assert set(fi) == set(plain) | {"fi_work"}
     assert fi["fi_work"] == {
-        "fi_float": ((_flashinfer.FLOAT_WORKSPACE_BYTES,), torch.uint8),
-        "fi_int": ((_flashinfer.INT_WORKSPACE_BYTES,), torch.uint8),
+        "fi_float": ((flashinfer_decode.FLOAT_WORKSPACE_BYTES,), torch.uint8),
+        "fi_int": ((flashinfer_decode.INT_WORKSPACE_BYTES,), torch.uint8),
     }
     assert fi["decode_in"] == {
         **plain["decode_in"],
@@ -152,7 +152,10 @@ def test_t2_plans_the_page_table_and_the_workspaces_to_the_byte(max_batch, max_s
     # T2 grows by exactly the workspaces and the input region's new bytes.
     grown = t2_bytes(fi) - t2_bytes(plain)
     inputs = _layout(fi["decode_in"])[1] - _layout(plain["decode_in"])[1]
-    assert grown == _flashinfer.FLOAT_WORKSPACE_BYTES + _flashinfer.INT_WORKSPACE_BYTES + inputs
+    assert (
+        grown
+        == flashinfer_decode.FLOAT_WORKSPACE_BYTES + flashinfer_decode.INT_WORKSPACE_BYTES + inputs
+    )
     assert inputs >= 4 * (2 * max_batch + 1 + max_batch * width)
 
 
@@ -258,7 +261,9 @@ def test_engine_decode_through_flashinfers_api_equals_the_torch_backend(fake_fla
                 wrappers = e.runner.flashinfer
                 assert e.model.flashinfer is wrappers
                 assert sorted(wrappers.wrappers) == [1, 2, 4]
-                fi_work = _flashinfer.FLOAT_WORKSPACE_BYTES + _flashinfer.INT_WORKSPACE_BYTES
+                fi_work = (
+                    flashinfer_decode.FLOAT_WORKSPACE_BYTES + flashinfer_decode.INT_WORKSPACE_BYTES
+                )
                 assert e.runner.t2_raw["fi_work"].numel() == fi_work
                 del wrappers  # the engine's own references go at close
             outs = [e.generate(prompts, 11), e.generate(prompts[:2], 6), e.generate(prompts[:1], 4)]

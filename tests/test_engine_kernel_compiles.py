@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from imp_mem.engine.model import _paged_kernel as K
+    from imp_mem.engine.kernels import paged as K
 
     target = GPUTarget("cuda", 90, 32)
     try:
@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent(
     out["merge"] = compile(K._merge_kernel, merge_args,
                            dict(HEAD_DIM=128, BLOCK_S=K.MAX_SPLITS), {"num_warps": 4})
     # The fused decode kernels (issue 25), as the engine launches them.
-    from imp_mem.engine.model import _fused_kernels as F
+    from imp_mem.engine.kernels import fused as F
     out["add_rms"] = compile(
         F._add_rms_kernel, ["*bf16"] * 5 + ["i32"] * 5 + ["fp32"],
         dict(HAS_DELTA=True, UNIT_OFFSET=False, BLOCK=4096, MANUAL=False), {"num_warps": 16})

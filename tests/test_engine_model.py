@@ -144,11 +144,11 @@ def _backend(name: str) -> str:
         import os
         import sys
 
-        kernel = sys.modules.get("imp_mem.engine.model._paged_kernel")
+        kernel = sys.modules.get("imp_mem.engine.kernels.paged")
         if kernel is None and not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
             pytest.importorskip("triton")
-            from imp_mem.engine.model import _paged_kernel as kernel
+            from imp_mem.engine.kernels import paged as kernel
         if kernel is None or not kernel._INTERPRETING:
             pytest.skip("the Triton path is tested on the GPU (tests/gpu)")
     return name

@@ -1,4 +1,4 @@
-"""The Triton varlen prefill kernel (`_prefill_kernel`) against the torch
+"""The Triton varlen prefill kernel (`kernels.prefill`) against the torch
 reference (`prefill_attention` chunk by chunk), on the CPU through Triton's
 interpreter (``TRITON_INTERPRET=1``, set before Triton is imported), small
 shapes. The same comparison at real shapes runs on the GPU in
@@ -21,10 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 if torch.cuda.is_available():
     pytest.skip("a CUDA device is present: tests/gpu covers the kernel", allow_module_level=True)
-if (
-    "imp_mem.engine.model._prefill_kernel" in sys.modules
-    and os.environ.get("TRITON_INTERPRET") != "1"
-):
+if "imp_mem.engine.kernels.prefill" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the kernel was already compiled without the interpreter", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")
@@ -32,7 +29,7 @@ pytest.importorskip("triton")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from imp_mem.engine.model import _prefill_kernel  # noqa: E402
+from imp_mem.engine.kernels import prefill as prefill_kernel  # noqa: E402
 from imp_mem.engine.model.attention import varlen_prefill_attention  # noqa: E402
 
 
@@ -96,7 +93,7 @@ def test_kernel_matches_reference(spans, group, kv_heads, window, block_size, ho
 def test_padded_head_dim_and_a_chunk_longer_than_a_tile():
     """A head_dim that is not a power of two (masked lanes), a chunk of
     several query blocks, and a custom scale."""
-    spans = [(0, 3 * _prefill_kernel.BLOCK_M + 5), (9, 2)]
+    spans = [(0, 3 * prefill_kernel.BLOCK_M + 5), (9, 2)]
     q, kv, tables, cu, starts = random_batch(
         4, spans=spans, kv_heads=2, group=2, head_dim=24, block_size=8, holes=False
     )

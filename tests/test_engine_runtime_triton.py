@@ -16,10 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 if torch.cuda.is_available():
     pytest.skip("a CUDA device is present: tests/gpu covers the kernel", allow_module_level=True)
-if (
-    "imp_mem.engine.model._paged_kernel" in sys.modules
-    and os.environ.get("TRITON_INTERPRET") != "1"
-):
+if "imp_mem.engine.kernels.paged" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the kernel was already compiled without the interpreter", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")

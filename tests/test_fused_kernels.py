@@ -1,4 +1,4 @@
-"""The fused decode kernels (`imp_mem.engine.model._fused_kernels`) against
+"""The fused decode kernels (`imp_mem.engine.kernels.fused`) against
 the torch path they replace, operation for operation (issue 25).
 
 On a machine without a GPU the kernels run under Triton's interpreter
@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 F = torch.nn.functional
 
-from imp_mem.engine.model import _fused_kernels as fk  # noqa: E402
+from imp_mem.engine.kernels import fused as fk  # noqa: E402
 from imp_mem.engine.model.attention import slots, store_kv  # noqa: E402
 from imp_mem.engine.model.layers import fused_rows, rms_norm, rotate_half  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Which weight scale makes greedy decoding of a random-weight model mean
-something? (issue 13; the choice is `imp_mem.engine.checkpoint.DEFAULT_SCALE`.)
+something? (issue 13; the choice is `imp_mem.engine.weight_draw.DEFAULT_SCALE`.)
 
 For each candidate scale, the Qwen3-0.6B-shaped model of
 `write_random_checkpoint`'s weights runs random prompts teacher-forced in

@@ -33,7 +33,7 @@ from bench_json import write_json
 from bench_paged_attention import graph_time_us
 from sweep_paged_kernel import paged_case
 
-from imp_mem.engine.model import _paged_kernel as pk
+from imp_mem.engine.kernels import paged as pk
 
 
 def _pct(x: torch.Tensor, qs=(0.0, 0.5, 0.9, 1.0)) -> list[float]:

@@ -1,7 +1,7 @@
 """Times the paged decode kernel's launch configurations at one shape
 (batch, context, Qwen3-8B's heads) and prints them best first, as
 fractions of the HBM peak, beside the default: the data behind
-`_paged_kernel`'s defaults (`choose_splits`, `launch_defaults`).
+`engine/kernels/paged.py`'s defaults (`choose_splits`, `launch_defaults`).
 
 Usage: ``python tools/sweep_paged_kernel.py [--batch 64] [--ctx 1024]
 [--splits 1,2] [--tiles 16,32] [--warps 1,2,4] [--stages 3,4,5]`` or
@@ -73,7 +73,7 @@ class _NoLaunch:
 def main(argv=None) -> int:
     import torch
 
-    from imp_mem.engine.model import _paged_kernel as pk
+    from imp_mem.engine.kernels import paged as pk
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)

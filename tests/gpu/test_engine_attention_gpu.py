@@ -173,12 +173,12 @@ def test_tma_loads_match_the_reference(batch, max_ctx, window, splits, tile):
     descriptor box, one to four pages an iteration) on the H200's tensor
     memory accelerator: holes, padding rows, a window, NaN outside every
     context (masked K, zeroed V), both layers of the pool."""
-    from imp_mem.engine.model import _paged_kernel
+    from imp_mem.engine.kernels import paged as paged_kernel
 
     q, kv, tables, positions = make_case(batch, max_ctx, holes=True, seed=batch + splits + tile)
     for layer in (0, 1):
         ref = paged_decode_attention_reference(q, kv, layer, tables, positions, window=window)
-        out = _paged_kernel.paged_decode(
+        out = paged_kernel.paged_decode(
             q, kv, layer, tables, positions, window=window, scale=HEAD_DIM**-0.5,
             splits=splits, tile=tile, loads="tma",
         )  # fmt: skip
@@ -188,13 +188,13 @@ def test_tma_loads_match_the_reference(batch, max_ctx, window, splits, tile):
 def test_tma_loads_captured_in_a_cuda_graph():
     """The host-side descriptor is a launch argument: a captured TMA call
     replays over new positions, tables and pages written in place."""
-    from imp_mem.engine.model import _paged_kernel
+    from imp_mem.engine.kernels import paged as paged_kernel
 
     q, kv, tables, positions = make_case(32, 512, holes=True, seed=19)
     static_q, static_t, static_p = q.clone(), tables.clone(), positions.clone()
 
     def call():
-        return _paged_kernel.paged_decode(
+        return paged_kernel.paged_decode(
             static_q, kv, 1, static_t, static_p, window=256, scale=HEAD_DIM**-0.5,
             loads="tma",
         )  # fmt: skip

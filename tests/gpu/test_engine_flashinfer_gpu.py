@@ -1,6 +1,6 @@
 """``attention_backend="flashinfer"`` on the GPU (skipped without FlashInfer):
 
-* FlashInfer's decode wrappers (`_flashinfer.DecodeWrappers`) over pages in
+* FlashInfer's decode wrappers (`flashinfer_decode.DecodeWrappers`) over pages in
   the engine's layout (a pool of 2 layers: FlashInfer reads the strided
   page in place) at Qwen3-8B's heads (32 / 8, head_dim 128, bf16, 16-token
   pages), ragged contexts, NaN in every slot outside a context, against
@@ -33,7 +33,7 @@ if not torch.cuda.is_available():
 
 from _device_plan import decisive_tokens  # noqa: E402
 
-from imp_mem.engine.model import _flashinfer  # noqa: E402
+from imp_mem.engine.kernels import flashinfer_decode  # noqa: E402
 from imp_mem.engine.model.attention import paged_decode_attention_reference  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -82,13 +82,13 @@ def buffers(max_batch, width):
     t2 = {
         name: torch.zeros(shape, dtype=dtype, device="cuda")
         for name, (shape, dtype) in {
-            **_flashinfer.input_specs(max_batch, width),
-            **_flashinfer.workspace_specs(),
+            **flashinfer_decode.input_specs(max_batch, width),
+            **flashinfer_decode.workspace_specs(),
         }.items()
     }
     staging = {
         name: torch.zeros(shape, dtype=dtype).pin_memory()
-        for name, (shape, dtype) in _flashinfer.input_specs(max_batch, width).items()
+        for name, (shape, dtype) in flashinfer_decode.input_specs(max_batch, width).items()
     }
     return t2, staging
 
@@ -110,8 +110,8 @@ def check(out, ref):
 
 def make_wrappers(buckets, width):
     t2, staging = buffers(max(buckets), width)
-    wrappers = _flashinfer.DecodeWrappers(
-        _flashinfer.require(),
+    wrappers = flashinfer_decode.DecodeWrappers(
+        flashinfer_decode.require(),
         t2,
         staging,
         buckets=buckets,
@@ -207,7 +207,7 @@ def test_engine_tokens_match_transformers_with_flashinfer():
     ) as e:
         assert e.runner.flashinfer is not None and e.model.flashinfer is e.runner.flashinfer
         assert e.runner.use_graphs and e.runner.graphs
-        fi_bytes = _flashinfer.FLOAT_WORKSPACE_BYTES + _flashinfer.INT_WORKSPACE_BYTES
+        fi_bytes = flashinfer_decode.FLOAT_WORKSPACE_BYTES + flashinfer_decode.INT_WORKSPACE_BYTES
         assert e.runner.t2_raw["fi_work"].numel() == fi_bytes
         outs = e.generate(prompts, 24)
         assert sum(e.stats.bucket_steps.values()) >= 23

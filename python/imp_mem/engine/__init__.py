@@ -3,11 +3,13 @@ KV pool, weights in T1, decode in CUDA graphs over T2 buffers; at TP = 1, or
 tensor-parallel over a ``torch.distributed`` group (``Engine(group=...)``,
 `TensorParallel`: one process per device, each serving its rank's slices).
 
-The rooms: `llm_engine` (the serving loop, `Engine`), `model_runner` (T2
-buffers, staging, warm-up, graphs), `memory` (plan, open, load, charges),
-`scheduler` (continuous batching over the KV manager), `model/` (one file
-per family over shared layers), `tensor_parallel` (the weight split and the
-collectives).
+The rooms: `llm_engine` (the serving loop, `Engine`), `model_runner` (the
+runner, its parts in `runner/`: T2 buffers and staging, the KV views and its
+own blocks, the steps, warm-up and graphs), `memory` (plan, open, load,
+charges), `scheduler` (continuous batching over the KV manager), `model/`
+(one file per family over shared layers), `kernels/` (the Triton kernels
+and the FlashInfer binding the models call), `tensor_parallel` (the weight
+split and the collectives).
 
 `imp_mem.engine` imports without torch: the scheduler is pure Python over a
 `KVCacheManager`, and the names that run a model (`Engine`, `KvViews`,

@@ -7,30 +7,9 @@ without hub access.
 the tensors the engine loads. A tied output head is not written (as
 ``save_pretrained`` does); transformers ties it on load.
 
-The scale. Every matrix and the embedding are drawn from N(0, scale²); the
-norm weights from N(1, 0.1²) (N(0, 0.1²) for Gemma's ``1 + w`` norms), so a
-mix-up of two norms shows in the logits. The engine's ``load_format="dummy"``
-draws the same values in T1 (`imp_mem.engine.dummy`).
-`DEFAULT_SCALE` = 0.02, transformers' own ``initializer_range``, chosen by
-measurement (`benches/measure_checkpoint_scale.py`: Qwen3-0.6B's shape, 28
-layers, random prompts, bf16 against float32 on the same weights, CPU):
-
-| scale | top-2 margin p50 | bf16 flips | margin > bf16 noise p99 | distinct greedy tokens |
-|---|---|---|---|---|
-| 0.005 | 0.035 | 6 % | 86 % | 7 of 64 positions |
-| 0.01 | 0.039 | 11 % | 67 % | 10 of 64 |
-| 0.02 | 0.078 | 5.5 % | 62 % | 64 of 256 |
-| 0.05 | 0.250 | 12 % | 30 % | 254 of 256 |
-
-Smaller scales make the blocks' outputs tiny and alike, so every position
-predicts the same few tokens (margins above the noise, but greedy decoding
-says nothing about the context); larger ones raise bf16's rounding noise
-faster than the margins, so more greedy tokens flip. At 0.02 the greedy
-token depends on the context and 62 % of positions have a margin above
-bf16's noise (69 % above the noise of the top-2 gap alone): those are the
-positions where a test can demand identical greedy tokens. No scale makes
-random logits peaked the way a trained model's are (a near-Gaussian cloud
-over 151 936 tokens has top-2 gaps of about a tenth of its spread).
+The values. The engine's ``load_format="dummy"`` draws the same values in
+T1 (`imp_mem.engine.dummy`): both follow `imp_mem.engine.weight_draw`,
+which says the rule and why `DEFAULT_SCALE` is 0.02.
 
 Pure function of (config, seed, scale): the same arguments write the same
 bytes.
@@ -43,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from imp_mem.engine.config import ModelConfig
-
-DEFAULT_SCALE = 0.02
-NORM_JITTER = 0.1
+from imp_mem.engine.weight_draw import DEFAULT_SCALE, draw, norm_center
 
 # transformers' causal-LM class of each served family.
 ARCHITECTURES = {
@@ -71,7 +48,6 @@ def random_weights(
     devices, not between runs on one)."""
     import torch
 
-    from imp_mem.engine.dummy import draw, norm_center
     from imp_mem.engine.model import weight_names
 
     config = ModelConfig.from_hf_config(config_dict)

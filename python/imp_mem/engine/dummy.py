@@ -14,9 +14,9 @@ which share a span for one GEMM each, as the safetensors loader lays them.
 planned at it (`ModelShape.from_hf_config(config, weights_bytes=...)`).
 
 Values. The same as `imp_mem.engine.checkpoint.random_weights` on the same
-device with the same seed and scale, bit for bit: one generator, the
-tensors drawn in name order, matrices from N(0, scale²), norms around the
-family's centre (1, or 0 for Gemma's ``1 + w`` norms) with a jitter of 0.1.
+device with the same seed and scale, bit for bit: both draw by
+`imp_mem.engine.weight_draw`'s rule (one generator, the tensors in name
+order, matrices from N(0, scale²), norms around the family's centre).
 A test or a benchmark that builds a transformers model from
 `random_weights` compares it with the engine on the same weights. The
 fill draws one tensor at a time in float32 on the device (transients of
@@ -29,6 +29,7 @@ from typing import Any
 
 from imp_mem._safetensors import ALIGN, fused_groups
 from imp_mem.engine.config import ModelConfig
+from imp_mem.engine.weight_draw import DEFAULT_SCALE, draw, norm_center
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -160,29 +161,6 @@ def fill(weights: dict[str, Any], config: ModelConfig, *, seed: int, scale: floa
         torch.cuda.empty_cache()
 
 
-def norm_center(config: ModelConfig) -> float:
-    """Where the family's norm weights centre: 1, or 0 for ``(1 + w)`` norms."""
-    from imp_mem.engine.model import model_class
-
-    return float(getattr(model_class(config), "norm_center", 1.0))
-
-
-def draw(name: str, shape: tuple[int, ...], gen: Any, device: Any, scale: float, center: float):
-    """One tensor's float32 values (`random_weights`' rule): a vision
-    tower's LayerNorm weights centre on 1 whatever the family's norms do."""
-    import torch
-
-    from imp_mem.engine.checkpoint import NORM_JITTER
-    from imp_mem.engine.model.siglip import is_layer_norm
-
-    t = torch.randn(shape, generator=gen, device=device)
-    if is_layer_norm(name):
-        return t.mul_(NORM_JITTER).add_(1.0)
-    if name.endswith("norm.weight"):
-        return t.mul_(NORM_JITTER).add_(center)
-    return t.mul_(scale)
-
-
 def transformers_model(
     config_dict: dict[str, Any],
     *,
@@ -203,7 +181,6 @@ def transformers_model(
     import torch
     import transformers
 
-    from imp_mem.engine.checkpoint import DEFAULT_SCALE
     from imp_mem.engine.model import weight_names
 
     config = ModelConfig.from_hf_config(config_dict)

@@ -133,7 +133,7 @@ class Engine:
     decode in CUDA graphs (default: on a GPU). `buckets`: the batch sizes
     captured. `attention_backend`: ``"triton"`` (a GPU's default),
     ``"torch"`` (the CPU's) or ``"flashinfer"`` (Qwen3's decode on a GPU
-    through FlashInfer, its buffers planned in T2: `model._flashinfer`;
+    through FlashInfer, its buffers planned in T2: `kernels.flashinfer_decode`;
     `InvalidArgument` here when it does not import). `torch_pool`: where torch's own allocations go
     (`imp_mem.engine.memory`). `prefill_chunk`: tokens per prefill call
     (default 512; a sliding model's window). `prefill_batch_tokens`: the
@@ -148,7 +148,7 @@ class Engine:
     itself (the padding block; a sliding model's ring), planned as
     `Features.engine_kv_blocks`. `swap_model` serves another checkpoint in
     place (T2 and every address kept).
-    `fused`: the fused decode kernels (`model._fused_kernels`; default: on
+    `fused`: the fused decode kernels (`kernels.fused`; default: on
     a GPU). `warmup_probe`: on a cold boot (no remembered figure for this
     engine's fingerprint), measure what the warm-up leaves outside the tiers
     in a child process before planning, so the plan's ``warmup`` line and
@@ -271,7 +271,7 @@ class Engine:
                 "runs attention_backend='triton'"
             )
         if attention_backend == "flashinfer":
-            from imp_mem.engine.model import _flashinfer
+            from imp_mem.engine.kernels import flashinfer_decode as _flashinfer
 
             _flashinfer.require()  # before any planning: says how to install it
         self.group = group

@@ -1,8 +1,8 @@
 """The models the engine serves, one file per family over shared layers.
 
 * `layers`: what every family uses (`KvViews`, RMSNorm, RoPE);
-* `attention`, `_paged_kernel`: attention over the KV pages (torch and
-  Triton), shared by every family;
+* `attention`: attention over the KV pages, shared by every family (torch,
+  and the Triton kernels of `imp_mem.engine.kernels`, which hold no model);
 * `qwen3`: the Qwen3 architecture (`PagedModel`);
 * `decoder`: the frame the other families share (`DecoderModel`, `Step`);
   `rope`: RoPE's scaled frequencies; `moe`: routing and the experts;

@@ -16,7 +16,7 @@ Query head ``h`` reads KV head ``h // (heads / kv_heads)``.
 
 Decode attention has two implementations with one signature:
 
-* ``backend="triton"``: the split-K kernel of `imp_mem.engine.model._paged_kernel`,
+* ``backend="triton"``: the split-K kernel of `imp_mem.engine.kernels.paged`,
   reading the pages in place (the GPU path);
 * ``backend="torch"``: a gather of every table entry into a contiguous
   ``[B, M * block_size]`` key range, masked, softmax in float32 (the CPU path
@@ -26,7 +26,7 @@ Both are free of host syncs and data-dependent shapes, so a decode step that
 uses them can be captured in a CUDA graph. Prefill of one request's chunk
 uses SDPA over the gathered pages (`prefill_attention`); a batched prefill
 (several requests' chunks in one forward, `varlen_prefill_attention`)
-runs the Triton varlen kernel of `_prefill_kernel` on a GPU, and
+runs the Triton varlen kernel of `kernels.prefill` on a GPU, and
 `prefill_attention` chunk by chunk on the torch path.
 
 Nothing here holds state; the functions are safe to call from any thread
@@ -164,9 +164,9 @@ def paged_decode_attention(
         )
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
-    from imp_mem.engine.model import _paged_kernel
+    from imp_mem.engine.kernels import paged as paged_kernel
 
-    return _paged_kernel.paged_decode(
+    return paged_kernel.paged_decode(
         q,
         kv,
         layer,
@@ -249,7 +249,7 @@ def varlen_prefill_attention(
     sequence's keys through ``block_tables[r]`` (its own K/V stored first,
     a prefix hit's before it). `spans`: the same ``(start, len)`` on the
     host (the torch path's loop, the kernel's grid). ``backend="triton"``:
-    one kernel over every chunk (`_prefill_kernel`); ``"torch"``:
+    one kernel over every chunk (`kernels.prefill`); ``"torch"``:
     `prefill_attention` chunk by chunk (the reference). Returns ``[T,
     heads, head_dim]`` in q's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -265,9 +265,9 @@ def varlen_prefill_attention(
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     if backend != "triton":
         raise ValueError(f"backend must be 'triton' or 'torch', got {backend!r}")
-    from imp_mem.engine.model import _prefill_kernel
+    from imp_mem.engine.kernels import prefill as prefill_kernel
 
-    return _prefill_kernel.varlen_prefill(
+    return prefill_kernel.varlen_prefill(
         q,
         kv,
         layer,

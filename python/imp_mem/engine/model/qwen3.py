@@ -106,7 +106,7 @@ class PagedModel:
     the target device. `attention_backend` is ``"triton"``, ``"torch"`` or
     ``"flashinfer"`` (default: Triton on CUDA, torch elsewhere); with
     ``"flashinfer"`` the full-attention layers' decode runs FlashInfer's
-    wrappers that `flashinfer` holds (`_flashinfer.DecodeWrappers`, set and
+    wrappers that `flashinfer` holds (`flashinfer_decode.DecodeWrappers`, set and
     planned by the runner before each step), the rest Triton. `max_positions` sizes the
     RoPE tables (default: the config's ``max_position_embeddings``). `tp`:
     this rank's share of a tensor-parallel group (`weights` then hold its
@@ -158,7 +158,7 @@ class PagedModel:
                 f"got {attention_backend!r}"
             )
         self.attention_backend = attention_backend
-        # FlashInfer's decode wrappers (`_flashinfer.DecodeWrappers`), set by the runner.
+        # FlashInfer's decode wrappers (`flashinfer_decode.DecodeWrappers`), set by the runner.
         self.flashinfer: Any = None
         self.fused = self.device.type == "cuda" if fused is None else bool(fused)
         # Prefill is not captured: its torch allocations follow its shapes,
@@ -385,10 +385,10 @@ class PagedModel:
 
     def _forward_fused(self, input_ids, positions, slot, kv, attend):
         """Every layer over the tokens at `positions`, with the fused kernels
-        (`_fused_kernels`): returns the final norm's output ``[N, hidden]``.
+        (`kernels.fused`): returns the final norm's output ``[N, hidden]``.
         Each norm takes the residual add before it; the last layer's add
         feeds the model's final norm."""
-        from imp_mem.engine.model import _fused_kernels as fk
+        from imp_mem.engine.kernels import fused as fk
 
         c = self.config
         eps = c.rms_norm_eps

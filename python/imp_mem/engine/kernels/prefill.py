@@ -21,7 +21,7 @@ Shapes: ``q[T, heads, head_dim]`` (last dim contiguous), the pool
 ``kv[num_blocks, n_layers, 2, block_size, kv_heads, head_dim]`` (last dim
 contiguous), ``tables[R, M]`` int32, ``cu_seqlens[R + 1]`` int32,
 ``starts[R]`` int64. Block offsets in int64 (a pool can exceed 2^31
-elements). The reference is `attention.prefill_attention`, chunk by chunk.
+elements). The reference is `model.attention.prefill_attention`, chunk by chunk.
 
 No state; each call allocates its output only.
 """
@@ -35,7 +35,7 @@ import triton.language as tl
 # Under Triton's interpreter (`_INTERPRETING`) bf16 tiles multiply wrongly
 # in tl.dot; `fold_tile` rounds P to the input dtype as on the GPU, then
 # multiplies in float32.
-from imp_mem.engine.model._paged_kernel import _INTERPRETING, LOG2E, fold_tile
+from imp_mem.engine.kernels.paged import _INTERPRETING, LOG2E, fold_tile
 
 BLOCK_M = 16 if _INTERPRETING else 64
 BLOCK_N = 16 if _INTERPRETING else 64

@@ -15,7 +15,7 @@ replace them:
 * `silu_mul`: ``silu(gate) * up`` over the fused gate/up projection's output.
 
 Rounding. Each kernel computes in float32 but rounds to the model dtype
-wherever the unfused torch path (`layers`, which follows transformers)
+wherever the unfused torch path (`model.layers`, after transformers)
 rounds, operation for operation: the sum ``x + delta``; RMSNorm's
 normalised value before the weight multiplies, then the product; in RoPE
 each of ``x * cos``, ``rotate_half(x) * sin`` and their sum; SiLU's result

@@ -48,10 +48,10 @@ MIN_SPLIT_TOKENS = 64
 # The default cuts a sequence until the programs number at least this many
 # per SM (batch x KV heads x splits): at batch 64 x 8 KV heads one split
 # (3.9 programs an SM) read at 81.5 % of the H200's HBM peak and two at
-# 76.7 %; batch 32 needed two or four (session 22).
+# 76.7 %; batch 32 needed two or four (2026-12-03, issue 25).
 PROGRAMS_PER_SM = 3
-# Launch defaults, by programs per SM (benches/sweep_paged_kernel.py times
-# them; session 22): few programs want long tiles and deep pipelines (32-token
+# Launch defaults, by programs per SM (tools/sweep_paged_kernel.py times
+# them; 2026-12-03, issue 25): few programs want long tiles and deep pipelines (32-token
 # tiles, 2 warps, 5 stages: 68.7 us at batch 64 x 1 025 against 71.4 for
 # 16-token tiles); many want small programs, more of them resident
 # (16-token tiles, 1 warp, 4 stages: 129.4 us at batch 128 against 135.6).
@@ -158,7 +158,7 @@ def _write_split(
 
 # `splits` is a value, not a constant, and never specialised, so that every
 # batch bucket of an engine (each its own split count) runs one compiled
-# kernel: a cold boot compiled seven before (session 22).
+# kernel: a cold boot compiled seven before (2026-12-03, issue 25).
 @triton.jit(do_not_specialize=["splits"])
 def _split_kernel(
     Q,
@@ -411,7 +411,7 @@ def paged_decode(
     accelerator, a page a box (`_tma_split_kernel`); the pool must be
     contiguous, ``tile`` is then a whole number of pages, and ``stamps``
     is not taken. On the H200 it is the slower (69.4 against the pointer
-    loads' 68.7 µs at batch 64 x 1 k, session 28): the engine never asks
+    loads' 68.7 µs at batch 64 x 1 k, 2026-12-05, issue 25): the engine never asks
     for it."""
     batch, heads, head_dim = q.shape
     _, _, _, block_size, kv_heads, kv_dim = kv.shape

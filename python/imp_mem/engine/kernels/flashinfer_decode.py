@@ -1,6 +1,6 @@
 """FlashInfer's batch decode as the decode attention of full-attention
 layers (``attention_backend="flashinfer"``; prefill and sliding-window
-layers stay on `attention`'s paths).
+layers stay on `model.attention`'s paths).
 
 Layout. One layer's pages, ``kv[:, layer]``, are ``[blocks, 2, block_size,
 kv_heads, head_dim]``: FlashInfer's 5-D ``NHD`` paged cache, whose page
