@@ -97,6 +97,7 @@ impl State {
             tag,
             device_refused,
             ledger_headroom: None,
+            ledger_tenant: None,
         }
     }
 
@@ -111,6 +112,7 @@ impl State {
             if let Err(refused) = tenant.grow(asked)? {
                 return Err(MemError::OutOfMemory(OomReport {
                     ledger_headroom: Some(refused.headroom),
+                    ledger_tenant: Some(refused.share(true)),
                     ..self.oom_report(asked, tag, capacity, false)
                 }));
             }
@@ -413,6 +415,7 @@ impl Backend {
             if let Err(refused) = tenant.grow(committed)? {
                 return Err(MemError::OutOfMemory(OomReport {
                     ledger_headroom: Some(refused.headroom),
+                    ledger_tenant: Some(refused.share(true)),
                     ..state.oom_report(committed, Tag::Weights, self.shared.info.capacity, false)
                 }));
             }

@@ -25,6 +25,7 @@ mod hf_defaults;
 mod input;
 mod plan;
 mod shape;
+mod validate;
 
 #[cfg(test)]
 mod tests;
@@ -45,6 +46,7 @@ pub use shape::{
     safetensors_bytes_in_dir, safetensors_file_bytes, weights_bytes_from_safetensors_header,
     weights_bytes_from_safetensors_index, Attention, KvBytesPerToken, ModelShape, Moe, WeightSpec,
 };
+pub use validate::{check_fields, unknown_model_type, FIELDS as SHAPE_FIELDS};
 
 /// A planner value as pretty JSON, fields in declaration order; `what` names
 /// it in the (unexpected) error.
