@@ -324,3 +324,26 @@ def test_an_unknown_model_type_is_planned_with_a_warning():
     with pytest.warns(imp_mem.ImpMemWarning, match=r'model_type "llamma" is not one the planner'):
         shape = imp_mem.ModelShape.from_hf_config({**LLAMA, "model_type": "llamma"})
     assert shape.kv_bytes_per_token()["full"] == 32 * 8 * 2 * 128 * 2
+
+
+def test_a_plan_plots_from_python_as_the_cli_draws_it():
+    pytest.importorskip("matplotlib")
+    shape = imp_mem.ModelShape.from_hf_config(imp_mem.preset_config("llama-3-8b"))
+    plan = imp_mem.plan_memory(
+        imp_mem.PlanInput(shape, imp_mem.Limits(1, 64), imp_mem.Features(), budget="24GiB")
+    )
+    fig = imp_mem.plot_plan(plan, title="llama-3-8b")
+    ax = fig.axes[0]
+    assert ax.get_title() == "llama-3-8b"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(label.startswith("headroom") for label in labels)
+    with pytest.raises(imp_mem.PlanFailure) as info:
+        imp_mem.plan_memory(
+            imp_mem.PlanInput(shape, imp_mem.Limits(1, 64), imp_mem.Features(), budget="8GiB")
+        )
+    over = imp_mem.plot_plan(info.value)
+    labels = [t.get_text() for t in over.axes[0].get_legend().get_texts()]
+    assert any(label.startswith("over budget by") for label in labels)
+    assert any("levers" in t.get_text() for t in over.axes[0].texts)
+    with pytest.raises(InvalidArgument, match="MemoryPlan or a PlanFailure"):
+        imp_mem.plot_plan("plan")

@@ -67,6 +67,7 @@ from imp_mem.errors import (
     StaleSpan,
     WeightsOverflow,
 )
+from imp_mem.plot import plot_plan
 
 __all__ = [
     "ActivationPool",
@@ -121,6 +122,7 @@ __all__ = [
     "parse_size",
     "pinned_stats",
     "plan_memory",
+    "plot_plan",
     "preset_config",
     "presets",
 ]

@@ -189,22 +189,6 @@ def _charge_table(charges: list[dict[str, Any]], total: int, budget: int) -> str
     return table(["charge", "MiB"], rows)
 
 
-def _pyplot():
-    """matplotlib's pyplot on the Agg backend, or the install hint."""
-    import imp_mem
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise imp_mem.InvalidArgument(
-            "--plot needs matplotlib, which is not installed: pip install 'imp-mem[plot]'"
-        ) from exc
-    return plt
-
-
 def check_plot_path(path: str) -> None:
     """Refuses a plot path whose folder does not exist, or no matplotlib,
     before anything is planned or printed."""
@@ -213,7 +197,12 @@ def check_plot_path(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise imp_mem.InvalidArgument(f"--plot: the folder {folder} does not exist")
-    _pyplot()
+    from imp_mem.plot import _pyplot
+
+    try:
+        _pyplot()
+    except imp_mem.InvalidArgument as exc:
+        raise imp_mem.InvalidArgument(f"--plot: {exc}") from None
 
 
 def plot(
@@ -223,87 +212,12 @@ def plot(
     title: str,
     levers: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Draws the budget as one stacked bar of charges (the legend lists them
-    top to bottom as they are stacked), with the budget line, the headroom
-    left under it, the overflow above it, and for a failed plan its levers.
-    A charge too small to see at the bar's scale is drawn at a visible
-    minimum height; its label keeps the true MiB."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5, 7))
-    colors = plt.get_cmap("tab20").colors
-    total = sum(c["bytes"] for c in charges)
-    top = max(total, budget) / (1 << 20)
-    smallest = top * 0.008
-    bottom = 0.0
-    handles = []
-    for i, charge in enumerate(charges):
-        size = charge["bytes"] / (1 << 20)
-        height = max(size, smallest) if size > 0 else 0.0
-        bar = ax.bar(
-            0,
-            height,
-            bottom=bottom,
-            width=0.6,
-            color=colors[i % len(colors)],
-            label=f"{charge['label']} ({size:,.0f} MiB)",
-        )
-        handles.append(bar)
-        bottom += height
-    budget_mib = budget / (1 << 20)
-    if bottom < budget_mib:
-        handles.append(
-            ax.bar(
-                0,
-                budget_mib - bottom,
-                bottom=bottom,
-                width=0.6,
-                color="none",
-                edgecolor="grey",
-                hatch="//",
-                label=f"headroom ({(budget - total) / (1 << 20):,.0f} MiB)",
-            )
-        )
-    elif total > budget:
-        handles.append(
-            ax.bar(
-                0,
-                bottom - budget_mib,
-                bottom=budget_mib,
-                width=0.7,
-                color="none",
-                edgecolor="red",
-                hatch="xx",
-                label=f"over budget by {(total - budget) / (1 << 20):,.0f} MiB",
-            )
-        )
-    line = ax.axhline(
-        budget_mib,
-        color="black",
-        linestyle="--",
-        linewidth=1.5,
-        label=f"budget ({budget_mib:,.0f} MiB)",
-    )
-    ax.set_xticks([])
-    ax.set_ylabel("MiB")
-    ax.set_title(title, fontsize=10)
-    if levers:
-        text = "levers:\n" + "\n".join(
-            f"{lv['setting']} {lv['from']} -> {lv['to']}: frees {lv['frees'] / (1 << 20):,.0f} MiB"
-            + (" (enough alone)" if lv.get("sufficient") else "")
-            for lv in levers
-        )
-        ax.text(1.04, 0.0, text, transform=ax.transAxes, fontsize=8, va="bottom")
-    # Top of the legend = top of the stack.
-    ordered = [line, *reversed(handles)]
-    ax.legend(
-        handles=ordered,
-        loc="upper left",
-        bbox_to_anchor=(1.02, 1.0),
-        fontsize=8,
-        frameon=False,
-    )
+    """Saves `imp_mem.plot.figure` of the charges to `path`."""
+    from imp_mem.plot import _pyplot, figure
+
+    fig = figure(charges, budget, title, levers=levers)
     fig.savefig(path, bbox_inches="tight", dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def kv_line(plan) -> str:

@@ -182,9 +182,11 @@ fn a_foreign_file_and_a_bad_key_are_typed_errors() {
     assert!(DeviceLedger::open(dir.path(), "ok", 0).is_err());
     let l = DeviceLedger::open(dir.path(), "gpu-1", 10 * MIB).unwrap();
     assert!(l.join("x", 5 * MIB, MIB, Duration::ZERO).is_err());
-    // A second opener sees the first one's budget.
+    // A second opener with another budget is refused; one without takes
+    // the first one's.
+    assert!(DeviceLedger::open(dir.path(), "gpu-1", MIB).is_err());
     assert_eq!(
-        DeviceLedger::open(dir.path(), "gpu-1", MIB)
+        DeviceLedger::open_existing(dir.path(), "gpu-1")
             .unwrap()
             .budget(),
         10 * MIB
