@@ -123,6 +123,8 @@ def test_demo_serves_what_its_header_says_or_refuses_as_plan_does():
     # Refused with the plan's report, as plan refuses it: nothing served.
     assert demo.stdout.startswith("Cannot fit") and "[SERVING]" not in demo.stdout
     assert "max_batch" in demo.stdout
+    # Its levers name tp, which the demo does not take: it says where to try it.
+    assert "imp-mem plan llama-3-8b --tp N" in demo.stdout
 
 
 # -- sizes: one rule ---------------------------------------------------------
@@ -262,6 +264,10 @@ def test_presets_from_python_by_name_or_hugging_face_id():
     assert imp_mem.preset_config("qwen3_8b") == imp_mem.preset_config("qwen3-8b")
     with pytest.raises(InvalidArgument, match="did you mean qwen3-8b"):
         imp_mem.preset_config("qwen3-9b")
+    shape = imp_mem.ModelShape.from_preset("Qwen/Qwen3-8B")
+    assert shape == imp_mem.ModelShape.from_hf_config(imp_mem.preset_config("qwen3-8b"))
+    with pytest.raises(InvalidArgument, match="did you mean qwen3-8b"):
+        imp_mem.ModelShape.from_preset("qwen3-9b")
 
 
 def test_the_cli_takes_a_hugging_face_id_and_suggests_near_misses():

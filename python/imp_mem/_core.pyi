@@ -964,6 +964,11 @@ class ModelShape:
 
     def __init__(self, **fields: Any) -> None: ...
     @staticmethod
+    def from_preset(name: str) -> ModelShape:
+        """A shipped preset's shape, by its name or Hugging Face id
+        (``imp_mem.presets()``); InvalidArgument with the nearest names if
+        unknown."""
+    @staticmethod
     def from_hf_config(
         path_or_dict: str | os.PathLike[str] | dict[str, Any],
         *,

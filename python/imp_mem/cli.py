@@ -163,6 +163,12 @@ def _demo(args: argparse.Namespace) -> int:
             print(json.dumps(_failure_json(failure, _demo_inputs(args)), indent=2))
         else:
             print(failure)
+            if any(lever["setting"] == "tp" for lever in failure.levers):
+                # The demo serves one device; the lever is plan's to try.
+                print(
+                    "(the demo runs at tp 1 on one device: try the tp lever with "
+                    f"imp-mem plan {args.model} --tp N)"
+                )
         return 2
     if args.json:
         report = {"schema_version": SCHEMA_VERSION, "inputs": _demo_inputs(args), **report}

@@ -147,6 +147,21 @@ impl PyModelShape {
         Ok(Self { inner: shape })
     }
 
+    /// A shipped preset's shape, by its name or its Hugging Face id
+    /// (`imp_mem.presets()` lists them; `imp-mem plan --list-presets`); an
+    /// unknown name is refused with the nearest ones. The presets are data
+    /// in `imp_mem._presets`, read through `imp_mem.preset_config`.
+    #[staticmethod]
+    fn from_preset(py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config = py
+            .import("imp_mem._presets")?
+            .call_method1("preset", (name,))?;
+        let value = from_py_json(&config, "preset")?;
+        Ok(Self {
+            inner: core::ModelShape::from_hf_config(&value).py()?,
+        })
+    }
+
     /// The same shape with its weight bytes replaced by a measured figure.
     fn with_weights_bytes(&self, nbytes: &Bound<'_, PyAny>) -> PyResult<Self> {
         let bytes = size(nbytes, "weights_bytes")?;
