@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -239,4 +240,12 @@ def test_readme_python_examples_run():
     assert "numpy" not in kv and "np." not in kv, "the KV example runs without NumPy"
     # What its comments claim: sequence 2 hit six cached blocks.
     assert ns["kv"].num_tokens(2) == 100 and ns["kv"].stats()["prefix_hit_blocks"] == 6
-    # The other blocks are schematic (a GPU, a config path, `...`).
+    # The third runs after the second (its `prompt`), on an 80 GiB fake,
+    # with no warning that the system closed with memory still referenced.
+    system = blocks[2]
+    assert "..." not in system and "path/to" not in system
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(system, ns)
+    assert "kv_cache" in ns["body"] and ns["system"].closed
+    # The other blocks are schematic (a GPU, its UUID, a running engine).
