@@ -11,7 +11,8 @@ rule, prefix hits that leave one token to compute, and freeing that moves
 full blocks into the cache, last block first — not pins, holes or SWA,
 which the workloads do not exercise.
 
-Workloads (vLLM's BlockPool peer figures are in shared/SPEC.md):
+Workloads (vLLM's BlockPool peer figures were measured when the project was
+specified; that note is not part of this repository):
 
 * request churn: hash + lookup + allocate + cache + free; 64 blocks of 16
   tokens a request, the first 32 from one of 8 shared system prompts. The
@@ -336,8 +337,9 @@ def main() -> int:
         f"{1 / churn[2]:,.0f} (plain Python, this run)"
     )
     print(
-        "* vLLM 0.33.0's own BlockPool on this class of machine, from shared/SPEC.md (not this "
-        "run);\n  SGLang's radix tree (Rust core) did about 23 k requests/s on the same churn."
+        "* vLLM 0.33.0's own BlockPool on this class of machine, measured when the project was "
+        "specified (not this run);\n  SGLang's radix tree (Rust core) did about 23 k "
+        "requests/s on the same churn."
     )
     print(f"\n{'request churn by token format':<44} {'imp-mem':>11} {'Python':>11} {'ratio':>8}")
     formats = bench_churn_formats(4000 // k, 200 // k, slices=16 if k == 1 else 4)

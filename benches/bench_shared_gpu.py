@@ -395,7 +395,8 @@ def run_phase(mode, dirs, args, opts, bursts=None, kill=None):
     for k, name in enumerate(names):
         trace_qs[name].put(trace_for(k, len(dirs), args, opts["vocab"], k, bursts[name]))
     start_at.value = time.time() + 1.0
-    ledger = imp_mem.DeviceLedger(opts["key"], 1, opts["ledger_dir"]) if mode == "shared" else None
+    shared = mode == "shared"
+    ledger = imp_mem.DeviceLedger(opts["key"], None, opts["ledger_dir"]) if shared else None
     footprints: dict = {}
     reclaim_s = None
     t_end = start_at.value + args.lead_s + len(dirs) * args.window_s + args.tail_s

@@ -19,7 +19,13 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit(
+        "rl_colocation.py runs the reference engine, which needs PyTorch (CPU is enough): "
+        "pip install imp-mem[torch]"
+    ) from None
 
 import imp_mem
 from imp_mem.engine import Engine

@@ -53,7 +53,7 @@ def test_acquire_release_accounting_by_tag(fake):
 def test_sizes_accept_text_units():
     backend = FakeBackend(capacity="64MiB", budget="32 MB")
     assert backend.capacity == 64 * MIB
-    assert backend.budget == 32_000_000
+    assert backend.budget == 32 * MIB  # MB is MiB, as a GPU's "80GB" is 80 GiB
     r = backend.acquire("1MiB")
     assert r.nbytes == MIB
 

@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,9 +67,9 @@ def test_class_no_command_prints_a_traceback(argv, tmp_path):
 def test_a_budget_without_a_unit_says_what_to_write():
     done = imp_mem("plan", "llama-3-8b", "--budget", "80")
     assert done.returncode == 2
-    assert "--budget 80 has no unit" in done.stderr and "--budget 80GiB" in done.stderr
+    assert '--budget: "80" has no unit' in done.stderr and 'write "80GiB"' in done.stderr
     demo = imp_mem("demo", "--backend", "fake", "--capacity", "80")
-    assert demo.returncode == 2 and "--capacity 80GiB" in demo.stderr
+    assert demo.returncode == 2 and '--capacity: "80" has no unit' in demo.stderr
 
 
 @pytest.mark.parametrize("command", ["plan", "demo"])
@@ -239,4 +240,12 @@ def test_readme_python_examples_run():
     assert "numpy" not in kv and "np." not in kv, "the KV example runs without NumPy"
     # What its comments claim: sequence 2 hit six cached blocks.
     assert ns["kv"].num_tokens(2) == 100 and ns["kv"].stats()["prefix_hit_blocks"] == 6
-    # The other blocks are schematic (a GPU, a config path, `...`).
+    # The third runs after the second (its `prompt`), on an 80 GiB fake,
+    # with no warning that the system closed with memory still referenced.
+    system = blocks[2]
+    assert "..." not in system and "path/to" not in system
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(system, ns)
+    assert "kv_cache" in ns["body"] and ns["system"].closed
+    # The other blocks are schematic (a GPU, its UUID, a running engine).

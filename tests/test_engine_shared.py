@@ -58,7 +58,7 @@ def test_two_engines_on_one_ledger_serve_what_one_serves(checkpoint, expected, t
     a = engine(checkpoint, cfg(tmp_path, name="a"))
     b = engine(checkpoint, cfg(tmp_path, name="b"))
     try:
-        led = imp_mem.DeviceLedger("fake-engine", 1, str(tmp_path))
+        led = imp_mem.DeviceLedger("fake-engine", None, str(tmp_path))
         rows = {t["name"]: t for t in led.tenants()}
         assert set(rows) == {"a", "b"}
         for t in rows.values():
@@ -139,8 +139,9 @@ def test_shared_argument_is_checked(checkpoint, tmp_path):
     for bad in (0, -1, "0B", 1.5):
         with pytest.raises(imp_mem.InvalidArgument, match="chunk_bytes"):
             engine(checkpoint, cfg(tmp_path, chunk_bytes=bad))
-    # Nothing joined the ledger on the way.
-    assert imp_mem.DeviceLedger("fake-engine", 1, str(tmp_path)).tenants() == []
+    # Nothing joined the ledger on the way (it may not even have a table).
+    if "fake-engine" in imp_mem.ledger_devices(str(tmp_path)):
+        assert imp_mem.DeviceLedger("fake-engine", None, str(tmp_path)).tenants() == []
     assert SharedGPU.of(None) is None and SharedGPU.of(True) == SharedGPU()
     assert SharedGPU.of({"cap": "1GiB"}).cap == "1GiB"
 

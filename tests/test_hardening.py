@@ -641,7 +641,7 @@ def test_acquire_tag_none_is_the_default(fake):
 def test_range_messages_name_the_range_and_the_value():
     kv = P.KVCacheManager(16, 4)
     with pytest.raises(
-        InvalidArgument, match=r"seq_id must be an integer in 0\.\.=18446744073709551615, got -1"
+        InvalidArgument, match=r"seq_id must be an integer from 0 to 18446744073709551615, got -1"
     ):
         kv.free(-1)
 

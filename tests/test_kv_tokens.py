@@ -147,7 +147,7 @@ class TestLists:
             bad = next(v for v in ids if not 0 <= v <= U32_MAX)
             refusal = (
                 imp_mem.InvalidArgument,
-                f"tokens: token id {bad} is outside 0..=4294967295 (ids are unsigned 32-bit)",
+                f"tokens: token id {bad} is outside 0 to 4294967295 (ids are unsigned 32-bit)",
             )
             assert outcome(kv().admit, 1, ids) == refusal
             assert outcome(kv().admit, 1, np.array(ids, np.int64)) == refusal
@@ -185,7 +185,7 @@ class TestLists:
     def test_an_earlier_bad_id_is_named_before_a_later_non_integer(self):
         assert outcome(lambda: kv().admit(1, [1, -5, 2.5])) == (
             imp_mem.InvalidArgument,
-            "tokens: token id -5 is outside 0..=4294967295 (ids are unsigned 32-bit)",
+            "tokens: token id -5 is outside 0 to 4294967295 (ids are unsigned 32-bit)",
         )
         assert outcome(lambda: kv().admit(1, [1, 2.5, -5]))[1].endswith("item 1 is a float")
 
@@ -229,7 +229,7 @@ class TestLists:
             err = outcome(kv().admit, 1, bad)
             assert err[0] is imp_mem.InvalidArgument, name
             assert err[1].startswith("tokens: token id ") and err[1].endswith(
-                " is outside 0..=4294967295 (ids are unsigned 32-bit)"
+                " is outside 0 to 4294967295 (ids are unsigned 32-bit)"
             )
 
     def test_index_errors_other_than_type_errors_pass_through(self):
@@ -281,7 +281,7 @@ class TestLists:
         for tokens in ([1, 2, big], (big,)):
             assert outcome(kv().admit, 1, tokens) == (
                 imp_mem.InvalidArgument,
-                f"tokens: token id {named} is outside 0..=4294967295 (ids are unsigned 32-bit)",
+                f"tokens: token id {named} is outside 0 to 4294967295 (ids are unsigned 32-bit)",
             )
 
     def test_huge_lists_read_or_name_their_bad_id(self):
@@ -292,7 +292,7 @@ class TestLists:
         tokens[-1] = -1
         assert outcome(lambda: m.hash_blocks(tokens)) == (
             imp_mem.InvalidArgument,
-            "tokens: token id -1 is outside 0..=4294967295 (ids are unsigned 32-bit)",
+            "tokens: token id -1 is outside 0 to 4294967295 (ids are unsigned 32-bit)",
         )
         tokens[-1] = 0.5
         assert outcome(lambda: m.hash_blocks(tuple(tokens)))[1].endswith("item 999999 is a float")
@@ -492,7 +492,7 @@ class TestEveryPath:
         message = refusal(lambda: kv().admit(1, bad))
         assert (
             message
-            == f"tokens: token id {named} is outside 0..=4294967295 (ids are unsigned 32-bit)"
+            == f"tokens: token id {named} is outside 0 to 4294967295 (ids are unsigned 32-bit)"
         )
         assert refusal(lambda: kv().hash_blocks(memoryview(bad))) == message
         assert refusal(lambda: kv().admit(1, [int(v) for v in bad])) == message
@@ -526,7 +526,8 @@ class TestEveryPath:
             bad = np.frombuffer(b"\0" + data, dtype=dtype, offset=1)
             message = refusal(lambda: kv().admit(1, bad))
             assert (
-                message == "tokens: token id -5 is outside 0..=4294967295 (ids are unsigned 32-bit)"
+                message
+                == "tokens: token id -5 is outside 0 to 4294967295 (ids are unsigned 32-bit)"
             )
 
     def test_every_call_releases_its_export(self):
@@ -663,7 +664,9 @@ def test_a_negative_int32_anywhere_is_refused_and_changes_nothing(
     m.free(1)
     before = m.stats()
     expected = refusal(lambda: m.admit(2, [int(v) for v in ids]))
-    assert expected == f"tokens: token id {bad} is outside 0..=4294967295 (ids are unsigned 32-bit)"
+    assert (
+        expected == f"tokens: token id {bad} is outside 0 to 4294967295 (ids are unsigned 32-bit)"
+    )
     tokens = ids if kind == "numpy" else array.array("i", ids.tobytes())
     for name in ALL_PATHS:
         with use_token_path(name):

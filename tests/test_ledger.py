@@ -152,8 +152,11 @@ def test_ledger_json_and_an_empty_directory(tmp_path, capsys):
 
     assert cli.main(["ledger", "--json", "--dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["devices"] == []
-    assert cli.main(["ledger", "--once", "--dir", str(tmp_path / "none")]) == 0
+    assert cli.main(["ledger", "--once", "--dir", str(tmp_path)]) == 0
     assert "no device ledgers" in capsys.readouterr().out
+    # A directory that is not there is a mistake, not an empty table (issue 55).
+    assert cli.main(["ledger", "--once", "--dir", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
     assert cli.main(["ledger", "--once", "--interval", "0"]) == 2
 
 

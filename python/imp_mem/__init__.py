@@ -4,10 +4,10 @@ A Rust core owns every byte of device memory an engine uses: planned before
 anything is allocated, held in lifetime tiers, and reported to the byte. This
 package is its Python face.
 
-The names below are the public API; everything else is private.
+The names below are the public API; everything else is private (no
+``from __future__`` import here: it would leave ``annotations`` in
+``dir(imp_mem)``).
 """
-
-from __future__ import annotations
 
 from imp_mem._core import (
     ActivationPool,
@@ -51,6 +51,8 @@ from imp_mem._core import (
     pinned_stats,
     plan_memory,
 )
+from imp_mem._presets import preset as preset_config
+from imp_mem._presets import presets
 from imp_mem.errors import (
     Asleep,
     BackendUnavailable,
@@ -65,6 +67,7 @@ from imp_mem.errors import (
     StaleSpan,
     WeightsOverflow,
 )
+from imp_mem.plot import plot_plan
 
 __all__ = [
     "ActivationPool",
@@ -119,4 +122,7 @@ __all__ = [
     "parse_size",
     "pinned_stats",
     "plan_memory",
+    "plot_plan",
+    "preset_config",
+    "presets",
 ]

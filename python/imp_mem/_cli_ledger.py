@@ -6,10 +6,11 @@
 
 Every imp-mem process that runs on a device ledger (``Engine(...,
 shared=...)``, or ``Backend.attach_ledger``) has a row: its floor (what its
-plan always has), cap, committed bytes, KV blocks live, the bytes it asks
+plan always has), cap, committed bytes, KV bytes live, the bytes it asks
 the others for, and whether it sleeps. Tenants whose process died are
 reaped as the table is read. The tables live in ``$IMP_MEM_LEDGER_DIR``
-(default ``/dev/shm/imp-mem-ledger``), or ``--dir``.
+(default ``/dev/shm/imp-mem-ledger``), or ``--dir``. Ctrl-C ends the
+refreshing view (exit status 0).
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ from imp_mem._format import human_bytes, table
 
 
 def register(subparsers: Any) -> None:
-    """Adds ``ledger`` and its alias ``top`` to the ``imp-mem`` command line."""
+    """Adds ``ledger`` and ``top`` (the same command; each its own parser,
+    so that ``--help`` shows the name typed) to the ``imp-mem`` command line."""
+    for name, help_text in (
+        ("ledger", "show the tenants of each device ledger (floor, cap, committed, KV live)"),
+        ("top", "the same as ledger"),
+    ):
+        _add(subparsers, name, help_text)
+
+
+def _add(subparsers: Any, name: str, help_text: str) -> None:
     p = subparsers.add_parser(
-        "ledger",
-        aliases=["top"],
-        help="show the tenants of each device ledger (floor, cap, committed, KV live, asleep)",
-        description=__doc__,
+        name,
+        help=help_text,
+        description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -49,8 +58,8 @@ def snapshot(directory: str | None) -> list[dict[str, Any]]:
 
     out = []
     for key in imp_mem.ledger_devices(directory):
-        # The table exists: its own budget wins over the 1 B passed here.
-        ledger = imp_mem.DeviceLedger(key, 1, directory)
+        # The table exists: None takes its budget.
+        ledger = imp_mem.DeviceLedger(key, None, directory)
         out.append({"key": key, "budget": ledger.budget, "tenants": ledger.tenants()})
     return out
 
@@ -111,15 +120,27 @@ def _run(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise imp_mem.InvalidArgument(f"--interval must be positive, got {args.interval}")
     directory = args.dir if args.dir is not None else imp_mem.ledger_dir()
+    if args.dir is not None:
+        import os
+
+        if not os.path.exists(args.dir):
+            raise imp_mem.InvalidArgument(f"--dir: {args.dir} does not exist")
+        if not os.path.isdir(args.dir):
+            raise imp_mem.InvalidArgument(f"--dir: {args.dir} is a file, not a directory")
     if args.json:
         print(json.dumps({"dir": directory, "devices": snapshot(args.dir)}, indent=2))
         return 0
-    while True:
-        text = render(snapshot(args.dir), directory)
-        if args.once:
-            print(text)
-            return 0
-        # Clear the screen and redraw, as top does.
-        sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + text + "\n")
-        sys.stdout.flush()
-        time.sleep(args.interval)
+    if args.once:
+        print(render(snapshot(args.dir), directory))
+        return 0
+    try:
+        while True:
+            text = render(snapshot(args.dir), directory)
+            # Clear the screen and redraw, as top does.
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  ") + text + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        # Ctrl-C is the documented way out, not an error.
+        print()
+        return 0

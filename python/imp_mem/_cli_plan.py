@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="plan a model's memory for a budget (or print why it cannot fit)",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", nargs="?", metavar="CONFIG", help="config.json path or preset name")
@@ -42,23 +42,36 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"tokens per sequence (default: the model's context, at most {DEFAULT_SEQ_LEN_CAP})",
     )
-    p.add_argument("--kv-dtype", default="auto", help="KV dtype: auto, bf16, f16, fp8, f32")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="KV dtype: auto (the model's), f32, f16, bf16 or fp8 (any case; also float32, "
+        "float16, bfloat16, fp8_e4m3, fp8_e5m2)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--budget", default="80GiB", help="device bytes per rank (default 80GiB)")
     p.add_argument(
-        "--context", default=None, help="measured CUDA context (default: the H200's 527 MiB)"
+        "--budget",
+        default="80GiB",
+        help="device memory per rank, with its unit (default 80GiB; G, GB and GiB are all 2^30)",
+    )
+    p.add_argument(
+        "--context",
+        default=None,
+        help="measured CUDA context, with its unit (default: the H200's 527MiB)",
     )
     p.add_argument(
         "--library-reserve",
         default=None,
-        help="measured library reserve (default: the H200's 66 MiB for cuBLAS)",
+        help="measured library reserve, with its unit (default: the H200's 66MiB for cuBLAS)",
     )
     p.add_argument(
         "--kv-policy",
         choices=["full", "fit"],
         default="full",
-        help="full: KV must hold max-batch full sequences; fit: KV takes the residual (>= 1)",
+        help="full: the KV pool holds max-batch full sequences, or the plan fails; fit: where "
+        "they do not fit, the KV pool shrinks to what the budget leaves (at least one full "
+        "sequence); neither grows the pool past max-batch sequences",
     )
     p.add_argument("--spec-depth", type=int, default=0, help="speculative tokens per step")
     p.add_argument("--weights-bytes", default=None, help="measured weight bytes (e.g. 15GiB)")
@@ -71,17 +84,15 @@ def register(subparsers: Any) -> None:
 def load_shape(config: str, weights_bytes: str | None = None):
     """A ModelShape from a preset name, a config.json path or a checkpoint directory."""
     import imp_mem
-    from imp_mem._presets import PRESETS, preset
+    from imp_mem._presets import find, preset, resolve
 
-    if config.lower() in PRESETS:
+    if find(config) is not None and not os.path.exists(config):
         shape = imp_mem.ModelShape.from_hf_config(preset(config))
     elif os.path.exists(config):
         shape = imp_mem.ModelShape.from_hf_config(config)
     else:
-        names = ", ".join(sorted(PRESETS))
-        raise imp_mem.InvalidArgument(
-            f"CONFIG: {config!r} is neither a config.json path nor a preset ({names})"
-        )
+        resolve(config, "CONFIG (neither a config.json path nor a preset)")
+        raise AssertionError("resolve raises for a name it cannot find")
     if weights_bytes is not None:
         shape = shape.with_weights_bytes(weights_bytes)
     return shape
@@ -90,9 +101,9 @@ def load_shape(config: str, weights_bytes: str | None = None):
 def _config_dict(config: str) -> dict[str, Any] | None:
     """The config a preset name, a config.json path or a checkpoint
     directory names (None where it cannot be read as JSON)."""
-    from imp_mem._presets import PRESETS, preset
+    from imp_mem._presets import find, preset
 
-    if config.lower() in PRESETS:
+    if find(config) is not None and not os.path.exists(config):
         return preset(config)
     path = Path(config)
     if path.is_dir():
@@ -113,11 +124,10 @@ def vision_tower_bytes(config: str) -> int:
     if not cfg or "vision_config" not in cfg:
         return 0
     import imp_mem
-    from imp_mem.engine import dummy
-    from imp_mem.engine.config import ModelConfig
+    from imp_mem._vision import tower_bytes
 
     try:
-        return dummy.vision_bytes(ModelConfig.from_hf_config(cfg))
+        return tower_bytes(cfg)
     except imp_mem.InvalidArgument as e:
         raise imp_mem.InvalidArgument(
             f"CONFIG: {config!r} declares a vision tower the planner cannot size ({e}); "
@@ -179,22 +189,6 @@ def _charge_table(charges: list[dict[str, Any]], total: int, budget: int) -> str
     return table(["charge", "MiB"], rows)
 
 
-def _pyplot():
-    """matplotlib's pyplot on the Agg backend, or the install hint."""
-    import imp_mem
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise imp_mem.InvalidArgument(
-            "--plot needs matplotlib, which is not installed: pip install 'imp-mem[plot]'"
-        ) from exc
-    return plt
-
-
 def check_plot_path(path: str) -> None:
     """Refuses a plot path whose folder does not exist, or no matplotlib,
     before anything is planned or printed."""
@@ -203,7 +197,12 @@ def check_plot_path(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise imp_mem.InvalidArgument(f"--plot: the folder {folder} does not exist")
-    _pyplot()
+    from imp_mem.plot import _pyplot
+
+    try:
+        _pyplot()
+    except imp_mem.InvalidArgument as exc:
+        raise imp_mem.InvalidArgument(f"--plot: {exc}") from None
 
 
 def plot(
@@ -213,87 +212,31 @@ def plot(
     title: str,
     levers: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Draws the budget as one stacked bar of charges (the legend lists them
-    top to bottom as they are stacked), with the budget line, the headroom
-    left under it, the overflow above it, and for a failed plan its levers.
-    A charge too small to see at the bar's scale is drawn at a visible
-    minimum height; its label keeps the true MiB."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5, 7))
-    colors = plt.get_cmap("tab20").colors
-    total = sum(c["bytes"] for c in charges)
-    top = max(total, budget) / (1 << 20)
-    smallest = top * 0.008
-    bottom = 0.0
-    handles = []
-    for i, charge in enumerate(charges):
-        size = charge["bytes"] / (1 << 20)
-        height = max(size, smallest) if size > 0 else 0.0
-        bar = ax.bar(
-            0,
-            height,
-            bottom=bottom,
-            width=0.6,
-            color=colors[i % len(colors)],
-            label=f"{charge['label']} ({size:,.0f} MiB)",
-        )
-        handles.append(bar)
-        bottom += height
-    budget_mib = budget / (1 << 20)
-    if bottom < budget_mib:
-        handles.append(
-            ax.bar(
-                0,
-                budget_mib - bottom,
-                bottom=bottom,
-                width=0.6,
-                color="none",
-                edgecolor="grey",
-                hatch="//",
-                label=f"headroom ({(budget - total) / (1 << 20):,.0f} MiB)",
-            )
-        )
-    elif total > budget:
-        handles.append(
-            ax.bar(
-                0,
-                bottom - budget_mib,
-                bottom=budget_mib,
-                width=0.7,
-                color="none",
-                edgecolor="red",
-                hatch="xx",
-                label=f"over budget by {(total - budget) / (1 << 20):,.0f} MiB",
-            )
-        )
-    line = ax.axhline(
-        budget_mib,
-        color="black",
-        linestyle="--",
-        linewidth=1.5,
-        label=f"budget ({budget_mib:,.0f} MiB)",
-    )
-    ax.set_xticks([])
-    ax.set_ylabel("MiB")
-    ax.set_title(title, fontsize=10)
-    if levers:
-        text = "levers:\n" + "\n".join(
-            f"{lv['setting']} {lv['from']} -> {lv['to']}: frees {lv['frees'] / (1 << 20):,.0f} MiB"
-            + (" (enough alone)" if lv.get("sufficient") else "")
-            for lv in levers
-        )
-        ax.text(1.04, 0.0, text, transform=ax.transAxes, fontsize=8, va="bottom")
-    # Top of the legend = top of the stack.
-    ordered = [line, *reversed(handles)]
-    ax.legend(
-        handles=ordered,
-        loc="upper left",
-        bbox_to_anchor=(1.02, 1.0),
-        fontsize=8,
-        frameon=False,
-    )
+    """Saves `imp_mem.plot.figure` of the charges to `path`."""
+    from imp_mem.plot import _pyplot, figure
+
+    fig = figure(charges, budget, title, levers=levers)
     fig.savefig(path, bbox_inches="tight", dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
+
+
+def kv_line(plan) -> str:
+    """The KV summary under the table: the full-attention pool's blocks,
+    or, for a model whose every layer slides (no full-attention KV), the
+    sliding-window pool's, with its window."""
+    kv, swa = plan.kv, plan.swa
+    if kv["bytes_per_token"] == 0 and swa:
+        return (
+            f"KV: sliding window only ({swa['window']} tokens on every layer): "
+            f"{swa['blocks']} SWA blocks of {swa['block_size']} tokens "
+            f"({swa['bytes_per_token']} B/token) for {swa['full_sequences']} sequences; "
+            f"headroom {mib(plan.headroom)} MiB"
+        )
+    return (
+        f"KV: {kv['blocks']} blocks of {kv['block_size']} tokens "
+        f"({kv['bytes_per_token']} B/token) = {kv['full_sequences']} full sequences; "
+        f"headroom {mib(plan.headroom)} MiB"
+    )
 
 
 def _inputs(args: argparse.Namespace, plan_input) -> dict[str, Any]:
@@ -378,14 +321,9 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2))
     else:
-        kv = plan.kv
         print(title)
         print(_charge_table(plan.charges, plan.total(), plan.budget))
-        print(
-            f"\nKV: {kv['blocks']} blocks of {kv['block_size']} tokens "
-            f"({kv['bytes_per_token']} B/token) = {kv['full_sequences']} full sequences; "
-            f"headroom {mib(plan.headroom)} MiB"
-        )
+        print("\n" + kv_line(plan))
     if args.plot:
         plot(args.plot, plan.charges, plan.budget, title)
         if not args.json:

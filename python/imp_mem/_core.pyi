@@ -377,7 +377,8 @@ DTypeLike: TypeAlias = Any
 
 @final
 class Tier:
-    """The lifetime tiers of seed A2."""
+    """The lifetime tiers (T1 weights, T2 engine buffers, T3 pools, T4 scratch,
+    T4a activations, T5b pinned host)."""
 
     MODEL_RESIDENT: ClassVar[Tier]
     ENGINE_PERSISTENT: ClassVar[Tier]
@@ -949,17 +950,25 @@ H200_LIBRARY_RESERVE_BYTES: int
 """cuBLAS's reserve measured on an H200 (66 MiB): the default ``library_reserve``."""
 
 def parse_size(text: str, field: str = "size") -> int:
-    """``"80GiB"`` / ``"80 GB"`` / ``"81920MiB"`` -> bytes; InvalidArgument names ``field``."""
+    """``"80GiB"`` / ``"80 GB"`` / ``"81920MiB"`` / ``"4096B"`` -> bytes (units binary:
+    G = GB = GiB); a string without a unit, a negative size or one over 256 PiB
+    raises InvalidArgument naming ``field``."""
 
 @final
 class ModelShape:
     """What a model costs: layers by kind, attention geometry, state, experts, weights.
 
     ``ModelShape(**config_json_fields)`` reads the same fields as
-    :meth:`from_hf_config`.
+    :meth:`from_hf_config`; a field the planner does not read is refused
+    with the nearest one it does ("did you mean").
     """
 
     def __init__(self, **fields: Any) -> None: ...
+    @staticmethod
+    def from_preset(name: str) -> ModelShape:
+        """A shipped preset's shape, by its name or Hugging Face id
+        (``imp_mem.presets()``); InvalidArgument with the nearest names if
+        unknown."""
     @staticmethod
     def from_hf_config(
         path_or_dict: str | os.PathLike[str] | dict[str, Any],
@@ -1024,7 +1033,12 @@ class ModelShape:
 
 @final
 class Limits:
-    """The concurrency a plan must serve."""
+    """The concurrency a plan must serve. ``kv_policy``: ``"full"`` (the KV
+    pool holds ``max_batch`` sequences of ``max_seq_len`` tokens, or the plan
+    fails with its report), ``"fit"`` (where they do not fit, the pool shrinks
+    to what the budget leaves, failing only below one full sequence; it never
+    grows past the full target) or ``"none"`` (no KV pool: the caller keeps
+    its KV itself, e.g. a Hugging Face model's in torch tensors)."""
 
     def __init__(
         self,
@@ -1341,7 +1355,9 @@ class MemorySystem:
 class DeviceLedger:
     """One device's table of imp-mem tenants, shared across processes."""
 
-    def __init__(self, key: str, budget: ByteCount, dir: StrOrBytesPath | None = None) -> None: ...
+    def __init__(
+        self, key: str, budget: ByteCount | None = None, dir: StrOrBytesPath | None = None
+    ) -> None: ...
     @property
     def key(self) -> str: ...
     @property

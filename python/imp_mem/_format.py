@@ -26,13 +26,22 @@ def human_bytes(n: int) -> str:
 
 
 def byte_count(value: Any, what: str) -> int:
-    """`value` as bytes: a positive int, or a size string (``"64GiB"``);
-    else `InvalidArgument` naming `what`."""
+    """`value` as bytes: a positive int, or a size string with its unit
+    (``"64GiB"``; the core's one rule, `imp_mem.parse_size`: a string
+    without a unit is refused, never read as bytes); else
+    `InvalidArgument` naming `what`."""
     from imp_mem import _core
     from imp_mem.errors import InvalidArgument
 
     if isinstance(value, str):
-        return _core.parse_size(value, what)
+        try:
+            return _core.parse_size(value, what)
+        except InvalidArgument as exc:
+            number = value.strip()
+            if number.isascii() and number.isdigit():
+                hint = f"; or pass the int {number} for {number} bytes"
+                raise InvalidArgument(f"{exc}{hint}") from None
+            raise
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidArgument(
             f'{what}: expected bytes (a positive int, or a string such as "64GiB"), got {value!r}'

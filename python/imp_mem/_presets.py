@@ -230,8 +230,49 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def find(name: str) -> str | None:
+    """The preset `name` means: its own name or its Hugging Face id, any
+    case, ``_`` for ``-`` (``Qwen/Qwen3-8B``, ``qwen3_8b``); None if none."""
+    key = name.strip().lower()
+    for candidate in (key, key.replace("_", "-")):
+        if candidate in PRESETS:
+            return candidate
+    for preset_name, entry in PRESETS.items():
+        if str(entry.get("source", "")).lower() == key:
+            return preset_name
+    return None
+
+
+def resolve(name: str, what: str = "preset") -> str:
+    """`find`, or `InvalidArgument` naming `what`, the nearest presets
+    ("did you mean"), and where the list is."""
+    import difflib
+
+    from imp_mem.errors import InvalidArgument
+
+    found = find(name)
+    if found is not None:
+        return found
+    near = difflib.get_close_matches(name.strip().lower(), list(PRESETS), n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    raise InvalidArgument(
+        f"{what}: {name!r} is not a preset; {hint}the presets: {', '.join(sorted(PRESETS))} "
+        "(imp-mem plan --list-presets; a Hugging Face id such as meta-llama/Meta-Llama-3-8B "
+        "names its preset too)"
+    )
+
+
 def preset(name: str) -> dict[str, Any]:
-    """The config dict of a preset (without its ``source``); KeyError if unknown."""
-    config = dict(PRESETS[name.lower()])
+    """The config dict of a preset, by its name or its Hugging Face id
+    (without its ``source``); `InvalidArgument` with the nearest names if
+    unknown."""
+    config = dict(PRESETS[resolve(name)])
     config.pop("source", None)
     return config
+
+
+def presets() -> dict[str, str]:
+    """The presets: each name with the Hugging Face repository its numbers
+    come from. ``imp_mem.ModelShape.from_hf_config(imp_mem.preset_config(name))``
+    plans one."""
+    return {name: str(PRESETS[name]["source"]) for name in sorted(PRESETS)}

@@ -27,20 +27,37 @@ def check_at_least_one(args: argparse.Namespace, *names: str) -> None:
 
 
 def check_byte_options(args: argparse.Namespace, *names: str) -> None:
-    """A byte option given as a bare number is refused: ``--budget 80``
-    would otherwise plan against 80 bytes."""
+    """Each byte option read by the core's one rule for sizes
+    (`imp_mem.parse_size`): a number and a unit, never bare bytes
+    (``--budget 80`` would otherwise plan against 80 bytes); a negative
+    or too large size says so. The message names the option."""
     import imp_mem
 
     for name in names:
         value = getattr(args, name)
-        if value is None or not str(value).strip().replace(".", "", 1).isdigit():
+        if value is not None:
+            imp_mem.parse_size(str(value), "--" + name.replace("_", "-"))
+
+
+# The options that take a size: argparse reads ``--budget -1GiB`` as two
+# options, so `main` joins such a value to its flag for the core to refuse
+# as negative.
+SIZE_FLAGS = ("--budget", "--context", "--library-reserve", "--weights-bytes", "--capacity")
+
+
+def _join_negative_sizes(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if arg in SIZE_FLAGS and nxt is not None and nxt[:1] == "-" and nxt[1:2].isdigit():
+            out.append(f"{arg}={nxt}")
+            i += 2
             continue
-        flag = "--" + name.replace("_", "-")
-        number = str(value).strip()
-        raise imp_mem.InvalidArgument(
-            f"{flag} {number} has no unit; write it with one, e.g. {flag} {number}GiB "
-            f"(or {number}MiB; {number}B for bytes)"
-        )
+        out.append(arg)
+        i += 1
+    return out
 
 
 def _pick_backend(kind: str, capacity: str):
@@ -75,13 +92,10 @@ def _demo(args: argparse.Namespace) -> int:
     import json
 
     import imp_mem
-    from imp_mem._presets import PRESETS
+    from imp_mem._presets import resolve
     from imp_mem.system import run_demo
 
-    if args.model.lower() not in PRESETS:
-        raise imp_mem.InvalidArgument(
-            f"--model: {args.model!r} is not a preset; choose one of {', '.join(sorted(PRESETS))}"
-        )
+    args.model = resolve(args.model, "--model")
     check_at_least_one(args, "max_batch", "max_seq_len", "steps")
     check_byte_options(args, "capacity")
     from imp_mem._cli_plan import _warn_past_trained_context
@@ -109,12 +123,27 @@ def _demo(args: argparse.Namespace) -> int:
         return run_engine_demo(
             backend,
             other_processes=others,
-            seconds=args.seconds,
+            seconds=5.0 if args.seconds is None else args.seconds,
             max_batch=args.max_batch,
             max_seq_len=min(args.max_seq_len, 1024),
             config=config,
-            load_format=args.load_format,
+            load_format=args.load_format or "safetensors",
             seed=args.seed,
+        )
+    ignored = [
+        flag
+        for flag, value in (
+            ("--seconds", args.seconds),
+            ("--engine-config", args.engine_config),
+            ("--load-format", args.load_format),
+        )
+        if value is not None
+    ]
+    if ignored:
+        print(
+            f"imp-mem: warning: {', '.join(ignored)} apply to the engine on a GPU with torch; "
+            "this planned demo on the fake backend does not use them",
+            file=sys.stderr,
         )
     report: dict = {}
     lines: list[str] = []
@@ -134,12 +163,32 @@ def _demo(args: argparse.Namespace) -> int:
             print(json.dumps(_failure_json(failure, _demo_inputs(args)), indent=2))
         else:
             print(failure)
+            if any(lever["setting"] == "tp" for lever in failure.levers):
+                # The demo serves one device; the lever is plan's to try.
+                print(
+                    "(the demo runs at tp 1 on one device: try the tp lever with "
+                    f"imp-mem plan {args.model} --tp N)"
+                )
         return 2
     if args.json:
         report = {"schema_version": SCHEMA_VERSION, "inputs": _demo_inputs(args), **report}
         print(json.dumps(report, indent=2, default=str))
     return status
 
+
+DEMO_DESCRIPTION = """\
+Plans a preset model for the backend's budget, opens its tiers in plan
+order, loads the weights into T1, serves a few simulated steps through a
+KV cache manager on the system's KV pool, prints the memory report with
+every byte named, and releases everything.
+
+On the CPU (or with --backend fake, or --json) the demo is this planned
+walk-through on the fake backend, and the options marked "on a GPU with
+torch" (--seconds, --engine-config, --load-format) do nothing. On a GPU with
+torch it is the reference engine serving random weights for --seconds.
+The plan is imp-mem plan's at --max-batch x --max-seq-len (tp 1, the
+model's KV dtype): a configuration that does not fit exits with status 2
+and the plan's report."""
 
 SCHEMA_VERSION = 1
 """The version of the ``--json`` documents (``plan`` and ``demo``); it
@@ -179,7 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser(
-        "demo", help="plan a model, open its tiers, load, serve, and report every byte"
+        "demo",
+        help="plan a model, open its tiers, load, serve, and report every byte",
+        description=DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument(
         "--backend",
@@ -188,15 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: the GPU when there is one, else the CPU fake (default)",
     )
     demo.add_argument("--capacity", default="80GiB", help="fake device capacity (default 80GiB)")
-    demo.add_argument("--model", default="llama-3-8b", help="preset; imp-mem plan --list-presets")
-    demo.add_argument("--max-batch", type=int, default=16, help="concurrent sequences (16)")
+    demo.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help="a preset, by name or Hugging Face id (imp-mem plan --list-presets)",
+    )
+    demo.add_argument(
+        "--max-batch", type=int, default=8, help="concurrent sequences (default 8, as plan's)"
+    )
     demo.add_argument("--max-seq-len", type=int, default=8192, help="tokens a sequence (8192)")
     demo.add_argument("--steps", type=int, default=8, help="serving steps to simulate (8)")
     demo.add_argument(
         "--seconds",
         type=float,
-        default=5.0,
-        help="on a GPU with torch: how long the engine serves (5)",
+        default=None,
+        help="on a GPU with torch: how long the engine serves (default 5)",
     )
     demo.add_argument(
         "--json", action="store_true", help="print the plan and the memory report as JSON"
@@ -210,9 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--load-format",
         choices=["safetensors", "dummy"],
-        default="safetensors",
+        default=None,
         help="on a GPU with torch: 'dummy' draws random weights in T1 from --seed "
-        "(no checkpoint written); 'safetensors' writes a random checkpoint and loads it",
+        "(no checkpoint written); 'safetensors' (default) writes a random checkpoint and "
+        "loads it",
     )
     demo.add_argument("--seed", type=int, default=0, help="the random weights' seed (0)")
     demo.set_defaults(func=_demo)
@@ -224,9 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
 EXIT_ERROR = 2
 
 
-def _error(message: str) -> int:
-    """One line on stderr; the exit status of every CLI error."""
-    print(f"imp-mem: error: {' '.join(message.split())}", file=sys.stderr)
+def _error(message: str, as_json: bool = False, kind: str = "error") -> int:
+    """One line on stderr; the exit status of every CLI error. Under
+    ``--json`` stdout also gets the error as a document (``error``: the
+    exception's class, ``message``), so a script reads every outcome as
+    JSON."""
+    line = " ".join(message.split())
+    print(f"imp-mem: error: {line}", file=sys.stderr)
+    if as_json:
+        import json
+
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "error": kind, "message": line}))
     return EXIT_ERROR
 
 
@@ -237,24 +304,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     import imp_mem
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_join_negative_sizes(argv))
     if args.version:
         print(imp_mem.__version__)
         return 0
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    as_json = bool(getattr(args, "json", False))
     try:
         return int(args.func(args) or 0)
     except imp_mem.ImpMemError as exc:
-        return _error(f"{type(exc).__name__}: {exc}")
+        kind = type(exc).__name__
+        return _error(f"{kind}: {exc}", as_json, kind)
     except OSError as exc:
         where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
-        return _error(f"{exc.strerror or exc}{where}")
+        return _error(f"{exc.strerror or exc}{where}", as_json, type(exc).__name__)
     except KeyboardInterrupt:
-        return _error("interrupted")
+        return _error("interrupted", as_json, "interrupted")
     except Exception as exc:
-        return _error(f"{type(exc).__name__}: {exc}")
+        kind = type(exc).__name__
+        return _error(f"{kind}: {exc}", as_json, kind)
 
 
 if __name__ == "__main__":

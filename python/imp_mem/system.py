@@ -77,7 +77,14 @@ def _load_and_serve(
 
     system.begin_serving()
     out(f"[{system.phase}] serving {steps} steps; the tiers are fixed from here on")
-    pool, scratch = system.kv_pool, system.scratch
+    scratch = system.scratch
+    # A model whose every layer slides (Mistral-7B-v0.1) keeps its KV in
+    # the SWA pool alone; the manager's full tables are ids without memory.
+    pool_name, pool = "KV pool", system.kv_pool
+    planned = system.plan.kv_blocks
+    if pool is None:
+        pool_name, pool = "SWA pool", system.swa_pool
+        planned = (system.plan.swa or {}).get("blocks", 0)
     kv = system.kv_manager()
     block = kv.block_size
     per_sequence = system.plan.kv["blocks_per_sequence"]
@@ -109,8 +116,8 @@ def _load_and_serve(
         decommitted += system.step()
     stats = kv.stats()
     out(
-        f"  KV pool: {pool.live} blocks live, capacity {start_capacity} -> {pool.capacity} of "
-        f"{system.plan.kv_blocks} planned (growth commits inside the reservation; it is not "
+        f"  {pool_name}: {pool.live} blocks live, capacity {start_capacity} -> {pool.capacity} of "
+        f"{planned} planned (growth commits inside the reservation; it is not "
         f"an acquisition); scratch high-water {human_bytes(scratch.high_water if scratch else 0)}"
     )
     out(
@@ -160,15 +167,19 @@ def run_demo(
     counters and the memory report. Returns 0."""
     import imp_mem
     from imp_mem._presets import preset
+    from imp_mem._vision import tower_bytes
 
     if backend is None:
         backend = imp_mem.FakeBackend(capacity="80GiB", backed=False)
-    shape = ModelShape.from_hf_config(preset(model))
+    config = preset(model)
+    shape = ModelShape.from_hf_config(config)
+    # The KV pool holds max_batch full sequences or the plan fails, as
+    # `imp-mem plan` plans it: the header's "N x L tokens" is what is served.
     plan = plan_memory(
         PlanInput(
             shape,
-            Limits(max_batch, max_seq_len, kv_policy="fit"),
-            Features(),
+            Limits(max_batch, max_seq_len),
+            Features(vision_tower_bytes=tower_bytes(config)),
             budget=backend.budget,
             context=context,
             library_reserve=library_reserve,

@@ -98,7 +98,7 @@ def test_an_idle_shared_engine_sleeps_and_its_next_request_wakes_it(checkpoint, 
         if keep:
             with open(os.path.join(keep, "shared_idle_sleep.txt"), "a") as f:
                 f.write(line + "\n")
-    assert imp_mem.DeviceLedger(shared.key, 1, str(tmp_path)).tenants() == []
+    assert imp_mem.DeviceLedger(shared.key, None, str(tmp_path)).tenants() == []
 
 
 def test_a_shared_engine_s_floor_is_what_it_holds_at_rest(checkpoint, tmp_path):

@@ -101,6 +101,7 @@ impl State {
             tag,
             device_refused,
             ledger_headroom: None,
+            ledger_tenant: None,
         }
     }
 
@@ -115,6 +116,7 @@ impl State {
             if let Err(refused) = tenant.grow(asked)? {
                 return Err(MemError::OutOfMemory(OomReport {
                     ledger_headroom: Some(refused.headroom),
+                    ledger_tenant: Some(refused.share(true)),
                     ..self.oom_report(asked, tag, capacity, false)
                 }));
             }
@@ -417,6 +419,7 @@ impl Backend {
             if let Err(refused) = tenant.grow(committed)? {
                 return Err(MemError::OutOfMemory(OomReport {
                     ledger_headroom: Some(refused.headroom),
+                    ledger_tenant: Some(refused.share(true)),
                     ..state.oom_report(committed, Tag::Weights, self.shared.info.capacity, false)
                 }));
             }

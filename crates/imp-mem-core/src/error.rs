@@ -27,6 +27,21 @@ pub struct OomReport {
     /// `Some(headroom)` when the device ledger refused: the bytes it could
     /// grant this tenant then (other tenants hold the rest).
     pub ledger_headroom: Option<u64>,
+    /// With `ledger_headroom`: the refused tenant's own share, so the
+    /// message can say whether its cap or the other tenants refused.
+    pub ledger_tenant: Option<TenantShare>,
+}
+
+/// A ledger tenant's share when the ledger refused it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantShare {
+    /// What the tenant had committed when it asked.
+    pub committed: u64,
+    /// Its cap.
+    pub cap: u64,
+    /// Whether the bytes were asked for the report's tag (through a
+    /// backend), or straight of the tenant (no tag to name).
+    pub for_tag: bool,
 }
 
 impl std::fmt::Display for OomReport {
@@ -39,8 +54,39 @@ impl std::fmt::Display for OomReport {
             tag,
             device_refused,
             ledger_headroom,
+            ledger_tenant,
         } = *self;
-        if let Some(headroom) = ledger_headroom {
+        if let (Some(headroom), Some(share)) = (ledger_headroom, ledger_tenant) {
+            let what = if share.for_tag {
+                format!(" for tag '{tag}'")
+            } else {
+                String::new()
+            };
+            if share.committed.saturating_add(asked) > share.cap {
+                write!(
+                    f,
+                    "out of memory: {} asked{what} would take this tenant past its own cap of \
+                     {}: it has {} committed ({} left under the cap); join with a larger cap, \
+                     or give memory back first",
+                    human_bytes(asked),
+                    human_bytes(share.cap),
+                    human_bytes(share.committed),
+                    human_bytes(headroom)
+                )
+            } else {
+                write!(
+                    f,
+                    "out of memory: the device ledger grants this tenant {} more, and {} was \
+                     asked{what}; it has {} committed (cap {}) and the device's other tenants \
+                     hold the rest — wait for them to give memory back, or plan a smaller \
+                     configuration",
+                    human_bytes(headroom),
+                    human_bytes(asked),
+                    human_bytes(share.committed),
+                    human_bytes(share.cap)
+                )
+            }
+        } else if let Some(headroom) = ledger_headroom {
             write!(
                 f,
                 "out of memory: the device ledger grants this tenant {} more, and {} was asked \
@@ -136,6 +182,19 @@ pub struct LedgerRefusal {
 impl std::fmt::Display for LedgerRefusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let floors: u64 = self.tenants.iter().map(|t| t.2).sum();
+        if self.tenants.is_empty() {
+            // No tenant to stop: the floor alone is over the whole budget.
+            return write!(
+                f,
+                "device ledger {}: tenant '{}' needs a floor of {}, more than the ledger's \
+                 whole budget of {}; plan this model smaller (max_seq_len, kv_dtype, \
+                 max_batch), or open the ledger with a larger budget",
+                self.key,
+                self.name,
+                human_bytes(self.floor),
+                human_bytes(self.budget),
+            );
+        }
         write!(
             f,
             "device ledger {}: tenant '{}' needs a floor of {}, but the floors of the {} tenant(s) \
@@ -256,6 +315,7 @@ mod tests {
             tag: Tag::KvCache,
             device_refused: false,
             ledger_headroom: None,
+            ledger_tenant: None,
         };
         let text = MemError::OutOfMemory(report).to_string();
         assert!(text.contains("3.00 GiB"), "{text}");

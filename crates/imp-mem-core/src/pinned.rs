@@ -102,6 +102,7 @@ impl PinnedHost {
                 tag: Tag::PinnedHost,
                 device_refused: true,
                 ledger_headroom: None,
+                ledger_tenant: None,
             }),
             SourceError::Driver(msg) => MemError::Driver(format!("{what}: {msg}")),
             SourceError::Unsupported(msg) => MemError::BackendUnavailable(format!("{what}: {msg}")),

@@ -24,7 +24,8 @@ fn count(value: &Bound<'_, PyAny>, what: &str, allow_text: bool) -> PyResult<u64
                      byte count such as 4096 or \"64MiB\""
                 ))
             })?;
-            return parse_bytes(&text).py();
+            return parse_bytes(&text)
+                .map_err(|e| invalid(format!("{what}: {e}{}", int_hint(&text))));
         }
         return Err(invalid(format!(
             "{what} must be an integer, got the string {text}"
@@ -47,6 +48,16 @@ fn count(value: &Bound<'_, PyAny>, what: &str, allow_text: bool) -> PyResult<u64
             "{what} must be an integer, got {} {value}",
             type_name(value)
         ))),
+    }
+}
+
+/// For a bare whole number given as text: Python's other way to say bytes.
+pub fn int_hint(text: &str) -> String {
+    let t = text.trim();
+    if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) {
+        format!("; or pass the int {t} for {t} bytes")
+    } else {
+        String::new()
     }
 }
 
@@ -132,7 +143,7 @@ pub fn int_in(value: &Bound<'_, PyAny>, what: &str, lo: i128, hi: i128) -> PyRes
     let out_of_range = || {
         let shown = value.str().map(|s| s.to_string()).unwrap_or_default();
         invalid(format!(
-            "{what} must be an integer in {lo}..={hi}, got {}",
+            "{what} must be an integer from {lo} to {hi}, got {}",
             if shown.len() > 60 {
                 format!("an integer of {} digits", shown.len())
             } else {

@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use imp_mem_core::{Backend, PhaseMode, Region};
+use imp_mem_core::{Backend, MemError, PhaseMode, Region};
 use imp_mem_cuda::{CudaSource, DeviceContext, Fence, VmmConfig, VmmCore, VmmSource};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -322,10 +322,14 @@ fn cuda_driver_version() -> PyResult<i32> {
     imp_mem_cuda::driver_version().py()
 }
 
-/// Number of CUDA devices; raises `BackendUnavailable` without a driver.
+/// Number of CUDA devices: 0 without a driver (as `torch.cuda.device_count()`),
+/// so a CPU machine can ask without a try; a driver that fails otherwise raises.
 #[pyfunction]
 fn cuda_device_count() -> PyResult<i32> {
-    imp_mem_cuda::device_count().py()
+    match imp_mem_cuda::device_count() {
+        Err(MemError::BackendUnavailable(_)) => Ok(0),
+        other => other.py(),
+    }
 }
 
 /// Device `(free, total)` bytes (`cuMemGetInfo` in the primary context).

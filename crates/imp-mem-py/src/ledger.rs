@@ -71,19 +71,29 @@ pub struct PyDeviceLedger {
 impl PyDeviceLedger {
     /// Opens (creating) the ledger of device `key` (its UUID, or a name
     /// for a fake) in `dir` (default: `$IMP_MEM_LEDGER_DIR` or
-    /// `/dev/shm/imp-mem-ledger`).
+    /// `/dev/shm/imp-mem-ledger`). The first opener's `budget` is the
+    /// table's; a later opener passes the same, or `None` to take it
+    /// (another budget is refused, naming the table's).
     #[new]
-    #[pyo3(signature = (key, budget, dir = None))]
+    #[pyo3(signature = (key, budget = None, dir = None))]
     fn new(
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        budget: &Bound<'_, PyAny>,
+        budget: Option<&Bound<'_, PyAny>>,
         dir: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let key = convert::text(key, "key")?;
-        let budget = convert::bytes(budget, "budget")?;
+        let budget = match budget.filter(|b| !b.is_none()) {
+            Some(b) => Some(convert::bytes(b, "budget")?),
+            None => None,
+        };
         let dir = dir_of(dir)?;
-        let inner = py.detach(|| DeviceLedger::open(&dir, &key, budget)).py()?;
+        let inner = py
+            .detach(|| match budget {
+                Some(budget) => DeviceLedger::open(&dir, &key, budget),
+                None => DeviceLedger::open_existing(&dir, &key),
+            })
+            .py()?;
         Ok(Self { inner })
     }
 
@@ -155,12 +165,13 @@ impl PyLedgerTenant {
         crate::errors::to_py(imp_mem_core::MemError::OutOfMemory(
             imp_mem_core::error::OomReport {
                 asked,
-                live: 0,
+                live: refused.committed,
                 budget,
                 capacity: budget,
                 tag: imp_mem_core::Tag::Workspace,
                 device_refused: false,
                 ledger_headroom: Some(refused.headroom),
+                ledger_tenant: Some(refused.share(false)),
             },
         ))
     }

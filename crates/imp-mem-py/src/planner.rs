@@ -40,7 +40,11 @@ fn from_py_json(value: &Bound<'_, PyAny>, what: &str) -> PyResult<serde_json::Va
 /// A byte count: an int, or text such as `"80GiB"`; errors name `what`.
 fn size(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
     match value.cast::<PyString>() {
-        Ok(_) => core::parse_size(&convert::text(value, what)?, what).py(),
+        Ok(_) => {
+            let text = convert::text(value, what)?;
+            core::parse_size(&text, what)
+                .map_err(|e| invalid(format!("{e}{}", convert::int_hint(&text))))
+        }
         Err(_) => convert::bytes(value, what),
     }
 }
@@ -58,6 +62,10 @@ fn to_u32(value: u64, what: &str) -> PyResult<u32> {
 }
 
 fn positive(value: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    // A negative count gets the same words as 0: at least 1.
+    if value.lt(0).unwrap_or(false) {
+        return Err(invalid(format!("{what}: must be at least 1, got {value}")));
+    }
     let n = convert::index(value, what)?;
     if n == 0 {
         return Err(invalid(format!("{what}: must be at least 1, got 0")));
@@ -70,6 +78,16 @@ fn opt_dtype(value: Option<&str>, what: &str) -> PyResult<Option<Dtype>> {
         None | Some("auto") => Ok(None),
         Some(text) => Dtype::parse(text, what).map(Some).py(),
     }
+}
+
+/// An `ImpMemWarning` for a shape whose `model_type` the planner does not
+/// know (`core::unknown_model_type`: planned, with the warning).
+fn warn_unknown_model_type(py: Python<'_>, shape: &core::ModelShape) -> PyResult<()> {
+    if let Some(message) = core::unknown_model_type(&shape.name) {
+        let category = py.get_type::<crate::errors::ImpMemWarning>();
+        PyErr::warn(py, &category, &std::ffi::CString::new(message)?, 2)?;
+    }
+    Ok(())
 }
 
 /// What a model costs: layers by kind, attention geometry, state, experts,
@@ -93,10 +111,12 @@ impl PyModelShape {
                  or use ModelShape.from_hf_config(path_or_dict)",
             ));
         };
+        let names: Vec<String> = fields.keys().extract()?;
+        core::check_fields(names.iter().map(String::as_str)).py()?;
         let value = from_py_json(fields.as_any(), "ModelShape")?;
-        Ok(Self {
-            inner: core::ModelShape::from_hf_config(&value).py()?,
-        })
+        let inner = core::ModelShape::from_hf_config(&value).py()?;
+        warn_unknown_model_type(fields.py(), &inner)?;
+        Ok(Self { inner })
     }
 
     /// Reads a Hugging Face `config.json`: a path (file or checkpoint
@@ -119,11 +139,27 @@ impl PyModelShape {
                 path_or_dict.get_type().name()?
             )));
         };
+        warn_unknown_model_type(path_or_dict.py(), &shape)?;
         let shape = match opt_size(weights_bytes, "weights_bytes")? {
             Some(bytes) => shape.with_measured_weights(bytes),
             None => shape,
         };
         Ok(Self { inner: shape })
+    }
+
+    /// A shipped preset's shape, by its name or its Hugging Face id
+    /// (`imp_mem.presets()` lists them; `imp-mem plan --list-presets`); an
+    /// unknown name is refused with the nearest ones. The presets are data
+    /// in `imp_mem._presets`, read through `imp_mem.preset_config`.
+    #[staticmethod]
+    fn from_preset(py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config = py
+            .import("imp_mem._presets")?
+            .call_method1("preset", (name,))?;
+        let value = from_py_json(&config, "preset")?;
+        Ok(Self {
+            inner: core::ModelShape::from_hf_config(&value).py()?,
+        })
     }
 
     /// The same shape with its weight bytes replaced by a measured figure.
@@ -512,8 +548,9 @@ impl PyFeatures {
 }
 
 /// Everything `plan_memory` reads. `context` and `library_reserve` are the
-/// two measured charges (seed D7); they default to the H200 measurements
-/// (527 MiB and 66 MiB) and should be measured on the target machine.
+/// two measured charges (the CUDA context and the library reserve); they
+/// default to the H200 measurements (527 MiB and 66 MiB) and should be
+/// measured on the target machine.
 #[pyclass(frozen, name = "PlanInput", module = "imp_mem._core")]
 pub struct PyPlanInput {
     inner: core::PlanInput,

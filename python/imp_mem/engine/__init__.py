@@ -72,4 +72,15 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'imp_mem.engine' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch" and "torch" not in str(exc):
+            raise
+        # As `import imp_mem.torch` says it: what to install, not a traceback
+        # into the engine's layers.
+        raise ImportError(
+            f"imp_mem.engine.{name} needs PyTorch: install it with `pip install imp-mem[torch]` "
+            "(or `pip install torch`); the scheduler and the planner run without it"
+        ) from exc
+    return getattr(loaded, name)

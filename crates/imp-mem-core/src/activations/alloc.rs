@@ -213,6 +213,7 @@ impl ActivationPool {
             tag: Tag::Activations,
             device_refused: false,
             ledger_headroom: None,
+            ledger_tenant: None,
         })
     }
 

@@ -15,7 +15,7 @@
 //!   the range check to one test at the end.
 //!
 //! Both name the first bad id with the same message
-//! (`tokens: token id V is outside 0..=4294967295 (ids are unsigned 32-bit)`), so a list and an array of the
+//! (`tokens: token id V is outside 0 to 4294967295 (ids are unsigned 32-bit)`), so a list and an array of the
 //! same ids are refused alike; an item that is not an integer at all is
 //! named by its position and type. Pure functions, no shared state.
 
@@ -24,7 +24,7 @@ use crate::MemError;
 /// The message for an id outside `0..=u32::MAX` (`v` as Python prints it).
 pub fn out_of_range(v: impl std::fmt::Display) -> MemError {
     MemError::invalid(format!(
-        "tokens: token id {v} is outside 0..=4294967295 (ids are unsigned 32-bit)"
+        "tokens: token id {v} is outside 0 to 4294967295 (ids are unsigned 32-bit)"
     ))
 }
 
@@ -282,7 +282,7 @@ mod tests {
                 }
                 u32::try_from(v).map_err(|_| {
                     format!(
-                        "tokens: token id {v} is outside 0..=4294967295 (ids are unsigned 32-bit)"
+                        "tokens: token id {v} is outside 0 to 4294967295 (ids are unsigned 32-bit)"
                     )
                 })
             })
@@ -395,14 +395,14 @@ mod tests {
             let expected = match kind {
                 0 => format!("tokens must be integers; item {at} is a bool"),
                 1 => format!("tokens must be integers; item {at} is a float"),
-                2 => "tokens: token id 18446744073709551616 is outside 0..=4294967295 (ids are unsigned 32-bit)".to_string(),
-                _ => "tokens: token id -1 is outside 0..=4294967295 (ids are unsigned 32-bit)".to_string(),
+                2 => "tokens: token id 18446744073709551616 is outside 0 to 4294967295 (ids are unsigned 32-bit)".to_string(),
+                _ => "tokens: token id -1 is outside 0 to 4294967295 (ids are unsigned 32-bit)".to_string(),
             };
             if earlier_bad && at > 0 {
                 items[0] = TokenItem::Int(1 << 33);
                 prop_assert_eq!(
                     read_items(&items),
-                    Err("tokens: token id 8589934592 is outside 0..=4294967295 (ids are unsigned 32-bit)".to_string())
+                    Err("tokens: token id 8589934592 is outside 0 to 4294967295 (ids are unsigned 32-bit)".to_string())
                 );
             } else {
                 prop_assert_eq!(read_items(&items), Err(expected));
@@ -465,7 +465,7 @@ mod tests {
         assert_eq!(
             check_int32(&words).map_err(|e| e.to_string()),
             Err(
-                "tokens: token id -7 is outside 0..=4294967295 (ids are unsigned 32-bit)"
+                "tokens: token id -7 is outside 0 to 4294967295 (ids are unsigned 32-bit)"
                     .to_string()
             )
         );

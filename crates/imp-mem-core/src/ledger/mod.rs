@@ -345,29 +345,60 @@ fn pressure_on(slots: &[Slot], i: usize, budget: u64, now: u64) -> u64 {
 
 impl DeviceLedger {
     /// Opens (creating if needed) the table of device `key` in `dir`. The
-    /// first opener sets the `budget` all tenants share; a later opener's
-    /// `budget` is ignored in favour of the table's ([`DeviceLedger::budget`]).
+    /// first opener sets the `budget` all tenants share; a later opener
+    /// passing another budget is refused, naming the table's (open it with
+    /// [`DeviceLedger::open_existing`] to take whatever the table says).
     pub fn open(dir: &Path, key: &str, budget: u64) -> Result<Self, MemError> {
-        check_key(key)?;
         if budget == 0 {
             return Err(MemError::invalid(
                 "ledger budget must be positive; pass the device's capacity or a cap in bytes",
             ));
         }
-        std::fs::create_dir_all(dir).map_err(|e| io_error("create", dir, e))?;
+        Self::open_with(dir, key, Some(budget))
+    }
+
+    /// Opens the existing table of device `key` in `dir` with the budget
+    /// its first opener set; refused where there is none (nothing is
+    /// created: a table's budget comes from a first opener that knows it).
+    pub fn open_existing(dir: &Path, key: &str) -> Result<Self, MemError> {
+        Self::open_with(dir, key, None)
+    }
+
+    fn open_with(dir: &Path, key: &str, budget: Option<u64>) -> Result<Self, MemError> {
+        check_key(key)?;
         let path = dir.join(format!("{key}{TABLE_SUFFIX}"));
+        if budget.is_some() {
+            std::fs::create_dir_all(dir).map_err(|e| io_error("create", dir, e))?;
+        } else if !path.is_file() {
+            return Err(MemError::invalid(format!(
+                "budget: no ledger for device {key:?} in {} yet; the first opener passes the \
+                 device's budget (e.g. \"80GiB\")",
+                dir.display()
+            )));
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
+            .create(budget.is_some())
             .truncate(false)
             .open(&path)
             .map_err(|e| io_error("open", &path, e))?;
         flock(&file, FlockOperation::LockExclusive).map_err(|e| io_error("lock", &path, e))?;
-        let header = Self::init(&file, &path, budget);
+        // An existing table's header wins; `budget` only writes a new one.
+        let header = Self::init(&file, &path, budget.unwrap_or(0));
         // Unlocking cannot fail on a valid descriptor.
         let _ = flock(&file, FlockOperation::Unlock);
         let header = header?;
+        if let Some(asked) = budget.filter(|&b| b != header.budget) {
+            return Err(MemError::invalid(format!(
+                "budget: the ledger of device {key:?} already shares {} ({} B, set by its first \
+                 opener), not {} ({asked} B); pass that budget, or budget=None to take the \
+                 table's",
+                human_bytes(header.budget),
+                header.budget,
+                human_bytes(asked)
+            )));
+        }
         Ok(Self {
             inner: Arc::new(Mutex::new(Table {
                 file,
@@ -403,6 +434,14 @@ impl DeviceLedger {
                     path.display()
                 )));
             }
+        }
+        if budget == 0 {
+            // `open_existing` found no table: write none.
+            return Err(MemError::invalid(format!(
+                "budget: the ledger {} has no table yet; the first opener passes the device's \
+                 budget",
+                path.display()
+            )));
         }
         file.set_len(0).map_err(|e| io_error("truncate", path, e))?;
         file.write_all_at(&vec![0u8; TABLE_BYTES], 0)
@@ -599,6 +638,22 @@ pub struct Refused {
     pub asked: u64,
     /// Bytes the ledger could have granted.
     pub headroom: u64,
+    /// What the tenant had committed.
+    pub committed: u64,
+    /// The tenant's cap.
+    pub cap: u64,
+}
+
+impl Refused {
+    /// The tenant's share for an [`crate::error::OomReport`]; `for_tag`:
+    /// asked through a backend, for the report's tag.
+    pub fn share(&self, for_tag: bool) -> crate::error::TenantShare {
+        crate::error::TenantShare {
+            committed: self.committed,
+            cap: self.cap,
+            for_tag,
+        }
+    }
 }
 
 /// One admitted tenant: the right to commit on the device up to what the
@@ -694,6 +749,8 @@ impl Tenant {
             Err(Refused {
                 asked: bytes,
                 headroom: room,
+                committed: me.committed,
+                cap: me.cap,
             })
         };
         me.updated_ms = now;
@@ -719,6 +776,9 @@ impl Tenant {
             return Ok(Err(Refused {
                 asked: bytes,
                 headroom: room.saturating_sub(me.reserved()),
+                committed: me.committed,
+                // Raising the floor raises the cap: the others refused.
+                cap: u64::MAX,
             }));
         }
         me.floor = floor;

@@ -182,9 +182,11 @@ fn a_foreign_file_and_a_bad_key_are_typed_errors() {
     assert!(DeviceLedger::open(dir.path(), "ok", 0).is_err());
     let l = DeviceLedger::open(dir.path(), "gpu-1", 10 * MIB).unwrap();
     assert!(l.join("x", 5 * MIB, MIB, Duration::ZERO).is_err());
-    // A second opener sees the first one's budget.
+    // A second opener with another budget is refused; one without takes
+    // the first one's.
+    assert!(DeviceLedger::open(dir.path(), "gpu-1", MIB).is_err());
     assert_eq!(
-        DeviceLedger::open(dir.path(), "gpu-1", MIB)
+        DeviceLedger::open_existing(dir.path(), "gpu-1")
             .unwrap()
             .budget(),
         10 * MIB
@@ -222,4 +224,72 @@ fn a_floor_rises_when_the_reservations_still_fit() {
     assert!(snap.reserved() <= snap.budget);
     drop(b);
     let _c = l.join("c", 30 * MIB, 30 * MIB, Duration::ZERO).unwrap();
+}
+
+#[test]
+fn a_second_opener_with_another_budget_is_refused_and_none_takes_the_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = DeviceLedger::open_existing(dir.path(), "fake-b")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("no ledger for device"), "{err}");
+    assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
+    let first = DeviceLedger::open(dir.path(), "fake-b", 10 * MIB).unwrap();
+    assert_eq!(
+        DeviceLedger::open(dir.path(), "fake-b", 10 * MIB)
+            .unwrap()
+            .budget(),
+        10 * MIB
+    );
+    let err = DeviceLedger::open(dir.path(), "fake-b", 20 * MIB)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("already shares 10.0 MiB") && err.contains("not 20.0 MiB"),
+        "{err}"
+    );
+    let existing = DeviceLedger::open_existing(dir.path(), "fake-b").unwrap();
+    assert_eq!(existing.budget(), first.budget());
+}
+
+#[test]
+fn a_grow_past_the_tenants_own_cap_names_that_cap_and_its_commitment() {
+    // Issue 55: cap 8 on a 10 MiB ledger, 7 committed, no other tenant.
+    let (_d, l) = ledger(10 * MIB);
+    let t = l.join("alone", MIB, 8 * MIB, Duration::ZERO).unwrap();
+    t.grow(7 * MIB).unwrap().unwrap();
+    let refused = t.grow(2 * MIB).unwrap().unwrap_err();
+    let text = MemError::OutOfMemory(crate::error::OomReport {
+        asked: 2 * MIB,
+        live: refused.committed,
+        budget: 10 * MIB,
+        capacity: 10 * MIB,
+        tag: Tag::Workspace,
+        device_refused: false,
+        ledger_headroom: Some(refused.headroom),
+        ledger_tenant: Some(refused.share(false)),
+    })
+    .to_string();
+    assert!(
+        text.contains("past its own cap of 8.00 MiB") && text.contains("7.00 MiB committed"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("workspace") && !text.contains("other tenants"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_floor_over_the_whole_budget_with_no_tenant_does_not_say_stop_a_tenant() {
+    let (_d, l) = ledger(10 * MIB);
+    let err = l
+        .join("big", 20 * MIB, 20 * MIB, Duration::ZERO)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("more than the ledger's whole budget"), "{err}");
+    assert!(!err.contains("stop a tenant"), "{err}");
 }

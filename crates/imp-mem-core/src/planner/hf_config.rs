@@ -262,6 +262,8 @@ fn parse(cfg: &Cfg<'_>) -> Result<ModelShape, MemError> {
         )?;
         let head_dim = cfg.u64_or(&["head_dim", "attention_head_dim"], default_head_dim)?;
         let v_head_dim = cfg.u64_or(&["v_head_dim"], head_dim)?;
+        let head_dim_given = cfg.has("head_dim") || cfg.has("attention_head_dim");
+        super::validate::check_heads(heads, num_kv_heads, hidden, head_dim_given)?;
         Attention::Gqa {
             num_kv_heads,
             head_dim,

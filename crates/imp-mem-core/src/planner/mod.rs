@@ -28,6 +28,7 @@ mod input;
 mod plan;
 mod safetensors;
 mod shape;
+mod validate;
 
 #[cfg(test)]
 mod tests;
@@ -50,6 +51,7 @@ pub use safetensors::{
     weights_bytes_from_safetensors_index,
 };
 pub use shape::{Attention, KvBytesPerToken, ModelShape, Moe, WeightSpec};
+pub use validate::{check_fields, unknown_model_type, FIELDS as SHAPE_FIELDS};
 
 /// A planner value as pretty JSON, fields in declaration order; `what` names
 /// it in the (unexpected) error.

@@ -650,8 +650,8 @@ fn largest_batch(input: &PlanInput) -> Option<u32> {
 }
 
 /// The levers of seed A4.3, each recomputed through the same arithmetic:
-/// halve `max_seq_len`, KV to fp8, the largest `max_batch` that fits, twice
-/// the tensor-parallel ranks. The three that free the most, largest first.
+/// halve `max_seq_len`, KV to fp8, the largest `max_batch` that fits, the
+/// fewest tensor-parallel ranks (doubling) that fit, else twice as many. The three that free the most, largest first.
 /// `best_batch`: [`largest_batch`] of `input`, searched once by the caller.
 fn levers(input: &PlanInput, total: u64, best_batch: Option<u32>) -> Vec<Lever> {
     let mut out: Vec<Lever> = Vec::new();
@@ -699,9 +699,20 @@ fn levers(input: &PlanInput, total: u64, best_batch: Option<u32>) -> Vec<Lever> 
         );
     }
     if let Some(tp2) = input.tp.checked_mul(2) {
-        let mut changed = input.clone();
-        changed.tp = tp2;
-        consider("tp", input.tp.to_string(), tp2.to_string(), changed);
+        // The fewest ranks (doubling) that make the plan fit and split the
+        // heads evenly; twice the ranks when no such degree up to 64 times
+        // as many does (deepseek-v3 on one 80 GiB device needs more than 2).
+        let with_tp = |tp: u32| {
+            let mut changed = input.clone();
+            changed.tp = tp;
+            changed
+        };
+        let enough = (1..=6)
+            .filter_map(|k| input.tp.checked_mul(1 << k))
+            .filter(|&tp| tp <= 4096 && input.model.check_tp(tp).is_ok())
+            .find(|&tp| try_plan(&with_tp(tp)).is_ok());
+        let tp = enough.unwrap_or(tp2);
+        consider("tp", input.tp.to_string(), tp.to_string(), with_tp(tp));
     }
     // Largest first; equal savings keep the order above (stable sort).
     out.sort_by_key(|lever| std::cmp::Reverse(lever.frees));

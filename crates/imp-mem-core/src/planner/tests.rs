@@ -1190,3 +1190,21 @@ fn kv_policy_none_plans_no_kv_or_swa_pool() {
         .to_string()
         .contains("full, fit or none"));
 }
+
+#[test]
+fn the_tp_lever_names_the_fewest_ranks_that_fit() {
+    // DeepSeek-V3 on one 80 GiB device is hundreds of GiB over: twice the
+    // ranks is not enough, and the lever says how many are (issue 55).
+    let inp = input(shape(&deepseek_v3()), 1, 1024, 80 * GIB);
+    let Err(PlanError::DoesNotFit(failure)) = plan_memory(&inp) else {
+        panic!("deepseek-v3 fits one device?");
+    };
+    let lever = failure.levers.iter().find(|l| l.setting == "tp").unwrap();
+    let tp: u32 = lever.to.parse().unwrap();
+    assert!(tp > 2 && lever.sufficient, "{lever:?}");
+    let mut at = inp.clone();
+    at.tp = tp;
+    assert!(plan_memory(&at).is_ok());
+    at.tp = tp / 2;
+    assert!(plan_memory(&at).is_err());
+}

@@ -1179,3 +1179,39 @@ fn a_measured_activation_tier_grows_then_freezes_at_begin_serving_with_no_kv_poo
     act.free(d, 0).unwrap();
     sys.check().unwrap();
 }
+
+#[test]
+fn a_model_whose_every_layer_slides_serves_from_its_swa_pool() {
+    // Mistral-7B-v0.1's shape in small: one window over every layer, so the
+    // plan gives full attention no bytes (issue 55: "this system has no KV pool").
+    let shape = ModelShape::from_hf_config(&json!({
+        "model_type": "mistral", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "sliding_window": 128, "vocab_size": 1000, "max_position_embeddings": 4096,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16"
+    }))
+    .unwrap();
+    let p = plan_memory(&PlanInput {
+        model: shape,
+        limits: Limits::new(4, 1024),
+        features: Features::default(),
+        tp: 1,
+        budget: 256 * MIB,
+        context_bytes: 8 * MIB,
+        library_reserve_bytes: 4 * MIB,
+    })
+    .unwrap();
+    assert_eq!((p.kv.bytes_per_token, p.kv.blocks), (0, 0));
+    let fb = fake(GIB_TEST, false);
+    let system = MemorySystem::open(&fb, &p, SystemOptions::default()).unwrap();
+    assert!(system.kv_pool().is_none() && system.swa_pool().is_some());
+    let config = system.kv_config().unwrap();
+    assert_eq!(config.swa_window, 128);
+    assert_eq!(config.num_blocks as u64, p.kv.blocks_per_sequence * 4);
+    let mut m = system.kv_manager(config).unwrap();
+    let prompt: Vec<u32> = (0..1000).collect();
+    m.admit(1, &prompt, crate::kv::ExtraKeys::default())
+        .unwrap();
+    assert!(system.swa_pool().unwrap().stats().live > 0);
+    m.free(1, None).unwrap();
+}

@@ -154,7 +154,7 @@ impl MemorySystem {
     /// the plan's tokens per block, its KV dtype, and the sliding window
     /// when the plan has an SWA pool; everything else at its default.
     pub fn kv_config(&self) -> Result<KvConfig, MemError> {
-        let pool = self.kv_pool().ok_or_else(|| self.no_kv_pool())?;
+        let pool = self.full_kv_ids()?;
         let kv = &self.plan.kv;
         let block_size = to_usize(kv.block_size.into(), "block size")?;
         let mut config = KvConfig::new(block_size, pool.stats().max_blocks);
@@ -164,6 +164,31 @@ impl MemorySystem {
             config.swa_window = to_usize(window, "sliding window")?;
         }
         Ok(config)
+    }
+
+    /// The pool whose ids the manager's full block tables hold: the KV
+    /// pool, or, for a model whose every layer is sliding-window (its plan
+    /// gives full attention no bytes and the SWA pool all of its KV), an id
+    /// space with no memory sized for the plan's sequences at full length,
+    /// so that admission, the block tables and the prefix cache work as
+    /// for any model while the SWA pool holds the bytes.
+    fn full_kv_ids(&self) -> Result<SharedBlockPool, MemError> {
+        if let Some(pool) = self.kv_pool() {
+            return Ok(pool);
+        }
+        let kv = &self.plan.kv;
+        if self.closed || self.swa_pool().is_none() || kv.bytes_per_token > 0 {
+            return Err(self.no_kv_pool());
+        }
+        let ids = kv.blocks_per_sequence.saturating_mul(kv.full_sequences);
+        let ids = u32::try_from(ids).map_err(|_| {
+            MemError::invalid(format!(
+                "the plan's {ids} sliding-window-only KV block ids are more than a pool's {} \
+                 ids; plan fewer or shorter sequences",
+                u32::MAX
+            ))
+        })?;
+        SharedBlockPool::slots(ids)
     }
 
     fn no_kv_pool(&self) -> MemError {
@@ -210,7 +235,7 @@ impl MemorySystem {
     /// drop it before [`MemorySystem::close`], or the close reports the
     /// blocks as still held.
     pub fn kv_manager(&self, config: KvConfig) -> Result<KVCacheManager, MemError> {
-        let pool = self.kv_pool().ok_or_else(|| self.no_kv_pool())?;
+        let pool = self.full_kv_ids()?;
         let planned = self.plan.kv.block_size as usize;
         if config.block_size != planned {
             return Err(MemError::invalid(format!(
