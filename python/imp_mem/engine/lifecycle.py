@@ -157,7 +157,7 @@ def _wake_group(engine: Any, tag: str, empty_torch_cache: bool) -> None:
         memory.system.wake(tiers)
         return
     except imp_mem.OutOfMemory as e:
-        cached = memory.torch_cached()
+        cached = _torch_cached(engine)
         if not (empty_torch_cache and cached):
             e.torch_cached = cached
             e.args = (
@@ -169,6 +169,14 @@ def _wake_group(engine: Any, tag: str, empty_torch_cache: bool) -> None:
             raise
     torch.cuda.empty_cache()
     memory.system.wake(tiers)
+
+
+def _torch_cached(engine: Any) -> int:
+    """Bytes torch's caching allocator reserves and does not use."""
+    device = engine.memory.device
+    if not engine.memory.on_gpu:
+        return 0
+    return int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def check_awake(engine: Any, what: str) -> None:
