@@ -1,11 +1,10 @@
-"""The engine's memory side: plan, open, load, swap, and the charges the
-report names. The serving loop (`llm_engine`) and the model runner
-(`model_runner`) call it and never re-derive what it decides.
+"""The engine's memory (`EngineMemory`): its backend, plan, system,
+weights and the charges the report names. The serving loop
+(`llm_engine`), the boot (`boot`), the lifecycle (`lifecycle`: sleep,
+wake, updates, swap) and the model runner (`model_runner`) call it and
+never re-derive what it decides.
 
-Order (seed A4.2):
-
-The engine's boot runs these steps in its order (`boot`; `lifecycle`
-for sleep, wake, updates and swap):
+Order (seed A4.2; `boot` runs the steps in it):
 
 1. `plan`: the plan for the engine's limits (`max_batch`, `max_seq_len`),
    its T2 exactly as the runner lays it out (`model_runner.t2_bytes`) and
