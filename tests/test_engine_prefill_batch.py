@@ -410,7 +410,7 @@ def test_the_default_budget_follows_the_devices_size(capacity, chunks):
     try:
         assert engine.prefill_batch_tokens == chunks * 8
         assert engine.runner.prefill_batch_tokens == chunks * 8
-        assert engine._warmup_kw["prefill_batch_tokens"] == chunks * 8
+        assert engine.args.probe_kwargs()["prefill_batch_tokens"] == chunks * 8
     finally:
         engine.close()
 
@@ -427,11 +427,9 @@ def test_a_plan_that_does_not_fit_names_the_prefill_budget(monkeypatch):
     # The warm-up line is measured on a GPU; here a large one is planned as
     # though measured. With the large default (a 70 GiB device) a plan that
     # does not fit says which prefill_batch_tokens shrinks the line.
-    from imp_mem.engine.llm_engine import Engine as E
+    from imp_mem.engine import warmup
 
-    monkeypatch.setattr(
-        E, "_warmup_figure", lambda self, *a, **k: {"torch": 900 << 20, "modules": 0}
-    )
+    monkeypatch.setattr(warmup, "figure", lambda *a, **k: {"torch": 900 << 20, "modules": 0})
     with pytest.raises(PlanFailure) as info:
         open_engine("qwen3_full", capacity="141GiB", budget="512MiB")
     notes = "\n".join(getattr(info.value, "__notes__", []))

@@ -5,6 +5,7 @@ a GPU test)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -238,12 +239,12 @@ def test_the_probe_child_is_given_the_engines_library_reserve(tmp_path, monkeypa
         monkeypatch.setattr(warmup, "probe_by_default", lambda: True)
         engine.memory.on_gpu, engine._booted = True, False
         try:
-            got = engine._warmup_figure(16, 66 * MIB)
+            got = warmup.figure(engine, 16, 66 * MIB)
             assert got == {"torch": 0, "modules": 5 * MIB}
             assert seen[-1]["library_reserve"] == 66 * MIB
             # Without a reserve of its own, the child keeps the caller's argument.
             monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "other.json"))
-            engine._warmup_figure(16, None)
+            warmup.figure(engine, 16, None)
             assert seen[-1]["library_reserve"] is None
         finally:
             engine.memory.on_gpu = False  # closed as the CPU engine it is
@@ -268,12 +269,13 @@ def test_a_routed_engine_plans_the_probes_modules_alone(tmp_path, monkeypatch):
     with Engine(directory, max_batch=2, max_seq_len=64, budget="256MiB") as engine:
         engine.memory.on_gpu, engine._booted = True, False
         try:
-            assert engine._warmup_figure(16, 0) == {"torch": 92 * MIB, "modules": 86 * MIB}
+            assert warmup.figure(engine, 16, 0) == {"torch": 92 * MIB, "modules": 86 * MIB}
             monkeypatch.setenv("IMP_MEM_WARMUP_CACHE", str(tmp_path / "routed.json"))
             # Routed, as torch_pool="imp_mem" makes it; such an engine probes
             # where asked (warmup_probe=True).
-            engine.memory.torch_pool, engine._warmup_probe = object(), True
-            routed = engine._warmup_figure(16, 0)
+            engine.memory.torch_pool = object()
+            engine.args = dataclasses.replace(engine.args, warmup_probe=True)
+            routed = warmup.figure(engine, 16, 0)
             assert routed == {"torch": 0, "modules": 86 * MIB}
             assert warmup.lookup(engine._warmup_fp) == routed, "remembered as planned"
         finally:

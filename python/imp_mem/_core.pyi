@@ -1278,6 +1278,20 @@ class MemorySystem:
         host memory, level 2 drops it; the KV pool is dropped at both. Every
         address is the same after ``wake()``. Returns ``level``, ``released``,
         ``host_bytes`` and ``tiers``."""
+    def check_sleep(self, level: int = 1, tiers: str | Iterable[str] | None = None) -> None:
+        """Check what ``sleep(level, tiers)`` checks before any tier sleeps
+        (the level, the backend, the names, a tier already asleep), sleeping
+        nothing: raises as ``sleep`` would."""
+    def sleep_groups(self) -> dict[str, list[str]]:
+        """The groups an engine sleeps and wakes by name, ``{group: [tier
+        key, ...]}``: ``weights`` (T1), ``kv_cache`` (the KV pool and the
+        sliding-window pool), ``activations`` (T4a), those this system has."""
+    def adopt_replan(self, plan: MemoryPlan) -> int:
+        """Adopt this system's plan made again with a measured warm-up line:
+        the KV pool capped at its blocks, the backend's budget lowered to what
+        it gives the tiers (as an open on it sets it). Returns its KV blocks;
+        InvalidArgument, changing nothing, when its KV pool does not fit the
+        open one."""
     def wake(self, tiers: str | Iterable[str] | None = None) -> list[str]:
         """Recommit sleeping tiers at their addresses and restore T1's bytes
         after a level-1 sleep; returns the keys woken. ``tiers`` names keys

@@ -54,6 +54,21 @@ fn tier_names(tiers: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<String>>>
     })
 }
 
+/// The `level` argument of `sleep`: 1 when None; checked by the core,
+/// which names the value as given (a bool or a float is no level).
+fn sleep_level(level: Option<&Bound<'_, PyAny>>) -> PyResult<u8> {
+    let Some(value) = level.filter(|l| !l.is_none()) else {
+        return Ok(1);
+    };
+    let number = if value.is_instance_of::<PyBool>() {
+        None
+    } else {
+        value.extract::<i64>().ok()
+    };
+    let shown = value.repr().map(|r| r.to_string())?;
+    imp_mem_core::system::sleep_level(number, &shown).py()
+}
+
 /// The tiers of one `MemoryPlan`, opened on one backend in the plan's
 /// order, with the phases, the memory report and the metrics.
 #[pyclass(frozen, name = "MemorySystem", module = "imp_mem._core")]
@@ -556,19 +571,7 @@ impl PyMemorySystem {
         level: Option<&Bound<'py, PyAny>>,
         tiers: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let level = match level.filter(|l| !l.is_none()) {
-            Some(l) => convert::index(l, "level")?,
-            None => 1,
-        };
-        let level = u8::try_from(level)
-            .ok()
-            .filter(|l| (1..=2).contains(l))
-            .ok_or_else(|| {
-                invalid(format!(
-                    "level={level}: a sleep level is 1 (T1 kept in pinned host memory, the KV \
-                     cache dropped) or 2 (both dropped)"
-                ))
-            })?;
+        let level = sleep_level(level)?;
         let names = tier_names(tiers)?;
         let backend = self.backend.get().inner.clone();
         let host = crate::tiers::pinned_host_for(&backend);
@@ -595,6 +598,51 @@ impl PyMemorySystem {
         }
         out.set_item("tiers", tiers)?;
         Ok(out)
+    }
+
+    /// Checks what `sleep(level, tiers)` checks before any tier sleeps (the
+    /// level, the backend, the names, a tier already asleep) and sleeps
+    /// nothing: raises as `sleep` would, or returns None. A caller with
+    /// work to drain first asks before it drains.
+    #[pyo3(
+        signature = (level = None, tiers = None),
+        text_signature = "($self, level=1, tiers=None)"
+    )]
+    fn check_sleep(
+        &self,
+        level: Option<&Bound<'_, PyAny>>,
+        tiers: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let level = sleep_level(level)?;
+        let names = tier_names(tiers)?;
+        let refs: Option<Vec<&str>> = names
+            .as_ref()
+            .map(|v| v.iter().map(String::as_str).collect());
+        // `sleep` is always given its pinned host.
+        self.open()?.check_sleep(level, refs.as_deref(), true).py()
+    }
+
+    /// The groups an engine sleeps and wakes by name, `{group: [tier key,
+    /// ...]}` in order, those this system has: ``weights`` (T1),
+    /// ``kv_cache`` (the KV pool and the sliding-window pool) and
+    /// ``activations`` (T4a). Pass a group's keys to `sleep` and `wake`.
+    fn sleep_groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for (group, keys) in self.open()?.sleep_groups() {
+            out.set_item(group, keys)?;
+        }
+        Ok(out)
+    }
+
+    /// Adopts `plan`, this system's plan made again with a measured warm-up
+    /// line (the same inputs, the same budget): the KV pool is capped at
+    /// its blocks and the backend's budget lowered to what it gives the
+    /// tiers, as opening on it would set it; no tier moves. Returns the
+    /// plan's KV blocks. Raises InvalidArgument, changing nothing, when its
+    /// KV pool has other block bytes or more blocks than the open one.
+    fn adopt_replan(&self, plan: &Bound<'_, PyMemoryPlan>) -> PyResult<u64> {
+        let core_plan = plan.get().core().clone();
+        self.open()?.adopt_replan(&core_plan).py()
     }
 
     /// Wakes sleeping tiers at their old addresses and restores T1's bytes

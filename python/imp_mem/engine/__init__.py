@@ -3,13 +3,17 @@ KV pool, weights in T1, decode in CUDA graphs over T2 buffers; at TP = 1, or
 tensor-parallel over a ``torch.distributed`` group (``Engine(group=...)``,
 `TensorParallel`: one process per device, each serving its rank's slices).
 
-The rooms: `llm_engine` (the serving loop, `Engine`), `model_runner` (the
-runner, its parts in `runner/`: T2 buffers and staging, the KV views and its
-own blocks, the steps, warm-up and graphs), `memory` (plan, open, load,
-charges), `scheduler` (continuous batching over the KV manager), `model/`
-(one file per family over shared layers), `kernels/` (the Triton kernels
-and the FlashInfer binding the models call), `tensor_parallel` (the weight
-split and the collectives).
+The rooms: `llm_engine` (the serving loop, `Engine`), `args` (its
+arguments, checked once: `EngineArgs`), `model_runner` (the runner, its
+parts in `runner/`: T2 buffers and staging, the KV views and its own
+blocks, the steps, warm-up and graphs), the memory side — `memory`
+(`EngineMemory`: plan, open, load, charges), `boot` (the boot order over
+it, the inline re-plan), `lifecycle` (sleep, wake, weight updates, model
+swap), `warmup` (the warm-up's figure, measured and remembered) —
+`scheduler` (continuous batching over the KV manager), `model/` (one file
+per family over shared layers), `kernels/` (the Triton kernels and the
+FlashInfer binding the models call), `tensor_parallel` (the weight split
+and the collectives).
 
 `imp_mem.engine` imports without torch: the scheduler is pure Python over a
 `KVCacheManager`, and the names that run a model (`Engine`, `KvViews`,
@@ -31,6 +35,7 @@ from imp_mem.engine.scheduler import (
 
 __all__ = [
     "Engine",
+    "EngineArgs",
     "EngineMemory",
     "EngineStats",
     "KvViews",
@@ -52,6 +57,7 @@ __all__ = [
 # Names that need torch, and the module each lives in.
 _LAZY = {
     "Engine": "imp_mem.engine.llm_engine",
+    "EngineArgs": "imp_mem.engine.args",
     "EngineStats": "imp_mem.engine.llm_engine",
     "KvViews": "imp_mem.engine.model",
     "ModelRunner": "imp_mem.engine.model_runner",

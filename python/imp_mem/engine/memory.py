@@ -1,8 +1,10 @@
-"""The engine's memory side: plan, open, load, swap, and the charges the
-report names. The serving loop (`llm_engine`) and the model runner
-(`model_runner`) call it and never re-derive what it decides.
+"""The engine's memory (`EngineMemory`): its backend, plan, system,
+weights and the charges the report names. The serving loop
+(`llm_engine`), the boot (`boot`), the lifecycle (`lifecycle`: sleep,
+wake, updates, swap) and the model runner (`model_runner`) call it and
+never re-derive what it decides.
 
-Order (seed A4.2):
+Order (seed A4.2; `boot` runs the steps in it):
 
 1. `plan`: the plan for the engine's limits (`max_batch`, `max_seq_len`),
    its T2 exactly as the runner lays it out (`model_runner.t2_bytes`) and
@@ -111,6 +113,24 @@ class EngineMemory:
         self.warmup_modules: int | None = None
         # load_format="dummy": (config.json dict, seed, scale); None loads safetensors.
         self.dummy: tuple[dict[str, Any], int, float] | None = None
+
+    @classmethod
+    def of(cls, args: Any, config_dict: dict[str, Any]) -> EngineMemory:
+        """The memory of an engine of `args` (`EngineArgs`, resolved) over
+        the model of `config_dict` (its ``config.json``)."""
+        memory = cls(
+            group=args.group,
+            torch_pool=args.torch_pool,
+            activation_bytes=args.activation_bytes,
+            scratch_bytes=args.scratch_bytes,
+            kv_growable=args.kv_growable,
+        )
+        if args.load_format == "dummy":
+            from imp_mem.engine.checkpoint import DEFAULT_SCALE
+
+            scale = DEFAULT_SCALE if args.dummy_scale is None else float(args.dummy_scale)
+            memory.dummy = (config_dict, int(args.seed), scale)
+        return memory
 
     # ------------------------------------------------------------- the plan
 
@@ -382,66 +402,6 @@ class EngineMemory:
                 torch.cuda.memory_reserved(self.device),
                 "torch caching allocator (activations, graph pools)",
             )
-
-    # ---------------------------------------------------------- sleep / wake
-
-    def sleep_tags(self) -> tuple[str, ...]:
-        """The engine tags that can sleep: ``weights`` (T1), ``kv_cache`` (the
-        KV pools) and, when torch's allocations are routed into the
-        activations tier, ``activations`` (its graph pools)."""
-        tags = ["weights", "kv_cache"]
-        if self.system.activations is not None:
-            tags.append("activations")
-        return tuple(tags)
-
-    def tiers_of(self, tag: str) -> list[str]:
-        """The memory system's tier tags an engine tag sleeps and wakes."""
-        if tag == "kv_cache" and self.system.swa_pool is not None:
-            return ["kv_cache", "swa_cache"]
-        return [tag]
-
-    def prefix_cache_off_device(self, kv: Any) -> None:
-        """Leaves no prefix-cache block on the device: offloaded to the KV
-        host tier, which keeps them for after the wake, or else emptied."""
-        if kv.stats()["host_capacity"]:
-            kv.evict(kv.stats()["cached"])
-            kv.poll_copies(True)
-            emptied = kv.stats()["cached"] == 0
-        else:
-            emptied = kv.reset_prefix_cache()
-        if not emptied:
-            raise InvalidArgument("sleep: the prefix cache has pinned blocks; unpin them first")
-
-    def wake(self, tag: str, *, empty_torch_cache: bool = False) -> None:
-        """Wakes the tiers of `tag`. When the device lacks room the memory
-        system's `OutOfMemory` (its arithmetic kept) also names what torch's
-        caching allocator holds reserved but unused; with
-        `empty_torch_cache` that cache is emptied once and the wake retried."""
-        tiers = self.tiers_of(tag)
-        try:
-            self.system.wake(tiers)
-            return
-        except imp_mem.OutOfMemory as e:
-            cached = self.torch_cached()
-            if not (empty_torch_cache and cached):
-                e.torch_cached = cached
-                e.args = (
-                    f"wake({tag!r}): {e}; torch's caching allocator holds "
-                    f"{cached / 2**20:.0f} MiB reserved but unused on this device: call "
-                    "torch.cuda.empty_cache() (or wake(..., empty_torch_cache=True)) or free the "
-                    f"trainer's tensors, then wake again; {tag} still sleeps",
-                )
-                raise
-        torch.cuda.empty_cache()
-        self.system.wake(tiers)
-
-    def torch_cached(self) -> int:
-        """Bytes torch's caching allocator reserves and does not use."""
-        if not self.on_gpu:
-            return 0
-        return int(
-            torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        )
 
     # ---------------------------------------------------------------- close
 

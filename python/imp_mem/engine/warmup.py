@@ -25,7 +25,7 @@ So the engine plans them as one line, ``warmup`` (`Features.warmup_bytes`):
 * or, with ``Engine(warmup_probe="inline")``, in the cold boot itself: the
   line planned at 0, the KV pool opened growable, the figure measured
   across this boot's warm-up, the plan made again with it and the pool
-  grown to it before serving (`Engine._grow_to_plan`); on the CPU the
+  grown to it before serving (`boot.grow_to_plan`); on the CPU the
   figure is `cpu_meter`'s (nothing outside the tiers);
 * on every boot the engine measures the same quantities across its own
   warm-up (`Meter`) and charges them against the line, so the report shows
@@ -286,6 +286,133 @@ def probe(
         booted = child.get("process", 0.0) + float(got.get("open_seconds", 0.0))
         boot.update(child, exit=max(0.0, time.perf_counter() - t0 - booted))
     return {"torch": int(got["torch"]), "modules": int(got["modules"])}
+
+
+# ------------------------------------------------------- the engine's figure
+
+
+def figure(
+    engine: Any, block_size: int, library_reserve: int | None = None
+) -> dict[str, int] | None:
+    """The warm-up's bytes for `engine`'s plan (its ``warmup`` line):
+    remembered under the engine's fingerprint, else measured by a probe
+    child (cold boot), where the engine can re-run itself there (a GPU,
+    torch's own allocator, TP = 1, no caller's backend or features); None
+    where there is no figure to plan. The child is given the engine's
+    `library_reserve`, so that its meter leaves out the same bytes as the
+    engine's (the report charges them on their own line). An inline cold
+    boot (``warmup_probe="inline"``) sets `engine._inline_cold` and plans
+    no figure: it measures its own warm-up (`boot.grow_to_plan`)."""
+    memory, args = engine.memory, engine.args
+    inline = args.inline_probe
+    if (not memory.on_gpu and not inline) or os.environ.get(CHILD_ENV):
+        return None
+    kw = args.probe_kwargs()
+    decides = {
+        "max_batch": engine.max_batch,
+        "max_seq_len": engine.max_seq_len,
+        "prefill_chunk": engine.prefill_chunk,
+        "prefill_batch_tokens": engine.prefill_batch_tokens,
+        "block_size": block_size,
+        "buckets": kw["buckets"],
+        "graphs": kw["graphs"],
+        "attention_backend": kw["attention_backend"],
+        "fused": engine.fused,
+        "keep_logits": engine.keep_logits,
+        "tp": engine.tp.tp,
+        "torch_outside": memory.torch_pool is None,
+    }
+    if kw["attention_backend"] == "flashinfer":
+        # Its kernels are its version's (modules loaded in the warm-up).
+        import flashinfer
+
+        decides["flashinfer"] = str(getattr(flashinfer, "__version__", "?"))
+    engine._warmup_fp = fingerprint(engine.config_dict, decides)
+    got = lookup(engine._warmup_fp)
+    booted = getattr(engine, "_booted", False)
+    if got is None and inline and not booted:
+        if not getattr(memory.backend, "growable", False):
+            raise imp_mem.InvalidArgument(
+                f"warmup_probe='inline' grows the KV pool after the warm-up, and this "
+                f"{memory.backend.kind} backend has no growable regions; pass a VmmBackend "
+                "(or a FakeBackend), or warmup_probe=True (a probe child)"
+            )
+        # Planned at 0 for now (the largest KV any figure gives: the
+        # pool's reservation covers the final plan's), measured in this
+        # boot's warm-up and re-planned before serving.
+        engine._inline_cold = True
+        return None
+    want = args.warmup_probe
+    if want is None:
+        want = (
+            probe_by_default()
+            and memory.torch_pool is None
+            and engine.group is None
+            and args.backend is None
+            # A child outside a shared GPU's ledger would take memory
+            # the other tenants were granted.
+            and getattr(engine, "shared", None) is None
+        )
+    # A swap plans with the system open: a probe child could not fit beside it.
+    if got is None and want and not booted:
+        t0 = time.perf_counter()
+        if library_reserve is not None:
+            kw["library_reserve"] = library_reserve
+        got = probe(args.probe_source, kw, boot=engine.probe_boot_seconds)
+        if memory.torch_pool is not None:
+            # A caller's own torch_pool (a callable) does not travel to
+            # the child, which then ran torch on its own allocator; here
+            # torch's segments are the pool's, planned on its own line:
+            # only the modules are the warm-up's.
+            got = {"torch": 0, "modules": got["modules"]}
+        store(engine._warmup_fp, got)
+        engine.boot_seconds["probe"] = time.perf_counter() - t0
+    return got
+
+
+def measured_charges(engine: Any) -> tuple[int, int] | None:
+    """The CUDA context's cost and the library reserve as this machine
+    measured them (`imp_mem.reserve`'s cache; on a miss, measured now
+    where the engine probes its warm-up), so that the report attributes
+    them; None to keep the plan's defaults."""
+    from imp_mem import reserve
+
+    if not engine.memory.on_gpu or os.environ.get(CHILD_ENV):
+        return None
+    try:
+        got = reserve.lookup()
+        if got is None and engine.args.warmup_probe is not False and probe_by_default():
+            t0 = time.perf_counter()
+            got = reserve.load_or_measure(samples=1)
+            engine.boot_seconds["reserve"] = time.perf_counter() - t0
+    except Exception:  # no driver to ask, a child that failed: the defaults
+        return None
+    if not got:
+        return None
+    return int(got["context_bytes"]), int(got["library_reserve_bytes"])
+
+
+def engine_meter(engine: Any) -> Meter | FixedMeter | None:
+    """The meter across `engine`'s warm-up, started (the system open): a
+    GPU's `Meter`, an inline cold boot's `cpu_meter` on the CPU, else
+    None."""
+    memory = engine.memory
+    meter: Meter | FixedMeter | None = None
+    if engine._inline_cold and not memory.on_gpu:
+        meter = cpu_meter()
+    elif memory.on_gpu:
+        meter = Meter(
+            memory.device,
+            memory.backend,
+            torch_outside=memory.torch_pool is None,
+            system=memory.system,
+            # The plan's line, measured or its default: the bytes the
+            # report charges as the library reserve.
+            library_reserve=int(memory.plan.library_reserve),
+        )
+    if meter is not None:
+        meter.start()
+    return meter
 
 
 def _child(args: str) -> int:

@@ -39,10 +39,12 @@
 //! tiers it hands out, phases, step, charges, check), `report.rs` (the
 //! snapshot and its lines), `text.rs` (the table and JSON), `metrics.rs`
 //! (Prometheus text), `swap.rs` (model swap), `sleep.rs` (sleep / wake),
+//! `replan.rs` (a re-plan adopted by the open system),
 //! `tests.rs`. This file holds the system's state: its slots, one per tier.
 
 mod metrics;
 mod open;
+mod replan;
 mod report;
 mod sleep;
 mod swap;
@@ -56,7 +58,9 @@ pub use report::{
     BlockLine, ChargeLine, DeviceLine, DeviceQuery, DeviceReading, MeasuredLine, MemReport,
     OutsideLine, PassLine, ReportInput, StayLine, TagLine, TierLine,
 };
-pub use sleep::{SleepHostPin, SleepReport, SleptTier, WakeError, DEFAULT_SLEEP_TIERS};
+pub use sleep::{
+    sleep_level, SleepHostPin, SleepReport, SleptTier, WakeError, DEFAULT_SLEEP_TIERS, SLEEP_GROUPS,
+};
 pub use swap::{SwapError, SwapReport};
 
 use crate::activations::ActivationPool;

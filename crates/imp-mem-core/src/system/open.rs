@@ -131,7 +131,19 @@ pub struct CloseReport {
     pub still_held: Vec<(Tag, u64)>,
 }
 
-fn to_u32(value: u64, what: &str) -> Result<u32, MemError> {
+/// What `plan` gives its tiers of the backend's budget: the plan's budget
+/// less the three lines no allocator of the system sees (the CUDA context,
+/// the library reserve and the warm-up). The open lowers the backend's
+/// budget to it, and a re-plan ([`MemorySystem::adopt_replan`]) lowers it
+/// again when its warm-up line grew.
+pub(super) fn tiers_budget(plan: &MemoryPlan) -> u64 {
+    plan.budget
+        .saturating_sub(plan.context)
+        .saturating_sub(plan.library_reserve)
+        .saturating_sub(plan.warmup)
+}
+
+pub(super) fn to_u32(value: u64, what: &str) -> Result<u32, MemError> {
     if value > u64::from(MAX_BLOCKS) {
         return Err(MemError::invalid(format!(
             "{what}: {value} blocks is more than one pool holds ({MAX_BLOCKS}); use larger blocks"
@@ -191,12 +203,7 @@ impl MemorySystem {
         let tiers_total: u64 = steps.iter().map(|s| s.cost).sum();
         let previous_budget = if options.apply_budget {
             let budget = backend.budget();
-            let for_tiers = plan
-                .budget
-                .saturating_sub(plan.context)
-                .saturating_sub(plan.library_reserve)
-                .saturating_sub(plan.warmup)
-                .min(budget);
+            let for_tiers = tiers_budget(plan).min(budget);
             backend.set_budget(for_tiers).map_err(before)?;
             Some(budget)
         } else {
@@ -337,10 +344,7 @@ impl MemorySystem {
                 // larger model commits more of it, at the same base.
                 // (Never past the backend's budget: nothing could commit it.)
                 let reserve = round(
-                    plan.budget
-                        .saturating_sub(plan.context)
-                        .saturating_sub(plan.library_reserve)
-                        .saturating_sub(plan.warmup)
+                    tiers_budget(plan)
                         .saturating_sub(plan.engine_persistent)
                         .min(backend.budget())
                         .max(bytes),

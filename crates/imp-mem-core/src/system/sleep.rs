@@ -49,6 +49,32 @@ use super::{Handle, MemorySystem, Slot};
 /// Tier keys that sleep when the caller names none.
 pub const DEFAULT_SLEEP_TIERS: [&str; 3] = ["model_resident", "activations", "kv_pool"];
 
+/// The groups a serving engine sleeps and wakes by name, in this order,
+/// each with the tags of the tiers it covers: its weights (T1), its KV cache
+/// (the KV pool and the sliding-window pool: one cache in two id spaces) and
+/// torch's activations (T4a). T2 and scratch never sleep; the per-sequence
+/// state pools sleep by their own key.
+pub const SLEEP_GROUPS: [(&str, &[Tag]); 3] = [
+    ("weights", &[Tag::Weights]),
+    ("kv_cache", &[Tag::KvCache, Tag::SwaCache]),
+    ("activations", &[Tag::Activations]),
+];
+
+/// The sleep level `level` names: 1 or 2, anything else refused. `level`
+/// is None for a value that is no integer at all (a binding's bool or
+/// float); `shown` is the value as the caller wrote it, so that the
+/// refusal names it as given.
+pub fn sleep_level(level: Option<i64>, shown: &dyn std::fmt::Display) -> Result<u8, MemError> {
+    match level {
+        Some(1) => Ok(1),
+        Some(2) => Ok(2),
+        _ => Err(MemError::invalid(format!(
+            "level={shown}: a sleep level is 1 (T1 kept in pinned host memory, the KV cache \
+             dropped) or 2 (both dropped)"
+        ))),
+    }
+}
+
 /// One tier put to sleep.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SleptTier {
@@ -202,35 +228,7 @@ impl MemorySystem {
         tiers: Option<&[&str]>,
         host: Option<&PinnedHost>,
     ) -> Result<SleepReport, MemError> {
-        if self.closed {
-            return Err(self.closed_error());
-        }
-        if !(1..=2).contains(&level) {
-            return Err(MemError::invalid(format!(
-                "level={level}: a sleep level is 1 (T1 kept in pinned host memory, the KV cache \
-                 dropped) or 2 (both dropped)"
-            )));
-        }
-        if !self.backend.info().growable {
-            return Err(MemError::BackendUnavailable(format!(
-                "the {} backend has no growable regions, so its tiers cannot give their memory \
-                 back and take it again at the same addresses; sleep needs a VMM backend",
-                self.backend.info().name
-            )));
-        }
-        let chosen = self.sleep_selection(tiers)?;
-        if let Some(slot) = chosen.iter().find(|s| slot_level(s) > 0) {
-            return Err(MemError::invalid(format!(
-                "tier {} already sleeps (level {}); call wake() first",
-                slot.key,
-                slot_level(slot)
-            )));
-        }
-        if level == 1 && host.is_none() && chosen.iter().any(|s| is_arena(s)) {
-            return Err(MemError::invalid(
-                "sleep level 1 copies T1 to pinned host memory; pass the PinnedHost to copy into",
-            ));
-        }
+        let chosen = self.sleep_checked(level, tiers, host.is_some())?;
         // Pools first: they are idle, so waking one back on a later
         // refusal loses nothing; T1 (whose level-2 sleep drops its bytes)
         // sleeps last, when nothing after it can refuse for a reason it
@@ -269,6 +267,74 @@ impl MemorySystem {
         }
         done.sort_by_key(|t| self.slots.iter().position(|s| s.key == t.key));
         Ok(SleepReport { level, tiers: done })
+    }
+
+    /// Whether [`MemorySystem::sleep`] with these arguments would get past
+    /// its checks (the level, the backend, the names, a tier already
+    /// asleep), without sleeping anything: a caller with work to drain
+    /// first (an engine's running requests) asks before it drains. `has_host`:
+    /// whether the sleep will be given a [`PinnedHost`]. The tiers' own
+    /// refusals (a busy pool) are theirs, at the sleep.
+    pub fn check_sleep(
+        &self,
+        level: u8,
+        tiers: Option<&[&str]>,
+        has_host: bool,
+    ) -> Result<(), MemError> {
+        self.sleep_checked(level, tiers, has_host).map(|_| ())
+    }
+
+    /// The tiers a sleep at `level` applies to, once every check before
+    /// the first tier sleeps has passed.
+    fn sleep_checked(
+        &self,
+        level: u8,
+        tiers: Option<&[&str]>,
+        has_host: bool,
+    ) -> Result<Vec<&Slot>, MemError> {
+        if self.closed {
+            return Err(self.closed_error());
+        }
+        let level = sleep_level(Some(i64::from(level)), &level)?;
+        if !self.backend.info().growable {
+            return Err(MemError::BackendUnavailable(format!(
+                "the {} backend has no growable regions, so its tiers cannot give their memory \
+                 back and take it again at the same addresses; sleep needs a VMM backend",
+                self.backend.info().name
+            )));
+        }
+        let chosen = self.sleep_selection(tiers)?;
+        if let Some(slot) = chosen.iter().find(|s| slot_level(s) > 0) {
+            return Err(MemError::invalid(format!(
+                "tier {} already sleeps (level {}); call wake() first",
+                slot.key,
+                slot_level(slot)
+            )));
+        }
+        if level == 1 && !has_host && chosen.iter().any(|s| is_arena(s)) {
+            return Err(MemError::invalid(
+                "sleep level 1 copies T1 to pinned host memory; pass the PinnedHost to copy into",
+            ));
+        }
+        Ok(chosen)
+    }
+
+    /// [`SLEEP_GROUPS`] this system has, each with its tier keys in open
+    /// order: what a caller sleeps and wakes by group name passes those keys
+    /// to [`MemorySystem::sleep`] and [`MemorySystem::wake`].
+    pub fn sleep_groups(&self) -> Vec<(&'static str, Vec<String>)> {
+        SLEEP_GROUPS
+            .iter()
+            .filter_map(|(group, tags)| {
+                let keys: Vec<String> = self
+                    .slots
+                    .iter()
+                    .filter(|s| tags.contains(&s.tag))
+                    .map(|s| s.key.clone())
+                    .collect();
+                (!keys.is_empty()).then_some((*group, keys))
+            })
+            .collect()
     }
 
     /// The tiers a sleep applies to, in open order; a name that is no
@@ -501,4 +567,73 @@ fn wake_slot(system: &MemorySystem, slot: &Slot) -> Result<(), MemError> {
         .backend
         .set_asleep(slot.tag, (still > 0).then_some(still));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{fake, full_plan, plan, GIB_TEST};
+    use super::super::SystemOptions;
+    use super::*;
+    use crate::units::MIB;
+
+    #[test]
+    fn a_sleep_level_is_one_or_two_and_a_refusal_names_the_value_as_given() {
+        assert_eq!(sleep_level(Some(1), &1).unwrap(), 1);
+        assert_eq!(sleep_level(Some(2), &2).unwrap(), 2);
+        for (level, shown) in [
+            (Some(0), "0"),
+            (Some(3), "3"),
+            (Some(-1), "-1"),
+            (None, "True"),
+        ] {
+            let err = sleep_level(level, &shown).unwrap_err();
+            assert!(matches!(err, MemError::InvalidArgument(_)));
+            assert!(
+                err.to_string().contains(&format!("level={shown}:")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn check_sleep_refuses_as_sleep_does_and_changes_nothing() {
+        let fb = fake(GIB_TEST, true);
+        let system = MemorySystem::open(&fb, &plan(256 * MIB), SystemOptions::default()).unwrap();
+        assert!(system.check_sleep(3, None, true).is_err());
+        assert!(system.check_sleep(1, Some(&["nope"]), true).is_err());
+        assert!(system.check_sleep(1, Some(&["weights"]), false).is_err());
+        system.check_sleep(2, Some(&["weights"]), false).unwrap();
+        system.check_sleep(1, Some(&["kv_cache"]), true).unwrap();
+        assert!(system.asleep().is_empty(), "a check sleeps nothing");
+        system.sleep(1, Some(&["kv_cache"]), None).unwrap();
+        let err = system.check_sleep(1, Some(&["kv_pool"]), true).unwrap_err();
+        assert!(err.to_string().contains("already sleeps"), "{err}");
+        system.check_sleep(1, Some(&["weights"]), true).unwrap();
+        system.wake(None).unwrap();
+    }
+
+    #[test]
+    fn the_kv_cache_group_covers_both_kv_pools_and_sleeps_through_their_keys() {
+        let fb = fake(GIB_TEST, true);
+        let system = MemorySystem::open(&fb, &full_plan(), SystemOptions::default()).unwrap();
+        let groups = system.sleep_groups();
+        let names: Vec<&str> = groups.iter().map(|(g, _)| *g).collect();
+        assert_eq!(names, ["weights", "kv_cache", "activations"]);
+        assert_eq!(groups[0].1, ["model_resident"]);
+        assert_eq!(groups[1].1, ["swa_pool", "kv_pool"]);
+        let keys: Vec<&str> = groups[1].1.iter().map(String::as_str).collect();
+        system.sleep(1, Some(&keys), None).unwrap();
+        let asleep: Vec<String> = system.asleep().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(asleep, ["swa_pool", "kv_pool"]);
+        system.wake(Some(&keys)).unwrap();
+        // Without an activation tier there is no activations group.
+        let plain = MemorySystem::open(
+            &fake(GIB_TEST, true),
+            &plan(256 * MIB),
+            SystemOptions::default(),
+        )
+        .unwrap();
+        let names: Vec<&str> = plain.sleep_groups().iter().map(|(g, _)| *g).collect();
+        assert_eq!(names, ["weights", "kv_cache"]);
+    }
 }

@@ -27,7 +27,7 @@ fn shape() -> ModelShape {
     .unwrap()
 }
 
-fn plan(budget: u64) -> MemoryPlan {
+pub(super) fn plan(budget: u64) -> MemoryPlan {
     let mut limits = Limits::new(4, 1024);
     limits.kv_policy = KvPolicy::Fit;
     plan_memory(&PlanInput {
@@ -44,7 +44,7 @@ fn plan(budget: u64) -> MemoryPlan {
 
 /// The plan plus an SWA pool, a state pool and an activation pool, so
 /// every step exists.
-fn full_plan() -> MemoryPlan {
+pub(super) fn full_plan() -> MemoryPlan {
     let mut p = plan(256 * MIB);
     p.activations = 2 * MIB;
     p.swa = Some(KvPlan {
@@ -64,7 +64,7 @@ fn full_plan() -> MemoryPlan {
     p
 }
 
-fn fake(capacity: u64, backed: bool) -> FakeBackend {
+pub(super) fn fake(capacity: u64, backed: bool) -> FakeBackend {
     FakeBackend::new(FakeConfig {
         capacity,
         backed,
@@ -140,7 +140,7 @@ fn tiers_open_in_the_seed_order_and_the_journal_shows_it() {
     system.check().unwrap();
 }
 
-const GIB_TEST: u64 = 1 << 30;
+pub(super) const GIB_TEST: u64 = 1 << 30;
 
 #[test]
 fn a_failure_at_every_step_leaves_nothing_acquired() {
