@@ -110,6 +110,15 @@ def test_a_switch_that_is_neither_on_nor_off_is_refused_by_name(fake_vllm, monke
     assert fake_vllm.CuMemAllocator is _VllmsAllocator
 
 
+def test_with_the_switch_a_vllm_without_its_cuda_module_warns_and_starts(monkeypatch):
+    # vLLM's cumem module loads its CUDA extension at import; without the
+    # driver (libcuda) it raises ImportError, which must not stop vLLM.
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", None)
+    monkeypatch.setenv(plugin.ENV_SWITCH, "1")
+    with pytest.warns(imp_mem.ImpMemWarning, match="left in place"):
+        plugin.register()
+
+
 def test_the_plugin_is_registered_in_the_wheels_metadata():
     from importlib.metadata import entry_points
 

@@ -47,8 +47,23 @@ def register() -> None:
     may load plugins more than once)."""
     if not enabled():
         return
-    import vllm.device_allocator.cumem as cumem
+    try:
+        import vllm.device_allocator.cumem as cumem
+    except ImportError as exc:
+        # vLLM's module loads its CUDA extension at import (it needs the
+        # driver's libcuda): where it cannot, vLLM has no sleep mode to
+        # replace, and a plugin must not stop vLLM from starting.
+        import warnings
 
+        from imp_mem.errors import ImpMemWarning
+
+        warnings.warn(
+            f"{ENV_SWITCH}=1, but vllm.device_allocator.cumem does not import here ({exc}); "
+            "vLLM's allocator is left in place",
+            ImpMemWarning,
+            stacklevel=2,
+        )
+        return
     from imp_mem.vllm import CuMemAllocator
 
     if cumem.CuMemAllocator is CuMemAllocator:
