@@ -210,6 +210,24 @@ def test_sleep_keeps_the_offloaded_tags_and_wake_brings_them_back_in_place(alloc
     assert not any(state["asleep"] for state in alloc.tags().values())
 
 
+def test_a_tag_commits_what_torch_asks_for_not_what_it_reserves(alloc):
+    # Each tag reserves the whole capacity (8 MiB here; the device's on a
+    # GPU) and commits 2 MiB chunks as segments reach further: on an H100 a
+    # tier committed whole at creation was refused by the budget (2026-12-07).
+    with alloc.use_memory_pool("weights"):
+        _segment(alloc, 300_000, 8)
+    state = alloc.tags()["weights"]
+    assert state["committed"] == vllm_mod.COMMIT_CHUNK
+    assert alloc._tags["weights"].region.activations.capacity == 8 * MIB
+    with alloc.use_memory_pool("weights"):
+        _segment(alloc, 3 * MIB, 9)
+    assert alloc.tags()["weights"]["committed"] == 2 * vllm_mod.COMMIT_CHUNK
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.tags()["weights"]["committed"] == 0
+    alloc.wake_up()
+    assert alloc.tags()["weights"]["committed"] == 2 * vllm_mod.COMMIT_CHUNK
+
+
 def test_discard_drops_the_bytes_and_a_second_sleep_keeps_each_tags_policy(alloc):
     with alloc.use_memory_pool("weights"):
         w, w_data = _segment(alloc, 200_000, 4)

@@ -10,12 +10,13 @@ same addresses. :class:`CuMemAllocator` has the same API (``get_instance()``,
 ``use_memory_pool(tag)``, ``sleep``, ``discard``, ``wake_up``,
 ``get_current_usage()``, ``cudagraph_pool()``, ``release_pools()``,
 ``close()``), with each tag an :func:`imp_mem.torch.region`-style tier: a
-growable, strict activation pool on a VMM backend (the device's size
-reserved as address space, physical memory committed as torch asks for
-segments), reached by torch through a ``MemPool`` over imp-mem's allocator
-entry points. So a sleep copies only the live segments, in one pinned
-buffer a tag that is kept for the next sleep, and a wake recommits whole
-chunks instead of one driver mapping per segment.
+strict activation pool on a VMM backend without a handle cache (the
+backend's whole capacity reserved as address space, physical memory
+committed in 2 MiB chunks as torch asks for segments), reached by torch
+through a ``MemPool`` over imp-mem's allocator entry points. So a sleep
+copies only the live segments, into one pinned buffer a tag that is kept
+for the next sleep, and a wake recommits the tier's chunks at the same
+addresses.
 
 Turning it on: vLLM loads every ``vllm.general_plugins`` entry point in each
 of its processes; imp-mem's (``imp_mem._vllm_plugin:register``) swaps this
@@ -71,6 +72,10 @@ DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
 _WEIGHTS = "weights"
 _GRAPHS = "cudagraph"
 _EXPANDABLE = "expandable_segments"
+# What a tag's tier commits at a time as torch asks for segments (the VMM
+# granularity): each tier reserves the backend's whole capacity as address
+# space and commits only what is used.
+COMMIT_CHUNK = 2 << 20
 
 
 class WakeRefused(OutOfMemory, RuntimeError):
@@ -136,8 +141,8 @@ class CuMemAllocator:
     def __init__(self, backend: Any = None, *, device: Any = None, capacity: Any = None) -> None:
         """``backend``: the VMM backend the tiers live on (default: one on
         ``device``, made at the first ``use_memory_pool``). ``capacity``: the
-        address space reserved for each tag (default: the device's size;
-        reserving costs no physical memory)."""
+        address space reserved for each tag (default: the backend's whole
+        capacity; reserving costs no physical memory)."""
         if backend is not None and not isinstance(backend, _core.Backend):
             raise InvalidArgument(
                 f"backend: expected an imp_mem VmmBackend, got {type(backend).__name__}"
@@ -168,7 +173,9 @@ class CuMemAllocator:
                     "imp_mem.vllm.CuMemAllocator maps device memory through the CUDA VMM API; "
                     "no CUDA driver or device is visible here"
                 )
-            self._backend = _core.VmmBackend(self.device)
+            # No handle cache: a sleep gives its memory back to the driver,
+            # and a tag that drops its bytes never gets another's old ones.
+            self._backend = _core.VmmBackend(self.device, cache_chunks=0)
         return self._backend
 
     def _tag(self, tag: str) -> _Tag:
@@ -176,17 +183,24 @@ class CuMemAllocator:
             found = self._tags.get(tag)
             if found is None:
                 capacity = self._capacity()
+                # A measured region that is never frozen: reserved whole,
+                # committed chunk by chunk as its blocks reach further.
                 region = _imp_torch.Region(
-                    self.backend, tag, capacity, cpu_backup=True, device=self.device
+                    self.backend,
+                    tag,
+                    capacity,
+                    cpu_backup=True,
+                    device=self.device,
+                    measure_chunk=COMMIT_CHUNK,
                 )
                 found = self._tags[tag] = _Tag(region)
             return found
 
     def _capacity(self) -> int:
-        """Address space reserved for one tag: the device's size unless told
-        (a tag can never need more)."""
+        """Address space reserved for one tag: the backend's whole capacity
+        unless told (a tag can never hold more; reserving costs nothing)."""
         if self._capacity_bytes is None:
-            self._capacity_bytes = int(torch.cuda.mem_get_info(self.device)[1])
+            self._capacity_bytes = int(self.backend.stats()["capacity"])
         return self._capacity_bytes
 
     def tags(self) -> dict[str, dict[str, Any]]:
