@@ -4,13 +4,12 @@ and its projector (the plan's ``vision_tower`` line), so that
 ``imp-mem plan gemma-3-4b`` runs where torch is not installed.
 
 The tensors are Gemma-3's SigLIP tower and projector, by their checkpoint
-names and shapes, in the order ``imp_mem.engine.model.siglip`` lists them
-(`tensors` is that list; a test holds the two equal where torch is
-installed). The layout is the loader's: each tensor, or fused group of
-``q/k/v`` projections (`imp_mem._safetensors.fused_groups`: 2-D, equal
-columns, one span), starts on a 256-byte boundary; the tower starts on one
-too, past the language model's tensors, so its bytes do not depend on what
-precedes it.
+names and shapes (`tensors`: the one list, which the engine's
+``imp_mem.engine.model.siglip.weight_names`` returns too). The layout is
+the loader's: each tensor, or fused group of ``q/k/v`` projections
+(`imp_mem._safetensors.fused_groups`: 2-D, equal columns, one span), starts
+on a 256-byte boundary; the tower starts on one too, past the language
+model's tensors, so its bytes do not depend on what precedes it.
 """
 
 from __future__ import annotations

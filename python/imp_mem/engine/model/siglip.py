@@ -31,8 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-TOWER = "vision_tower."
-PROJECTOR = "multi_modal_projector."
+from imp_mem import _vision
+
+TOWER = _vision.TOWER
+PROJECTOR = _vision.PROJECTOR
 
 
 def canonical_name(name: str) -> str:
@@ -58,32 +60,10 @@ def is_vision_name(name: str) -> bool:
 
 def weight_names(vision: dict[str, Any], text_hidden: int) -> dict[str, tuple[int, ...]]:
     """The tower's and the projector's tensors by their checkpoint names,
-    with their shapes (the projector first, as transformers saves them)."""
-    d, inter = vision["hidden_size"], vision["intermediate_size"]
-    patch, channels = vision["patch_size"], vision["num_channels"]
-    patches = (vision["image_size"] // patch) ** 2
-    names: dict[str, tuple[int, ...]] = {
-        PROJECTOR + "mm_input_projection_weight": (d, text_hidden),
-        PROJECTOR + "mm_soft_emb_norm.weight": (d,),
-        TOWER + "embeddings.patch_embedding.weight": (d, channels, patch, patch),
-        TOWER + "embeddings.patch_embedding.bias": (d,),
-        TOWER + "embeddings.position_embedding.weight": (patches, d),
-    }
-    for i in range(vision["num_hidden_layers"]):
-        p = f"{TOWER}encoder.layers.{i}."
-        for norm in ("layer_norm1", "layer_norm2"):
-            names[f"{p}{norm}.weight"] = (d,)
-            names[f"{p}{norm}.bias"] = (d,)
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            names[f"{p}self_attn.{proj}.weight"] = (d, d)
-            names[f"{p}self_attn.{proj}.bias"] = (d,)
-        names[f"{p}mlp.fc1.weight"] = (inter, d)
-        names[f"{p}mlp.fc1.bias"] = (inter,)
-        names[f"{p}mlp.fc2.weight"] = (d, inter)
-        names[f"{p}mlp.fc2.bias"] = (d,)
-    names[TOWER + "post_layernorm.weight"] = (d,)
-    names[TOWER + "post_layernorm.bias"] = (d,)
-    return names
+    with their shapes (the projector first, as transformers saves them):
+    `imp_mem._vision.tensors`, the one list, which the planner's torch-free
+    sizing of the tower reads too."""
+    return _vision.tensors(vision, text_hidden)
 
 
 def is_layer_norm(name: str) -> bool:
