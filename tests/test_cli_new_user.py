@@ -353,3 +353,14 @@ def test_a_plan_plots_from_python_as_the_cli_draws_it():
     assert any("levers" in t.get_text() for t in over.axes[0].texts)
     with pytest.raises(InvalidArgument, match="MemoryPlan or a PlanFailure"):
         imp_mem.plot_plan("plan")
+
+
+def test_a_preset_or_a_one_tier_plan_refuses_a_bad_argument_typed():
+    # Found by tests/test_misuse.py's random calls: a NumPy array as a
+    # preset's name raised AttributeError, a negative context OverflowError.
+    with pytest.raises(TypeError, match="preset"):
+        imp_mem.ModelShape.from_preset([0, 1, 2])
+    with pytest.raises(imp_mem.InvalidArgument, match="context"):
+        imp_mem.MemoryPlan.activations_room(0, -(1 << 63))
+    with pytest.raises(imp_mem.InvalidArgument, match="activations"):
+        imp_mem.MemoryPlan.activations_only(1 << 30, 0, -1)

@@ -19,7 +19,10 @@ SPARSE = {
     "llama": {"hidden_size": 2048, "num_attention_heads": 16},
     "mistral": {"hidden_size": 2048},
     "mixtral": {"num_hidden_layers": 4},
-    "qwen3": {"hidden_size": 1024, "num_attention_heads": 16},
+    # Qwen3-0.6B's numbers: transformers' default of 32 KV heads would not
+    # divide its 16 attention heads (a config no model can be built from,
+    # which the planner refuses).
+    "qwen3": {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8},
     "qwen3_moe": {"num_hidden_layers": 4},
     "qwen3_next": {"num_hidden_layers": 8},
     "gemma2": {"hidden_size": 2560, "num_attention_heads": 8},

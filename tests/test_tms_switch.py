@@ -28,8 +28,9 @@ print("torch" in sys.modules)
 
 
 def _run(code: str, env_switch: str | None = None) -> list[str]:
+    # The installed wheel is imported, as everywhere in tests/ (python/ holds
+    # no compiled extension): the child inherits this interpreter's path.
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PYTHON_DIR), env.get("PYTHONPATH", "")])
     env.pop("IMP_MEM_TORCH_MEMORY_SAVER", None)
     if env_switch is not None:
         env["IMP_MEM_TORCH_MEMORY_SAVER"] = env_switch

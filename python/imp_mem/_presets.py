@@ -233,6 +233,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 def find(name: str) -> str | None:
     """The preset `name` means: its own name or its Hugging Face id, any
     case, ``_`` for ``-`` (``Qwen/Qwen3-8B``, ``qwen3_8b``); None if none."""
+    if not isinstance(name, str):
+        raise TypeError(f"preset: expected a preset's name (a str), got {type(name).__name__}")
     key = name.strip().lower()
     for candidate in (key, key.replace("_", "-")):
         if candidate in PRESETS:

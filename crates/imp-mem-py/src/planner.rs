@@ -680,7 +680,14 @@ impl PyMemoryPlan {
     /// up to a MiB) and the CUDA `context`, within `budget`; no model, no
     /// KV pool, no scratch.
     #[staticmethod]
-    fn activations_only(budget: u64, context: u64, activations: u64) -> PyResult<Self> {
+    fn activations_only(
+        budget: &Bound<'_, PyAny>,
+        context: &Bound<'_, PyAny>,
+        activations: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        let budget = convert::index(budget, "budget")?;
+        let context = convert::index(context, "context")?;
+        let activations = convert::index(activations, "activations")?;
         Ok(Self {
             inner: core::MemoryPlan::activations_only(budget, context, activations).py()?,
         })
@@ -688,8 +695,10 @@ impl PyMemoryPlan {
     /// The largest activations tier (whole MiB) that fits in `budget`
     /// beside a CUDA context of `context` bytes; 0 when none does.
     #[staticmethod]
-    fn activations_room(budget: u64, context: u64) -> u64 {
-        core::MemoryPlan::activations_room(budget, context)
+    fn activations_room(budget: &Bound<'_, PyAny>, context: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let budget = convert::index(budget, "budget")?;
+        let context = convert::index(context, "context")?;
+        Ok(core::MemoryPlan::activations_room(budget, context))
     }
     /// The charges as a text table in MiB.
     fn table(&self) -> String {

@@ -627,8 +627,11 @@ impl PyMemorySystem {
     /// ``kv_cache`` (the KV pool and the sliding-window pool) and
     /// ``activations`` (T4a). Pass a group's keys to `sleep` and `wake`.
     fn sleep_groups<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        // Read under the lock, built after it: a Python allocation can run
+        // the GC, whose callbacks may call back into this system.
+        let groups = self.open()?.sleep_groups();
         let out = PyDict::new(py);
-        for (group, keys) in self.open()?.sleep_groups() {
+        for (group, keys) in groups {
             out.set_item(group, keys)?;
         }
         Ok(out)
