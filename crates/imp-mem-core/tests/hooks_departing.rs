@@ -9,28 +9,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
 
 use std::sync::mpsc::channel;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
+mod common;
+
+use common::hooks::{count, open, serial_on_a_fake};
 use imp_mem_core::activations::hooks;
 use imp_mem_core::tag::Tag;
-use imp_mem_core::{ActivationConfig, ActivationPool, FakeBackend, FakeConfig, NoStreams};
-
-/// One test at a time: they share the hooks.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// The test's turn at the hooks (held until it ends) and a fresh fake
-/// backend.
-fn serial_on_a_fake() -> (MutexGuard<'static, ()>, FakeBackend) {
-    let turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    (turn, FakeBackend::new(FakeConfig::default()).unwrap())
-}
-
-fn count(name: &str) -> u64 {
-    hooks::stats()
-        .into_iter()
-        .find(|(n, _)| *n == name)
-        .map_or(u64::MAX, |(_, v)| v)
-}
+use imp_mem_core::{ActivationConfig, ActivationPool, FakeBackend, NoStreams};
 
 /// Frees the 4 KiB block at `ptr` through the hooks and checks that the
 /// free was counted under `counter`, not as foreign.
@@ -43,10 +29,6 @@ fn free_counted_as(ptr: usize, counter: &str) {
         before + 1,
         "a free not counted in {counter}"
     );
-}
-
-fn open(fb: &FakeBackend) -> ActivationPool {
-    ActivationPool::new(fb, &ActivationConfig::new(1 << 20), Arc::new(NoStreams)).unwrap()
 }
 
 fn activations_live(fb: &FakeBackend) -> u64 {

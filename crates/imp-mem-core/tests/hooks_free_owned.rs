@@ -8,29 +8,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test harness code: a failed unwrap is a failed test
 
-use std::sync::{Arc, Mutex, MutexGuard};
+mod common;
 
+use common::hooks::{count, open, serial_on_a_fake};
 use imp_mem_core::activations::hooks;
-use imp_mem_core::{ActivationConfig, ActivationPool, FakeBackend, FakeConfig, NoStreams};
-
-/// One test at a time: they share the hooks.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial_on_a_fake() -> (MutexGuard<'static, ()>, FakeBackend) {
-    let turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    (turn, FakeBackend::new(FakeConfig::default()).unwrap())
-}
-
-fn count(name: &str) -> u64 {
-    hooks::stats()
-        .into_iter()
-        .find(|(n, _)| *n == name)
-        .map_or(u64::MAX, |(_, v)| v)
-}
-
-fn open(fb: &FakeBackend) -> ActivationPool {
-    ActivationPool::new(fb, &ActivationConfig::new(1 << 20), Arc::new(NoStreams)).unwrap()
-}
 
 #[test]
 fn a_regions_block_goes_home_from_another_thread_outside_any_region() {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code, clippy::unwrap_used)] // test harness code: a failed unwrap is a failed test
 
+pub mod hooks;
+
 use imp_mem_core::{FakeBackend, FakeConfig, PhaseMode};
 
 /// A strict fake backend the size of a large GPU (64 GiB of synthetic
